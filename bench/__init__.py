@@ -1,0 +1,4 @@
+"""commopt.bench: benchmarks, the emulated cluster, models and plots (``commopt-bench``).
+
+Nothing in commopt imports this package (DESIGN 1).
+"""

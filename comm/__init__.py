@@ -1,0 +1,1 @@
+"""commopt.comm: topology, the comm engine, collectives, compression, hooks, in-network aggregation."""

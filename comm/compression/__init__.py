@@ -1,0 +1,1 @@
+"""commopt.comm.compression: gradient compressors with error feedback."""

@@ -1,0 +1,1 @@
+"""commopt.comm.ina: simulated in-network aggregation (SwitchML/SHARP-style)."""

@@ -1,0 +1,1 @@
+"""commopt.kernels: bucketing and packing kernels (torch reference, numba CPU, CuPy CUDA)."""

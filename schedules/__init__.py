@@ -1,0 +1,1 @@
+"""commopt.schedules: overlap schedulers and the iteration simulator."""

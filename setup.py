@@ -1,0 +1,36 @@
+"""commopt: cheaper communication for distributed PyTorch training.
+
+The four source folders stay at the repository root (DESIGN 1) and are mapped into the single
+import package ``commopt``; ``commopt`` itself is a namespace package without ``__init__.py``.
+"""
+
+from setuptools import setup
+
+_FOLDERS = {"comm": "comm", "kernels": "kernels", "schedules": "schedules", "bench": "bench"}
+_SUBPACKAGES = ["comm.compression", "comm.ina"]
+
+_MPI = ["mpi4py>=3.1", "mpich"]
+_PLOT = ["matplotlib>=3.5"]
+
+setup(
+    name="commopt",
+    version="0.1.0",
+    description="Topology-aware collectives, gradient compression, overlap and in-network "
+    "aggregation for PyTorch distributed training",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.9",
+    package_dir={f"commopt.{name}": path for name, path in _FOLDERS.items()},
+    packages=[f"commopt.{name}" for name in _FOLDERS] + [f"commopt.{sub}" for sub in _SUBPACKAGES],
+    package_data={"commopt.kernels": ["cuda/*.cu"]},
+    install_requires=["torch>=2.3", "numpy", "numba", "tqdm"],
+    extras_require={
+        "mpi": _MPI,
+        "cuda12": ["cupy-cuda12x"],
+        "cuda13": ["cupy-cuda13x"],
+        "plot": _PLOT,
+        "dev": _MPI + _PLOT + ["pytest>=7", "ruff"],
+    },
+    entry_points={"console_scripts": ["commopt-bench = commopt.bench.__main__:main"]},
+)
