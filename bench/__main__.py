@@ -15,6 +15,9 @@ __all__ = ["main", "SUBCOMMANDS"]
 # subcommand -> (module under commopt.bench, one-line help). Each module has main(argv) -> int.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "collectives": ("collectives", "all-reduce / reduce-scatter / all-gather / all-to-all sweep"),
+    "cluster": ("cluster", "emulated multi-node cluster (network namespaces + tc) around a command"),
+    "kernels": ("kernels", "throughput of the packing kernels against a plain copy"),
+    "ina-switch": ("ina_switch", "run the simulated in-network aggregation switch"),
 }
 
 _MAIN_JOB = ["collectives", "--spawn", "4", "--topology", "2x2", "--op", "allreduce",
