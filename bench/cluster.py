@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import dataclasses
+import importlib.util
 import json
 import os
 import re
@@ -907,6 +908,23 @@ def main(argv: list[str]) -> int:
     parser = _build_parser()
     args = parser.parse_args(argv)
     err = sys.stderr.buffer
+    # Usage first, so that a typo is reported as such even without privileges.
+    if not args.cleanup:
+        if args.nodes is None or not command:
+            parser.print_usage(sys.stderr)
+            return _fail("--nodes and a COMMAND after `--` are required", 2)
+        try:
+            rate = parse_rate(args.link_rate)
+            layout = place_ranks(args.nodes, args.ranks_per_node, args.placement)
+            if not 1 <= args.nodes <= _MAX_NODES:
+                raise ValueError(f"--nodes must be in 1..{_MAX_NODES}, got {args.nodes}")
+            if args.delay < 0 or args.probe_seconds < 0:
+                raise ValueError("--delay and --probe-seconds must not be negative")
+        except ValueError as e:
+            return _fail(str(e), 2)
+        if args.switch_node and importlib.util.find_spec("commopt.bench.ina_switch") is None:
+            return _fail("--switch-node runs `commopt-bench ina-switch`, which this installation "
+                         "does not have yet (commopt.bench.ina_switch is missing)", 3)
     ip, tc = shutil.which("ip"), shutil.which("tc")
     try:
         with open("/proc/self/status", encoding="ascii") as f:
@@ -916,52 +934,26 @@ def main(argv: list[str]) -> int:
     try:
         check_requirements(cap_eff, ip, tc)
     except ClusterError as e:
-        print(f"commopt-bench cluster: error: {e}", file=sys.stderr)
-        return 3
+        return _fail(str(e), 3)
 
     if args.cleanup:
         try:
             removed = cleanup_leftovers(ip)
         except ClusterError as e:
-            print(f"commopt-bench cluster: error: {e}", file=sys.stderr)
-            return 3
+            return _fail(str(e), 3)
         print(f"[cluster] removed {len(removed)} leftover namespace(s)"
               + (": " + " ".join(removed) if removed else ""), flush=True)
         return 0
 
-    if args.nodes is None or not command:
-        parser.print_usage(sys.stderr)
-        print("commopt-bench cluster: error: --nodes and a COMMAND after `--` are required",
-              file=sys.stderr)
-        return 2
-    try:
-        rate = parse_rate(args.link_rate)
-        layout = place_ranks(args.nodes, args.ranks_per_node, args.placement)
-        cluster = Cluster(args.nodes, rate, switch_node=args.switch_node, delay_ms=args.delay, ip=ip,
-                          tc=tc)
-    except ValueError as e:
-        print(f"commopt-bench cluster: error: {e}", file=sys.stderr)
-        return 2
-    switch_argv = [sys.executable, "-m", "commopt.bench", "ina-switch", "--host",
-                   str(cluster.switch_address), "--port", str(_SWITCH_PORT)]
-    if args.switch_node:
-        import importlib.util
-
-        if importlib.util.find_spec("commopt.bench.ina_switch") is None:
-            print("commopt-bench cluster: error: --switch-node runs `commopt-bench ina-switch`, which "
-                  "this installation does not have (commopt.bench.ina_switch is missing)",
-                  file=sys.stderr)
-            return 3
-
+    cluster = Cluster(args.nodes, rate, switch_node=args.switch_node, delay_ms=args.delay, ip=ip, tc=tc)
     old = {s: signal.signal(s, _handle_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
-        return _run(args, cluster, layout, command, rate, switch_argv, err)
+        return _run(args, cluster, layout, command, rate, err)
     except _Interrupted as e:
         _note(err, f"interrupted by {signal.Signals(e.signum).name}; tearing down")
         return 128 + e.signum
     except ClusterError as e:
-        print(f"commopt-bench cluster: error: {e}", file=sys.stderr)
-        return 3
+        return _fail(str(e), 3)
     finally:
         # A second Ctrl-C must not cut the teardown short.
         for s in old:
@@ -970,15 +962,19 @@ def main(argv: list[str]) -> int:
         try:
             cluster.down()
         except ClusterError as e:
-            print(f"commopt-bench cluster: error: {e}\nRun `commopt-bench cluster --cleanup` as root.",
-                  file=sys.stderr)
+            _fail(f"{e}\nRun `commopt-bench cluster --cleanup` as root.", 3)
         _note(err, f"torn down in {time.monotonic() - t0:.2f} s")
         for s, handler in old.items():
             signal.signal(s, handler)
 
 
+def _fail(message: str, code: int) -> int:
+    print(f"commopt-bench cluster: error: {message}", file=sys.stderr, flush=True)
+    return code
+
+
 def _run(args: argparse.Namespace, cluster: Cluster, layout: list[list[int]], command: list[str],
-         rate: int, switch_argv: list[str], err: IO[bytes]) -> int:
+         rate: int, err: IO[bytes]) -> int:
     """Build, probe, run (the part of main() that the teardown in main() guards)."""
     t0 = time.monotonic()
     cluster.up()
@@ -1003,8 +999,7 @@ def _run(args: argparse.Namespace, cluster: Cluster, layout: list[list[int]], co
                   f"[cluster] Figures measured in this cluster will not reflect the configured link "
                   f"(busy CPUs? try a lower --link-rate).\n{banner}", file=sys.stderr, flush=True)
             if args.strict:
-                print("commopt-bench cluster: error: --strict: refusing to run on this link",
-                      file=sys.stderr)
+                _fail("--strict: refusing to run on this link", 3)
                 record["refused"] = True
                 _emit_record(record, args.record)
                 return 3
@@ -1013,6 +1008,8 @@ def _run(args: argparse.Namespace, cluster: Cluster, layout: list[list[int]], co
     _emit_record(record, args.record)
     ina, extra = None, []
     if args.switch_node:
+        switch_argv = [sys.executable, "-m", "commopt.bench", "ina-switch", "--host",
+                       str(cluster.switch_address), "--port", str(_SWITCH_PORT)]
         switch = cluster.start_switch(switch_argv, dict(os.environ), out=err)
         ina = f"{cluster.switch_address}:{_SWITCH_PORT}"
         extra.append((switch.stdout, err, b"[switch] "))
