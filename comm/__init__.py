@@ -1,1 +1,13 @@
-"""commopt.comm: topology, the comm engine, collectives, compression, hooks, in-network aggregation."""
+"""commopt.comm: topology, the comm engine, collectives, compression, hooks, in-network aggregation.
+
+Re-exports the public entry points (DESIGN 10): ``Topology``, ``all_reduce``, ``reduce_scatter``,
+``all_gather``, ``destroy``, and the submodules ``hooks``, ``errors`` and ``cost``.
+"""
+
+from __future__ import annotations
+
+from . import cost, errors, hooks
+from .collectives import all_gather, all_reduce, reduce_scatter
+from .topology import Topology, destroy
+
+__all__ = ["Topology", "all_reduce", "reduce_scatter", "all_gather", "destroy", "hooks", "errors", "cost"]

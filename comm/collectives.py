@@ -1,0 +1,546 @@
+"""Topology-aware all-reduce, reduce-scatter and all-gather with torch's contract.
+
+The contract (DESIGN 7.2): in place, ``group=None`` means WORLD, a group of size 1 returns at once,
+``async_op=True`` returns a ``torch.futures.Future`` completing with the result tensor; AVG is SUM
+plus a division, done before the reduction for fp16/bf16 (so 4 ranks of 40 000 do not overflow)
+and after it for wider types; AVG on integers raises ``TypeError``.
+
+Algorithms live in a registry (:data:`ALGORITHMS`):
+
+- ``flat``: the group's own collective (gloo's ring, NCCL's rings/trees), issued on the caller's
+  thread so it keeps the caller's order with the caller's own ``torch.distributed`` calls;
+- ``hierarchical``: (1) reduce-scatter intra-node, (2) all-reduce inter-node on 1/L of the data,
+  one rail per local index, (3) all-gather intra-node; pipelined over chunks through the engine so
+  chunk 2's intra-node phase overlaps chunk 1's inter-node phase. Needs nodes of equal size;
+- ``leader``: (1) reduce to each node's first rank, (2) all-reduce among those leaders,
+  (3) broadcast intra-node. Works on nodes of any size;
+- ``ina``: in-network aggregation through the simulated switch (``commopt.comm.ina``);
+- ``auto``: the cheapest applicable one by the cost model (``commopt.comm.cost``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+from typing import Callable, Union
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ReduceOp
+
+from . import cost
+from .engine import Phase, all_of, as_timedelta, wait, wrap_error
+from .errors import CollectiveMismatchError, TopologyError
+from .topology import _REGISTRY, Topology
+
+__all__ = ["all_reduce", "reduce_scatter", "all_gather", "ALGORITHMS", "SUPPORTED_DTYPES",
+           "resolve_topology", "engine"]
+
+Result = Union[torch.Tensor, torch.futures.Future]
+
+SUPPORTED_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.int64,
+                    torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+_OPS = {ReduceOp.SUM: "sum", ReduceOp.AVG: "avg", ReduceOp.MAX: "max", ReduceOp.MIN: "min"}
+
+# torch 2.13 renamed the tensor variants; older releases (>= 2.3) have only the old names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+# The smallest chunk the hierarchical pipeline cuts (bytes): below it, per-message latency costs
+# more than the overlap gains.
+MIN_CHUNK_BYTES = 256 * 1024
+
+
+def engine():
+    """The process's comm engine (kept in commopt's one cache, released by ``destroy()``)."""
+    return _REGISTRY.engine()
+
+
+def resolve_topology(topology: Topology | None, group) -> Topology:
+    """``topology`` itself, or ``Topology.detect(group)`` computed once per group."""
+    if topology is not None:
+        return topology
+    key = id(group) if group is not None else None
+    topo = _REGISTRY.detected.get(key)
+    if topo is None:
+        topo = _REGISTRY.detected[key] = Topology.detect(group)
+    return topo
+
+
+# --------------------------------------------------------------------------------- validation
+def _op_name(op) -> str:
+    name = _OPS.get(op)
+    if name is None:
+        raise ValueError(f"reduce op {op} is not supported by commopt; use ReduceOp.SUM, AVG, MAX or MIN")
+    return name
+
+
+def _check_tensor(name: str, t, what: str = "tensor") -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: {what} must be a torch.Tensor, got {type(t).__name__}")
+    if t.is_sparse:
+        raise TypeError(f"{name}: sparse {what} is not supported; call .to_dense() or use torch's "
+                        f"sparse all-reduce")
+    if t.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"{name}: dtype {t.dtype} is not supported; supported: "
+                        f"{', '.join(str(d) for d in SUPPORTED_DTYPES)}")
+
+
+def _check_op_dtype(name: str, op: str, dtype: torch.dtype) -> None:
+    if op == "avg" and not dtype.is_floating_point:
+        raise TypeError(f"{name}: ReduceOp.AVG on {dtype} would truncate; reduce with SUM and divide "
+                        f"in floating point, or cast to a floating dtype first")
+
+
+_FINGERPRINT_OPS = {"all_reduce": 1, "reduce_scatter": 2, "all_gather": 3, "all_to_all": 4}
+_FIELDS = ("op", "sequence", "algorithm", "reduce op", "dtype", "device", "ndim", "shape", "numel")
+
+
+def _code(text: str) -> int:
+    return int.from_bytes(text.encode()[:7].ljust(7, b"\0"), "little")
+
+
+def fingerprint(kind: str, tensor: torch.Tensor, *, algorithm: str, op: str, group) -> list[int]:
+    key = id(group) if group is not None else None
+    seq = next(_REGISTRY.validate_seq.setdefault(key, itertools.count()))
+    shape_code = hash(tuple(tensor.shape)) & ((1 << 62) - 1)
+    return [_FINGERPRINT_OPS.get(kind, 0), seq, _code(algorithm), _code(op), _code(str(tensor.dtype)[6:]),
+            _code(tensor.device.type), tensor.dim(), shape_code, tensor.numel()]
+
+
+def validate_same(kind: str, tensor: torch.Tensor, *, algorithm: str, op: str, group,
+                  extra: str = "") -> None:
+    """Exchange a fingerprint of this collective; ``CollectiveMismatchError`` on every rank if the
+    ranks disagree on op, sequence number, algorithm, reduce op, dtype, device or shape.
+
+    Costs one small all-gather (9 int64 per rank) on ``group`` before the collective, on the
+    calling thread; always on a CPU tensor so it never depends on the payload's device.
+    """
+    mine = fingerprint(kind, tensor, algorithm=algorithm, op=op, group=group)
+    size = dist.get_world_size(group)
+    # NCCL groups only move CUDA tensors; gloo moves both.
+    local = torch.tensor(mine, dtype=torch.int64, device=tensor.device if tensor.is_cuda else "cpu")
+    gathered = [torch.zeros_like(local) for _ in range(size)]
+    dist.all_gather(gathered, local, group=group)
+    rows = [g.cpu().tolist() for g in gathered]
+    diffs = [f for i, f in enumerate(_FIELDS) if len({row[i] for row in rows}) > 1]
+    if diffs:
+        majority = max(rows, key=rows.count)
+        odd = [r for r, row in enumerate(rows) if row != majority]
+        described = "; ".join(_describe(r, row) for r, row in enumerate(rows))
+        raise CollectiveMismatchError(
+            f"ranks issued different collectives ({', '.join(diffs)} differ): {described}. Every rank "
+            f"must issue the same collectives in the same order with the same shape and dtype{extra}",
+            op=kind, seq=mine[1], ranks=odd)
+
+
+def _describe(rank: int, row: list[int]) -> str:
+    inv_ops = {v: k for k, v in _FINGERPRINT_OPS.items()}
+
+    def text(code: int) -> str:
+        return code.to_bytes(7, "little").rstrip(b"\0").decode(errors="replace")
+
+    return (f"rank {rank}: {inv_ops.get(row[0], '?')} #{row[1]} algo={text(row[2])} op={text(row[3])} "
+            f"dtype={text(row[4])} device={text(row[5])} ndim={row[6]} numel={row[8]}")
+
+
+# --------------------------------------------------------------------------------- helpers
+@dataclass
+class _Prepared:
+    """A contiguous 1-D working view of the caller's tensor and how to finish the call."""
+
+    tensor: torch.Tensor
+    work: torch.Tensor  # contiguous, possibly a copy
+    flat: torch.Tensor  # work viewed as 1-D (uint8 view for bool)
+    scale_after: float | None
+    copy_back: bool
+
+
+def _prepare(tensor: torch.Tensor, op: str, world: int) -> tuple[_Prepared, ReduceOp]:
+    copy_back = not tensor.is_contiguous()
+    work = tensor.contiguous() if copy_back else tensor
+    flat = work.view(-1)
+    if flat.dtype == torch.bool:
+        # Sum of booleans is logical OR (as in NCCL); reduce their bytes with MAX / MIN.
+        flat = flat.view(torch.uint8)
+        red = ReduceOp.MIN if op == "min" else ReduceOp.MAX
+        return _Prepared(tensor, work, flat, None, copy_back), red
+    red = {"sum": ReduceOp.SUM, "avg": ReduceOp.SUM, "max": ReduceOp.MAX, "min": ReduceOp.MIN}[op]
+    scale_after = None
+    if op == "avg":
+        if flat.dtype in _LOW_PRECISION:
+            flat.div_(world)  # before the reduction: fp16 sums of 4 x 40 000 would overflow
+        else:
+            scale_after = 1.0 / world
+    return _Prepared(tensor, work, flat, scale_after, copy_back), red
+
+
+def _finish(p: _Prepared) -> torch.Tensor:
+    if p.scale_after is not None:
+        p.flat.mul_(p.scale_after)
+    if p.copy_back:
+        p.tensor.copy_(p.work)
+    return p.tensor
+
+
+def _then_finish(fut: torch.futures.Future, p: _Prepared) -> torch.futures.Future:
+    # f.value() re-raises a failed phase; a callback that ignored it would turn a failure into a
+    # silently wrong result.
+    return fut.then(lambda f: (f.value(), _finish(p))[1])
+
+
+def _done(value: torch.Tensor) -> torch.futures.Future:
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_result(value)
+    return fut
+
+
+def _deliver(fut: torch.futures.Future, async_op: bool, timeout: float | None, op: str) -> Result:
+    if async_op:
+        return fut
+    return wait(fut, timeout, op=op)
+
+
+def _blocking(fn: Callable[[], object], timeout) -> None:
+    """Issue a collective and wait for it, with the engine's timeout."""
+    work = fn()
+    td = as_timedelta(timeout)
+    if td is None:
+        work.wait()
+    else:
+        work.wait(td)
+
+
+def _chunk_bounds(numel: int, elem: int, multiple: int, chunks: int) -> list[tuple[int, int]]:
+    """Cut [0, numel) into at most ``chunks`` pieces, each a multiple of ``multiple`` elements
+    except the last, none smaller than MIN_CHUNK_BYTES (except a lone short piece)."""
+    min_elems = max(multiple, (MIN_CHUNK_BYTES // elem) // multiple * multiple)
+    size = max(min_elems, math.ceil(numel / max(1, chunks) / multiple) * multiple)
+    return [(s, min(numel, s + size)) for s in range(0, numel, size)]
+
+
+# --------------------------------------------------------------------------------- all-reduce
+def _flat_all_reduce(p: _Prepared, red: ReduceOp, group, topo: Topology | None, timeout) -> torch.futures.Future:
+    world = dist.get_world_size(group)
+    nbytes = p.flat.numel() * p.flat.element_size()
+    engine().count("flat", cost.ALGORITHM_FACTORS["allreduce"](world) * nbytes)
+    work = dist.all_reduce(p.flat, op=red, group=group, async_op=True)
+    return _flat_future(work, p, "all_reduce/flat")
+
+
+def _flat_future(work, p: _Prepared, op: str) -> torch.futures.Future:
+    """The group's own async work as a Future of the caller's tensor; failures become CommErrors."""
+    rank = dist.get_rank()
+
+    def finish(f: torch.futures.Future) -> torch.Tensor:
+        try:
+            f.value()
+        except Exception as exc:  # noqa: BLE001 - re-raised with op and rank
+            raise wrap_error(exc, op=op, seq=None, rank=rank) from exc
+        return _finish(p)
+
+    try:
+        fut = work.get_future()
+    except RuntimeError:
+        # Some backends' works have no future (gloo's reduce-scatter): wait here instead; the call
+        # still honours async_op by returning a completed future.
+        fut = torch.futures.Future()
+        try:
+            work.wait()
+            fut.set_result(None)
+        except Exception as exc:  # noqa: BLE001 - delivered through the future like async errors
+            fut.set_exception(exc)
+    return fut.then(finish)
+
+
+def _hierarchical_phases(chunk: torch.Tensor, red: ReduceOp, topo: Topology, timeout) -> list[Phase]:
+    """The three phases of one chunk; ``chunk`` is a multiple of the node size L."""
+    local = topo.local_size
+    rs, ar, ag = topo.groups("hier-rs"), topo.groups("hier-ar"), topo.groups("hier-ag")
+    shard = chunk.new_empty(chunk.numel() // local) if local > 1 else chunk
+    esize = chunk.element_size()
+    n_rail = len(ar.rail_ranks)
+    phases = []
+    if rs.intra is not None:
+        phases.append(Phase("reduce_scatter", lambda: _blocking(
+            lambda: _reduce_scatter_single(shard, chunk, op=red, group=rs.intra, async_op=True), timeout),
+            rs.intra, (local - 1) * shard.numel() * esize))
+    if ar.rail is not None:
+        phases.append(Phase("all_reduce", lambda: _blocking(
+            lambda: dist.all_reduce(shard, op=red, group=ar.rail, async_op=True), timeout),
+            ar.rail, 2 * (n_rail - 1) / n_rail * shard.numel() * esize))
+    if ag.intra is not None:
+        phases.append(Phase("all_gather", lambda: _blocking(
+            lambda: _all_gather_single(chunk, shard, group=ag.intra, async_op=True), timeout),
+            ag.intra, (local - 1) * shard.numel() * esize))
+    return phases
+
+
+def _pipelined(p: _Prepared, topo: Topology, multiple: int, make_phases, op_name: str) -> torch.futures.Future:
+    """Submit one chain per chunk; chunks whose length is not a multiple of ``multiple`` run on a
+    zero-padded copy (padding of SUM/MAX/MIN with 0 is harmless: padded slots are discarded)."""
+    model = cost.model_for(topo)
+    flat = p.flat
+    fut_list = []
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for start, end in _chunk_bounds(flat.numel(), flat.element_size(), multiple, model.chunks):
+        piece = flat[start:end]
+        if piece.numel() % multiple:
+            padded = piece.new_zeros(math.ceil(piece.numel() / multiple) * multiple)
+            padded[: piece.numel()].copy_(piece)
+            copies.append((piece, padded))
+            piece = padded
+        fut_list.append(engine().submit(make_phases(piece), op=op_name, result=None, device=flat.device))
+
+    def finish(_f):
+        for dst, src in copies:
+            dst.copy_(src[: dst.numel()])
+        return _finish(p)
+
+    return all_of(fut_list, None).then(lambda f: (f.value(), finish(f))[1])
+
+
+def _hierarchical_all_reduce(p: _Prepared, red: ReduceOp, group, topo: Topology, timeout) -> torch.futures.Future:
+    return _pipelined(p, topo, topo.local_size,
+                      lambda chunk: _hierarchical_phases(chunk, red, topo, timeout), "hierarchical")
+
+
+def _leader_phases(chunk: torch.Tensor, red: ReduceOp, topo: Topology, timeout) -> list[Phase]:
+    lr, la, lb = topo.groups("leader-reduce"), topo.groups("leader-ar"), topo.groups("leader-bcast")
+    leader = topo.group_rank_to_global(topo.nodes[topo.node][0])
+    nbytes = chunk.numel() * chunk.element_size()
+    phases = []
+    if lr.intra is not None:
+        phases.append(Phase("reduce", lambda: _blocking(
+            lambda: dist.reduce(chunk, dst=leader, op=red, group=lr.intra, async_op=True), timeout),
+            lr.intra, nbytes))
+    if topo.local_rank == 0 and la.rail is not None:
+        n = len(la.rail_ranks)
+        phases.append(Phase("all_reduce", lambda: _blocking(
+            lambda: dist.all_reduce(chunk, op=red, group=la.rail, async_op=True), timeout),
+            la.rail, 2 * (n - 1) / n * nbytes))
+    if lb.intra is not None:
+        phases.append(Phase("broadcast", lambda: _blocking(
+            lambda: dist.broadcast(chunk, src=leader, group=lb.intra, async_op=True), timeout),
+            lb.intra, nbytes if topo.local_rank == 0 else 0))
+    return phases
+
+
+def _leader_all_reduce(p: _Prepared, red: ReduceOp, group, topo: Topology, timeout) -> torch.futures.Future:
+    return _pipelined(p, topo, 1, lambda chunk: _leader_phases(chunk, red, topo, timeout), "leader")
+
+
+def _ina_all_reduce(p: _Prepared, red: ReduceOp, group, topo: Topology, timeout) -> torch.futures.Future:
+    from .ina import ina_all_reduce_for  # optional subsystem; imported on use
+
+    return ina_all_reduce_for(p, red, group, topo, timeout, finish=_finish)
+
+
+# name -> (implementation, needs a uniform topology)
+ALGORITHMS: dict[str, Callable] = {
+    "flat": _flat_all_reduce,
+    "hierarchical": _hierarchical_all_reduce,
+    "leader": _leader_all_reduce,
+    "ina": _ina_all_reduce,
+}
+
+
+def _require_uniform(topo: Topology, algorithm: str) -> None:
+    if not topo.is_uniform:
+        raise TopologyError(
+            f"algorithm {algorithm!r} needs nodes of equal size, got node sizes "
+            f"{[len(n) for n in topo.nodes]} ({topo.layout}); use algorithm='auto' (falls back) or "
+            f"'leader'", op=algorithm)
+
+
+def _choose(kind: str, algorithm: str, nbytes: int, topo: Topology, dtype: torch.dtype) -> str:
+    candidates = {"allreduce": ["flat", "hierarchical", "leader"],
+                  "reduce_scatter": ["flat", "hierarchical"],
+                  "all_gather": ["flat", "hierarchical"]}[kind]
+    if algorithm != "auto":
+        if algorithm not in candidates and not (kind == "allreduce" and algorithm == "ina"):
+            raise ValueError(f"{kind}: unknown algorithm {algorithm!r}; choose one of "
+                             f"{candidates + ['auto']}")
+        if algorithm == "hierarchical":
+            _require_uniform(topo, algorithm)
+            if kind != "allreduce" and (topo.num_nodes == 1 or topo.local_size == 1):
+                return "flat"  # one level: the hierarchical phases degenerate to the flat one
+        return algorithm
+    if topo.num_nodes == 1 or topo.num_nodes == topo.world_size:
+        return "flat"  # one level only: the hierarchy adds phases and saves nothing
+    if not topo.is_uniform:
+        candidates = [c for c in candidates if c != "hierarchical"]
+    return cost.choose(candidates, nbytes, topo, cost.model_for(topo), op=kind)
+
+
+def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, *, group=None, topology: Topology | None = None,
+               algorithm: str = "auto", compressor=None, async_op: bool = False, validate: bool = False,
+               timeout: float | None = None) -> Result:
+    """All-reduce ``tensor`` in place over ``group`` with a topology-aware algorithm.
+
+    Args:
+        tensor: any supported dtype (fp64/32, bf16, fp16, integers, bool), any shape and numel
+            (0 included), contiguous or not (a non-contiguous tensor is reduced through a copy and
+            written back).
+        op: ``ReduceOp.SUM``, ``AVG``, ``MAX`` or ``MIN``.
+        group: the process group (None: WORLD).
+        topology: the layout of ``group``; None detects it (once per group).
+        algorithm: ``"auto"``, ``"flat"``, ``"hierarchical"``, ``"leader"`` or ``"ina"``.
+        compressor: a ``commopt.comm.compression`` compressor; float tensors are then reduced
+            through its ``all_reduce`` (error feedback is the caller's, see ``hooks``).
+        async_op: return a Future completing with ``tensor`` instead of waiting.
+        validate: exchange a fingerprint first; ranks that disagree raise
+            ``CollectiveMismatchError`` on every rank before any payload moves.
+        timeout: seconds each phase may take before ``CommTimeoutError`` (None: the group's own).
+
+    Returns:
+        ``tensor`` (reduced in place), or a ``Future`` of it when ``async_op``.
+    """
+    name = "all_reduce"
+    _check_tensor(name, tensor)
+    op_name = _op_name(op)
+    if validate and dist.is_initialized() and dist.get_world_size(group) > 1:
+        validate_same(name, tensor, algorithm=algorithm, op=op_name, group=group)
+    _check_op_dtype(name, op_name, tensor.dtype)
+    if not dist.is_initialized() or dist.get_world_size(group) == 1 or tensor.numel() == 0:
+        return _done(tensor) if async_op else tensor
+    if compressor is not None and tensor.is_floating_point():
+        return compressor.all_reduce(tensor, op=op, group=group, topology=topology, algorithm=algorithm,
+                                     async_op=async_op)
+    world = dist.get_world_size(group)
+    topo = None if algorithm == "flat" else resolve_topology(topology, group)
+    nbytes = tensor.numel() * tensor.element_size()
+    algo = "flat" if topo is None else _choose("allreduce", algorithm, nbytes, topo, tensor.dtype)
+    p, red = _prepare(tensor, op_name, world)
+    return _deliver(ALGORITHMS[algo](p, red, group, topo, timeout), async_op, timeout, f"all_reduce/{algo}")
+
+
+# --------------------------------------------------------------------------------- reduce-scatter
+def _rail_order(topo: Topology) -> list[int]:
+    """Group ranks in the order the hierarchical phases lay their blocks out: local index j major,
+    rail position (sorted group rank) minor. The rail groups order members by group rank."""
+    local = topo.local_size
+    return [r for j in range(local) for r in sorted(node[j] for node in topo.nodes)]
+
+
+def _check_rs_ag(name: str, big: torch.Tensor, small: torch.Tensor, world: int, big_name: str,
+                 small_name: str) -> None:
+    _check_tensor(name, big, big_name)
+    _check_tensor(name, small, small_name)
+    if big.dtype != small.dtype:
+        raise TypeError(f"{name}: {big_name} dtype {big.dtype} differs from {small_name} dtype {small.dtype}")
+    if big.device != small.device:
+        raise ValueError(f"{name}: {big_name} is on {big.device} but {small_name} on {small.device}")
+    if big.numel() != world * small.numel():
+        raise ValueError(f"{name}: {big_name} has {big.numel()} elements but must have world_size "
+                         f"({world}) x {small_name}.numel() ({small.numel()}) = {world * small.numel()}")
+
+
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM, *, group=None,
+                   topology: Topology | None = None, algorithm: str = "auto", async_op: bool = False,
+                   validate: bool = False, timeout: float | None = None) -> Result:
+    """Reduce ``input`` (world_size blocks of ``output.numel()`` elements, in rank order) over the
+    group and write this rank's reduced block into ``output``.
+
+    ``hierarchical``: (1) permute the blocks so that each rail's blocks are contiguous,
+    (2) reduce-scatter intra-node (local rank j keeps the node's sum of rail j's blocks),
+    (3) reduce-scatter inter-node along the rail on 1/L of the data.
+    """
+    name = "reduce_scatter"
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    _check_rs_ag(name, input, output, world, "input", "output")
+    op_name = _op_name(op)
+    if validate and world > 1:
+        validate_same(name, input, algorithm=algorithm, op=op_name, group=group)
+    _check_op_dtype(name, op_name, input.dtype)
+    if world == 1 or output.numel() == 0:
+        if world == 1:
+            output.copy_(input.reshape(output.shape))
+        return _done(output) if async_op else output
+    topo = None if algorithm == "flat" else resolve_topology(topology, group)
+    algo = "flat" if topo is None else _choose("reduce_scatter", algorithm,
+                                                input.numel() * input.element_size(), topo, input.dtype)
+    p, red = _prepare(output, op_name, world)
+    src = input.contiguous().view(-1)
+    if src.dtype == torch.bool:
+        src = src.view(torch.uint8)
+    if op_name == "avg" and src.dtype in _LOW_PRECISION:
+        src = src / world
+        p.flat.mul_(world)  # _prepare pre-divided the output, which is overwritten anyway
+    n = p.flat.numel()
+    esize = p.flat.element_size()
+    if algo == "flat":
+        engine().count("reduce_scatter/flat", (world - 1) * n * esize)
+        fut = _flat_future(_reduce_scatter_single(p.flat, src, op=red, group=group, async_op=True),
+                           p, "reduce_scatter/flat")
+        return _deliver(fut, async_op, timeout, "reduce_scatter/flat")
+    local, nodes = topo.local_size, topo.num_nodes
+    order = _rail_order(topo)
+    staged = src.view(world, n)[torch.tensor(order)].reshape(-1)
+    rs, rail = topo.groups("hier-rs"), topo.groups("hier-rs-rail")
+    mid = staged.new_empty(nodes * n)
+    phases = [
+        Phase("reduce_scatter_intra", lambda: _blocking(lambda: _reduce_scatter_single(
+            mid, staged, op=red, group=rs.intra, async_op=True), timeout),
+            rs.intra, (local - 1) * nodes * n * esize),
+        Phase("reduce_scatter_inter", lambda: _blocking(lambda: _reduce_scatter_single(
+            p.flat, mid, op=red, group=rail.rail, async_op=True), timeout),
+            rail.rail, (nodes - 1) * n * esize),
+    ]
+    fut = engine().submit(phases, op="reduce_scatter/hierarchical", device=input.device)
+    return _deliver(_then_finish(fut, p), async_op, timeout, "reduce_scatter/hierarchical")
+
+
+# --------------------------------------------------------------------------------- all-gather
+def all_gather(output: torch.Tensor, input: torch.Tensor, *, group=None, topology: Topology | None = None,
+               algorithm: str = "auto", async_op: bool = False, validate: bool = False,
+               timeout: float | None = None) -> Result:
+    """Gather every rank's ``input`` into ``output`` (world_size blocks, in rank order).
+
+    ``hierarchical``: (1) all-gather inter-node along the rail (1/L of the final data crosses the
+    NIC per rank), (2) all-gather intra-node, (3) permute the blocks into rank order.
+    """
+    name = "all_gather"
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    _check_rs_ag(name, output, input, world, "output", "input")
+    if validate and world > 1:
+        validate_same(name, input, algorithm=algorithm, op="none", group=group)
+    if world == 1 or input.numel() == 0:
+        if world == 1:
+            output.copy_(input.reshape(output.shape))
+        return _done(output) if async_op else output
+    topo = None if algorithm == "flat" else resolve_topology(topology, group)
+    algo = "flat" if topo is None else _choose("all_gather", algorithm,
+                                                output.numel() * output.element_size(), topo, input.dtype)
+    p, _ = _prepare(output, "sum", world)
+    src = input.contiguous().view(-1)
+    if src.dtype == torch.bool:
+        src = src.view(torch.uint8)
+    n = src.numel()
+    esize = src.element_size()
+    if algo == "flat":
+        engine().count("all_gather/flat", (world - 1) * n * esize)
+        fut = _flat_future(_all_gather_single(p.flat, src, group=group, async_op=True),
+                           p, "all_gather/flat")
+        return _deliver(fut, async_op, timeout, "all_gather/flat")
+    local, nodes = topo.local_size, topo.num_nodes
+    rail, ag = topo.groups("hier-ag-rail"), topo.groups("hier-ag-intra")
+    mid = src.new_empty(nodes * n)
+    gathered = src.new_empty(world * n)
+    phases = [
+        Phase("all_gather_inter", lambda: _blocking(lambda: _all_gather_single(
+            mid, src, group=rail.rail, async_op=True), timeout), rail.rail, (nodes - 1) * n * esize),
+        Phase("all_gather_intra", lambda: _blocking(lambda: _all_gather_single(
+            gathered, mid, group=ag.intra, async_op=True), timeout), ag.intra, (local - 1) * nodes * n * esize),
+    ]
+    order = torch.tensor(_rail_order(topo))
+
+    def permute():
+        # gathered holds blocks in rail order; block i belongs to group rank order[i].
+        p.flat.view(world, n)[order] = gathered.view(world, n)
+
+    phases.append(Phase("permute", permute))
+    fut = engine().submit(phases, op="all_gather/hierarchical", device=input.device)
+    return _deliver(_then_finish(fut, p), async_op, timeout, "all_gather/hierarchical")

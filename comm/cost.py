@@ -1,0 +1,277 @@
+"""Alpha-beta cost model per link level, used by ``algorithm="auto"`` and by every benchmark.
+
+A message of ``S`` bytes over a link costs ``alpha + S * beta``. Two levels: ``intra`` (inside a
+node: NVLink, loopback) and ``inter`` (the node's NIC). Every rank of a node shares its NIC, so the
+inter-node time of an algorithm is the bytes it pushes through one node's link times ``beta``: this
+is what makes the hierarchical all-reduce win (2(N-1)/N S per node link instead of 2(p-1)/p S per
+ring edge, and the ring crosses the node boundary once per node only with contiguous placement).
+
+``auto`` takes, in order: an explicit :class:`CostModel`, the cached calibration of this layout
+(:func:`calibrate`), the configured link rate of the emulated cluster, documented defaults
+(:data:`DEFAULT_INTRA`, :data:`DEFAULT_INTER`). Whatever the source, rank 0's model is broadcast
+once per topology so every rank chooses the same algorithm (DESIGN 2, rule 2).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from .topology import _REGISTRY, Topology
+
+__all__ = [
+    "LinkModel",
+    "CostModel",
+    "DEFAULT_INTRA",
+    "DEFAULT_INTER",
+    "predict",
+    "link_bytes",
+    "choose",
+    "fit",
+    "calibrate",
+    "model_for",
+    "ALGORITHM_FACTORS",
+]
+
+
+@dataclass(frozen=True)
+class LinkModel:
+    """One link level. ``alpha``: seconds per message; ``beta``: seconds per byte."""
+
+    alpha: float
+    beta: float
+
+    def time(self, nbytes: float, messages: float = 1.0) -> float:
+        return messages * self.alpha + nbytes * self.beta
+
+    @property
+    def bandwidth(self) -> float:
+        """Bytes per second."""
+        return 1.0 / self.beta
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """The two levels of a topology, and the pipelining depth of the hierarchical algorithms."""
+
+    intra: LinkModel
+    inter: LinkModel
+    chunks: int = 4
+
+    def to_dict(self) -> dict:
+        return {"intra": asdict(self.intra), "inter": asdict(self.inter), "chunks": self.chunks}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> CostModel:
+        return cls(LinkModel(**d["intra"]), LinkModel(**d["inter"]), int(d.get("chunks", 4)))
+
+
+# Defaults when nothing was measured: gloo over loopback inside a node (~20 us, ~3 GB/s), and a
+# 10 Gbit/s NIC between nodes (~50 us, 1.25 GB/s).
+DEFAULT_INTRA = LinkModel(alpha=20e-6, beta=1 / 3e9)
+DEFAULT_INTER = LinkModel(alpha=50e-6, beta=1 / 1.25e9)
+
+# Per-rank traffic of ring-based collectives on p ranks, as a fraction of the buffer: used by the
+# byte counters and the nccl-tests "bus bandwidth" (busbw = algbw * factor).
+ALGORITHM_FACTORS = {
+    "allreduce": lambda p: 2 * (p - 1) / p,
+    "reduce_scatter": lambda p: (p - 1) / p,
+    "all_gather": lambda p: (p - 1) / p,
+    "alltoall": lambda p: (p - 1) / p,
+}
+
+
+def _ring_crossings(topo: Topology) -> int:
+    """The most ring edges (r -> r+1 mod p) that leave one node: the load on its NIC."""
+    p = topo.world_size
+    worst = 0
+    for node in topo.nodes:
+        members = set(node)
+        worst = max(worst, sum(1 for r in node if (r + 1) % p not in members))
+    return worst
+
+
+def link_bytes(algorithm: str, nbytes: float, topo: Topology, op: str = "allreduce") -> float:
+    """Bytes one node's link carries in each direction for ``op`` of an ``nbytes`` buffer.
+
+    For reduce-scatter and all-gather, ``nbytes`` is the size of the whole (world-sized) buffer.
+    """
+    p, n = topo.world_size, topo.num_nodes
+    if n == 1 or p == 1:
+        return 0.0
+    local = max(len(nd) for nd in topo.nodes)
+    if algorithm in ("flat", "ina"):
+        if algorithm == "ina":
+            # Each worker sends its buffer once to the switch and gets the result once.
+            return nbytes * local if op == "allreduce" else 0.0
+        ring = ALGORITHM_FACTORS[op](p) if op != "alltoall" else 1.0
+        if op == "alltoall":
+            # Every rank sends (p - L)/p of its buffer off-node.
+            return nbytes * local * (p - local) / p
+        return _ring_crossings(topo) * ring * nbytes
+    if algorithm == "hierarchical":
+        if op == "allreduce":
+            return 2 * (n - 1) / n * nbytes
+        return (n - 1) / n * nbytes  # rail phase on 1/L of the data, L rails per node
+    if algorithm == "leader":
+        return 2 * (n - 1) / n * nbytes
+    if algorithm == "2d":
+        return nbytes * local * (p - local) / p
+    raise ValueError(f"no link model for algorithm {algorithm!r}")
+
+
+def predict(algorithm: str, nbytes: float, topo: Topology, model: CostModel | None = None,
+            op: str = "allreduce") -> float:
+    """Predicted seconds of ``op`` with ``algorithm`` on ``nbytes`` (the per-rank buffer for
+    all-reduce; the whole world-sized buffer for reduce-scatter and all-gather).
+
+    Phases: flat = one ring over p ranks, bottlenecked by the busiest node link; hierarchical =
+    (1) intra reduce-scatter, (2) inter all-reduce on 1/L of the data per rail, all rails sharing the
+    node link, (3) intra all-gather, pipelined over ``model.chunks`` chunks; leader = (1) intra
+    reduce to the leader, (2) leaders' all-reduce, (3) intra broadcast.
+    """
+    model = model or CostModel(DEFAULT_INTRA, DEFAULT_INTER)
+    p, n = topo.world_size, topo.num_nodes
+    if p == 1 or nbytes == 0:
+        return 0.0
+    ia, ea = model.intra, model.inter
+    local = max(len(nd) for nd in topo.nodes)
+    rounds = 2 if op == "allreduce" else 1
+    if algorithm == "flat":
+        if n == 1:
+            return ia.time(ALGORITHM_FACTORS[op](p) * nbytes, rounds * (p - 1))
+        worst_alpha = max(ia.alpha, ea.alpha)
+        return rounds * (p - 1) * worst_alpha + max(
+            ALGORITHM_FACTORS[op](p) * nbytes * ia.beta, link_bytes("flat", nbytes, topo, op) * ea.beta)
+    if algorithm == "hierarchical":
+        chunks = max(1, model.chunks) if op == "allreduce" else 1
+        c = nbytes / chunks
+        intra = ia.time((local - 1) / local * c, local - 1) if local > 1 else 0.0
+        inter_bytes = link_bytes("hierarchical", c, topo, op)
+        inter = ea.time(inter_bytes, rounds * (n - 1)) if n > 1 else 0.0
+        stages = [intra, inter, intra] if op == "allreduce" else [intra, inter]
+        return sum(stages) + (chunks - 1) * max(stages)
+    if algorithm == "leader":
+        chunks = max(1, model.chunks)
+        c = nbytes / chunks
+        steps = math.ceil(math.log2(local)) if local > 1 else 0
+        intra = ia.time(c * steps, steps)
+        inter = ea.time(link_bytes("leader", c, topo), 2 * (n - 1)) if n > 1 else 0.0
+        stages = [intra, inter, intra]
+        return sum(stages) + (chunks - 1) * max(stages)
+    if algorithm == "ina":
+        return ea.time(2 * nbytes * local, 2)
+    raise ValueError(f"no cost formula for algorithm {algorithm!r}")
+
+
+def choose(candidates: list[str], nbytes: float, topo: Topology, model: CostModel,
+           op: str = "allreduce") -> str:
+    """The candidate with the lowest predicted time (ties go to the earlier candidate)."""
+    return min(candidates, key=lambda a: (predict(a, nbytes, topo, model, op), candidates.index(a)))
+
+
+def fit(sizes: list[float], times: list[float], *, messages: float = 1.0,
+        bytes_factor: float = 1.0) -> LinkModel:
+    """Least-squares ``alpha``, ``beta`` from measured ``times`` of ``sizes`` (bytes).
+
+    The model fitted is ``t = messages * alpha + bytes_factor * S * beta``: pass the algorithm's
+    message count and byte factor (a ring all-reduce on p ranks: ``2(p-1)`` and ``2(p-1)/p``).
+    Negative estimates (noise at small sizes) are clamped to zero / a tiny positive beta.
+    """
+    if len(sizes) != len(times) or len(sizes) < 2:
+        raise ValueError(f"fit needs at least two (size, time) pairs, got {len(sizes)} sizes and "
+                         f"{len(times)} times")
+    a = torch.tensor([[messages, bytes_factor * s] for s in sizes], dtype=torch.float64)
+    b = torch.tensor(times, dtype=torch.float64).unsqueeze(1)
+    sol = torch.linalg.lstsq(a, b).solution.squeeze(1)
+    alpha, beta = float(sol[0]), float(sol[1])
+    return LinkModel(alpha=max(alpha, 0.0), beta=max(beta, 1e-15))
+
+
+def _cache_path(topo: Topology, cache_dir: str | os.PathLike | None) -> Path:
+    root = Path(cache_dir) if cache_dir else Path.home() / ".cache" / "commopt"
+    rate = f"-{int(topo.link_rate_bps)}" if topo.link_rate_bps else ""
+    return root / f"calibration-{topo.layout.replace(';', '_').replace(',', '.')}{rate}.json"
+
+
+def _time_allreduce(group, nbytes: int, reps: int) -> float:
+    t = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
+    dist.all_reduce(t, group=group)  # warm-up: connections, allocation
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        dist.all_reduce(t, group=group)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def calibrate(topology: Topology, *, cache_dir: str | os.PathLike | None = None,
+              sizes: tuple[int, int] = (4096, 1 << 20), reps: int = 5) -> CostModel:
+    """Measure this machine's two levels (about a second) and cache the result per layout.
+
+    Collective over the topology's group: every rank times all-reduces on its intra-node and rail
+    groups at two sizes; rank 0's fit is broadcast so that all ranks hold the same model, and rank
+    0 writes it to ``~/.cache/commopt`` (or ``cache_dir``).
+    """
+    groups = topology.groups("calibrate")
+    levels = {}
+    for name, group, size in (("intra", groups.intra, topology.local_size),
+                              ("inter", groups.rail, len(groups.rail_ranks))):
+        if group is None or size < 2:
+            levels[name] = None
+            continue
+        times = [_time_allreduce(group, s, reps) for s in sizes]
+        levels[name] = fit(list(sizes), times, messages=2 * (size - 1), bytes_factor=2 * (size - 1) / size)
+    model = CostModel(levels["intra"] or DEFAULT_INTRA, levels["inter"] or _inter_default(topology))
+    model = _broadcast_model(model, topology)
+    if topology.rank == 0:
+        path = _cache_path(topology, cache_dir)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(model.to_dict()))
+    _REGISTRY.models[(topology.layout, id(topology.group))] = model
+    return model
+
+
+def _inter_default(topo: Topology) -> LinkModel:
+    if topo.link_rate_bps:
+        return LinkModel(alpha=DEFAULT_INTER.alpha, beta=8.0 / topo.link_rate_bps)
+    return DEFAULT_INTER
+
+
+def _broadcast_model(model: CostModel, topo: Topology) -> CostModel:
+    if topo.world_size == 1:
+        return model
+    t = torch.tensor([model.intra.alpha, model.intra.beta, model.inter.alpha, model.inter.beta,
+                      float(model.chunks)], dtype=torch.float64)
+    dist.broadcast(t, src=topo.group_rank_to_global(0), group=topo.group)
+    v = t.tolist()
+    return CostModel(LinkModel(v[0], v[1]), LinkModel(v[2], v[3]), int(v[4]))
+
+
+def model_for(topology: Topology, *, cache_dir: str | os.PathLike | None = None) -> CostModel:
+    """The model ``auto`` uses for ``topology``: cached calibration, else link rate, else defaults.
+
+    Resolved once per topology (one tiny broadcast from rank 0), then kept in commopt's cache.
+    """
+    key = (topology.layout, id(topology.group))
+    model = _REGISTRY.models.get(key)
+    if model is not None:
+        return model
+    model = CostModel(DEFAULT_INTRA, _inter_default(topology))
+    if topology.rank == 0:
+        path = _cache_path(topology, cache_dir)
+        if path.exists():
+            try:
+                model = CostModel.from_dict(json.loads(path.read_text()))
+            except (ValueError, KeyError, TypeError):
+                pass  # a corrupt cache falls back to defaults; calibrate() rewrites it
+    model = _broadcast_model(model, topology)
+    _REGISTRY.models[key] = model
+    return model

@@ -1,0 +1,326 @@
+"""The comm engine: one FIFO queue and one worker thread per process group (DESIGN 2).
+
+A multi-phase collective (hierarchical all-reduce: reduce-scatter, all-reduce, all-gather) is a
+list of :class:`Phase` objects, each bound to a process group. ``Engine.submit`` enqueues the first
+phase on its group's queue; when a phase completes, its worker enqueues the next phase on that
+phase's group. No collective is ever issued from a future callback: callbacks run on whichever
+thread completes first, and two operations in flight would then reach a group in different orders
+on different ranks (gloo silently crosses data, NCCL hangs).
+
+Why this ordering is the same on every rank: every queue records its *feeder* (direct submission,
+or the queue whose phases precede its phases). A queue fed by exactly one FIFO receives items in
+that FIFO's completion order, which is its submission order, recursively down to the submitting
+thread, whose order is deterministic (DDP launches buckets in index order). A second feeder would
+make the order depend on timing, so the engine refuses it; algorithms use one process group per
+phase role (``Topology.groups(role)``) to satisfy that, and different groups still run in parallel:
+bucket 2's intra-node reduce-scatter overlaps bucket 1's inter-node all-reduce.
+
+The engine also counts the bytes this rank sends per operation (the "bytes on the wire" of every
+benchmark) and labels each phase for ``torch.profiler`` as ``commopt/<op>/<phase>``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+from collections import defaultdict
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from .errors import CommError, CommTimeoutError
+
+__all__ = ["Engine", "Phase", "wait", "all_of"]
+
+_DIRECT = "direct submission"
+
+
+@dataclass
+class Phase:
+    """One step of a collective.
+
+    Attributes:
+        name: label for profiles and errors ("reduce_scatter").
+        fn: the work; issues at most one blocking collective on ``group``. Called with no arguments
+            on the worker thread of ``group`` (or inline on the previous phase's thread when
+            ``group`` is None: local work, or a phase this rank takes no part in).
+        group: the process group whose queue runs the phase.
+        nbytes: the bytes this rank sends in the phase (counted when the phase succeeds).
+    """
+
+    name: str
+    fn: Callable[[], Any]
+    group: Any = None
+    nbytes: int = 0
+
+
+@dataclass
+class _Op:
+    op: str
+    seq: int
+    phases: list[Phase]
+    future: torch.futures.Future
+    result: Any
+    rank: int
+    device: torch.device | None = None
+    event: Any = None
+    index: int = 0
+    counted: dict = field(default_factory=dict)
+
+
+class _Worker:
+    def __init__(self, engine: Engine, group, name: str):
+        self.engine = engine
+        self.group = group
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.name = name
+        self.feeder: str | None = None
+        self.thread = threading.Thread(target=self._loop, name=f"commopt-engine-{name}", daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        stream = None
+        while True:
+            item = self.queue.get()
+            if item is None:
+                return
+            if item.device is not None and item.device.type == "cuda":
+                # Work runs on the submitting thread's device, on a side stream ordered after the
+                # submitting stream by an event: the submitting host thread never blocks.
+                if stream is None:
+                    stream = torch.cuda.Stream(device=item.device)
+                with torch.cuda.device(item.device), torch.cuda.stream(stream):
+                    stream.wait_event(item.event)
+                    self.engine._run(item, self)
+                    stream.synchronize()
+            else:
+                self.engine._run(item, self)
+
+
+class Engine:
+    """Runs multi-phase collectives in a rank-consistent order. One per process (see topology)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._workers: dict[Any, _Worker] = {}
+        self._seq = itertools.count()
+        self._bytes: dict[str, int] = defaultdict(int)
+        self._calls: dict[str, int] = defaultdict(int)
+        self._closed = False
+
+    # ----------------------------------------------------------------------------- submission
+    def submit(self, phases: list[Phase], *, op: str, result: Any = None,
+               device: torch.device | None = None) -> torch.futures.Future:
+        """Run ``phases`` in order; the returned future completes with ``result`` after the last.
+
+        Args:
+            phases: the steps; each phase starts when its predecessor has completed.
+            op: the operation's name for profiles, byte counters and errors ("hierarchical").
+            result: the value the future completes with (usually the in-place tensor).
+            device: the tensors' device; for CUDA, the work is ordered after the current stream.
+
+        Returns:
+            A ``torch.futures.Future`` that completes with ``result`` or fails with a
+            :class:`CommError` naming the op, its sequence number, this rank and the phase.
+        """
+        if self._closed:
+            raise CommError("the comm engine was shut down (commopt.comm.destroy()); create a new "
+                            "topology after re-initialising", op=op)
+        fut: torch.futures.Future = torch.futures.Future()
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        item = _Op(op=op, seq=next(self._seq), phases=list(phases), future=fut, result=result, rank=rank)
+        if device is not None and device.type == "cuda":
+            item.device = device
+            item.event = torch.cuda.Event()
+            item.event.record(torch.cuda.current_stream(device))
+        self._calls[op] += 1
+        self._advance(item, feeder=_DIRECT, current=None)
+        return fut
+
+    def _advance(self, item: _Op, feeder: str, current: _Worker | None) -> None:
+        """Hand ``item``'s next phase to its group's queue, or run inline phases right here."""
+        while item.index < len(item.phases):
+            phase = item.phases[item.index]
+            if phase.group is None:
+                if item.device is not None and current is None:
+                    # Inline phase on the submitting thread of a CUDA op: hand it to a worker of
+                    # its own so the submitting thread does not wait for the stream.
+                    worker = self._worker(("inline", feeder), f"inline<{feeder}>", feeder)
+                    worker.queue.put(item)
+                    return
+                if not self._run_phase(item, phase):
+                    return
+                item.index += 1
+                continue
+            worker = self._worker(phase.group, _group_name(phase.group), feeder)
+            worker.queue.put(item)
+            return
+        self._finish(item)
+
+    def _worker(self, key, name: str, feeder: str) -> _Worker:
+        with self._lock:
+            w = self._workers.get(key)
+            if w is None:
+                w = self._workers[key] = _Worker(self, key, name)
+            if w.feeder is None:
+                w.feeder = feeder
+            elif w.feeder != feeder:
+                # Two feeders would make this queue's order depend on timing (DESIGN 2, rule 1).
+                raise RuntimeError(
+                    f"commopt engine: queue {name} is fed by both {w.feeder!r} and {feeder!r}; "
+                    f"use a separate process group per phase role (Topology.groups(role))")
+            return w
+
+    def _run(self, item: _Op, worker: _Worker) -> None:
+        """Worker side: run the item's current phase, then advance it."""
+        if self._closed and item.future.done():
+            return
+        phase = item.phases[item.index]
+        if not self._run_phase(item, phase):
+            return
+        item.index += 1
+        try:
+            self._advance(item, feeder=worker.name, current=worker)
+        except Exception as exc:  # noqa: BLE001 - any failure must fail the future, not the thread
+            self._fail(item, phase, exc)
+
+    def _run_phase(self, item: _Op, phase: Phase) -> bool:
+        try:
+            with torch.profiler.record_function(f"commopt/{item.op}/{phase.name}"):
+                phase.fn()
+        except Exception as exc:  # noqa: BLE001 - forwarded to the future with its type and text
+            self._fail(item, phase, exc)
+            return False
+        if phase.nbytes:
+            with self._lock:
+                self._bytes[item.op] += int(phase.nbytes)
+        return True
+
+    def _finish(self, item: _Op) -> None:
+        if not item.future.done():
+            item.future.set_result(item.result)
+
+    def _fail(self, item: _Op, phase: Phase, exc: BaseException) -> None:
+        if item.future.done():
+            return
+        item.future.set_exception(wrap_error(exc, op=f"{item.op}/{phase.name}", seq=item.seq,
+                                             rank=item.rank))
+
+    # ----------------------------------------------------------------------------- statistics
+    def bytes_sent(self) -> dict[str, int]:
+        """Bytes this rank has sent per operation since the last ``reset_stats()``."""
+        with self._lock:
+            return dict(self._bytes)
+
+    def calls(self) -> dict[str, int]:
+        """Operations submitted per name since the last ``reset_stats()``."""
+        with self._lock:
+            return dict(self._calls)
+
+    def count(self, op: str, nbytes: int) -> None:
+        """Count bytes sent by work that bypasses the queues (a flat collective on its own group)."""
+        with self._lock:
+            self._bytes[op] += int(nbytes)
+            self._calls[op] += 1
+
+    def reset_stats(self) -> None:
+        with self._lock:
+            self._bytes.clear()
+            self._calls.clear()
+
+    # ----------------------------------------------------------------------------- lifecycle
+    def threads(self) -> list[threading.Thread]:
+        with self._lock:
+            return [w.thread for w in self._workers.values()]
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        """Stop every worker after the work already queued; threads stuck in a dead collective are
+        daemons and do not keep the process alive."""
+        with self._lock:
+            self._closed = True
+            workers, self._workers = list(self._workers.values()), {}
+        for w in workers:
+            w.queue.put(None)
+        for w in workers:
+            w.thread.join(timeout)
+
+
+def _group_name(group) -> str:
+    try:
+        return f"pg{dist.distributed_c10d._get_process_group_name(group)}"
+    except (AttributeError, KeyError, RuntimeError):
+        return f"pg{id(group):x}"
+
+
+def _is_timeout(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return isinstance(exc, TimeoutError) or "timed out" in text or "timeout" in text
+
+
+def wrap_error(exc: BaseException, *, op: str, seq: int | None, rank: int) -> BaseException:
+    """A CommError for a failure inside a phase, keeping the original type and message in its text."""
+    if isinstance(exc, CommError):
+        return exc
+    if isinstance(exc, (TypeError, ValueError)):
+        return exc
+    cls = CommTimeoutError if _is_timeout(exc) else CommError
+    what = "timed out" if cls is CommTimeoutError else "failed"
+    err = cls(f"{what} on rank {rank}: {type(exc).__name__}: {exc}. A peer may have died or issued a "
+              f"different collective; check the other ranks' errors", op=op, seq=seq, ranks=[rank])
+    err.__cause__ = exc
+    return err
+
+
+def all_of(futures: list[torch.futures.Future], result: Any) -> torch.futures.Future:
+    """A future completing with ``result`` once all ``futures`` have; the first failure fails it."""
+    out: torch.futures.Future = torch.futures.Future()
+    if not futures:
+        out.set_result(result)
+        return out
+    remaining = [len(futures)]
+    lock = threading.Lock()
+
+    def done(f: torch.futures.Future) -> None:
+        # A callback only does bookkeeping; it never issues a collective (DESIGN 2, rule 1).
+        try:
+            f.value()
+        except Exception as exc:  # noqa: BLE001 - forwarded
+            with lock:
+                if not out.done():
+                    out.set_exception(exc)
+            return
+        with lock:
+            remaining[0] -= 1
+            if remaining[0] == 0 and not out.done():
+                out.set_result(result)
+
+    for f in futures:
+        f.add_done_callback(done)
+    return out
+
+
+def wait(future: torch.futures.Future, timeout: float | None = None, *, op: str = "wait") -> Any:
+    """Wait for an engine future; with ``timeout``, raise ``CommTimeoutError`` when it passes.
+
+    Waiting with a timeout polls the future's state: a collective stuck in the backend cannot be
+    cancelled, but the caller gets control back and the error names the operation.
+    """
+    if timeout is None:
+        return future.wait()
+    done = threading.Event()
+    future.add_done_callback(lambda _f: done.set())
+    if not done.wait(timeout):
+        raise CommTimeoutError(f"did not complete within {timeout:.1f} s; a rank may not have entered "
+                               f"the collective or may have died", op=op,
+                               ranks=[dist.get_rank()] if dist.is_initialized() else None)
+    return future.wait()
+
+
+def as_timedelta(timeout: float | timedelta | None) -> timedelta | None:
+    if timeout is None or isinstance(timeout, timedelta):
+        return timeout
+    return timedelta(seconds=float(timeout))

@@ -1,0 +1,133 @@
+"""A pool of spawned rank processes that runs test bodies (DESIGN 8).
+
+Importing torch (and numba) costs seconds of CPU per process, so each world size keeps one pool of
+rank processes for the whole session; every test body is a module-level function shipped by
+reference and run on all ranks at once. Rendezvous goes through a ``FileStore`` in a temporary
+directory (never a fixed port). Every call has a wall-clock guard: a hang fails the test naming the
+ranks that did not finish, and the pool is replaced. A failure on a rank is re-raised in pytest
+with that rank's traceback; after any failure the pool is replaced too, since a half-finished
+collective leaves the process groups out of step.
+
+Ranks are spawned, never forked (numba's OpenMP layer is not fork-safe), with one thread each.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import shutil
+import tempfile
+import time
+import traceback
+from typing import Any, Callable
+
+__all__ = ["RankPool", "RankFailure", "PoolTimeout"]
+
+
+class RankFailure(AssertionError):
+    """A test body raised on one or more ranks."""
+
+
+class PoolTimeout(AssertionError):
+    """A test body did not finish on some ranks within its wall-clock guard."""
+
+
+def _rank_main(rank: int, world: int, store_path: str, tasks, results) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    store = dist.FileStore(store_path, world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        fn, args, kwargs = task
+        try:
+            value = fn(*args, **kwargs)
+            results.put((rank, "ok", value))
+        except BaseException as exc:  # noqa: BLE001 - reported to pytest with the traceback
+            results.put((rank, "err", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    try:
+        from commopt.comm import destroy
+
+        destroy()
+    except ImportError:
+        pass
+    dist.destroy_process_group()
+
+
+class RankPool:
+    """``world`` spawned ranks with an initialised gloo WORLD group."""
+
+    def __init__(self, world: int):
+        self.world = world
+        self._start()
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        self._dir = tempfile.mkdtemp(prefix="commopt-pool-")
+        store = os.path.join(self._dir, "store")
+        self._tasks = [ctx.Queue() for _ in range(self.world)]
+        self._results = ctx.Queue()
+        self._procs = [ctx.Process(target=_rank_main, args=(r, self.world, store, self._tasks[r], self._results),
+                                   daemon=True, name=f"rank{r}") for r in range(self.world)]
+        for p in self._procs:
+            p.start()
+
+    def run(self, fn: Callable, *args: Any, timeout: float = 60.0, per_rank: list | None = None,
+            **kwargs: Any) -> list[Any]:
+        """Run ``fn(*args, **kwargs)`` on every rank; return the per-rank results in rank order.
+
+        Args:
+            fn: a module-level function (shipped by reference).
+            timeout: wall-clock guard in seconds for all ranks together.
+            per_rank: optional list of per-rank argument tuples appended to ``args``.
+        """
+        for r in range(self.world):
+            extra = tuple(per_rank[r]) if per_rank is not None else ()
+            self._tasks[r].put((fn, args + extra, kwargs))
+        out: dict[int, Any] = {}
+        errors: dict[int, str] = {}
+        deadline = time.monotonic() + timeout
+        while len(out) + len(errors) < self.world:
+            left = deadline - time.monotonic()
+            dead = [p.name for p in self._procs if not p.is_alive()]
+            if left <= 0 or dead:
+                missing = sorted(set(range(self.world)) - set(out) - set(errors))
+                self.restart()
+                why = f"processes died: {dead}" if dead else f"did not finish within {timeout:.0f} s"
+                detail = "".join(f"\n--- rank {r} ---\n{e}" for r, e in sorted(errors.items()))
+                raise PoolTimeout(f"{fn.__name__}: ranks {missing} {why}{detail}")
+            try:
+                rank, status, value = self._results.get(timeout=min(left, 0.5))
+            except queue.Empty:
+                continue
+            (out if status == "ok" else errors)[rank] = value
+        if errors:
+            self.restart()
+            detail = "".join(f"\n--- rank {r} ---\n{e}" for r, e in sorted(errors.items()))
+            raise RankFailure(f"{fn.__name__} failed on ranks {sorted(errors)}:{detail}")
+        return [out[r] for r in range(self.world)]
+
+    def restart(self) -> None:
+        self.close(graceful=False)
+        self._start()
+
+    def close(self, graceful: bool = True) -> None:
+        if graceful:
+            for q in self._tasks:
+                q.put(None)
+            for p in self._procs:
+                p.join(10)
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        for q in self._tasks + [self._results]:
+            q.close()
+            q.cancel_join_thread()
+        shutil.rmtree(self._dir, ignore_errors=True)
