@@ -1,0 +1,504 @@
+"""The simulated in-network aggregation switch: a UDP process that sums int32 payloads in its slots.
+
+It behaves like a SwitchML program on a programmable switch, in Python:
+
+- a **pool of slots**, partitioned between jobs (job ids): each job that JOINs gets a partition of
+  ``partition_size`` slots (slot 0 is the job's control slot, the rest hold data), so several process
+  groups share one switch without touching each other's state;
+- every slot has **two copies** (the shadow-set bit of the header picks one): while workers fill a
+  slot's next use in one copy, the other keeps the previous result, so a worker whose result packet
+  was lost gets it again by retransmitting its contribution;
+- a **per-slot worker bitmap** tells a first contribution from a retransmission or a duplicate;
+- aggregation in **int32 with saturation detection** (sums are formed exactly in an int64 scratch,
+  then saturated to int32 and flagged, like a saturating switch register), or lane-wise MAX for the
+  control slot, where workers agree on the block-floating-point exponent first;
+- once all workers contributed, the result goes to **every worker**;
+- **counters** (packets, retransmissions, duplicates ignored, malformed/stale/foreign dropped, ...),
+  returned to a ``STATS_REQ`` packet and printed on exit.
+
+Each job's incarnation (its *epoch*) is agreed through the switch by a JOIN handshake: every worker
+of a new session sends JOIN with a fresh random session tag; when all ``num_workers`` have joined with
+new tags, the epoch advances, the job's slots are freed, and JOIN_OK goes to everyone. Packets of an
+older epoch are stale and dropped. So a job whose worker crashed mid-aggregation leaves no half-filled
+slots behind once its next incarnation joins, and idle jobs' partitions are reclaimed after
+``job_idle_timeout`` seconds.
+
+The switch binds to 127.0.0.1 unless told otherwise (FAULTS 29). It never imports torch.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import socket
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from .protocol import (
+    CTRL_LANES,
+    ERR_BAD_WORKERS,
+    ERR_NO_PARTITION,
+    FLAG_RETX,
+    FLAG_SATURATED,
+    FLAG_SHADOW,
+    HEADER,
+    HEADER_SIZE,
+    MAGIC,
+    PROTOCOL_VERSION,
+    STAT_NAMES,
+    Header,
+    PacketType,
+    ProtocolError,
+    decode_stats,
+    encode_stats,
+    pack_header,
+    parse_header,
+)
+
+__all__ = [
+    "DEFAULT_POOL_SLOTS",
+    "DEFAULT_PARTITION_SIZE",
+    "Switch",
+    "SwitchProcess",
+    "query_stats",
+    "format_stats",
+]
+
+DEFAULT_POOL_SLOTS = 1024
+DEFAULT_PARTITION_SIZE = 64  # 1 control slot + 63 data slots: windows up to 63 packets per worker
+_INT32_MIN = -(2**31)
+_INT32_MAX = 2**31 - 1
+_SOCKET_BUFFER = 4 << 20  # the kernel caps this at net.core.rmem_max / wmem_max
+_RETIRED_TAGS = 256
+
+
+def _newer(a: tuple[int, int], b: tuple[int, int]) -> bool:
+    """True when chunk identity ``a`` (round, seq) comes after ``b``; rounds use serial arithmetic."""
+    if a[0] != b[0]:
+        return 0 < ((a[0] - b[0]) & 0xFFFFFFFF) < 0x80000000
+    return a[1] > b[1]
+
+
+def _status(job: _Job, h: Header, bitmap: int) -> bytes:
+    """A STATUS packet: which workers have contributed (64-bit bitmap split over tag and exponent)."""
+    hi = (bitmap >> 32) & 0xFFFFFFFF
+    return pack_header(PacketType.STATUS, job_id=job.job_id, num_workers=job.n, slot=h.slot,
+                       epoch=job.epoch, round=h.round, seq=h.seq, tag=bitmap & 0xFFFFFFFF,
+                       exponent=hi - (1 << 32) if hi >> 31 else hi)
+
+
+class _Slot:
+    """One copy of one slot: the current use's identity, bitmap, accumulator and kept result."""
+
+    __slots__ = ("ident", "bitmap", "nseen", "count", "exponent", "dtype", "acc", "complete", "result")
+
+    def __init__(self) -> None:
+        self.ident: tuple[int, int] | None = None
+        self.bitmap = 0
+        self.nseen = 0
+        self.count = 0
+        self.exponent = 0
+        self.dtype = 0
+        self.acc: np.ndarray | None = None
+        self.complete = False
+        self.result: bytearray | None = None
+
+    def free(self) -> None:
+        self.ident = None
+        self.bitmap = 0
+        self.nseen = 0
+        self.complete = False
+        self.result = None
+
+
+class _Job:
+    """One job id's partition and incarnation state."""
+
+    def __init__(self, job_id: int, partition: int, num_workers: int, partition_size: int):
+        self.job_id = job_id
+        self.partition = partition
+        self.n = num_workers
+        self.epoch = 0
+        self.tags: list[int | None] = [None] * num_workers
+        self.addrs: list[Any] = [None] * num_workers
+        self.pending: dict[int, int] = {}
+        self.pending_n = num_workers
+        self.pending_addrs: dict[int, Any] = {}
+        self.retired: deque[tuple[int, int]] = deque(maxlen=_RETIRED_TAGS)
+        self.slots = [[_Slot() for _ in range(partition_size)] for _ in range(2)]
+        self.last_active = time.monotonic()
+
+    def reset(self, num_workers: int) -> None:
+        self.n = num_workers
+        self.addrs = [None] * num_workers
+        for copy in self.slots:
+            for st in copy:
+                st.free()
+
+
+class Switch:
+    """The switch's state and packet handler, bound to one UDP socket.
+
+    Args:
+        host: address to bind; 127.0.0.1 by default so that nothing off the machine reaches it.
+        port: UDP port; 0 picks a free one (read it back from ``address``).
+        pool_slots: total slots in the pool.
+        partition_size: slots per job (slot 0 of each partition is the control slot).
+        job_idle_timeout: seconds after which an idle job's partition may be reclaimed.
+    """
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, pool_slots: int = DEFAULT_POOL_SLOTS,
+                 partition_size: int = DEFAULT_PARTITION_SIZE, job_idle_timeout: float = 300.0):
+        if partition_size < 2 or pool_slots < partition_size:
+            raise ValueError(f"switch: partition_size={partition_size} must be >= 2 and <= "
+                             f"pool_slots={pool_slots}; pass a larger pool or a smaller partition")
+        self.partition_size = partition_size
+        self.num_partitions = pool_slots // partition_size
+        self.job_idle_timeout = job_idle_timeout
+        self.jobs: dict[int, _Job] = {}
+        self._free_partitions = list(range(self.num_partitions - 1, -1, -1))
+        self.counters: dict[str, int] = dict.fromkeys(STAT_NAMES, 0)
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        for opt in (socket.SO_RCVBUF, socket.SO_SNDBUF):
+            self.sock.setsockopt(socket.SOL_SOCKET, opt, _SOCKET_BUFFER)
+        self.sock.bind((host, port))
+        self.address: tuple[str, int] = self.sock.getsockname()[:2]
+        self._buf = bytearray(65536)  # larger than MAX_DATAGRAM, so oversized datagrams show their size
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def serve(self, should_stop: Callable[[], bool], *, poll: float = 0.2) -> None:
+        """Handle packets until ``should_stop()`` is true (checked at least every ``poll`` seconds)."""
+        sock, buf = self.sock, self._buf
+        sock.settimeout(poll)
+        last_housekeeping = time.monotonic()
+        handled = 0
+        while not should_stop():
+            try:
+                nbytes, addr = sock.recvfrom_into(buf)
+            except socket.timeout:
+                self._housekeeping()
+                last_housekeeping = time.monotonic()
+                continue
+            except OSError:
+                # ICMP port-unreachable from a worker that went away surfaces here on Linux.
+                continue
+            self.handle(buf, nbytes, addr)
+            handled += 1
+            if handled & 1023 == 0 and time.monotonic() - last_housekeeping > 1.0:
+                self._housekeeping()
+                last_housekeeping = time.monotonic()
+
+    def stats(self) -> dict[str, int]:
+        out = dict(self.counters)
+        out["jobs_active"] = len(self.jobs)
+        return out
+
+    # -- packet handling -------------------------------------------------------------------------
+
+    def handle(self, buf: bytearray, nbytes: int, addr: Any) -> None:
+        """Validate one datagram and act on it; malformed input is counted, never raised."""
+        c = self.counters
+        c["packets"] += 1
+        try:
+            h = parse_header(buf, nbytes, allowed=PacketType.TO_SWITCH, max_slot=self.partition_size)
+        except ProtocolError as e:
+            c["malformed_dropped"] += 1
+            c[e.reason] += 1
+            return
+        if h.ptype == PacketType.DATA or h.ptype == PacketType.CTRL:
+            self._on_contribution(h, buf, addr)
+        elif h.ptype == PacketType.JOIN:
+            self._on_join(h, addr)
+        else:  # STATS_REQ
+            c["stats_requests"] += 1
+            payload = encode_stats(self.stats())
+            self._send(pack_header(PacketType.STATS_REPLY, count=len(STAT_NAMES)) + payload, addr)
+
+    def _send(self, data: bytes | bytearray, addr: Any) -> None:
+        try:
+            self.sock.sendto(data, addr)
+        except OSError:
+            pass  # a worker that vanished; its peers will time out and say so
+
+    def _on_join(self, h: Header, addr: Any) -> None:
+        c = self.counters
+        c["join_packets"] += 1
+        job = self.jobs.get(h.job_id)
+        if job is None:
+            part = self._allocate()
+            if part is None:
+                c["jobs_refused"] += 1
+                self._send(pack_header(PacketType.ERROR, job_id=h.job_id, worker_id=h.worker_id,
+                                       num_workers=h.num_workers, exponent=ERR_NO_PARTITION), addr)
+                return
+            job = self.jobs[h.job_id] = _Job(h.job_id, part, h.num_workers, self.partition_size)
+        job.last_active = time.monotonic()
+        w = h.worker_id
+        if (w, h.tag) in job.retired:
+            c["stale_dropped"] += 1
+            return
+        if h.num_workers == job.n and job.tags[w] == h.tag:
+            # JOIN_OK was lost: resend it. (Duplicates of a completed JOIN land here too.)
+            job.addrs[w] = addr
+            self._send(self._join_ok(job), addr)
+            c["results_resent"] += 1
+            return
+        if h.num_workers != job.pending_n:
+            job.pending.clear()
+            job.pending_addrs.clear()
+            job.pending_n = h.num_workers
+        if job.pending.get(w) == h.tag:
+            c["retransmissions" if h.flags & FLAG_RETX else "duplicates_ignored"] += 1
+            if h.flags & FLAG_RETX:
+                self._send(_status(job, h, sum(1 << i for i in job.pending)), addr)
+            return
+        job.pending[w] = h.tag
+        job.pending_addrs[w] = addr
+        if len(job.pending) < job.pending_n:
+            return
+        # Everyone joined with a new session: a new incarnation, with every slot freed.
+        for wid, tag in enumerate(job.tags):
+            if tag is not None:
+                job.retired.append((wid, tag))
+        job.reset(job.pending_n)
+        job.epoch = (job.epoch + 1) & 0xFFFFFFFF
+        job.tags = [job.pending[i] for i in range(job.n)]
+        for i in range(job.n):
+            job.addrs[i] = job.pending_addrs[i]
+        job.pending.clear()
+        job.pending_addrs.clear()
+        c["epochs"] += 1
+        msg = self._join_ok(job)
+        for a in job.addrs:
+            self._send(msg, a)
+
+    def _join_ok(self, job: _Job) -> bytes:
+        tags = np.array([t or 0 for t in job.tags], dtype="<u4")
+        return pack_header(PacketType.JOIN_OK, job_id=job.job_id, num_workers=job.n,
+                           slot=self.partition_size - 1, epoch=job.epoch, count=job.n) + tags.tobytes()
+
+    def _on_contribution(self, h: Header, buf: bytearray, addr: Any) -> None:
+        c = self.counters
+        is_ctrl = h.ptype == PacketType.CTRL
+        c["ctrl_packets" if is_ctrl else "data_packets"] += 1
+        if is_ctrl != (h.slot == 0):
+            c["malformed_dropped"] += 1
+            c["bad_slot"] += 1
+            return
+        job = self.jobs.get(h.job_id)
+        if job is None or h.num_workers != job.n:
+            c["foreign_dropped"] += 1
+            if job is not None and job.tags[0] is not None and h.epoch == job.epoch:
+                self._send(pack_header(PacketType.ERROR, job_id=h.job_id, worker_id=h.worker_id,
+                                       num_workers=h.num_workers, exponent=ERR_BAD_WORKERS), addr)
+            return
+        w = h.worker_id
+        if h.epoch != job.epoch or h.tag != job.tags[w]:
+            c["stale_dropped"] += 1
+            return
+        if is_ctrl and h.count < CTRL_LANES + job.n:
+            c["mismatch_dropped"] += 1
+            return
+        job.last_active = time.monotonic()
+        job.addrs[w] = addr
+        shadow = h.flags & FLAG_SHADOW
+        st = job.slots[shadow][h.slot]
+        ident = (h.round, h.seq)
+        bit = 1 << w
+        payload = np.frombuffer(buf, dtype="<i4", count=h.count, offset=HEADER_SIZE)
+        if st.ident == ident:
+            if st.bitmap & bit:
+                if h.flags & FLAG_RETX:
+                    c["retransmissions"] += 1
+                else:
+                    c["duplicates_ignored"] += 1
+                if st.complete:
+                    assert st.result is not None
+                    self._send(st.result, addr)
+                    c["results_resent"] += 1
+                    other = job.slots[1 - shadow][h.slot].ident
+                    if other is not None and _newer(other, ident):
+                        c["shadow_resends"] += 1
+                elif h.flags & FLAG_RETX:
+                    # Tell the worker who is missing, so its timeout can name the ranks.
+                    self._send(_status(job, h, st.bitmap), addr)
+                return
+            if h.count != st.count or h.exponent != st.exponent or h.dtype != st.dtype:
+                c["mismatch_dropped"] += 1
+                return
+            acc = st.acc
+            assert acc is not None
+            if is_ctrl:
+                np.maximum(acc[: h.count], payload, out=acc[: h.count])
+            else:
+                np.add(acc[: h.count], payload, out=acc[: h.count])
+        elif st.ident is None or _newer(ident, st.ident):
+            if st.ident is not None and not st.complete:
+                c["abandoned_slots"] += 1
+            st.ident = ident
+            st.bitmap = 0
+            st.nseen = 0
+            st.complete = False
+            st.result = None
+            st.count = h.count
+            st.exponent = h.exponent
+            st.dtype = h.dtype
+            if st.acc is None or st.acc.shape[0] < h.count:
+                st.acc = np.empty(max(h.count, 1), dtype=np.int64)
+            st.acc[: h.count] = payload
+        else:
+            c["stale_dropped"] += 1
+            return
+        st.bitmap |= bit
+        st.nseen += 1
+        if st.nseen == job.n:
+            self._complete(job, st, h, shadow, is_ctrl)
+
+    def _complete(self, job: _Job, st: _Slot, h: Header, shadow: int, is_ctrl: bool) -> None:
+        acc = st.acc
+        assert acc is not None
+        view = acc[: st.count]
+        flags = shadow
+        if not is_ctrl and st.count and (int(view.max()) > _INT32_MAX or int(view.min()) < _INT32_MIN):
+            np.clip(view, _INT32_MIN, _INT32_MAX, out=view)
+            flags |= FLAG_SATURATED
+            self.counters["saturated_slots"] += 1
+        ptype = PacketType.CTRL_RESULT if is_ctrl else PacketType.RESULT
+        result = bytearray(HEADER_SIZE + 4 * st.count)
+        HEADER.pack_into(result, 0, MAGIC, PROTOCOL_VERSION, ptype, flags, st.dtype, job.job_id, 0, job.n,
+                         h.slot, job.epoch, h.round, h.seq, st.count, st.exponent, 0)
+        np.frombuffer(result, dtype="<i4", offset=HEADER_SIZE)[:] = view
+        st.result = result
+        st.complete = True
+        self.counters["results_sent"] += 1
+        for a in job.addrs:
+            if a is not None:
+                self._send(result, a)
+
+    # -- partitions ------------------------------------------------------------------------------
+
+    def _allocate(self) -> int | None:
+        if not self._free_partitions:
+            self._housekeeping()
+        return self._free_partitions.pop() if self._free_partitions else None
+
+    def _housekeeping(self) -> None:
+        now = time.monotonic()
+        for job_id in [j for j, job in self.jobs.items() if now - job.last_active > self.job_idle_timeout]:
+            self._free_partitions.append(self.jobs.pop(job_id).partition)
+
+
+def format_stats(stats: dict[str, int]) -> str:
+    """One line of ``name=value`` pairs, zero counters left out."""
+    return " ".join(f"{k}={v}" for k, v in stats.items() if v)
+
+
+def query_stats(address: tuple[str, int], timeout: float = 2.0) -> dict[str, int]:
+    """Ask a running switch for its counters (a STATS_REQ datagram, retried until ``timeout``).
+
+    Raises:
+        TimeoutError: the switch did not answer.
+    """
+    deadline = time.monotonic() + timeout
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.bind(("127.0.0.1" if address[0] in ("127.0.0.1", "localhost") else "", 0))
+        buf = bytearray(65536)
+        req = pack_header(PacketType.STATS_REQ)
+        while time.monotonic() < deadline:
+            s.sendto(req, address)
+            s.settimeout(min(0.2, max(0.01, deadline - time.monotonic())))
+            try:
+                nbytes, _ = s.recvfrom_into(buf)
+            except socket.timeout:
+                continue
+            try:
+                h = parse_header(buf, nbytes, allowed=frozenset({PacketType.STATS_REPLY}))
+            except ProtocolError:
+                continue
+            return decode_stats(memoryview(buf)[HEADER_SIZE:nbytes], h.count)
+    raise TimeoutError(f"ina switch at {address[0]}:{address[1]} did not answer a stats request within "
+                       f"{timeout:.1f}s; is it running (commopt-bench ina-switch)?")
+
+
+def _child_main(host: str, port: int, options: dict[str, Any], conn: Any) -> None:
+    """Entry point of a switch started by :class:`SwitchProcess` (spawned, never forked)."""
+    stop = {"flag": False}
+
+    def _on_signal(signum: int, frame: Any) -> None:
+        stop["flag"] = True
+
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
+    switch = Switch(host, port, **options)
+    conn.send(switch.address)
+    conn.close()
+    try:
+        switch.serve(lambda: stop["flag"])
+    finally:
+        switch.close()
+
+
+class SwitchProcess:
+    """A switch in a spawned child process, for tests, the backend's users and benchmarks.
+
+    Use as a context manager; ``stop()`` sends SIGTERM and, if the child does not exit, SIGKILL, so
+    nothing is left behind (FAULTS 30).
+
+    Args:
+        host: bind address (loopback by default).
+        port: 0 picks a free port.
+        start_timeout: seconds to wait for the child to report its address.
+        **options: forwarded to :class:`Switch`.
+    """
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, start_timeout: float = 60.0,
+                 **options: Any):
+        ctx = mp.get_context("spawn")
+        parent, child = ctx.Pipe(duplex=False)
+        self._proc = ctx.Process(target=_child_main, args=(host, port, options, child), daemon=True,
+                                 name="commopt-ina-switch")
+        self._proc.start()
+        child.close()
+        if not parent.poll(start_timeout):
+            self.stop()
+            raise RuntimeError(f"ina switch process did not start within {start_timeout:.0f}s "
+                               f"(exit code {self._proc.exitcode}); see its stderr")
+        addr = parent.recv()
+        parent.close()
+        self.address: tuple[str, int] = (addr[0], int(addr[1]))
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid
+
+    def is_alive(self) -> bool:
+        return self._proc.is_alive()
+
+    def stats(self, timeout: float = 2.0) -> dict[str, int]:
+        return query_stats(self.address, timeout)
+
+    def stop(self, timeout: float = 5.0) -> int | None:
+        """Stop the switch (SIGTERM, then SIGKILL after ``timeout``); returns its exit code."""
+        if self._proc.pid is not None and self._proc.is_alive():
+            os.kill(self._proc.pid, signal.SIGTERM)
+            self._proc.join(timeout)
+            if self._proc.is_alive():
+                self._proc.kill()
+                self._proc.join(timeout)
+        return self._proc.exitcode
+
+    def __enter__(self) -> SwitchProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+

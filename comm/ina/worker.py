@@ -1,0 +1,679 @@
+"""The worker side of in-network aggregation: block floating point, a packet window, retransmission.
+
+One collective (``InaSession.all_reduce``) runs in phases:
+
+(1) **join** (once per session): every worker sends JOIN with a fresh random session tag; the switch
+    answers JOIN_OK with the job's new *epoch* once all ``num_workers`` have joined, which frees the
+    job's slots from any earlier incarnation (a crashed job, a previous session).
+(2) **agree** on the exponent through the switch's control slot (lane-wise MAX): each worker
+    contributes the exponent ``E`` of its largest magnitude (``max|x| < 2**E``), its numel, dtype, op,
+    headroom and a per-worker non-finite flag. Every worker gets the same answer, so a NaN/Inf on one
+    rank raises :class:`NonFiniteError` on every rank before anything is quantized, and a numel/dtype/op
+    mismatch raises :class:`CollectiveMismatchError` on every rank.
+(3) **quantize** ``q = round(x * 2**s)`` to int32 with ``s = 30 - h - E_max``, ``h = ceil(log2 n)``
+    headroom bits, so each ``|q| <= 2**(30-h)`` and the sum of n of them stays ``<= 2**30``: it cannot
+    wrap. (The switch also saturates and flags any sum that would leave int32; a flagged round is
+    redone with more headroom on every worker, since every worker sees the same flags.)
+(4) **aggregate** through the switch: chunks of ``payload_elems`` lanes, at most ``window`` in
+    flight, each on its own data slot; a slot is reused for the chunk ``window`` further on as soon as
+    its result arrives (SwitchML's self-clocking), alternating the slot's two copies so that the
+    previous result stays available for retransmission. A chunk whose result does not come back in
+    time is retransmitted with exponential back-off; after ``max_retries`` unanswered retransmissions,
+    or ``timeout`` seconds for the whole call, it raises :class:`CommTimeoutError`, naming the ranks the
+    switch says have not contributed.
+(5) **dequantize** ``sum(q) * 2**-s`` in float64 (divided by n for ``avg``), rounded once to the
+    tensor's dtype.
+
+Error bound (documented, tested): every worker's rounding error is at most ``2**(-s-1)``, so before
+the final rounding to the output dtype ``|result - sum_fp64| <= n * 2**(-s-1)`` (``/ n`` for avg),
+i.e. about ``n * 2**(h - 31)`` times the largest magnitude; then at most half an ulp of the dtype.
+The result is exactly ``dequantize(sum of the workers' int32 codes)``: no other arithmetic touches it.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+import socket
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import CollectiveMismatchError, CommError, CommTimeoutError, NonFiniteError
+from .faults import FaultConfig, FaultInjector
+from .protocol import (
+    CTRL_DTYPE,
+    CTRL_EXP,
+    CTRL_HEADROOM,
+    CTRL_LANES,
+    CTRL_NDTYPE,
+    CTRL_NHEADROOM,
+    CTRL_NNUMEL_HI,
+    CTRL_NNUMEL_LO,
+    CTRL_NOP,
+    CTRL_NUMEL_HI,
+    CTRL_NUMEL_LO,
+    CTRL_OP,
+    DEFAULT_PAYLOAD_ELEMS,
+    DTYPE_BF16,
+    DTYPE_FP16,
+    DTYPE_FP32,
+    ERR_BAD_WORKERS,
+    ERR_NO_PARTITION,
+    FLAG_RETX,
+    FLAG_SATURATED,
+    FLAG_SHADOW,
+    HEADER,
+    HEADER_SIZE,
+    MAGIC,
+    MAX_PAYLOAD_ELEMS,
+    MAX_WORKERS,
+    PROTOCOL_VERSION,
+    Header,
+    PacketType,
+    ProtocolError,
+    parse_header,
+)
+
+__all__ = [
+    "ZERO_EXPONENT",
+    "InaSession",
+    "ina_all_reduce",
+    "max_exponent",
+    "headroom_bits",
+    "block_shift",
+    "quantize",
+    "dequantize",
+    "error_bound",
+]
+
+ZERO_EXPONENT = -(2**30)  # the exponent of an all-zero (or empty) tensor; loses every MAX
+_DTYPE_CODES = {torch.float32: DTYPE_FP32, torch.float16: DTYPE_FP16, torch.bfloat16: DTYPE_BF16}
+_OP_CODES = {"sum": 1, "avg": 2}
+_SOCKET_BUFFER = 4 << 20
+_OP = "ina/all_reduce"
+
+
+def max_exponent(x: torch.Tensor) -> int:
+    """The exponent ``E`` with ``max|x| < 2**E`` (``ZERO_EXPONENT`` for all zeros or no elements)."""
+    if x.numel() == 0:
+        return ZERO_EXPONENT
+    m = float(x.detach().abs().max())
+    if m == 0.0:
+        return ZERO_EXPONENT
+    return math.frexp(m)[1]
+
+
+def headroom_bits(num_workers: int) -> int:
+    """``ceil(log2 n)``: the bits kept free so that the sum of n int32 codes cannot wrap."""
+    return max(0, (num_workers - 1).bit_length())
+
+
+def block_shift(exponent: int, num_workers: int, headroom: int | None = None) -> int:
+    """The scale ``s`` of ``q = round(x * 2**s)``: codes of ``|q| <= 2**(30-h)``, sums ``<= 2**30``."""
+    h = headroom_bits(num_workers) if headroom is None else headroom
+    return 30 - h - exponent
+
+
+def quantize(x: torch.Tensor, shift: int) -> np.ndarray:
+    """``round(x * 2**shift)`` as a flat little-endian int32 array (round half to even, in float64).
+
+    float64 holds every fp32/fp16/bf16 value times a power of two exactly, so the only rounding is
+    the one to an integer.
+    """
+    flat = x.detach().reshape(-1).to(device="cpu", dtype=torch.float64)
+    q = torch.round(torch.ldexp(flat, torch.tensor(float(shift), dtype=torch.float64)))
+    return q.to(torch.int32).numpy().astype("<i4", copy=False)
+
+
+def dequantize(codes: np.ndarray | torch.Tensor, shift: int, dtype: torch.dtype, divisor: int = 1) -> torch.Tensor:
+    """``codes * 2**-shift / divisor`` computed in float64 and rounded once to ``dtype``."""
+    t = codes if isinstance(codes, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(codes))
+    out = torch.ldexp(t.to(torch.float64), torch.tensor(float(-shift), dtype=torch.float64))
+    if divisor != 1:
+        out = out / divisor
+    return out.to(dtype)
+
+
+def error_bound(shift: int, num_workers: int) -> float:
+    """The bound on ``|dequantized sum - fp64 sum|`` before rounding to the output dtype."""
+    return num_workers * math.ldexp(1.0, -shift - 1)
+
+
+class _Pending:
+    __slots__ = ("chunk", "shadow", "deadline", "backoff", "unanswered", "sent_at", "retransmitted")
+
+    def __init__(self, chunk: int, shadow: int, now: float, rto: float):
+        self.chunk = chunk
+        self.shadow = shadow
+        self.deadline = now + rto
+        self.backoff = 0
+        self.unanswered = 0
+        self.sent_at = now
+        self.retransmitted = False
+
+
+class InaSession:
+    """One worker's connection to the switch for one job; reused across collectives.
+
+    The UDP socket is connected to the switch (so the kernel drops datagrams from anyone else) and
+    stays open until :meth:`close`. Not thread-safe across calls by design of the protocol (every
+    worker must issue the same collectives in the same order, DESIGN 2); a lock serialises callers.
+
+    Args:
+        address: the switch's (host, port).
+        job_id: the job (one process group); 0..65535, the same on every worker.
+        worker_id: this worker, ``0 <= worker_id < num_workers``.
+        num_workers: workers in the job (at most 64).
+        window: chunks in flight per worker (capped by the switch's partition size - 1).
+        payload_elems: int32 lanes per datagram (see ``protocol`` for why 8192).
+        timeout: default seconds a collective may take before :class:`CommTimeoutError`.
+        max_retries: retransmissions of one chunk that go unanswered before giving up.
+        initial_rto: first retransmission timeout in seconds; adapts to the measured round trip.
+        max_rto: cap of the exponential back-off.
+        headroom: bits of headroom (default ``ceil(log2 n)``); fewer is allowed and is corrected by
+            saturation detection and a redone round, which is what tests of FAULTS 27 use.
+        faults: seeded fault injection (tests); None sends and receives untouched.
+        bind_host: local address; by default the kernel picks the interface that reaches the switch
+            (loopback for a loopback switch).
+    """
+
+    def __init__(self, address: tuple[str, int], *, job_id: int, worker_id: int, num_workers: int,
+                 window: int = 16, payload_elems: int = DEFAULT_PAYLOAD_ELEMS, timeout: float = 60.0,
+                 max_retries: int = 20, initial_rto: float = 0.05, max_rto: float = 1.0,
+                 headroom: int | None = None, faults: FaultConfig | None = None,
+                 bind_host: str | None = None):
+        if not 1 <= num_workers <= MAX_WORKERS:
+            raise ValueError(f"{_OP}: num_workers={num_workers} must be in 1..{MAX_WORKERS}")
+        if not 0 <= worker_id < num_workers:
+            raise ValueError(f"{_OP}: worker_id={worker_id} must be in 0..{num_workers - 1}")
+        if not 0 <= job_id <= 0xFFFF:
+            raise ValueError(f"{_OP}: job_id={job_id} must fit 16 bits")
+        if not 1 <= payload_elems <= MAX_PAYLOAD_ELEMS:
+            raise ValueError(f"{_OP}: payload_elems={payload_elems} must be in 1..{MAX_PAYLOAD_ELEMS}")
+        if window < 1 or max_retries < 0 or timeout <= 0 or not 0 < initial_rto <= max_rto:
+            raise ValueError(f"{_OP}: need window >= 1, max_retries >= 0, timeout > 0 and "
+                             f"0 < initial_rto <= max_rto (got {window}, {max_retries}, {timeout}, "
+                             f"{initial_rto}, {max_rto})")
+        self.address = (str(address[0]), int(address[1]))
+        self.job_id = job_id
+        self.worker_id = worker_id
+        self.num_workers = num_workers
+        self.window = window
+        self.payload_elems = payload_elems
+        self.timeout = timeout
+        self.max_retries = max_retries
+        self.max_rto = max_rto
+        self.min_rto = min(0.01, initial_rto)
+        self.headroom = headroom
+        self._rto = initial_rto
+        self._srtt: float | None = None
+        self._rttvar = 0.0
+        self._faults = FaultInjector(faults, salt=worker_id) if faults is not None else None
+        self._tag = secrets.randbits(32) | 1
+        self._epoch: int | None = None
+        self._round = 0
+        self._uses: list[int] = []
+        self._broken: str | None = None
+        self._lock = threading.Lock()
+        self._buf = bytearray(65536)
+        self._inbox: list[bytes] = []
+        self._missing: list[int] | None = None
+        self.counters: dict[str, int] = dict.fromkeys(
+            ("collectives", "packets_sent", "packets_received", "retransmissions", "timeouts_fired",
+             "results", "duplicate_results", "stale_received", "malformed_received", "rescaled_rounds"), 0)
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        try:
+            for opt in (socket.SO_RCVBUF, socket.SO_SNDBUF):
+                self._sock.setsockopt(socket.SOL_SOCKET, opt, _SOCKET_BUFFER)
+            if bind_host is not None:
+                self._sock.bind((bind_host, 0))
+            self._sock.connect(self.address)
+        except OSError:
+            self._sock.close()
+            raise
+
+    # -- public ----------------------------------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        return self._sock.fileno() < 0
+
+    @property
+    def seq(self) -> int:
+        """The sequence number the next collective will carry (rounds redone for rescaling count)."""
+        return self._round
+
+    @property
+    def fault_stats(self) -> dict[str, int]:
+        return self._faults.stats if self._faults is not None else {}
+
+    def close(self) -> None:
+        """Close the socket. The switch frees the job's slots when its next incarnation joins."""
+        self._sock.close()
+
+    def __enter__(self) -> InaSession:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", *, timeout: float | None = None) -> torch.Tensor:
+        """Sum (or average) ``tensor`` over all workers through the switch, in place.
+
+        Args:
+            tensor: fp32, fp16 or bf16, any shape or strides, any device (reduced through host memory).
+            op: "sum" or "avg".
+            timeout: seconds for the whole call (default: the session's).
+
+        Returns:
+            ``tensor``, holding the result.
+
+        Raises:
+            TypeError: not a floating tensor of a supported dtype.
+            ValueError: unknown op.
+            NonFiniteError: some rank's tensor has NaN/Inf (raised on every rank, nothing sent).
+            CollectiveMismatchError: ranks disagree on numel, dtype or op (on every rank).
+            CommTimeoutError: no result within ``timeout`` or the retry budget.
+            CommError: the session is closed or broken by an earlier failure.
+        """
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{_OP}: expected a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.dtype not in _DTYPE_CODES:
+            raise TypeError(f"{_OP} (job {self.job_id}, worker {self.worker_id}): dtype {tensor.dtype} is "
+                            "not supported; in-network aggregation sums float32, float16 or bfloat16 "
+                            "(reduce integer tensors with algorithm='flat')")
+        if tensor.is_sparse:
+            raise TypeError(f"{_OP}: sparse tensors are not supported; densify first")
+        if op not in _OP_CODES:
+            raise ValueError(f"{_OP}: op={op!r} is not supported; use 'sum' or 'avg'")
+        with self._lock:
+            return self._all_reduce(tensor, op, self.timeout if timeout is None else timeout)
+
+    # -- one collective --------------------------------------------------------------------------
+
+    def _ranks(self) -> list[int]:
+        return list(range(self.num_workers))
+
+    def _check_usable(self) -> None:
+        if self.closed:
+            raise CommError(f"{_OP} on job {self.job_id}, worker {self.worker_id}: the session is closed; "
+                            "create a new InaSession", op=_OP, seq=self._round, ranks=[self.worker_id])
+        if self._broken is not None:
+            raise CommError(f"{_OP} on job {self.job_id}, worker {self.worker_id}: the session failed "
+                            f"earlier ({self._broken}) and its peers are out of step; close it and create "
+                            "a new session on every rank (a new process group)", op=_OP, seq=self._round,
+                            ranks=[self.worker_id])
+
+    def _all_reduce(self, tensor: torch.Tensor, op: str, timeout: float) -> torch.Tensor:
+        self._check_usable()
+        self.counters["collectives"] += 1
+        deadline = time.monotonic() + timeout
+        x = tensor.detach()
+        numel = x.numel()
+        nonfinite = numel > 0 and not bool(torch.isfinite(x).all())
+        if self.num_workers == 1:
+            if nonfinite:
+                raise NonFiniteError(self._nonfinite_msg([0], tensor), op=_OP, seq=self._round, ranks=[0])
+            return tensor  # the sum and the average over one worker are the input
+        try:
+            self._ensure_joined(deadline)
+            exponent = ZERO_EXPONENT if nonfinite else max_exponent(x)
+            h = headroom_bits(self.num_workers) if self.headroom is None else self.headroom
+            dcode = _DTYPE_CODES[tensor.dtype]
+            while True:
+                rnd = self._round
+                self._round += 1
+                agreed = self._agree(rnd, exponent, numel, dcode, _OP_CODES[op], h, nonfinite, deadline)
+                self._check_agreement(agreed, rnd, tensor, op)
+                e_max, h = int(agreed[CTRL_EXP]), int(agreed[CTRL_HEADROOM])
+                if numel == 0:
+                    return tensor
+                if e_max == ZERO_EXPONENT:
+                    tensor.zero_()
+                    return tensor
+                shift = block_shift(e_max, self.num_workers, h)
+                codes = quantize(x, shift)
+                out = np.empty(numel, dtype="<i4")
+                saturated = self._aggregate(rnd, codes, out, dcode, shift, deadline)
+                if not saturated:
+                    break
+                # Every worker saw the same saturation flags, so every worker redoes the round.
+                self.counters["rescaled_rounds"] += 1
+                h = max(h + 1, headroom_bits(self.num_workers))
+                if h > 30:
+                    raise CommError(f"{_OP} seq={rnd} job {self.job_id}: the switch saturated even with "
+                                    f"{h} bits of headroom; a worker is sending out-of-range codes",
+                                    op=_OP, seq=rnd, ranks=self._ranks())
+            result = dequantize(out, shift, tensor.dtype, self.num_workers if op == "avg" else 1)
+            tensor.copy_(result.view(tensor.shape))
+            return tensor
+        except CommTimeoutError as e:
+            self._broken = f"{type(e).__name__} at seq {e.seq}"
+            raise
+        except (NonFiniteError, CollectiveMismatchError):
+            raise  # every rank raised the same error at the same point: still in step
+        except (CommError, OSError) as e:
+            self._broken = f"{type(e).__name__}: {e}"
+            if isinstance(e, OSError):
+                raise CommError(f"{_OP} seq={self._round - 1} job {self.job_id} worker {self.worker_id}: "
+                                f"socket error talking to the switch at {self._addr()}: {e}; check that "
+                                "the switch runs (commopt-bench ina-switch)", op=_OP, seq=self._round - 1,
+                                ranks=[self.worker_id]) from e
+            raise
+
+    def _addr(self) -> str:
+        return f"{self.address[0]}:{self.address[1]}"
+
+    def _nonfinite_msg(self, ranks: list[int], tensor: torch.Tensor) -> str:
+        return (f"{_OP} job {self.job_id}: NaN or Inf in the input of rank(s) {ranks} "
+                f"(shape {list(tensor.shape)}, {tensor.dtype}); nothing was quantized or sent. Find where "
+                "the non-finite values come from (loss scaling, learning rate) or skip this step on every "
+                "rank")
+
+    def _check_agreement(self, agreed: np.ndarray, rnd: int, tensor: torch.Tensor, op: str) -> None:
+        flags = agreed[CTRL_LANES:CTRL_LANES + self.num_workers]
+        pairs = {"numel": (CTRL_NUMEL_LO, CTRL_NNUMEL_LO), "numel (high bits)": (CTRL_NUMEL_HI, CTRL_NNUMEL_HI),
+                 "dtype": (CTRL_DTYPE, CTRL_NDTYPE), "op": (CTRL_OP, CTRL_NOP)}
+        bad = [name for name, (a, b) in pairs.items() if int(agreed[a]) != -int(agreed[b])]
+        if bad:
+            raise CollectiveMismatchError(
+                f"{_OP} seq={rnd} job {self.job_id}: ranks disagree on {', '.join(bad)} (this rank: "
+                f"numel={tensor.numel()}, shape {list(tensor.shape)}, {tensor.dtype}, op={op}); every rank "
+                "must all-reduce the same number of elements of the same dtype with the same op",
+                op=_OP, seq=rnd, ranks=self._ranks())
+        if int(agreed[CTRL_HEADROOM]) != -int(agreed[CTRL_NHEADROOM]):
+            raise CollectiveMismatchError(
+                f"{_OP} seq={rnd} job {self.job_id}: ranks use different headroom settings; create every "
+                "rank's session with the same headroom", op=_OP, seq=rnd, ranks=self._ranks())
+        bad_ranks = [r for r in range(self.num_workers) if flags[r]]
+        if bad_ranks:
+            raise NonFiniteError(self._nonfinite_msg(bad_ranks, tensor), op=_OP, seq=rnd, ranks=bad_ranks)
+
+    # -- phases ----------------------------------------------------------------------------------
+
+    def _ensure_joined(self, deadline: float) -> None:
+        if self._epoch is not None:
+            return
+        join = HEADER.pack(MAGIC, PROTOCOL_VERSION, PacketType.JOIN, 0, 0, self.job_id, self.worker_id,
+                           self.num_workers, 0, 0, 0, 0, 0, 0, self._tag)
+        retx = HEADER.pack(MAGIC, PROTOCOL_VERSION, PacketType.JOIN, FLAG_RETX, 0, self.job_id,
+                           self.worker_id, self.num_workers, 0, 0, 0, 0, 0, 0, self._tag)
+        self._tx(join)
+        backoff, unanswered = 0, 0
+        next_send = time.monotonic() + self._rto
+        while True:
+            now = time.monotonic()
+            if now >= deadline:
+                self._raise_timeout("join", self._round, None, unanswered, deadline)
+            if now >= next_send:
+                unanswered += 1
+                if unanswered > self.max_retries:
+                    self._raise_timeout("join", self._round, None, unanswered, deadline)
+                self._tx(retx)
+                backoff += 1
+                next_send = now + min(self._rto * 2 ** backoff, self.max_rto)
+                continue
+            got = self._rx(min(next_send, deadline) - now)
+            if got is None:
+                continue
+            h, payload = got
+            if h.ptype == PacketType.JOIN_OK and h.job_id == self.job_id and h.num_workers == self.num_workers:
+                tags = np.frombuffer(payload, dtype="<u4")
+                if len(tags) == self.num_workers and int(tags[self.worker_id]) == self._tag:
+                    self._epoch = h.epoch
+                    self.window = max(1, min(self.window, h.slot))  # h.slot = data slots in the partition
+                    self._uses = [0] * (self.window + 1)
+                    return
+            elif h.ptype == PacketType.STATUS and h.job_id == self.job_id:
+                self._missing = self._bitmap_missing(h)
+                unanswered = 0
+            elif h.ptype == PacketType.ERROR and h.job_id == self.job_id:
+                self._raise_switch_error(h, self._round)
+            self.counters["stale_received"] += 1
+
+    def _agree(self, rnd: int, exponent: int, numel: int, dcode: int, opcode: int, headroom: int,
+               nonfinite: bool, deadline: float) -> np.ndarray:
+        lanes = np.zeros(CTRL_LANES + self.num_workers, dtype="<i4")
+        lo, hi = numel & 0x7FFFFFFF, numel >> 31
+        lanes[CTRL_EXP] = exponent
+        lanes[CTRL_NUMEL_LO], lanes[CTRL_NNUMEL_LO] = lo, -lo
+        lanes[CTRL_NUMEL_HI], lanes[CTRL_NNUMEL_HI] = hi, -hi
+        lanes[CTRL_DTYPE], lanes[CTRL_NDTYPE] = dcode, -dcode
+        lanes[CTRL_OP], lanes[CTRL_NOP] = opcode, -opcode
+        lanes[CTRL_HEADROOM], lanes[CTRL_NHEADROOM] = headroom, -headroom
+        lanes[CTRL_LANES + self.worker_id] = int(nonfinite)
+        out = np.empty_like(lanes)
+        self._exchange(PacketType.CTRL, rnd, lanes, out, dcode, 0, "agree", deadline)
+        return out
+
+    def _aggregate(self, rnd: int, codes: np.ndarray, out: np.ndarray, dcode: int, shift: int,
+                   deadline: float) -> bool:
+        return self._exchange(PacketType.DATA, rnd, codes, out, dcode, shift, "aggregate", deadline)
+
+    def _exchange(self, ptype: int, rnd: int, src: np.ndarray, dst: np.ndarray, dcode: int, exponent: int,
+                  phase: str, deadline: float) -> bool:
+        """Send ``src`` through the switch and collect the aggregate into ``dst``.
+
+        Returns whether any result came back saturated. The window loop: keep ``window`` chunks in
+        flight, one per slot; a result frees its slot for the chunk ``window`` further on; an expired
+        chunk is retransmitted (flagged RETX, same slot copy) with exponential back-off.
+        """
+        ctrl = ptype == PacketType.CTRL
+        per = len(src) if ctrl else self.payload_elems
+        nchunks = 1 if ctrl else -(-len(src) // per)
+        slots = [0] if ctrl else list(range(1, 1 + min(self.window, nchunks)))
+        result_type = PacketType.CTRL_RESULT if ctrl else PacketType.RESULT
+        pending: dict[int, _Pending] = {}
+        saturated = False
+        next_chunk = 0
+        done = 0
+        job, wid, n, epoch, tag = self.job_id, self.worker_id, self.num_workers, self._epoch, self._tag
+        assert epoch is not None
+        pack = HEADER.pack
+        src_bytes = memoryview(src).cast("B")
+
+        def send(slot: int, p: _Pending, retx: bool) -> None:
+            lo = p.chunk * per
+            hi = min(lo + per, len(src))
+            hdr = pack(MAGIC, PROTOCOL_VERSION, ptype, p.shadow | (FLAG_RETX if retx else 0), dcode, job, wid,
+                       n, slot, epoch, rnd, p.chunk, hi - lo, exponent, tag)
+            self._tx(hdr + src_bytes[4 * lo:4 * hi])
+
+        def start(slot: int, now: float) -> None:
+            nonlocal next_chunk
+            use = self._uses[slot]
+            self._uses[slot] = use + 1
+            p = _Pending(next_chunk, FLAG_SHADOW if use & 1 else 0, now, self._rto)
+            next_chunk += 1
+            pending[slot] = p
+            send(slot, p, False)
+
+        now = time.monotonic()
+        for slot in slots:
+            start(slot, now)
+        self._missing = None
+        while done < nchunks:
+            now = time.monotonic()
+            earliest = min(p.deadline for p in pending.values())
+            if earliest <= now:
+                for slot, p in pending.items():
+                    if p.deadline > now:
+                        continue
+                    self.counters["timeouts_fired"] += 1
+                    if now >= deadline or p.unanswered >= self.max_retries:
+                        self._raise_timeout(phase, rnd, p.chunk, p.unanswered, deadline, slot)
+                    p.unanswered += 1
+                    p.backoff += 1
+                    p.retransmitted = True
+                    self.counters["retransmissions"] += 1
+                    send(slot, p, True)
+                    p.deadline = now + min(self._rto * 2 ** p.backoff, self.max_rto)
+                continue
+            if now >= deadline:
+                first = min(pending, key=lambda s: pending[s].chunk)
+                self._raise_timeout(phase, rnd, pending[first].chunk, pending[first].unanswered, deadline, first)
+            got = self._rx(min(earliest, deadline) - now)
+            if got is None:
+                continue
+            h, payload = got
+            if h.job_id != job or h.epoch != epoch:
+                if h.ptype == PacketType.ERROR and h.job_id == job:
+                    self._raise_switch_error(h, rnd)
+                self.counters["stale_received"] += 1
+                continue
+            p = pending.get(h.slot)
+            if h.ptype == PacketType.STATUS:
+                if p is not None and h.round == rnd and h.seq == p.chunk:
+                    p.unanswered = 0  # the switch is alive and waiting for other workers
+                    self._missing = self._bitmap_missing(h)
+                continue
+            if h.ptype == PacketType.ERROR:
+                self._raise_switch_error(h, rnd)
+            if h.ptype != result_type or h.round != rnd or p is None or h.seq != p.chunk:
+                if h.ptype == result_type and h.round == rnd and h.seq < next_chunk:
+                    self.counters["duplicate_results"] += 1
+                else:
+                    self.counters["stale_received"] += 1
+                continue
+            lo = p.chunk * per
+            hi = min(lo + per, len(src))
+            if h.count != hi - lo or (h.flags & FLAG_SHADOW) != p.shadow:
+                self.counters["stale_received"] += 1
+                continue
+            dst[lo:hi] = np.frombuffer(payload, dtype="<i4")
+            if h.flags & FLAG_SATURATED:
+                saturated = True
+            self.counters["results"] += 1
+            if not p.retransmitted:
+                self._sample_rtt(now - p.sent_at)
+            del pending[h.slot]
+            done += 1
+            if next_chunk < nchunks:
+                start(h.slot, time.monotonic())
+        return saturated
+
+    # -- errors ----------------------------------------------------------------------------------
+
+    def _bitmap_missing(self, h: Header) -> list[int]:
+        bitmap = (h.tag & 0xFFFFFFFF) | ((h.exponent & 0xFFFFFFFF) << 32)
+        return [r for r in range(self.num_workers) if not bitmap >> r & 1]
+
+    def _raise_timeout(self, phase: str, rnd: int, chunk: int | None, unanswered: int, deadline: float,
+                       slot: int | None = None) -> None:
+        where = f"chunk {chunk} (slot {slot})" if chunk is not None else "the join handshake"
+        if unanswered >= self.max_retries and time.monotonic() < deadline:
+            why = (f"{unanswered} retransmissions went unanswered: the switch at {self._addr()} is "
+                   "unreachable or the link drops everything")
+        else:
+            why = "the timeout expired"
+        if self._missing:
+            who = (f"the switch is still waiting for rank(s) {self._missing}, which died, stalled or "
+                   "issued a different collective")
+        else:
+            who = "the switch gave no sign of which ranks are missing"
+        raise CommTimeoutError(
+            f"{_OP} seq={rnd} job {self.job_id} worker {self.worker_id}/{self.num_workers}: no {phase} "
+            f"result for {where}: {why}; {who}. Check that every rank is alive and issues the same "
+            "collectives, and that the switch runs; then recreate the process group (or sessions) on "
+            "every rank", op=_OP, seq=rnd, ranks=self._missing if self._missing else None)
+
+    def _raise_switch_error(self, h: Header, rnd: int) -> None:
+        if h.exponent == ERR_NO_PARTITION:
+            why = ("the switch has no free slot partition for this job; start it with a larger "
+                   "--pool-slots or fewer concurrent jobs")
+        elif h.exponent == ERR_BAD_WORKERS:
+            why = (f"the switch registered job {self.job_id} with a different number of workers; every "
+                   "rank must pass the same num_workers, and concurrent jobs need distinct job ids")
+        else:
+            why = f"the switch reported error code {h.exponent}"
+        raise CommError(f"{_OP} seq={rnd} job {self.job_id} worker {self.worker_id}: {why}", op=_OP, seq=rnd,
+                        ranks=[self.worker_id])
+
+    # -- transport -------------------------------------------------------------------------------
+
+    def _sample_rtt(self, rtt: float) -> None:
+        # RFC 6298's estimator; Karn's rule is applied by the caller (no samples from retransmissions).
+        if self._srtt is None:
+            self._srtt, self._rttvar = rtt, rtt / 2
+        else:
+            self._rttvar = 0.75 * self._rttvar + 0.25 * abs(self._srtt - rtt)
+            self._srtt = 0.875 * self._srtt + 0.125 * rtt
+        self._rto = min(self.max_rto, max(self.min_rto, self._srtt + 4 * self._rttvar))
+
+    def _tx(self, packet: bytes) -> None:
+        if self._faults is None:
+            self._sock.send(packet)
+            self.counters["packets_sent"] += 1
+            return
+        for pkt in self._faults.on_send(packet):
+            self._sock.send(pkt)
+            self.counters["packets_sent"] += 1
+
+    def _rx(self, wait: float) -> tuple[Header, memoryview] | None:
+        """One validated packet, or None after ``wait`` seconds (faults applied on the way in)."""
+        if not self._inbox:
+            self._sock.settimeout(max(wait, 1e-4))
+            try:
+                nbytes = self._sock.recv_into(self._buf)
+            except socket.timeout:
+                return None
+            except ConnectionRefusedError:
+                return None  # ICMP port unreachable: the switch is not (yet) there; retransmit later
+            self.counters["packets_received"] += 1
+            if self._faults is None:
+                return self._parse(self._buf, nbytes)
+            self._inbox.extend(self._faults.on_recv(bytes(self._buf[:nbytes])))
+            if not self._inbox:
+                return None
+        pkt = self._inbox.pop(0)
+        return self._parse(pkt, len(pkt))
+
+    def _parse(self, buf: Any, nbytes: int) -> tuple[Header, memoryview] | None:
+        try:
+            h = parse_header(buf, nbytes, allowed=PacketType.TO_WORKER)
+        except ProtocolError:
+            self.counters["malformed_received"] += 1
+            return None
+        return h, memoryview(buf)[HEADER_SIZE:nbytes]
+
+
+def ina_all_reduce(tensor: torch.Tensor, *, address: tuple[str, int], job_id: int, worker_id: int,
+                   num_workers: int, op: str = "sum", timeout: float = 60.0,
+                   session: InaSession | None = None, **session_options: Any) -> torch.Tensor:
+    """All-reduce ``tensor`` in place through the in-network aggregation switch at ``address``.
+
+    The thin wrapper over :class:`InaSession` used by ``all_reduce(..., algorithm="ina")`` and the
+    DDP hook. Pass a long-lived ``session`` (one per process group and rank) to keep the socket and
+    the job's epoch across calls; without one, a session is opened, joined and closed per call, which
+    costs one extra round trip (the JOIN handshake) and is correct because every call starts a new
+    epoch of the job on the switch.
+
+    Args:
+        tensor: fp32, fp16 or bf16; reduced in place (non-contiguous tensors too).
+        address: the switch's (host, port).
+        job_id: the job, the same on every worker.
+        worker_id: this worker's rank in the job.
+        num_workers: the job's size.
+        op: "sum" or "avg".
+        timeout: seconds for the call.
+        session: an open session to reuse; it must match address, job_id, worker_id and num_workers.
+        **session_options: further :class:`InaSession` arguments (window, faults, ...), used only when
+            no session is given.
+
+    Returns:
+        ``tensor``.
+    """
+    if session is not None:
+        if (session.address, session.job_id, session.worker_id, session.num_workers) != (
+                (str(address[0]), int(address[1])), job_id, worker_id, num_workers):
+            raise ValueError(f"{_OP}: the session is for {session.address} job {session.job_id} worker "
+                             f"{session.worker_id}/{session.num_workers}, not {address} job {job_id} worker "
+                             f"{worker_id}/{num_workers}")
+        return session.all_reduce(tensor, op, timeout=timeout)
+    with InaSession(address, job_id=job_id, worker_id=worker_id, num_workers=num_workers, timeout=timeout,
+                    **session_options) as s:
+        return s.all_reduce(tensor, op, timeout=timeout)
