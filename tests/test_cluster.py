@@ -17,6 +17,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -283,6 +284,52 @@ def test_probe_reports_positive_rate(sweep):
         assert all(rate > 0 for _, rate in probe.links) and probe.bps > 0
         prefix = cluster.prefix
     assert not [n for n in cl.list_namespaces() if n.startswith(prefix)]
+
+
+@pytest.mark.netns
+@needs_netns
+@pytest.mark.parametrize("strict", [False, True])
+def test_off_rate_link_warns_and_strict_refuses(strict, tmp_path, monkeypatch, capfd, sweep):
+    """A link more than 15 % off its configured rate gives a loud warning, --strict refuses to run
+    the command; the probe record reaches the --record file either way. The probe is replaced by a
+    fake one at half the rate, so nothing here depends on the machine's speed."""
+    def half_rate(self, seconds=1.0):
+        return cl.LinkProbe(self.link_rate_bps, [("n0->n1", self.link_rate_bps / 2),
+                                                 ("n1->n0", self.link_rate_bps / 2)], seconds)
+
+    monkeypatch.setattr(cl.Cluster, "probe", half_rate)
+    marker, record = tmp_path / "ran", tmp_path / "record.jsonl"
+    argv = ["--nodes", "2", "--link-rate", "200mbit", "--record", str(record)]
+    argv += ["--strict"] * strict
+    code = cl.main([*argv, "--", sys.executable, "-c", f"open({str(marker)!r}, 'w')"])
+    out, err = capfd.readouterr()
+    assert "WARNING" in err and "50%" in err
+    assert code == (3 if strict else 0), err
+    assert marker.exists() is not strict
+    assert json.loads(record.read_text().splitlines()[-1])["commopt_cluster"]["measured_bps"] == 10**8
+    assert [n for n in cl.list_namespaces() if n.startswith(f"co-{os.getpid():x}-")] == []
+
+
+@pytest.mark.netns
+@needs_netns
+def test_lifecycle_cycles_leak_nothing(sweep):
+    """FAULTS row 30: 20 cycles of up -> run ranks -> down in one process leak no threads, file
+    descriptors, processes or namespaces."""
+    def fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    layout = cl.place_ranks(2, 1)
+    before_fds, before_threads = fds(), threading.active_count()
+    for _ in range(20):
+        with cl.Cluster(2, cl.parse_rate("200mbit")) as cluster:
+            envs = cl.rank_environments(layout, {"PATH": os.environ["PATH"]},
+                                        master_addr=cluster.node_address(0), master_port=29500,
+                                        ifnames=[cluster.ifname(n) for n in range(2)],
+                                        link_rate_bps=cluster.link_rate_bps)
+            assert cl.run_ranks(cluster, layout, ["true"], envs, timeout=30) == 0
+    assert fds() == before_fds
+    assert threading.active_count() == before_threads
+    assert [n for n in cl.list_namespaces() if n.startswith(f"co-{os.getpid():x}-")] == []
 
 
 @pytest.mark.netns
