@@ -500,8 +500,8 @@ class Cluster:
         """Create the namespaces, the bridge and the shaped links (the caller must call down())."""
         for ns in [self.fabric, *self.node_namespaces] + ([self.switch_namespace] if self.switch_node
                                                           else []):
+            self._created.append(ns)  # first: a signal right after the add must not leak it
             self._run([self._ip, "netns", "add", ns])
-            self._created.append(ns)
         fab = ["-n", self.fabric]
         self._run([self._ip, *fab, "link", "add", "cbr0", "type", "bridge"])
         self._run([self._ip, *fab, "link", "set", "cbr0", "up"])
@@ -554,8 +554,8 @@ class Cluster:
     def down(self) -> None:
         """Kill every process started here and in the namespaces, then delete the namespaces.
 
-        Safe to call twice and after a partial :meth:`up`; collects errors and raises the first at
-        the end so that one failure does not leave the rest behind.
+        Safe to call twice and after a partial :meth:`up`. Goes on past a failure, so that one
+        stuck namespace does not leave the others behind, and raises all failures at the end.
         """
         _terminate(self._procs)
         for proc in self._procs:
@@ -576,8 +576,9 @@ class Cluster:
         The process gets its own session (so it and its children are killed as a group) and dies
         with the launcher even when the launcher is SIGKILLed. Pipes are unbuffered binary.
 
-        Call spawn from one thread, before starting threads that write to the launcher's own
-        streams: the death-signal setup runs between fork and exec.
+        Call spawn from the main thread (the death signal fires when the *thread* that spawned the
+        process ends), and before starting threads that write to the launcher's own streams (the
+        death-signal setup runs between fork and exec, where another thread's lock would deadlock).
         """
         ns = self.node_namespaces[node] if isinstance(node, int) else node
         proc = subprocess.Popen(self.netns_argv(ns, argv), env=env, stdin=stdin, stdout=stdout,
@@ -696,7 +697,10 @@ def _ns_pids(ip: str, ns: str) -> list[int]:
 def _remove_namespaces(ip: str, namespaces: Sequence[str]) -> list[str]:
     """Kill whatever still runs in each namespace, then delete it; returns the errors."""
     errors = []
+    existing = set(list_namespaces(ip))
     for ns in namespaces:
+        if ns not in existing:
+            continue
         try:
             for _ in range(50):  # a dying process can still be listed for a moment
                 pids = _ns_pids(ip, ns)
@@ -815,7 +819,8 @@ def run_ranks(cluster: Cluster, layout: Sequence[Sequence[int]], command: Sequen
             if failed:
                 rank, code = failed[0]
                 result = code if code > 0 else 128 - code
-                _note(stderr, f"rank {rank} exited with code {result}; killing the other ranks")
+                how = f"code {code}" if code > 0 else f"{signal.Signals(-code).name} (code {result})"
+                _note(stderr, f"rank {rank} exited with {how}; killing the other ranks")
                 break
             if all(c == 0 for c in codes):
                 break
