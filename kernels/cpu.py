@@ -1,0 +1,567 @@
+"""numba kernels for CPUs: the same results as :mod:`.reference`, near memory bandwidth.
+
+How they work, and why:
+
+- Every kernel is ``@njit(parallel=True, cache=True)`` and works on numpy *views* of the torch
+  tensors' memory (``tensor.numpy()`` on contiguous CPU tensors): no copy in, no copy out. ``cache``
+  keeps the one-off compile (about a second per kernel and array type) out of every later process.
+- numba has no float16 and numpy no bfloat16, so fp32, fp16 and bf16 data are handed to the kernels
+  as raw bit patterns (uint32 / uint16 views) and converted in the kernel: fp16 and bf16 widen
+  exactly to fp32; fp32 narrows to fp16 / bf16 with round-to-nearest-even written out in integer
+  arithmetic (NaN stays NaN, its payload is not preserved). fp64 inputs of the lossy kernels go to
+  the reference implementation (they are not a bandwidth concern); byte copies (flatten, unflatten,
+  permute_chunks) handle every dtype.
+- Copies go through one kernel that walks a table of (source address, destination address, bytes,
+  zero padding) segments, split into fixed-size tasks so that one large tensor still uses every
+  thread; each task is one ``memcpy`` / ``memset``. Raw addresses are turned into pointers by two
+  small LLVM intrinsics (below); the torch tensors stay alive for the whole call.
+- Magnitude maxima are integer maxima of the sign-cleared bit patterns: for IEEE numbers this order
+  equals the order of magnitudes, NaN patterns sort above Inf (so NaN propagates, as torch.amax
+  does), and integer max reductions vectorise where float ones do not.
+- numba's OpenMP / TBB layers are not fork-safe: processes that run these kernels must be spawned,
+  never forked after a kernel has run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numba
+import numpy as np
+import torch
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from . import reference
+from .reference import DTYPE_CODES, hash_key, topk_layout
+
+__all__ = [
+    "flatten",
+    "unflatten",
+    "pack_signs",
+    "unpack_signs",
+    "quantize",
+    "dequantize",
+    "topk_pack",
+    "scatter_add_unpack",
+    "permute_chunks",
+]
+
+_U = np.uint64
+_M32 = _U(0xFFFFFFFF)
+_M1 = _U(0x85EBCA6B)
+_M2 = _U(0xC2B2AE35)
+_TWO_M24 = np.float32(2.0**-24)
+_TWO_P24 = np.float32(2.0**24)
+_KIND = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+# bytes per copy task: large enough that a task is one efficient memcpy, small enough that one big
+# tensor is shared among all threads
+_COPY_CHUNK = 1 << 18
+# elements per task of the element-wise kernels whose blocks may be huge (one scale per tensor)
+_ELEM_CHUNK = 1 << 14
+
+
+# ---------------------------------------------------------------------------------------------------
+# LLVM intrinsics: raw memcpy / memset by address, and float <-> bits casts
+
+
+@intrinsic
+def _memcpy(typingctx, dst, src, nbytes):
+    def codegen(context, builder, signature, args):
+        d = builder.inttoptr(args[0], cgutils.voidptr_t)
+        s = builder.inttoptr(args[1], cgutils.voidptr_t)
+        cgutils.raw_memcpy(builder, d, s, args[2], context.get_constant(types.intp, 1))
+        return context.get_dummy_value()
+
+    return types.void(types.int64, types.int64, types.int64), codegen
+
+
+@intrinsic
+def _memzero(typingctx, dst, nbytes):
+    def codegen(context, builder, signature, args):
+        d = builder.inttoptr(args[0], cgutils.voidptr_t)
+        cgutils.memset(builder, d, args[1], 0)
+        return context.get_dummy_value()
+
+    return types.void(types.int64, types.int64), codegen
+
+
+@intrinsic
+def _as_f32(typingctx, bits):
+    """The float32 whose bit pattern is the low 32 bits of ``bits`` (a uint64)."""
+
+    def codegen(context, builder, signature, args):
+        low = builder.trunc(args[0], ir.IntType(32))
+        return builder.bitcast(low, ir.FloatType())
+
+    return types.float32(types.uint64), codegen
+
+
+@intrinsic
+def _f32_bits(typingctx, value):
+    """The bit pattern of a float32, zero-extended to uint64."""
+
+    def codegen(context, builder, signature, args):
+        return builder.zext(builder.bitcast(args[0], ir.IntType(32)), ir.IntType(64))
+
+    return types.uint64(types.float32), codegen
+
+
+# ---------------------------------------------------------------------------------------------------
+# scalar helpers (inlined by LLVM)
+
+
+@njit(cache=True)
+def _to_f32(bits, kind):
+    """Widen raw fp32 (kind 0) / fp16 (1) / bf16 (2) bits to float32, exactly."""
+    b = _U(bits)
+    if kind == 0:
+        return _as_f32(b)
+    if kind == 2:
+        return _as_f32(b << _U(16))
+    sign = (b & _U(0x8000)) << _U(16)
+    e = (b >> _U(10)) & _U(0x1F)
+    m = b & _U(0x3FF)
+    sub = _f32_bits(np.float32(m) * _TWO_M24)  # subnormal halves are m * 2**-24, exact in fp32
+    normal = ((e + _U(112)) << _U(23)) | (m << _U(13))
+    special = _U(0x7F800000) | (m << _U(13))
+    r = special if e == _U(31) else (sub if e == _U(0) else normal)
+    return _as_f32(r | sign)
+
+
+@njit(cache=True)
+def _from_f32(value, kind):
+    """Narrow a float32 to fp16 (kind 1) / bf16 (2) bits with round to nearest even."""
+    u = _f32_bits(value)
+    if kind == 2:
+        if (u & _U(0x7FFFFFFF)) > _U(0x7F800000):
+            return _U(0x7FC0)  # torch's scalar conversion returns this canonical NaN
+        return (u + _U(0x7FFF) + ((u >> _U(16)) & _U(1))) >> _U(16)
+    a = u & _U(0x7FFFFFFF)
+    sign = (u >> _U(16)) & _U(0x8000)
+    r = a - _U(0x38000000)  # rebias the exponent from 127 to 15 (normal range only)
+    normal = (r + _U(0xFFF) + ((r >> _U(13)) & _U(1))) >> _U(13)
+    # below 2**-14 the half is subnormal: its bits are |x| * 2**24 rounded to nearest even (exact
+    # scaling by a power of two, then rint)
+    sub = _U(np.rint(abs(value) * _TWO_P24)) if a < _U(0x38800000) else _U(0)
+    r = normal if a >= _U(0x38800000) else sub
+    r = _U(0x7C00) if a >= _U(0x477FF000) else r  # >= 65520 rounds to inf
+    r = _U(0x7E00) if a > _U(0x7F800000) else r
+    return r | sign
+
+
+@njit(cache=True)
+def _fmix32(h):
+    h ^= h >> _U(16)
+    h = (h * _M1) & _M32
+    h ^= h >> _U(13)
+    h = (h * _M2) & _M32
+    return h ^ (h >> _U(16))
+
+
+@njit(cache=True)
+def _uniform(i, key):
+    """u in [0, 1) for element ``i``: reference.hash_key's per-element draw."""
+    iu = _U(i)
+    hi = iu >> _U(32)
+    k = key if hi == _U(0) else _fmix32(key ^ hi)
+    h = _fmix32((iu & _M32) ^ k)
+    return np.float32(h >> _U(8)) * _TWO_M24
+
+
+@njit(cache=True)
+def _code(xbits, i, kind, scale, qmax, stochastic, key):
+    v = _to_f32(xbits[i], kind) / scale
+    if stochastic:
+        f = np.floor(v + _uniform(i, key))
+    else:
+        f = np.rint(v)
+    f = min(max(f, -qmax), qmax)
+    f = np.float32(0.0) if v != v else f
+    return np.int64(f)
+
+
+# ---------------------------------------------------------------------------------------------------
+# kernels
+
+
+@njit(parallel=True, cache=True)
+def _copy_segments(src, dst, nbytes, pad, chunk):
+    nseg = src.shape[0]
+    first = np.empty(nseg + 1, np.int64)
+    first[0] = 0
+    for s in range(nseg):
+        first[s + 1] = first[s] + (nbytes[s] + pad[s] + chunk - 1) // chunk
+    for t in prange(first[nseg]):
+        s = np.searchsorted(first, t, side="right") - 1
+        lo = (t - first[s]) * chunk
+        hi = min(lo + chunk, nbytes[s] + pad[s])
+        n = nbytes[s]
+        if lo < n:
+            _memcpy(dst[s] + lo, src[s] + lo, min(hi, n) - lo)
+        if hi > n:
+            start = max(lo, n)
+            _memzero(dst[s] + start, hi - start)
+
+
+@njit(parallel=True, cache=True)
+def _pack_signs(xbits, shift, out):
+    n = xbits.shape[0]
+    sh = _U(shift)
+    for w in prange(out.shape[0]):
+        base = w * 32
+        acc = _U(0)
+        if base + 32 <= n:
+            for j in range(32):
+                acc |= ((_U(xbits[base + j]) >> sh) ^ _U(1)) << _U(j)
+        else:
+            for j in range(n - base):
+                acc |= ((_U(xbits[base + j]) >> sh) ^ _U(1)) << _U(j)
+        out[w] = acc
+
+
+@njit(parallel=True, cache=True)
+def _abs_mean(xbits, kind, block, out):
+    n = xbits.shape[0]
+    for b in prange(out.shape[0]):
+        lo = b * block
+        hi = min(lo + block, n)
+        # four partial sums break the fp64 add latency chain; fp64 keeps the mean exact to well
+        # below fp32 resolution whatever the order
+        s0 = s1 = s2 = s3 = 0.0
+        i = lo
+        while i + 4 <= hi:
+            s0 += abs(np.float64(_to_f32(xbits[i], kind)))
+            s1 += abs(np.float64(_to_f32(xbits[i + 1], kind)))
+            s2 += abs(np.float64(_to_f32(xbits[i + 2], kind)))
+            s3 += abs(np.float64(_to_f32(xbits[i + 3], kind)))
+            i += 4
+        while i < hi:
+            s0 += abs(np.float64(_to_f32(xbits[i], kind)))
+            i += 1
+        out[b] = np.float32(((s0 + s1) + (s2 + s3)) / (hi - lo))
+
+
+@njit(parallel=True, cache=True)
+def _unpack_signs(bits, scales, block, kind, out, chunk):
+    n = out.shape[0]
+    for c in prange((n + chunk - 1) // chunk):
+        lo = c * chunk
+        end = min(lo + chunk, n)
+        while lo < end:
+            b = lo // block
+            hi = min(end, (b + 1) * block)
+            s = scales[b]
+            for i in range(lo, hi):
+                bit = (_U(bits[i >> 5]) >> _U(i & 31)) & _U(1)
+                v = s if bit == _U(1) else -s
+                if kind == 0:
+                    out[i] = _f32_bits(v)
+                else:
+                    out[i] = _from_f32(v, kind)
+            lo = hi
+
+
+@njit(parallel=True, cache=True)
+def _quantize(xbits, kind, absmask, block, qmax, stochastic, key, int4, codes, scales):
+    n = xbits.shape[0]
+    q = np.float32(qmax)
+    for b in prange(scales.shape[0]):
+        lo = b * block
+        hi = min(lo + block, n)
+        m = _U(0)
+        for i in range(lo, hi):
+            m = max(m, _U(xbits[i]) & absmask)
+        scale = _to_f32(m, kind) / q
+        scales[b] = scale
+        if int4:
+            for i in range(lo, hi, 2):
+                c0 = _code(xbits, i, kind, scale, q, stochastic, key)
+                c1 = _code(xbits, i + 1, kind, scale, q, stochastic, key) if i + 1 < hi else 0
+                codes[i >> 1] = (c0 & 15) | ((c1 & 15) << 4)
+        else:
+            for i in range(lo, hi):
+                codes[i] = _code(xbits, i, kind, scale, q, stochastic, key) & 255
+
+
+@njit(parallel=True, cache=True)
+def _dequantize(codes, scales, block, int4, kind, out, chunk):
+    n = out.shape[0]
+    for c in prange((n + chunk - 1) // chunk):
+        lo = c * chunk
+        end = min(lo + chunk, n)
+        while lo < end:
+            b = lo // block
+            hi = min(end, (b + 1) * block)
+            s = scales[b]
+            for i in range(lo, hi):
+                if int4:
+                    nib = (np.int64(codes[i >> 1]) >> ((i & 1) * 4)) & 15
+                    code = nib - 16 if nib >= 8 else nib
+                else:
+                    code = np.int64(codes[i])
+                    code = code - 256 if code >= 128 else code
+                v = np.float32(code) * s
+                if kind == 0:
+                    out[i] = _f32_bits(v)
+                else:
+                    out[i] = _from_f32(v, kind)
+            lo = hi
+
+
+@njit(cache=True)
+def _kth_bin(hist, k):
+    """The bin holding the k-th largest key, and how many keys lie in higher bins."""
+    above = 0
+    for b in range(hist.shape[0] - 1, -1, -1):
+        if above + hist[b] >= k:
+            return b, above
+        above += hist[b]
+    return 0, above
+
+
+@njit(parallel=True, cache=True)
+def _topk_select(xbits, absmask, wide, k, ntask, values, indices):
+    n = xbits.shape[0]
+    per = (n + ntask - 1) // ntask
+    # (1) histogram of the top 16 bits of |x|; (2) for fp32, of the low 16 bits inside the bin that
+    # holds the k-th largest; this pins the threshold key exactly
+    hist = np.zeros((ntask, 65536), np.int64)
+    top = _U(16) if wide else _U(0)
+    for t in prange(ntask):
+        for i in range(t * per, min(n, (t + 1) * per)):
+            hist[t, (_U(xbits[i]) & absmask) >> top] += 1
+    b, above = _kth_bin(hist.sum(axis=0), k)
+    threshold = _U(b) << top
+    if wide:
+        hist[:, :] = 0
+        for t in prange(ntask):
+            for i in range(t * per, min(n, (t + 1) * per)):
+                key = _U(xbits[i]) & absmask
+                if key >> _U(16) == _U(b):
+                    hist[t, key & _U(0xFFFF)] += 1
+        low, above2 = _kth_bin(hist.sum(axis=0), k - above)
+        threshold |= _U(low)
+        above += above2
+    need = k - above  # ties at the threshold to take, lowest index first
+    # (3) count, then (4) write in index order: an element's slot is the number of selected
+    # elements before it
+    gt = np.zeros(ntask + 1, np.int64)
+    eq = np.zeros(ntask + 1, np.int64)
+    for t in prange(ntask):
+        g = 0
+        e = 0
+        for i in range(t * per, min(n, (t + 1) * per)):
+            key = _U(xbits[i]) & absmask
+            if key > threshold:
+                g += 1
+            elif key == threshold:
+                e += 1
+        gt[t + 1] = g
+        eq[t + 1] = e
+    gt = np.cumsum(gt)
+    eq = np.cumsum(eq)
+    for t in prange(ntask):
+        g = gt[t]
+        e = eq[t]
+        for i in range(t * per, min(n, (t + 1) * per)):
+            key = _U(xbits[i]) & absmask
+            if key > threshold:
+                slot = g + min(e, need)
+                values[slot] = xbits[i]
+                indices[slot] = i
+                g += 1
+            elif key == threshold:
+                if e < need:
+                    values[g + e] = xbits[i]
+                    indices[g + e] = i
+                e += 1
+
+
+@njit(parallel=True, cache=True)
+def _scatter_add(vbits, indices, kind, out):
+    n = out.shape[0]
+    bad = 0
+    for j in prange(indices.shape[0]):
+        i = indices[j]
+        if i < 0 or i >= n:
+            bad += 1
+        else:
+            out[i] += _to_f32(vbits[j], kind)
+    return bad
+
+
+# ---------------------------------------------------------------------------------------------------
+# wrappers: numpy views, segment tables, fallbacks
+
+
+def _bits(t: torch.Tensor) -> np.ndarray:
+    """Raw bit-pattern view (uint16 / uint32) of a contiguous fp16/bf16/fp32 tensor."""
+    if t.element_size() == 2:
+        return t.view(torch.int16).numpy().view(np.uint16)
+    return t.view(torch.int32).numpy().view(np.uint32)
+
+
+def _plain(t: torch.Tensor) -> bool:
+    """Whether ``t``'s raw memory is its value in row-major order (no lazy conj / neg views)."""
+    return t.is_contiguous() and not t.is_conj() and not t.is_neg()
+
+
+def _run_segments(segments: list[tuple[int, int, int, int]]) -> None:
+    if segments:
+        table = np.array(segments, dtype=np.int64).reshape(-1, 4)
+        _copy_segments(table[:, 0].copy(), table[:, 1].copy(), table[:, 2].copy(), table[:, 3].copy(),
+                       _COPY_CHUNK)
+
+
+@torch.no_grad()
+def flatten(tensors: Sequence[torch.Tensor], out: torch.Tensor, offsets: Sequence[int]) -> None:
+    size = out.element_size()
+    base = out.data_ptr()
+    segments = []
+    for t, start, end in zip(tensors, offsets, offsets[1:]):
+        n = t.numel()
+        if n and not _plain(t):
+            # strided or lazily conjugated: torch's copy walks the strides; its padding still
+            # goes through the segment table
+            out[start : start + n].view(t.shape).copy_(t)
+            segments.append((0, base + (start + n) * size, 0, (end - start - n) * size))
+        else:
+            src = t.data_ptr() if n else 0
+            segments.append((src, base + start * size, n * size, (end - start - n) * size))
+    tail = out.numel() - offsets[len(tensors)]
+    if tail:
+        segments.append((0, base + offsets[len(tensors)] * size, 0, tail * size))
+    _run_segments(segments)
+
+
+@torch.no_grad()
+def unflatten(buffer: torch.Tensor, tensors: Sequence[torch.Tensor], offsets: Sequence[int]) -> None:
+    size = buffer.element_size()
+    base = buffer.data_ptr()
+    segments = []
+    for t, start in zip(tensors, offsets):
+        n = t.numel()
+        if not n:
+            continue
+        if _plain(t):
+            segments.append((base + start * size, t.data_ptr(), n * size, 0))
+        else:
+            t.copy_(buffer[start : start + n].view(t.shape))
+    _run_segments(segments)
+
+
+def pack_signs(x: torch.Tensor, block: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if x.dtype not in _KIND:
+        return reference.pack_signs(x, block)
+    n = x.numel()
+    bits = torch.empty(-(-n // 32), dtype=torch.uint32)
+    xb = _bits(x)
+    _pack_signs(xb, 8 * x.element_size() - 1, bits.view(torch.int32).numpy().view(np.uint32))
+    if block is None:
+        return bits, None
+    scales = torch.empty(-(-n // block), dtype=torch.float32)
+    _abs_mean(xb, _KIND[x.dtype], block, scales.numpy())
+    return bits, scales
+
+
+def unpack_signs(
+    bits: torch.Tensor, numel: int, scales: torch.Tensor | None, block: int | None, dtype: torch.dtype
+) -> torch.Tensor:
+    if dtype not in _KIND:
+        return reference.unpack_signs(bits, numel, scales, block, dtype)
+    out = torch.empty(numel, dtype=dtype)
+    if scales is None:
+        s, block = np.ones(1, np.float32), max(numel, 1)
+    else:
+        s = scales.numpy()
+    _unpack_signs(bits.view(torch.int32).numpy().view(np.uint32), s, block, _KIND[dtype], _bits(out),
+                  _ELEM_CHUNK)
+    return out
+
+
+def quantize(
+    x: torch.Tensor, bits: int, block: int, seed: int, step: int, stochastic: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if x.dtype not in _KIND:
+        return reference.quantize(x, bits, block, seed, step, stochastic)
+    n = x.numel()
+    int4 = bits == 4
+    codes = torch.empty(-(-n // 2) if int4 else n, dtype=torch.uint8 if int4 else torch.int8)
+    scales = torch.empty(-(-n // block), dtype=torch.float32)
+    absmask = 0x7FFF if x.element_size() == 2 else 0x7FFFFFFF
+    _quantize(_bits(x), _KIND[x.dtype], _U(absmask), block, (1 << (bits - 1)) - 1, stochastic,
+              _U(hash_key(seed, step)), int4, codes.view(torch.uint8).numpy(), scales.numpy())
+    return codes, scales
+
+
+def dequantize(
+    codes: torch.Tensor, scales: torch.Tensor, numel: int, bits: int, block: int, dtype: torch.dtype
+) -> torch.Tensor:
+    if dtype not in _KIND:
+        return reference.dequantize(codes, scales, numel, bits, block, dtype)
+    out = torch.empty(numel, dtype=dtype)
+    _dequantize(codes.view(torch.uint8).numpy(), scales.numpy(), block, bits == 4, _KIND[dtype], _bits(out),
+                _ELEM_CHUNK)
+    return out
+
+
+def topk_pack(x: torch.Tensor, k: int) -> torch.Tensor:
+    if x.dtype not in _KIND:
+        return reference.topk_pack(x, k)
+    n = x.numel()
+    size = x.element_size()
+    values_at, indices_at, total = topk_layout(k, size)
+    payload = torch.zeros(total, dtype=torch.uint8)
+    payload[:8].view(torch.int32).copy_(torch.tensor([k, DTYPE_CODES[x.dtype]], dtype=torch.int32))
+    if k:
+        values = payload[values_at : values_at + k * size]
+        indices = payload[indices_at:].view(torch.int32).numpy()
+        ntask = max(1, min(numba.get_num_threads(), n >> 16))
+        wide = size == 4
+        _topk_select(_bits(x), _U(0x7FFFFFFF if wide else 0x7FFF), wide, k, ntask,
+                     _bits(values.view(x.dtype)), indices)
+    return payload
+
+
+def scatter_add_unpack(
+    payloads: Sequence[torch.Tensor], numel: int, dtype: torch.dtype, value_dtype: torch.dtype
+) -> torch.Tensor:
+    if value_dtype not in _KIND or dtype == torch.float64:
+        return reference.scatter_add_unpack(payloads, numel, dtype, value_dtype)
+    out = torch.zeros(numel, dtype=torch.float32)
+    o = out.numpy()
+    for i, p in enumerate(payloads):
+        k, vdtype = reference.parse_topk(p, value_dtype, i)
+        if not k:
+            continue
+        values_at, indices_at, _ = topk_layout(k, vdtype.itemsize)
+        values = p[values_at : values_at + k * vdtype.itemsize].view(vdtype)
+        indices = p[indices_at:].view(torch.int32).numpy()
+        if _scatter_add(_bits(values), indices, _KIND[vdtype], o):
+            raise ValueError(
+                f"payloads[{i}] has indices outside [0, {numel}); pass the numel of the tensor "
+                "topk_pack was called on"
+            )
+    return out if dtype == torch.float32 else out.to(dtype)
+
+
+def permute_chunks(
+    x: torch.Tensor, splits: Sequence[int], order: Sequence[int], out: torch.Tensor
+) -> torch.Tensor:
+    if x.is_conj() or x.is_neg():
+        return reference.permute_chunks(x, splits, order, out)
+    row = (x.numel() // x.shape[0] if x.shape[0] else 0) * x.element_size()
+    starts = np.concatenate([[0], np.cumsum(splits)]).astype(np.int64)
+    src, dst = x.data_ptr(), out.data_ptr()
+    segments = []
+    at = 0
+    for o in order:
+        rows = splits[o]
+        if rows:
+            segments.append((src + int(starts[o]) * row, dst + at * row, rows * row, 0))
+        at += rows
+    _run_segments(segments)
+    return out
