@@ -264,6 +264,8 @@ def test_rank_environment_and_teardown(placement, layout, sweep):
     host_addrs = subprocess.run(["ip", "-o", "-4", "addr"], capture_output=True, text=True,
                                 timeout=10).stdout
     assert master.pop() + "/" not in host_addrs  # FAULTS row 29: the address exists only inside
+    host_links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, timeout=10).stdout
+    assert not any(f": {name}" in host_links for name in ("cbr0:", "cn0@", "cf0@", "cn0:", "cf0:"))
     record = _record(out)
     assert record["layout"] == layout and record["link_rate_bps"] == 200_000_000
     if placement == "contiguous":
