@@ -142,8 +142,8 @@ class Topology:
         except ValueError:
             raise TopologyError(f"cannot parse topology spec {spec!r}: use 'NxL' (e.g. '2x4') "
                                 f"or node sizes joined by '+' (e.g. '2+1')") from None
-        if any(k <= 0 for k in sizes):
-            raise TopologyError(f"topology spec {spec!r} has a node of size <= 0")
+        if not sizes or any(k <= 0 for k in sizes):
+            raise TopologyError(f"topology spec {spec!r} has no nodes or a node of size <= 0")
         if sum(sizes) != size:
             raise TopologyError(f"topology spec {spec!r} describes {sum(sizes)} ranks but the group has "
                                 f"world_size={size}; pass a spec whose sizes add up to {size}")
@@ -294,7 +294,6 @@ class _Registry:
     def __init__(self):
         self._lock = threading.Lock()
         self._groups: dict[tuple, Groups] = {}
-        self._validated: set[tuple] = set()
         self._engine = None
         # Cost models resolved per (layout, parent group) and topologies detected per group: both
         # agreed across ranks by a collective, so they are computed once, not on every call.
@@ -315,10 +314,9 @@ class _Registry:
                 f"derived groups of a topology over a subgroup (size {topo.world_size} of "
                 f"{dist.get_world_size()}) are not supported: torch creates groups collectively over "
                 f"WORLD; use algorithm='flat' on subgroups", op="topology.groups")
-        vkey = (topo.layout, parent_key)
-        if vkey not in self._validated:
-            topo.validate()
-            self._validated.add(vkey)
+        # Every rank reaches this point for a new key together (creation is collective), so every
+        # rank validates: a check skipped on one rank only would leave the others waiting.
+        topo.validate()
         to_global = topo.group_rank_to_global
         intra = rail = None
         intra_ranks: tuple[int, ...] = ()
@@ -352,7 +350,6 @@ class _Registry:
         with self._lock:
             engine, self._engine = self._engine, None
             groups, self._groups = self._groups, {}
-            self._validated = set()
             self.models = {}
             self.detected = {}
             self.validate_seq = {}

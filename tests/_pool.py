@@ -20,6 +20,7 @@ import shutil
 import tempfile
 import time
 import traceback
+from datetime import timedelta
 from typing import Any, Callable
 
 __all__ = ["RankPool", "RankFailure", "PoolTimeout"]
@@ -40,7 +41,8 @@ def _rank_main(rank: int, world: int, store_path: str, tasks, results) -> None:
 
     torch.set_num_threads(1)
     store = dist.FileStore(store_path, world)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    # A short backend timeout: a test that leaves a collective half-done fails in minutes, not 30.
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=90))
     while True:
         task = tasks.get()
         if task is None:
