@@ -1,0 +1,300 @@
+"""The ``"ina"`` torch.distributed backend: all-reduce through the switch, everything else through gloo.
+
+``dist.init_process_group("ina", store=..., rank=..., world_size=..., pg_options=InaOptions(switch=
+"127.0.0.1:5555"))`` gives a process group whose float all-reduce (SUM and AVG; fp32, fp16, bf16)
+goes through the simulated in-network aggregation switch, while broadcast, all-gather,
+reduce-scatter, barrier, send/recv and any other all-reduce (integer tensors, MAX/MIN/PRODUCT) go to
+an internal gloo group built on the same store. DDP therefore runs on it unchanged: it broadcasts
+parameters at construction (gloo) and all-reduces gradient buckets (switch).
+
+Where the switch address comes from, in order: ``InaOptions.switch``; ``Topology.from_env()``'s
+``ina_switch`` (the one place that reads ``COMMOPT_INA_SWITCH``, DESIGN 7.6). Without either, group
+creation fails with a :class:`CommError` saying how to pass it.
+
+The job id is agreed through the store: rank 0 of the group draws one (or takes
+``InaOptions.job_id``) and publishes it; the other ranks read it. Each group gets its own job, so
+several groups (and several trainings) share a switch through its partitioned slot pool.
+
+Collectives complete synchronously on the calling thread and return completed works: the switch
+protocol is a blocking request/response loop, and DDP waits on each bucket's future anyway.
+"""
+
+from __future__ import annotations
+
+import secrets
+import weakref
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import _create_work_from_future
+from torch.futures import Future
+
+from ..errors import CommError
+from .faults import FaultConfig
+from .protocol import DEFAULT_PAYLOAD_ELEMS
+from .worker import InaSession
+
+__all__ = ["BACKEND_NAME", "InaOptions", "InaProcessGroup", "parse_address", "register_backend"]
+
+BACKEND_NAME = "ina"
+_JOB_KEY = "commopt_ina_job_id"
+_INA_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def parse_address(spec: str | tuple[str, int]) -> tuple[str, int]:
+    """``"host:port"`` (or a (host, port) tuple) -> (host, port), with a clear error otherwise."""
+    if isinstance(spec, tuple):
+        host, port = spec
+        return str(host), int(port)
+    host, sep, port = str(spec).rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"ina switch address {spec!r} is not 'host:port'; pass e.g. '127.0.0.1:5555' as "
+                         "InaOptions(switch=...) or COMMOPT_INA_SWITCH")
+    return host.strip("[]"), int(port)
+
+
+@dataclass
+class InaOptions:
+    """Options of an ``"ina"`` process group (``pg_options=`` of ``init_process_group``/``new_group``).
+
+    Args:
+        switch: the switch, "host:port" or (host, port); None asks ``Topology.from_env()``.
+        job_id: the job id on the switch (1..65535); None lets rank 0 draw one and share it.
+        timeout: seconds per all-reduce; None uses the process group's timeout.
+        window: packets in flight per worker.
+        payload_elems: int32 lanes per datagram.
+        max_retries: unanswered retransmissions of one chunk before CommTimeoutError.
+        faults: seeded fault injection (tests only).
+        gloo_hostname: address the internal gloo group binds to; None leaves gloo's default (which
+            honours ``GLOO_SOCKET_IFNAME``).
+    """
+
+    switch: str | tuple[str, int] | None = None
+    job_id: int | None = None
+    timeout: float | None = None
+    window: int = 16
+    payload_elems: int = DEFAULT_PAYLOAD_ELEMS
+    max_retries: int = 20
+    faults: FaultConfig | None = None
+    gloo_hostname: str | None = None
+
+
+def _switch_from_topology() -> str | None:
+    """The switch address from ``Topology.from_env()`` when that module exists and knows one."""
+    try:
+        from ..topology import Topology  # written elsewhere; absent in minimal installs
+    except ImportError:
+        return None
+    try:
+        topo = Topology.from_env()
+    except (CommError, RuntimeError, ValueError, KeyError, TypeError):
+        return None
+    spec = getattr(topo, "ina_switch", None)
+    return str(spec) if spec else None
+
+
+def _completed(result: Any) -> Any:
+    fut: Future = Future()
+    fut.set_result(result)
+    return _create_work_from_future(fut)
+
+
+class InaProcessGroup(dist.ProcessGroup):
+    """A process group whose float SUM/AVG all-reduce goes through the in-network aggregation switch.
+
+    Args:
+        store: the group's store (a prefix store from ``init_process_group``).
+        rank: this rank in the group.
+        size: the group's size.
+        timeout: the group's timeout.
+        options: see :class:`InaOptions`.
+    """
+
+    def __init__(self, store: dist.Store, rank: int, size: int, timeout: timedelta,
+                 options: InaOptions | None = None):
+        super().__init__(rank, size)
+        options = options or InaOptions()
+        spec = options.switch if options.switch is not None else _switch_from_topology()
+        if spec is None:
+            raise CommError("init_process_group('ina'): no switch address; pass pg_options=InaOptions("
+                            "switch='host:port') or set COMMOPT_INA_SWITCH for Topology.from_env(), and start "
+                            "the switch with `commopt-bench ina-switch`", op="init/ina", ranks=[rank])
+        address = parse_address(spec)
+        if rank == 0:
+            job_id = options.job_id if options.job_id is not None else 1 + secrets.randbelow(0xFFFF)
+            store.set(_JOB_KEY, str(job_id))
+        job_id = int(store.get(_JOB_KEY).decode())
+        self._gloo = self._make_gloo(store, rank, size, timeout, options.gloo_hostname)
+        self._session = InaSession(address, job_id=job_id, worker_id=rank, num_workers=size,
+                                   timeout=options.timeout or timeout.total_seconds(), window=options.window,
+                                   payload_elems=options.payload_elems, max_retries=options.max_retries,
+                                   faults=options.faults)
+        self._finalizer = weakref.finalize(self, self._session.close)
+
+    @staticmethod
+    def _make_gloo(store: dist.Store, rank: int, size: int, timeout: timedelta,
+                   hostname: str | None) -> Any:
+        prefix = dist.PrefixStore("commopt_ina_gloo", store)
+        if hostname is None:
+            return dist.ProcessGroupGloo(prefix, rank, size, timeout)
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = timeout
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=hostname)]
+        return dist.ProcessGroupGloo(prefix, rank, size, opts)
+
+    @property
+    def session(self) -> InaSession:
+        """This rank's switch session (its ``counters`` count packets and retransmissions)."""
+        return self._session
+
+    @property
+    def job_id(self) -> int:
+        return self._session.job_id
+
+    def getBackendName(self) -> str:  # noqa: N802 (torch's name)
+        return BACKEND_NAME
+
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        return BACKEND_NAME
+
+    # -- the one collective the switch does ------------------------------------------------------
+
+    def allreduce(self, tensors: Any, opts: Any = None) -> Any:
+        tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        if opts is None:
+            opts = dist.AllreduceOptions()
+        elif isinstance(opts, dist.ReduceOp) or not hasattr(opts, "reduceOp"):
+            op, opts = opts, dist.AllreduceOptions()
+            opts.reduceOp = op
+        red = opts.reduceOp
+        op = "sum" if red == dist.ReduceOp.SUM else "avg" if red == dist.ReduceOp.AVG else None
+        if op is None or any(t.dtype not in _INA_DTYPES or t.is_sparse for t in tensors):
+            if op == "avg":
+                raise CommError(f"ina all_reduce: AVG of {[str(t.dtype) for t in tensors]} is not supported by "
+                                "the gloo fallback; use SUM and divide", op="ina/all_reduce",
+                                seq=self._session.seq, ranks=[self.rank()])
+            return self._gloo.allreduce(tensors, opts)
+        for t in tensors:
+            self._session.all_reduce(t, op)
+        return _completed(tensors)
+
+    def allreduce_coalesced(self, tensors: Any, opts: Any = None) -> Any:
+        opts = opts if opts is not None else dist.AllreduceCoalescedOptions()
+        red = opts.reduceOp
+        if red in (dist.ReduceOp.SUM, dist.ReduceOp.AVG) and all(t.dtype in _INA_DTYPES for t in tensors):
+            op = "sum" if red == dist.ReduceOp.SUM else "avg"
+            for t in tensors:
+                self._session.all_reduce(t, op)
+            return _completed(list(tensors))
+        return self._gloo.allreduce_coalesced(tensors, opts)
+
+    # -- everything else goes to gloo ------------------------------------------------------------
+
+    def broadcast(self, *args: Any, **kwargs: Any) -> Any:
+        return self._gloo.broadcast(*args, **kwargs)
+
+    def allgather(self, *args: Any, **kwargs: Any) -> Any:
+        return self._gloo.allgather(*args, **kwargs)
+
+    def allgather_coalesced(self, *args: Any, **kwargs: Any) -> Any:
+        return self._gloo.allgather_coalesced(*args, **kwargs)
+
+    def _allgather_base(self, *args: Any, **kwargs: Any) -> Any:
+        return self._gloo._allgather_base(*args, **kwargs)
+
+    def all_gather_single(self, *args: Any, **kwargs: Any) -> Any:
+        return self._gloo._allgather_base(*args, **kwargs)
+
+    def all_gather_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                                    opts: Any = None) -> Any:
+        return self._sequential([(o, i) for o, i in zip(outputs, inputs)], self._gloo._allgather_base,
+                                opts if opts is not None else dist.AllgatherOptions(), outputs)
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
+    def reduce_scatter(self, *args: Any, **kwargs: Any) -> Any:
+        return self._gloo.reduce_scatter(*args, **kwargs)
+
+    def _reduce_scatter_base(self, *args: Any, **kwargs: Any) -> Any:
+        return self._gloo._reduce_scatter_base(*args, **kwargs)
+
+    def reduce_scatter_single(self, *args: Any, **kwargs: Any) -> Any:
+        return self._gloo._reduce_scatter_base(*args, **kwargs)
+
+    def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                                        opts: Any = None) -> Any:
+        return self._sequential([(o, i) for o, i in zip(outputs, inputs)], self._gloo._reduce_scatter_base,
+                                opts if opts is not None else dist.ReduceScatterOptions(), outputs)
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+    def alltoall(self, *args: Any, **kwargs: Any) -> Any:
+        return self._gloo.alltoall(*args, **kwargs)
+
+    def alltoall_base(self, *args: Any, **kwargs: Any) -> Any:
+        return self._gloo.alltoall_base(*args, **kwargs)
+
+    def all_to_all_single(self, *args: Any, **kwargs: Any) -> Any:
+        return self._gloo.alltoall_base(*args, **kwargs)
+
+    def barrier(self, *args: Any, **kwargs: Any) -> Any:
+        return self._gloo.barrier(*args, **kwargs)
+
+    def monitored_barrier(self, *args: Any, **kwargs: Any) -> Any:
+        return self._gloo.monitored_barrier(*args, **kwargs)
+
+    def gather(self, *args: Any, **kwargs: Any) -> Any:
+        return self._gloo.gather(*args, **kwargs)
+
+    def scatter(self, *args: Any, **kwargs: Any) -> Any:
+        return self._gloo.scatter(*args, **kwargs)
+
+    def reduce(self, *args: Any, **kwargs: Any) -> Any:
+        return self._gloo.reduce(*args, **kwargs)
+
+    def send(self, *args: Any, **kwargs: Any) -> Any:
+        return self._gloo.send(*args, **kwargs)
+
+    def recv(self, *args: Any, **kwargs: Any) -> Any:
+        return self._gloo.recv(*args, **kwargs)
+
+    def recv_anysource(self, *args: Any, **kwargs: Any) -> Any:
+        return self._gloo.recv_anysource(*args, **kwargs)
+
+    def _sequential(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], fn: Any, opts: Any,
+                    result: Any) -> Any:
+        # Gloo has no coalesced form of these; issue them one by one in the same order on every rank.
+        for out, inp in pairs:
+            fn(out, inp, opts).wait()
+        return _completed(result)
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Close the switch session and the gloo group (called by ``destroy_process_group``)."""
+        self._finalizer()
+        shutdown = getattr(self._gloo, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+
+    def abort(self) -> None:
+        self.shutdown()
+
+
+def _create(common: Any, options: Any) -> InaProcessGroup:
+    """The creator torch calls (extended API: it receives ``pg_options``)."""
+    if options is not None and not isinstance(options, InaOptions):
+        raise TypeError(f"init_process_group('ina'): pg_options must be commopt.comm.ina.InaOptions, not "
+                        f"{type(options).__name__}")
+    return InaProcessGroup(common.store, common.group_rank, common.group_size, common.timeout, options)
+
+
+def register_backend() -> None:
+    """Register ``"ina"`` with torch.distributed (idempotent; importing ``commopt.comm.ina`` calls it)."""
+    if BACKEND_NAME.upper() in dist.Backend._plugins:  # torch keeps no public "is registered" query
+        return
+    dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=["cpu", "cuda"])
