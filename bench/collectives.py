@@ -1,0 +1,460 @@
+"""``commopt-bench collectives``: one nccl-tests-style harness for every collective and algorithm.
+
+For each size, every requested algorithm is measured interleaved (iteration by iteration), so
+that the ratios printed side by side share the same machine state. Columns follow nccl-tests:
+``size count type redop algo time(us) algbw(GB/s) busbw(GB/s) #wrong``, then the alpha-beta bound
+of ``commopt.comm.cost`` and, inside the emulated cluster, link-level figures: the bytes one node's
+link must carry, link busbw (those bytes / time) and the efficiency against the configured and the
+measured link rate. The correctness check (on by default) compares every element with a value
+computed from rank arithmetic.
+
+Launch: under ``mpirun -n N`` (rank and size from MPI; rendezvous through a FileStore whose path
+rank 0 broadcasts with mpi4py), under ``torchrun`` or ``commopt-bench cluster`` (env://), or with
+``--spawn N`` local ranks (FileStore in a temporary directory; gloo bound to loopback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ReduceOp
+
+__all__ = ["main", "parse_sizes", "run_sweep"]
+
+_DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
+           "bfloat16": torch.bfloat16, "int32": torch.int32, "int64": torch.int64}
+_REDOPS = {"sum": ReduceOp.SUM, "avg": ReduceOp.AVG, "max": ReduceOp.MAX, "min": ReduceOp.MIN}
+_OPS = ("allreduce", "reduce_scatter", "all_gather", "alltoall")
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "M": 1 << 20, "MB": 1 << 20, "G": 1 << 30, "GB": 1 << 30}
+
+
+def parse_sizes(text: str) -> list[int]:
+    """``"1K,64K"`` -> [1024, 65536]; ``"1K:16M"`` -> powers of two from 1 KiB to 16 MiB."""
+
+    def one(s: str) -> int:
+        s = s.strip().upper()
+        digits = s.rstrip("KMGB")
+        unit = s[len(digits):]
+        if not digits or unit not in _UNITS:
+            raise argparse.ArgumentTypeError(f"bad size {s!r}: use e.g. 1K, 64K, 16M")
+        return int(float(digits) * _UNITS[unit])
+
+    sizes: list[int] = []
+    for part in text.split(","):
+        if ":" in part:
+            lo, hi = (one(p) for p in part.split(":"))
+            s = lo
+            while s <= hi:
+                sizes.append(s)
+                s *= 2
+        else:
+            sizes.append(one(part))
+    return sizes
+
+
+def _fmt_size(n: int) -> str:
+    for unit, div in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if n >= div and n % div == 0:
+            return f"{n // div}{unit}"
+    return str(n)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="commopt-bench collectives", description=__doc__.split("\n\n")[0])
+    p.add_argument("--op", default="allreduce", help=f"comma list of {', '.join(_OPS)}")
+    p.add_argument("--algo", default="flat,hierarchical", help="comma list: flat, hierarchical, leader, "
+                   "ina, auto (allreduce); flat, hierarchical, auto (reduce_scatter, all_gather); flat, 2d, auto "
+                   "(alltoall)")
+    p.add_argument("--sizes", default="1K:16M", type=parse_sizes,
+                   help="bytes per rank: '1K,64K' or a doubling range '1K:16M' (alltoall: bytes per peer)")
+    p.add_argument("--dtype", default="float32", choices=list(_DTYPES))
+    p.add_argument("--redop", default="sum", choices=list(_REDOPS))
+    p.add_argument("--iters", type=int, default=0, help="timed iterations per size and algorithm "
+                   "(0: enough for about 0.3 s, between 3 and 50)")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--no-check", dest="check", action="store_false", help="skip the correctness check")
+    p.add_argument("--topology", default=None, help="impose logical nodes, e.g. 2x2 (default: detect)")
+    p.add_argument("--spawn", type=int, default=0, metavar="N", help="spawn N local ranks")
+    p.add_argument("--json", default=None, metavar="PATH", help="write the rows and metadata as JSON")
+    p.add_argument("--validate", action="store_true", help="collectives with validate=True")
+    p.add_argument("--compare-validate", action="store_true",
+                   help="measure each algorithm with and without validate=True, interleaved")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds before a collective is declared hung")
+    return p
+
+
+# ------------------------------------------------------------------------------------ launching
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.spawn:
+        return _spawn(args)
+    mpi = _mpi_world()
+    if mpi is not None:
+        return _run_mpi(args, *mpi)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))
+        try:
+            return _rank_body(args)
+        finally:
+            _shutdown()
+    # A single process: world size 1.
+    with tempfile.TemporaryDirectory(prefix="commopt-bench-") as d:
+        dist.init_process_group("gloo", store=dist.FileStore(os.path.join(d, "store"), 1), rank=0, world_size=1)
+        try:
+            return _rank_body(args)
+        finally:
+            _shutdown()
+
+
+def _shutdown() -> None:
+    from commopt.comm import destroy
+
+    destroy()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _mpi_world() -> tuple[int, int] | None:
+    for rank_var, size_var in (("PMI_RANK", "PMI_SIZE"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+                               ("PMIX_RANK", "PMIX_SIZE")):
+        if rank_var in os.environ and size_var in os.environ:
+            return int(os.environ[rank_var]), int(os.environ[size_var])
+    return None
+
+
+def _run_mpi(args, rank: int, size: int) -> int:
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        print("commopt-bench: running under mpirun needs mpi4py: pip install 'commopt[mpi]'", file=sys.stderr)
+        return 2
+    comm = MPI.COMM_WORLD
+    path = tempfile.mkdtemp(prefix="commopt-mpi-") if rank == 0 else None
+    path = comm.bcast(path, root=0)
+    code = 1
+    try:
+        store = dist.FileStore(os.path.join(path, "store"), size)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=size,
+                                timeout=timedelta(seconds=args.timeout))
+        code = _rank_body(args)
+        _shutdown()
+    except BaseException:  # noqa: BLE001 - any failure must end the whole job (FAULTS row 31)
+        traceback.print_exc()
+        sys.stderr.flush()
+        comm.Abort(1)
+    codes = comm.allgather(code)
+    if rank == 0:
+        shutil.rmtree(path, ignore_errors=True)
+    return max(codes)
+
+
+def _spawn_main(rank: int, world: int, store_path: str, argv_args) -> None:
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # commopt's own ranks stay on loopback (DESIGN 9)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
+                            timeout=timedelta(seconds=argv_args.timeout))
+    try:
+        code = _rank_body(argv_args)
+    finally:
+        _shutdown()
+    sys.exit(code)
+
+
+def _spawn(args) -> int:
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    world = args.spawn
+    args.spawn = 0
+    with tempfile.TemporaryDirectory(prefix="commopt-bench-") as d:
+        store = os.path.join(d, "store")
+        procs = [ctx.Process(target=_spawn_main, args=(r, world, store, args), name=f"rank{r}")
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        code = 0
+        try:
+            while any(p.is_alive() for p in procs):
+                for p in procs:
+                    p.join(0.2)
+                    if p.exitcode not in (None, 0):
+                        code = code or p.exitcode
+                if code:
+                    break
+        except KeyboardInterrupt:
+            code = 130
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.terminate()
+                p.join(5)
+                if p.is_alive():
+                    p.kill()
+        return code or max(p.exitcode or 0 for p in procs)
+
+
+# ------------------------------------------------------------------------------------ measuring
+def _topology(args):
+    from commopt.comm import Topology
+    from commopt.comm.collectives import resolve_topology
+
+    if args.topology:
+        extra = {}
+        env = Topology.from_env() if os.environ.get("COMMOPT_NODES") else None
+        if env is not None:
+            extra = {"link_rate_bps": env.link_rate_bps, "ina_switch": env.ina_switch}
+        return Topology.from_spec(args.topology, **extra)
+    return resolve_topology(None, None)
+
+
+def _expected(op: str, redop: str, world: int, rank: int, count: int, dtype) -> torch.Tensor:
+    """What every element must be, from rank arithmetic: rank r contributes (r + 1) + (i % 7)."""
+    base = torch.arange(count, dtype=torch.float64) % 7
+    contrib = [(r + 1) + base for r in range(world)]
+    if op == "allreduce":
+        stack = torch.stack(contrib)
+        ref = {"sum": stack.sum(0), "avg": stack.mean(0), "max": stack.amax(0), "min": stack.amin(0)}[redop]
+    elif op == "reduce_scatter":
+        stack = torch.stack([(r + 1) + torch.arange(world * count, dtype=torch.float64) % 7 for r in range(world)])
+        red = {"sum": stack.sum(0), "avg": stack.mean(0), "max": stack.amax(0), "min": stack.amin(0)}[redop]
+        ref = red[rank * count:(rank + 1) * count]
+    elif op == "all_gather":
+        ref = torch.cat(contrib)
+    else:  # alltoall: block from peer p is p's block for this rank
+        ref = torch.cat([(p + 1) + (torch.arange(count, dtype=torch.float64) % 7) + 10 * rank for p in range(world)])
+    return ref.to(dtype)
+
+
+def _make_call(op: str, algo: str, count: int, dtype, redop, topo, validate: bool, timeout: float):
+    """Buffers and a closure running one collective; ``check()`` counts wrong elements."""
+    from commopt.comm import all_gather, all_reduce, reduce_scatter
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    base = torch.arange(count, dtype=torch.float64) % 7
+    if op == "allreduce":
+        src = ((rank + 1) + base).to(dtype)
+        buf = src.clone()
+
+        def call():
+            buf.copy_(src)
+            all_reduce(buf, redop, topology=topo, algorithm=algo, validate=validate, timeout=timeout)
+
+        out = buf
+    elif op == "reduce_scatter":
+        src = ((rank + 1) + torch.arange(world * count, dtype=torch.float64) % 7).to(dtype)
+        out = torch.empty(count, dtype=dtype)
+
+        def call():
+            reduce_scatter(out, src, redop, topology=topo, algorithm=algo, validate=validate, timeout=timeout)
+    elif op == "all_gather":
+        src = ((rank + 1) + base).to(dtype)
+        out = torch.empty(world * count, dtype=dtype)
+
+        def call():
+            all_gather(out, src, topology=topo, algorithm=algo, validate=validate, timeout=timeout)
+    else:
+        from commopt.comm.alltoall import all_to_all
+
+        src = torch.cat([((rank + 1) + base + 10 * p) for p in range(world)]).to(dtype)
+        out = torch.empty(world * count, dtype=dtype)
+
+        def call():
+            all_to_all(out, src, topology=topo, algorithm=algo, validate=validate)
+
+    def check(expected: torch.Tensor) -> int:
+        if dtype.is_floating_point:
+            tol = 1e-2 if dtype in (torch.float16, torch.bfloat16) else 1e-5
+            return int((~torch.isclose(out.to(torch.float64), expected.to(torch.float64), rtol=tol)).sum())
+        return int((out != expected).sum())
+
+    return call, check
+
+
+def _agree_iters(seconds: float, requested: int) -> int:
+    if requested:
+        return requested
+    t = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(t, op=ReduceOp.MAX)  # every rank must run the same number of iterations
+    return int(min(50, max(3, math.ceil(0.3 / max(float(t), 1e-6)))))
+
+
+def run_sweep(args, topo, log=print) -> list[dict]:
+    """Measure every (op, size, algorithm) and return one row per combination."""
+    from commopt.comm import cost
+    from commopt.comm.collectives import engine, select_algorithm
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dtype = _DTYPES[args.dtype]
+    redop = _REDOPS[args.redop]
+    esize = torch.empty((), dtype=dtype).element_size()
+    ops = [o.strip() for o in args.op.split(",")]
+    algos = [a.strip() for a in args.algo.split(",")]
+    variants = [(a, v) for a in algos for v in ((False, True) if args.compare_validate else (args.validate,))]
+    model = cost.model_for(topo) if world > 1 else None
+    rows: list[dict] = []
+    progress = None
+    if rank == 0 and sys.stderr.isatty():
+        from tqdm import tqdm
+
+        progress = tqdm(total=len(ops) * len(args.sizes), file=sys.stderr, leave=False, desc="sweep")
+    for op in ops:
+        if op not in _OPS:
+            raise SystemExit(f"unknown --op {op!r}; choose from {', '.join(_OPS)}")
+        for size in args.sizes:
+            count = max(1, size // esize)
+            calls = {}
+            for algo, val in variants:
+                calls[(algo, val)] = _make_call(op, algo, count, dtype, redop, topo, val, args.timeout)
+            # Warm-up (connections, group creation, allocation) and a first timing to size the loop.
+            first = 0.0
+            for (_algo, _val), (call, _check) in calls.items():
+                for _ in range(args.warmup):
+                    call()
+                t0 = time.perf_counter()
+                call()
+                first = max(first, time.perf_counter() - t0)
+            iters = _agree_iters(first, args.iters)
+            times = {k: [] for k in calls}
+            engine().reset_stats()
+            for _ in range(iters):
+                for key, (call, _check) in calls.items():  # interleaved: same machine state for all
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    call()
+                    times[key].append(time.perf_counter() - t0)
+            expected = _expected(op, args.redop, world, rank, count, dtype) if args.check else None
+            for key, (call, check) in calls.items():
+                algo, val = key
+                mean = torch.tensor([sum(times[key]) / len(times[key])], dtype=torch.float64)
+                dist.all_reduce(mean, op=ReduceOp.MAX)  # the slowest rank defines the collective's time
+                wrong = torch.tensor([0], dtype=torch.int64)
+                if expected is not None:
+                    call()
+                    wrong += check(expected)
+                dist.all_reduce(wrong)
+                rows.append(_row(op, algo, val, size, count, dtype, args.redop, float(mean), int(wrong), world,
+                                 topo, model, select_algorithm, cost))
+            if progress is not None:
+                progress.update()
+    if progress is not None:
+        progress.close()
+    return rows
+
+
+def _row(op, algo, val, size, count, dtype, redop, seconds, wrong, world, topo, model, select_algorithm, cost):
+    nbytes = count * torch.empty((), dtype=dtype).element_size()
+    total = nbytes * world if op in ("reduce_scatter", "all_gather", "alltoall") else nbytes
+    factor = cost.ALGORITHM_FACTORS[op if op != "alltoall" else "alltoall"](world) if world > 1 else 0.0
+    algbw = total / seconds / 1e9
+    row = {"op": op, "algo": algo, "validate": val, "size": nbytes, "count": count, "type": str(dtype)[6:],
+           "redop": redop if op in ("allreduce", "reduce_scatter") else "none", "time_us": seconds * 1e6,
+           "algbw": algbw, "busbw": algbw * factor, "wrong": wrong}
+    if world > 1 and topo.num_nodes > 1:
+        kind = {"allreduce": "allreduce", "reduce_scatter": "reduce_scatter", "all_gather": "all_gather",
+                "alltoall": "alltoall"}[op]
+        chosen = algo
+        if algo == "auto" and op != "alltoall":
+            chosen = select_algorithm(kind, "auto", total, topo)
+        row["chosen"] = chosen
+        try:
+            if op == "alltoall":
+                from commopt.comm import alltoall as a2a
+
+                row["bound_us"] = a2a.predict(chosen, nbytes, topo, model) * 1e6
+                link = a2a.link_bytes(chosen, total, topo)
+            else:
+                row["bound_us"] = cost.predict(chosen, total, topo, model, op=kind) * 1e6
+                link = cost.link_bytes(chosen, total, topo, op=kind)
+        except (ValueError, AttributeError, ImportError):
+            row["bound_us"], link = float("nan"), float("nan")
+        row["link_bytes"] = link
+        row["link_busbw"] = link / seconds / 1e9
+        if topo.link_rate_bps:
+            row["eff_cfg"] = row["link_busbw"] * 8e9 / topo.link_rate_bps
+    return row
+
+
+def _print_table(rows: list[dict], measured_bps: float | None, log=print) -> None:
+    link = any("link_busbw" in r for r in rows)
+    head = (f"{'size':>10} {'count':>10} {'type':>8} {'redop':>6} {'algo':>13} {'time(us)':>11} "
+            f"{'algbw(GB/s)':>11} {'busbw(GB/s)':>11} {'#wrong':>7} {'bound(us)':>10}")
+    if link:
+        head += f" {'link(MB)':>9} {'linkbw(GB/s)':>12} {'eff(cfg)':>8} {'eff(meas)':>9}"
+    log("#" + head[1:])
+    for r in rows:
+        algo = r["algo"] + ("+v" if r.get("validate") else "")
+        if r.get("chosen") and r["algo"] == "auto":
+            algo = f"auto>{r['chosen'][:4]}"
+        line = (f"{r['size']:>10} {r['count']:>10} {r['type']:>8} {r['redop']:>6} {algo:>13} "
+                f"{r['time_us']:>11.1f} {r['algbw']:>11.4f} {r['busbw']:>11.4f} {r['wrong']:>7} "
+                f"{r.get('bound_us', float('nan')):>10.1f}")
+        if link:
+            eff_meas = (r["link_busbw"] * 8e9 / measured_bps) if measured_bps else float("nan")
+            line += (f" {r.get('link_bytes', 0) / 1e6:>9.2f} {r.get('link_busbw', 0):>12.4f} "
+                     f"{r.get('eff_cfg', float('nan')):>8.3f} {eff_meas:>9.3f}")
+        log(line)
+
+
+def _print_ratios(rows: list[dict], log=print) -> None:
+    by = {}
+    for r in rows:
+        by.setdefault((r["op"], r["size"]), {})[(r["algo"], r.get("validate", False))] = r["time_us"]
+    keys = sorted({k for v in by.values() for k in v})
+    if len(keys) < 2:
+        return
+    ref = ("flat", False) if ("flat", False) in keys else keys[0]
+    log(f"# speed-up against {ref[0]} (time of {ref[0]} / time of each), measured interleaved in this run")
+    for (op, size), times in by.items():
+        parts = [f"{a}{'+v' if v else ''}={times[ref] / t:.3f}x" for (a, v), t in times.items() if (a, v) != ref]
+        log(f"#   {op:>14} {_fmt_size(size):>6}: " + "  ".join(parts))
+
+
+def _print_fit(rows: list[dict], topo, log=print) -> None:
+    """Fit alpha and beta of the inter-node link from each algorithm's sweep (inside a cluster)."""
+    from commopt.comm import cost
+
+    for (op, algo) in sorted({(r["op"], r["algo"]) for r in rows if r.get("link_bytes")}):
+        pts = [(r["link_bytes"], r["time_us"] * 1e-6) for r in rows if r["op"] == op and r["algo"] == algo
+               and not r.get("validate") and r.get("link_bytes")]
+        if len(pts) < 2:
+            continue
+        lm = cost.fit([p[0] for p in pts], [p[1] for p in pts])
+        log(f"# fit {op}/{algo}: alpha={lm.alpha * 1e6:.1f} us, beta={lm.beta * 1e9:.3f} ns/B "
+            f"(link {8 / lm.beta / 1e6:.1f} Mbit/s)")
+
+
+def _rank_body(args) -> int:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    topo = _topology(args)
+    measured = float(os.environ.get("COMMOPT_LINK_MEASURED_BPS", "0") or 0) or None
+    log = print if rank == 0 else (lambda *a, **k: None)
+    log(f"# commopt-bench collectives: world_size={world} topology={topo.layout!r} "
+        f"ops={args.op} algos={args.algo} dtype={args.dtype}")
+    if topo.link_rate_bps:
+        log(f"# link rate: configured {topo.link_rate_bps / 1e6:.1f} Mbit/s"
+            + (f", measured {measured / 1e6:.1f} Mbit/s" if measured else ""))
+    rows = run_sweep(args, topo, log)
+    _print_table(rows, measured, log)
+    _print_ratios(rows, log)
+    if topo.link_rate_bps:
+        _print_fit(rows, topo, log)
+    wrong = sum(r["wrong"] for r in rows)
+    log(f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}")
+    if rank == 0 and args.json:
+        meta = {"world_size": world, "topology": topo.layout, "link_rate_bps": topo.link_rate_bps,
+                "link_measured_bps": measured, "argv": sys.argv[1:]}
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    sys.stdout.flush()
+    return 1 if wrong else 0
