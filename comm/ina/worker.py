@@ -37,6 +37,7 @@ import secrets
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -95,6 +96,7 @@ _DTYPE_CODES = {torch.float32: DTYPE_FP32, torch.float16: DTYPE_FP16, torch.bflo
 _OP_CODES = {"sum": 1, "avg": 2}
 _SOCKET_BUFFER = 4 << 20
 _OP = "ina/all_reduce"
+_FLAGS_OFFSET = 6  # byte offset of ``flags`` in the header (magic 4, version 1, ptype 1)
 
 
 def max_exponent(x: torch.Tensor) -> int:
@@ -118,15 +120,28 @@ def block_shift(exponent: int, num_workers: int, headroom: int | None = None) ->
     return 30 - h - exponent
 
 
-def quantize(x: torch.Tensor, shift: int) -> np.ndarray:
-    """``round(x * 2**shift)`` as a flat little-endian int32 array (round half to even, in float64).
+def _as_float32_numpy(x: torch.Tensor) -> np.ndarray:
+    """The tensor's values as a flat float32 numpy array (exact for fp16/bf16; a view when possible)."""
+    flat = x.detach().reshape(-1)
+    if flat.dtype != torch.float32 or flat.device.type != "cpu":
+        flat = flat.to(device="cpu", dtype=torch.float32)
+    return flat.numpy()
 
-    float64 holds every fp32/fp16/bf16 value times a power of two exactly, so the only rounding is
-    the one to an integer.
+
+def _quantize_np(a: np.ndarray, shift: int) -> np.ndarray:
+    # float64 holds every fp32 value times a power of two exactly (|a * 2**shift| < 2**31), so the only
+    # rounding is rint's, to the nearest integer with ties to even.
+    return np.rint(np.ldexp(a.astype(np.float64), shift)).astype("<i4")
+
+
+def quantize(x: torch.Tensor, shift: int) -> np.ndarray:
+    """``round(x * 2**shift)`` (ties to even) as a flat little-endian int32 array.
+
+    The worker quantizes chunk by chunk as packets leave (so that workers stay in step instead of
+    all quantizing 16 MiB first); this whole-tensor form gives the same codes and is the oracle of
+    the exactness tests.
     """
-    flat = x.detach().reshape(-1).to(device="cpu", dtype=torch.float64)
-    q = torch.round(torch.ldexp(flat, torch.tensor(float(shift), dtype=torch.float64)))
-    return q.to(torch.int32).numpy().astype("<i4", copy=False)
+    return _quantize_np(_as_float32_numpy(x), shift)
 
 
 def dequantize(codes: np.ndarray | torch.Tensor, shift: int, dtype: torch.dtype, divisor: int = 1) -> torch.Tensor:
@@ -144,7 +159,7 @@ def error_bound(shift: int, num_workers: int) -> float:
 
 
 class _Pending:
-    __slots__ = ("chunk", "shadow", "deadline", "backoff", "unanswered", "sent_at", "retransmitted")
+    __slots__ = ("chunk", "shadow", "deadline", "backoff", "unanswered", "sent_at", "retransmitted", "packet")
 
     def __init__(self, chunk: int, shadow: int, now: float, rto: float):
         self.chunk = chunk
@@ -154,6 +169,7 @@ class _Pending:
         self.unanswered = 0
         self.sent_at = now
         self.retransmitted = False
+        self.packet: bytearray | None = None
 
 
 class InaSession:
@@ -183,7 +199,7 @@ class InaSession:
 
     def __init__(self, address: tuple[str, int], *, job_id: int, worker_id: int, num_workers: int,
                  window: int = 16, payload_elems: int = DEFAULT_PAYLOAD_ELEMS, timeout: float = 60.0,
-                 max_retries: int = 20, initial_rto: float = 0.05, max_rto: float = 1.0,
+                 max_retries: int = 20, initial_rto: float = 0.2, max_rto: float = 1.0,
                  headroom: int | None = None, faults: FaultConfig | None = None,
                  bind_host: str | None = None):
         if not 1 <= num_workers <= MAX_WORKERS:
@@ -207,7 +223,7 @@ class InaSession:
         self.timeout = timeout
         self.max_retries = max_retries
         self.max_rto = max_rto
-        self.min_rto = min(0.01, initial_rto)
+        self.min_rto = min(0.05, initial_rto)
         self.headroom = headroom
         self._rto = initial_rto
         self._srtt: float | None = None
@@ -324,6 +340,7 @@ class InaSession:
             exponent = ZERO_EXPONENT if nonfinite else max_exponent(x)
             h = headroom_bits(self.num_workers) if self.headroom is None else self.headroom
             dcode = _DTYPE_CODES[tensor.dtype]
+            values: np.ndarray | None = None
             while True:
                 rnd = self._round
                 self._round += 1
@@ -336,9 +353,10 @@ class InaSession:
                     tensor.zero_()
                     return tensor
                 shift = block_shift(e_max, self.num_workers, h)
-                codes = quantize(x, shift)
+                if values is None:
+                    values = _as_float32_numpy(x)
                 out = np.empty(numel, dtype="<i4")
-                saturated = self._aggregate(rnd, codes, out, dcode, shift, deadline)
+                saturated = self._aggregate(rnd, values, out, dcode, shift, deadline)
                 if not saturated:
                     break
                 # Every worker saw the same saturation flags, so every worker redoes the round.
@@ -447,24 +465,32 @@ class InaSession:
         lanes[CTRL_HEADROOM], lanes[CTRL_NHEADROOM] = headroom, -headroom
         lanes[CTRL_LANES + self.worker_id] = int(nonfinite)
         out = np.empty_like(lanes)
-        self._exchange(PacketType.CTRL, rnd, lanes, out, dcode, 0, "agree", deadline)
+        self._exchange(PacketType.CTRL, rnd, len(lanes), lambda lo, hi: lanes.tobytes(), out, dcode, 0,
+                       "agree", deadline)
         return out
 
-    def _aggregate(self, rnd: int, codes: np.ndarray, out: np.ndarray, dcode: int, shift: int,
+    def _aggregate(self, rnd: int, values: np.ndarray, out: np.ndarray, dcode: int, shift: int,
                    deadline: float) -> bool:
-        return self._exchange(PacketType.DATA, rnd, codes, out, dcode, shift, "aggregate", deadline)
+        def payload(lo: int, hi: int) -> bytes:
+            return _quantize_np(values[lo:hi], shift).tobytes()
 
-    def _exchange(self, ptype: int, rnd: int, src: np.ndarray, dst: np.ndarray, dcode: int, exponent: int,
-                  phase: str, deadline: float) -> bool:
-        """Send ``src`` through the switch and collect the aggregate into ``dst``.
+        return self._exchange(PacketType.DATA, rnd, len(values), payload, out, dcode, shift, "aggregate",
+                              deadline)
+
+    def _exchange(self, ptype: int, rnd: int, total: int, payload_of: Callable[[int, int], bytes],
+                  dst: np.ndarray, dcode: int, exponent: int, phase: str, deadline: float) -> bool:
+        """Send ``total`` lanes through the switch and collect the aggregate into ``dst``.
+
+        ``payload_of(lo, hi)`` gives the little-endian int32 bytes of lanes ``lo:hi``; it is called once
+        per chunk, as the chunk first leaves, and the packet is kept for retransmissions.
 
         Returns whether any result came back saturated. The window loop: keep ``window`` chunks in
         flight, one per slot; a result frees its slot for the chunk ``window`` further on; an expired
         chunk is retransmitted (flagged RETX, same slot copy) with exponential back-off.
         """
         ctrl = ptype == PacketType.CTRL
-        per = len(src) if ctrl else self.payload_elems
-        nchunks = 1 if ctrl else -(-len(src) // per)
+        per = total if ctrl else self.payload_elems
+        nchunks = 1 if ctrl else -(-total // per)
         slots = [0] if ctrl else list(range(1, 1 + min(self.window, nchunks)))
         result_type = PacketType.CTRL_RESULT if ctrl else PacketType.RESULT
         pending: dict[int, _Pending] = {}
@@ -474,14 +500,17 @@ class InaSession:
         job, wid, n, epoch, tag = self.job_id, self.worker_id, self.num_workers, self._epoch, self._tag
         assert epoch is not None
         pack = HEADER.pack
-        src_bytes = memoryview(src).cast("B")
 
         def send(slot: int, p: _Pending, retx: bool) -> None:
-            lo = p.chunk * per
-            hi = min(lo + per, len(src))
-            hdr = pack(MAGIC, PROTOCOL_VERSION, ptype, p.shadow | (FLAG_RETX if retx else 0), dcode, job, wid,
-                       n, slot, epoch, rnd, p.chunk, hi - lo, exponent, tag)
-            self._tx(hdr + src_bytes[4 * lo:4 * hi])
+            if p.packet is None:
+                lo = p.chunk * per
+                hi = min(lo + per, total)
+                p.packet = bytearray(pack(MAGIC, PROTOCOL_VERSION, ptype, p.shadow, dcode, job, wid, n, slot,
+                                          epoch, rnd, p.chunk, hi - lo, exponent, tag))
+                p.packet += payload_of(lo, hi)
+            if retx:
+                p.packet[_FLAGS_OFFSET] = p.shadow | FLAG_RETX
+            self._tx(p.packet)
 
         def start(slot: int, now: float) -> None:
             nonlocal next_chunk
@@ -540,7 +569,7 @@ class InaSession:
                     self.counters["stale_received"] += 1
                 continue
             lo = p.chunk * per
-            hi = min(lo + per, len(src))
+            hi = min(lo + per, total)
             if h.count != hi - lo or (h.flags & FLAG_SHADOW) != p.shadow:
                 self.counters["stale_received"] += 1
                 continue
@@ -609,7 +638,7 @@ class InaSession:
             self._sock.send(packet)
             self.counters["packets_sent"] += 1
             return
-        for pkt in self._faults.on_send(packet):
+        for pkt in self._faults.on_send(bytes(packet)):  # a copy: held packets must not see later edits
             self._sock.send(pkt)
             self.counters["packets_sent"] += 1
 

@@ -1,0 +1,157 @@
+"""``commopt-bench ina-switch``: run the simulated in-network aggregation switch, or measure it.
+
+Serve (the default)::
+
+    commopt-bench ina-switch --host 127.0.0.1 --port 0
+    # prints "commopt ina switch listening on 127.0.0.1:PORT ..." and serves until SIGTERM/SIGINT,
+    # then prints its counters and exits 0.
+
+Measure loopback throughput (not a test; numbers depend on the machine)::
+
+    commopt-bench ina-switch --bench 2,4 --size 16M --iters 5
+
+spawns a switch and N worker processes per entry, all-reduces ``--size`` bytes of fp32 ``--iters``
+times after one warm-up, and prints per-worker throughput (bytes of the tensor / time per all-reduce)
+with the switch's retransmission counters. The switch binds to loopback unless ``--host`` says
+otherwise (FAULTS 29).
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import signal
+import sys
+import time
+from typing import Any
+
+__all__ = ["main"]
+
+
+def _size(text: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    text = text.strip().upper().rstrip("B")
+    if text and text[-1] in units:
+        return int(float(text[:-1]) * units[text[-1]])
+    return int(text)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="commopt-bench ina-switch", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    p.add_argument("--port", type=int, default=0, help="UDP port (0: pick a free one; printed)")
+    p.add_argument("--pool-slots", type=int, default=1024, help="slots in the pool")
+    p.add_argument("--partition-size", type=int, default=64, help="slots per job (slot 0 is control)")
+    p.add_argument("--job-idle-timeout", type=float, default=300.0,
+                   help="seconds after which an idle job's partition is reclaimed")
+    p.add_argument("--bench", default=None, metavar="N[,N...]",
+                   help="measure instead of serving: all-reduce with N local worker processes")
+    p.add_argument("--size", default="16M", help="bytes of fp32 per all-reduce (--bench)")
+    p.add_argument("--iters", type=int, default=5, help="timed all-reduces after one warm-up (--bench)")
+    p.add_argument("--window", type=int, default=16, help="packets in flight per worker (--bench)")
+    p.add_argument("--payload", type=int, default=8192, help="int32 lanes per datagram (--bench)")
+    return p
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from commopt.comm.ina.switch import Switch, format_stats
+
+    stop = {"flag": False}
+
+    def _on_signal(signum: int, frame: Any) -> None:
+        stop["flag"] = True
+
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
+    switch = Switch(args.host, args.port, pool_slots=args.pool_slots, partition_size=args.partition_size,
+                    job_idle_timeout=args.job_idle_timeout)
+    host, port = switch.address
+    print(f"commopt ina switch listening on {host}:{port} (pool {args.pool_slots} slots, "
+          f"{switch.num_partitions} partitions of {args.partition_size})", flush=True)
+    try:
+        switch.serve(lambda: stop["flag"])
+    finally:
+        print(f"commopt ina switch on {host}:{port} stopped: {format_stats(switch.stats())}", flush=True)
+        switch.close()
+    return 0
+
+
+def _bench_worker(address: tuple[str, int], job_id: int, worker: int, n: int, numel: int, iters: int,
+                  window: int, payload: int, queue: Any) -> None:
+    import torch
+    from commopt.comm.ina.worker import InaSession
+
+    torch.set_num_threads(1)
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(worker))
+    buf = x.clone()
+    with InaSession(address, job_id=job_id, worker_id=worker, num_workers=n, window=window,
+                    payload_elems=payload, timeout=120.0) as s:
+        s.all_reduce(buf)  # warm-up: join, first exponent round
+        times = []
+        for _ in range(iters):
+            buf.copy_(x)
+            t0 = time.perf_counter()
+            s.all_reduce(buf)
+            times.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            q = s_quant(buf, x)
+        t_local = (time.perf_counter() - t0) / iters
+        del q
+        queue.put((worker, times, t_local, dict(s.counters)))
+
+
+def s_quant(buf: Any, x: Any) -> Any:
+    """The worker-local part of one all-reduce (exponent, quantize, dequantize), for the breakdown."""
+    from commopt.comm.ina.worker import block_shift, dequantize, max_exponent, quantize
+
+    shift = block_shift(max_exponent(x), 4)
+    return buf.copy_(dequantize(quantize(x, shift), shift, x.dtype))
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from commopt.comm.ina.switch import SwitchProcess
+
+    nbytes = _size(args.size)
+    numel = nbytes // 4
+    ctx = mp.get_context("spawn")
+    print(f"# ina loopback benchmark: fp32 all-reduce of {nbytes / 2**20:.1f} MiB, {args.iters} iterations, "
+          f"window {args.window} x {args.payload * 4 // 1024} KiB datagrams; one Python switch process",
+          flush=True)
+    print(f"{'workers':>7} {'time(ms)':>9} {'MB/s/worker':>12} {'local(ms)':>10} {'retx':>6} "
+          f"{'sw_pkts':>8} {'sw_retx':>8}", flush=True)
+    for n in [int(v) for v in args.bench.split(",") if v.strip()]:
+        with SwitchProcess(args.host, 0, pool_slots=args.pool_slots, partition_size=args.partition_size) as sw:
+            queue = ctx.Queue()
+            procs = [ctx.Process(target=_bench_worker, args=(sw.address, 100 + n, w, n, numel, args.iters,
+                                                             args.window, args.payload, queue))
+                     for w in range(n)]
+            for p in procs:
+                p.start()
+            try:
+                results = [queue.get(timeout=600) for _ in procs]
+            finally:
+                for p in procs:
+                    p.join(30)
+                    if p.is_alive():
+                        p.kill()
+                        p.join()
+            stats = sw.stats()
+        t = max(sorted(r[1])[len(r[1]) // 2] for r in results)  # median per worker, slowest worker
+        local = max(r[2] for r in results)
+        retx = sum(r[3]["retransmissions"] for r in results)
+        print(f"{n:>7} {t * 1e3:>9.1f} {nbytes / t / 1e6:>12.1f} {local * 1e3:>10.1f} {retx:>6} "
+              f"{stats['packets']:>8} {stats['retransmissions']:>8}", flush=True)
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    if args.bench:
+        return _bench(args)
+    return _serve(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
