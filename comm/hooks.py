@@ -1,8 +1,9 @@
 """DDP comm hooks with torch's contract: ``hook(state, bucket) -> Future[Tensor]``.
 
-One hook, :func:`allreduce_hook`, whose :class:`AllReduceState` selects the algorithm (and, with
-issue 5, a compressor). The future completes with one tensor shaped like ``bucket.buffer()``
-holding the gradients averaged over the group. :func:`register` validates the model first, so
+One hook, :func:`allreduce_hook`, whose :class:`AllReduceState` selects the algorithm and,
+optionally, a compressor (``commopt.comm.compression``; error feedback keyed by parameter name).
+The future completes with one tensor shaped like ``bucket.buffer()`` holding the gradients averaged
+over the group. :func:`register` validates the model first, so
 problems surface at registration, not in the middle of ``backward()``::
 
     from commopt.comm import hooks
@@ -18,7 +19,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
-from .collectives import SUPPORTED_DTYPES, all_reduce
+from .collectives import SUPPORTED_DTYPES, all_reduce, validate_same
+from .compression import ErrorFeedback, reduce_tensors
 from .topology import Topology
 
 __all__ = ["AllReduceState", "allreduce_hook", "register", "check_result"]
@@ -30,18 +32,24 @@ class AllReduceState:
     Args:
         topology: the layout of the process group (None: detected on first use).
         algorithm: any all-reduce algorithm of ``commopt.comm.collectives`` ("auto", "flat",
-            "hierarchical", "leader", "ina").
+            "hierarchical", "leader", "ina"); with a compressor: "flat", "hierarchical" (only the
+            inter-node phase is compressed) or "auto".
         compressor: a ``commopt.comm.compression`` compressor, or None for exact reduction.
         process_group: the group to reduce over (None: WORLD, as DDP).
-        error_feedback: keep the compressor's residuals (ignored without a compressor).
+        error_feedback: keep residual memory for biased compressors, keyed by parameter name (a
+            biased compressor without it warns: it may not converge).
         warmup_steps: exact all-reduce for this many steps before compressing.
         validate: exchange a fingerprint before each bucket's reduction (FAULTS rows 1-3).
         timeout: seconds each phase may take before ``CommTimeoutError`` (None: the group's own).
+        seed: the seed of all compressor randomness, identical on every rank (never the global RNG).
+        check_finite: with a compressor, raise ``NonFiniteError`` on every rank when any rank's bucket
+            holds NaN/Inf; by default such a step is reduced exactly (NaN propagates, residuals kept).
     """
 
     def __init__(self, topology: Topology | None = None, algorithm: str = "auto", compressor=None, *,
                  process_group=None, error_feedback: bool = True, warmup_steps: int = 0,
-                 validate: bool = False, timeout: float | None = None):
+                 validate: bool = False, timeout: float | None = None, seed: int = 0,
+                 check_finite: bool = False):
         if warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
         self.topology = topology
@@ -49,38 +57,72 @@ class AllReduceState:
         self.compressor = compressor
         self.process_group = process_group
         self.error_feedback = error_feedback
+        self.feedback: ErrorFeedback | None = ErrorFeedback() if error_feedback else None
         self.warmup_steps = int(warmup_steps)
         self.validate = validate
         self.timeout = timeout
-        self.step = 0  # completed optimizer steps seen by the hook (bucket 0 marks a new step)
+        self.seed = int(seed)
+        self.check_finite = bool(check_finite)
+        self.step = 0  # optimizer steps completed (the last bucket of a step advances it)
         self.buckets_reduced = 0
+        self.world_size: int | None = None
+        # id(parameter) -> stable key (its name in the model, recorded by register()).
+        self.param_keys: dict[int, str] = {}
+        if compressor is not None and getattr(compressor, "biased", False) and not error_feedback:
+            compressor.warn_biased()
+
+    def key_of(self, param: torch.Tensor) -> str:
+        """The stable key of ``param``: its name when :func:`register` saw the model, else the order of
+        first appearance (deterministic, but only stable for the same model and bucket order)."""
+        key = self.param_keys.get(id(param))
+        if key is None:
+            key = self.param_keys[id(param)] = f"param{len(self.param_keys)}"
+        return key
 
     # ----------------------------------------------------------------------------- checkpointing
     def state_dict(self) -> dict:
         """Plain numbers and tensors only, so ``torch.load(weights_only=True)`` accepts it."""
         out = {"step": self.step, "buckets_reduced": self.buckets_reduced, "algorithm": self.algorithm,
-               "warmup_steps": self.warmup_steps}
+               "warmup_steps": self.warmup_steps, "seed": self.seed, "world_size": self.world_size}
         if self.compressor is not None and hasattr(self.compressor, "state_dict"):
             out["compressor"] = self.compressor.state_dict()
+        if self.feedback is not None:
+            out["error_feedback"] = self.feedback.state_dict()
         return out
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore a :meth:`state_dict`; training then continues bit-identically (on CPU).
+
+        Raises:
+            ValueError: the checkpoint's algorithm, compressor settings or world size differ.
+                Residuals are keyed by parameter name, so a different DDP bucket layout loads fine.
+        """
         if state.get("algorithm", self.algorithm) != self.algorithm:
             raise ValueError(f"checkpoint was taken with algorithm={state['algorithm']!r} but this state "
                              f"uses {self.algorithm!r}; build the state with the same algorithm")
+        saved_world = state.get("world_size")
+        world = dist.get_world_size(self.process_group) if dist.is_initialized() else None
+        if saved_world is not None and world is not None and saved_world != world and "error_feedback" in state:
+            raise ValueError(f"checkpoint was taken with world_size={saved_world} but this job has "
+                             f"world_size={world}: residuals and warm starts do not transfer; build a fresh "
+                             f"AllReduceState (a documented reset) or resume on {saved_world} ranks")
         self.step = int(state["step"])
         self.buckets_reduced = int(state["buckets_reduced"])
         self.warmup_steps = int(state.get("warmup_steps", self.warmup_steps))
+        self.seed = int(state.get("seed", self.seed))
         if "compressor" in state:
             if self.compressor is None or not hasattr(self.compressor, "load_state_dict"):
                 raise ValueError("checkpoint holds compressor state but this state has no compressor")
             self.compressor.load_state_dict(state["compressor"])
+        if "error_feedback" in state and self.feedback is not None:
+            self.feedback.load_state_dict(state["error_feedback"])
 
     def __getstate__(self) -> dict:
-        # Process groups and topologies hold live communicators: never pickled.
+        # Process groups and topologies hold live communicators, and ids mean nothing elsewhere.
         d = dict(self.__dict__)
         d["process_group"] = None
         d["topology"] = None
+        d["param_keys"] = {}
         return d
 
     def __setstate__(self, d: dict) -> None:
@@ -105,25 +147,53 @@ def check_result(bucket, result) -> torch.Tensor:
     return result
 
 
+def _views(bucket, buf: torch.Tensor) -> list[torch.Tensor]:
+    """Each parameter's gradient as a view of the bucket buffer (DDP lays them out back to back)."""
+    params = bucket.parameters()
+    total = sum(p.numel() for p in params)
+    if total != buf.numel():
+        raise ValueError(f"bucket {bucket.index()}: parameters hold {total} elements but the buffer has "
+                         f"{buf.numel()}; this DDP layout is not supported with a compressor")
+    out, pos = [], 0
+    for p in params:
+        out.append(buf[pos: pos + p.numel()].view(p.shape))
+        pos += p.numel()
+    return out
+
+
 def allreduce_hook(state: AllReduceState, bucket) -> torch.futures.Future:
     """Average ``bucket.buffer()`` over the group with the state's algorithm (and compressor).
+
+    With a compressor, floating buckets go through ``compression.reduce_tensors`` (agreed
+    non-finite check, compressed exchange, error feedback keyed by parameter name); integer buckets,
+    warm-up steps and a world of one rank reduce exactly.
 
     Returns:
         A future of one tensor shaped like ``bucket.buffer()``.
     """
     buf = bucket.buffer()
+    step = state.step
     if bucket.is_last():
         state.step += 1
     state.buckets_reduced += 1
     group = state.process_group
     world = dist.get_world_size(group)
+    if state.world_size is None:
+        state.world_size = world
     if world == 1:
         fut: torch.futures.Future = torch.futures.Future()
         fut.set_result(buf)
         return fut
-    compressor = state.compressor if state.step >= state.warmup_steps else None
-    if compressor is not None:
-        return compressor.hook(state, bucket)
+    compressor = state.compressor if step >= state.warmup_steps else None
+    if compressor is not None and buf.is_floating_point() and buf.numel():
+        if state.validate:
+            validate_same("all_reduce", buf, algorithm=f"{state.algorithm}+{compressor.name}", op="avg",
+                          group=group)
+        keys = [state.key_of(p) for p in bucket.parameters()]
+        fut = reduce_tensors(compressor, _views(bucket, buf), keys, group=group, topology=state.topology,
+                             algorithm=state.algorithm, average=True, step=step, seed=state.seed,
+                             feedback=state.feedback, check_finite=state.check_finite, timeout=state.timeout)
+        return fut.then(lambda f: (f.value(), check_result(bucket, buf))[1])
     fut = all_reduce(buf, ReduceOp.AVG, group=group, topology=state.topology, algorithm=state.algorithm,
                      async_op=True, validate=state.validate, timeout=state.timeout)
     return fut.then(lambda f: check_result(bucket, f.value()))
@@ -152,4 +222,8 @@ def register(ddp_model, state: AllReduceState) -> None:
         state.process_group = ddp_model.process_group
     if state.process_group is dist.GroupMember.WORLD:
         state.process_group = None
+    # Error feedback and warm starts are keyed by the parameter's name: stable across DDP's bucket
+    # rebuild and across restarts (a bucket index is neither).
+    state.param_keys = {id(p): name for name, p in ddp_model.module.named_parameters()}
+    state.world_size = dist.get_world_size(state.process_group)
     ddp_model.register_comm_hook(state, allreduce_hook)

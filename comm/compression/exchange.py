@@ -1,0 +1,322 @@
+"""The compressed reduction of a list of tensors: layout, agreed checks, error feedback, phases.
+
+One code path serves the DDP hook (a bucket's gradients) and ``Compressor.all_reduce`` (one tensor).
+Phases, all through the comm engine (DESIGN 2, rule 1), each on a process group of its own role:
+
+flat:          (1) check   (2..) the compressor's rounds over the whole group   (3) unstage
+hierarchical:  (1) check   (2) reduce-scatter intra-node, exact   (3..) the compressor's rounds on the
+               rail (inter-node) group, on this rank's 1/L shard   (4) all-gather intra-node, exact
+               (5) unstage
+
+(1) is a tiny all-reduce (MAX of [non-finite flag, max |x|]) over the whole group whose bytes are
+counted: it makes "some rank has a NaN/Inf" and "an fp16 cast would overflow" values every rank
+agrees on (DESIGN 2, rule 2). A non-finite step reduces exactly (NaN propagates, AMP's skipped step)
+and leaves residuals untouched; ``check_finite=True`` raises ``NonFiniteError`` on every rank instead.
+
+Layout. Element-wise compressors see the tensors staged into one flat vector, each tensor starting
+at a multiple of ``compressor.align`` (so per-block scales never mix two tensors, and a tensor of
+zeros, e.g. an unused parameter, decodes to zeros). In hierarchical mode the intra-node phase
+splits that vector into L equal shards and only the rail exchange of this rank's shard is
+compressed. Matrix compressors (PowerSGD) need whole tensors: in hierarchical mode the tensors are
+partitioned among the L local ranks by size (largest first onto the least loaded local rank,
+deterministic from shapes), each local rank's tensors form one section, sections are padded to the
+largest, and the reduce-scatter hands every local rank the node sum of whole matrices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ReduceOp
+
+from ... import kernels
+from .. import cost
+from ..engine import Phase
+from ..errors import NonFiniteError, TopologyError
+from ..topology import Topology
+from .base import Compressor, Job, all_gather_single, compute_dtype, derive_seed, reduce_scatter_single, wait_work
+from .feedback import ErrorFeedback
+
+__all__ = ["reduce_tensors", "Layout", "layout_for"]
+
+
+@dataclass
+class Layout:
+    """Where each tensor sits in the staged vector, and this rank's shard of it.
+
+    Attributes:
+        offsets: start of each tensor in the staged vector.
+        total: staged length (a multiple of every chunking the exchange needs).
+        lo, hi: this rank's shard (the whole vector in flat mode).
+        owned: indices of the tensors lying wholly in the shard (all of them in flat mode).
+        plain: offsets are exactly ``kernels.flatten``'s with ``align`` (staging can use it).
+    """
+
+    offsets: list[int]
+    total: int
+    lo: int
+    hi: int
+    owned: list[int] = field(default_factory=list)
+    plain: bool = True
+
+
+def _round_up(v: int, unit: int) -> int:
+    return -(-v // unit) * unit if unit > 1 else v
+
+
+def layout_for(compressor: Compressor, numels: list[int], *, local_size: int, local_rank: int,
+               rail_size: int) -> Layout:
+    """The staged layout; ``local_size == 1`` means flat mode (``rail_size`` is then the group size)."""
+    align = compressor.align
+    if compressor.needs_matrices and local_size > 1:
+        sections: list[list[int]] = [[] for _ in range(local_size)]
+        loads = [0] * local_size
+        for i in sorted(range(len(numels)), key=lambda i: (-numels[i], i)):
+            j = min(range(local_size), key=lambda j: (loads[j], j))
+            sections[j].append(i)
+            loads[j] += numels[i]
+        size = max(loads)
+        offsets = [0] * len(numels)
+        for j, members in enumerate(sections):
+            pos = j * size
+            for i in sorted(members):
+                offsets[i] = pos
+                pos += numels[i]
+        lo = local_rank * size
+        return Layout(offsets, local_size * size, lo, lo + size, sorted(sections[local_rank]), plain=False)
+    offs = kernels.reference.flatten_offsets(numels, align)
+    unit = align * (rail_size if compressor.chunked else 1) * local_size
+    total = _round_up(offs[-1], unit)
+    shard = total // local_size
+    lo = local_rank * shard
+    owned = list(range(len(numels))) if local_size == 1 else []
+    return Layout(offs[:-1], total, lo, lo + shard, owned)
+
+
+def _stage(tensors: list[torch.Tensor], layout: Layout, dtype: torch.dtype, align: int) -> torch.Tensor:
+    """Copy ``tensors`` into a new staged vector of ``dtype`` (zeros between and after them)."""
+    device = tensors[0].device
+    if layout.plain and all(t.dtype == dtype for t in tensors):
+        out = torch.empty(layout.total, dtype=dtype, device=device)
+        kernels.flatten(tensors, out, align=align)
+        return out
+    out = torch.zeros(layout.total, dtype=dtype, device=device)
+    for t, off in zip(tensors, layout.offsets):
+        out[off: off + t.numel()].copy_(t.reshape(-1))
+    return out
+
+
+def _unstage(buf: torch.Tensor, tensors: list[torch.Tensor], layout: Layout) -> None:
+    """Write the staged vector back into ``tensors`` (in their dtype)."""
+    if not tensors:
+        return
+    dtype = tensors[0].dtype
+    src = buf if buf.dtype == dtype else buf.to(dtype)
+    kernels.unflatten(src, tensors, layout.offsets)
+
+
+def _resolve(algorithm: str, group, topology: Topology | None) -> Topology | None:
+    """The hierarchical topology, or None for a flat exchange."""
+    from ..collectives import resolve_topology
+
+    if algorithm == "flat":
+        return None
+    if algorithm not in ("hierarchical", "auto"):
+        raise ValueError(f"compressed all-reduce: algorithm {algorithm!r} is not supported; use 'flat', "
+                         f"'hierarchical' (compresses the inter-node phase only) or 'auto'")
+    topo = resolve_topology(topology, group)
+    if not topo.is_uniform:
+        if algorithm == "hierarchical":
+            raise TopologyError(f"compressed hierarchical all-reduce needs nodes of equal size, got "
+                                f"{[len(n) for n in topo.nodes]} ({topo.layout}); use algorithm='auto' "
+                                f"(falls back to flat) or 'flat'", op="compress")
+        return None
+    if topo.num_nodes == 1 or topo.local_size == 1:
+        return None  # one level only: nothing to keep exact
+    return topo
+
+
+@dataclass
+class _Ctx:
+    nonfinite: bool = False
+    amax: float = 0.0
+    exact: bool = False
+    job: Job | None = None
+    shard: torch.Tensor | None = None
+    resid: torch.Tensor | None = None
+    server: torch.Tensor | None = None
+
+
+def reduce_tensors(compressor: Compressor, tensors: list[torch.Tensor], keys: list[str], *, group=None,
+                   topology: Topology | None = None, algorithm: str = "flat", average: bool = True,
+                   step: int = 0, seed: int = 0, feedback: ErrorFeedback | None = None,
+                   check_finite: bool = False, timeout: float | None = None) -> torch.futures.Future:
+    """Reduce ``tensors`` (contiguous, one floating dtype) in place over ``group`` through ``compressor``.
+
+    Args:
+        compressor: the compressor.
+        tensors: the tensors (a DDP bucket's gradients, or one tensor); overwritten with the result.
+        keys: one stable key per tensor (error feedback, warm starts, seeds).
+        group: the process group (None: WORLD).
+        topology: its layout; None detects it when ``algorithm`` is not ``"flat"``.
+        algorithm: ``"flat"``, ``"hierarchical"`` or ``"auto"``.
+        average: divide the sum by the group size.
+        step: the training step (seeds; PowerSGD's start iteration).
+        seed: the seed shared by all ranks.
+        feedback: residual memory (used by biased compressors), or None.
+        check_finite: raise ``NonFiniteError`` on every rank when any rank holds NaN/Inf.
+        timeout: seconds each collective may take.
+
+    Returns:
+        A Future completing with None once ``tensors`` hold the result.
+    """
+    from ..collectives import engine
+
+    dtypes = {t.dtype for t in tensors}
+    if len(dtypes) != 1 or not tensors[0].is_floating_point():
+        raise TypeError(f"compress/{compressor.name}: tensors must share one floating dtype, got "
+                        f"{sorted(map(str, dtypes))}")
+    world = dist.get_world_size(group)
+    topo = _resolve(algorithm, group, topology)
+    flat_topo = Topology.from_spec(f"1x{world}", group=group)
+    name = compressor.name
+    if topo is not None:
+        local, local_rank = topo.local_size, topo.local_rank
+        rs_group = topo.groups(f"cmp-{name}-rs").intra
+        ag_group = topo.groups(f"cmp-{name}-ag").intra
+        round_groups = [topo.groups(f"cmp-{name}-{i}").rail for i in range(compressor.n_rounds)]
+        rail_size = topo.num_nodes
+    else:
+        local, local_rank, rs_group, ag_group = 1, 0, None, None
+        round_groups = [flat_topo.groups(f"cmp-{name}-{i}").intra for i in range(compressor.n_rounds)]
+        rail_size = world
+    check_group = flat_topo.groups("cmp-check").intra
+
+    numels = [t.numel() for t in tensors]
+    layout = layout_for(compressor, numels, local_size=local, local_rank=local_rank, rail_size=rail_size)
+    cdtype = compute_dtype(tensors[0].dtype)
+    staged = _stage(tensors, layout, cdtype, compressor.align)
+    shapes = [tuple(tensors[i].shape) for i in layout.owned]
+    active = compressor.active(step) and compressor.worth(layout.hi - layout.lo, shapes)
+    use_ef = feedback is not None and compressor.biased
+    uses_server = use_ef and getattr(compressor, "uses_server_residual", False)
+    salt = derive_seed(seed, keys[0] if keys else "", len(keys), layout.lo)
+    ctx = _Ctx()
+    esize = staged.element_size()
+
+    def check() -> int:
+        finite = torch.isfinite(staged)
+        flags = torch.zeros(2, dtype=torch.float64)
+        if staged.numel():
+            flags[0] = float(not bool(finite.all()))
+            flags[1] = float(torch.where(finite, staged.abs(), 0).max())
+        wait_work(dist.all_reduce(flags, op=ReduceOp.MAX, group=check_group, async_op=True), timeout)
+        ctx.nonfinite, ctx.amax = bool(flags[0] > 0), float(flags[1])
+        if ctx.nonfinite and check_finite:
+            raise NonFiniteError(
+                f"a rank holds NaN or Inf in the tensors of {keys[:3]}{'...' if len(keys) > 3 else ''} "
+                f"(step {step}); every rank raises (check_finite=True). Lower the learning rate or use "
+                f"a loss scaler, or pass check_finite=False to reduce such steps exactly", op=f"compress/{name}")
+        return int(cost.ALGORITHM_FACTORS["allreduce"](world) * flags.numel() * flags.element_size())
+
+    def reduce_scatter() -> int:
+        ctx.shard = staged.new_empty(layout.hi - layout.lo)
+        wait_work(reduce_scatter_single(ctx.shard, staged, op=ReduceOp.SUM, group=rs_group, async_op=True),
+                  timeout)
+        return (local - 1) * ctx.shard.numel() * esize
+
+    def first_round(group) -> int:
+        shard = ctx.shard if ctx.shard is not None else staged[layout.lo: layout.hi]
+        ctx.exact = ctx.nonfinite or not active
+        n = dist.get_world_size(group) if group is not None else 1
+        if ctx.exact or group is None:
+            # Exact fallback (non-finite step, compression not started or not worth it): the same
+            # collective on every rank of the group, because the decision was agreed or shape-made.
+            if group is not None and shard.numel():
+                wait_work(dist.all_reduce(shard, op=ReduceOp.SUM, group=group, async_op=True), timeout)
+            ctx.exact = True
+            ctx.job = Job(x=shard, out=shard, sent=None, group=group, n=n, rank=0, step=step, seed=seed)
+            return int(cost.ALGORITHM_FACTORS["allreduce"](n) * shard.numel() * esize)
+        if use_ef:
+            ctx.resid = _stage(feedback.get("worker", keys, numels, cdtype, staged.device), layout, cdtype,
+                               compressor.align)
+            shard.add_(ctx.resid[layout.lo: layout.hi])
+        if uses_server:
+            ctx.server = _stage(feedback.get("server", keys, numels, cdtype, staged.device), layout, cdtype,
+                                compressor.align)
+        rank = dist.get_rank(group)
+        chunk = shard.numel() // n if compressor.chunked else 0
+        owned = [(keys[i], layout.offsets[i] - layout.lo, tuple(tensors[i].shape)) for i in layout.owned]
+        ctx.job = Job(x=shard, out=torch.empty_like(shard), sent=torch.empty_like(shard) if use_ef else None,
+                      group=group, n=n, rank=rank, step=step, seed=seed, salt=salt, tensors=owned,
+                      server=(ctx.server[layout.lo + rank * chunk: layout.lo + (rank + 1) * chunk]
+                              if uses_server else None),
+                      timeout=timeout, scale_hint=ctx.amax, total_ranks=world)
+        return rounds[0].fn(ctx.job)
+
+    def later_round(i: int):
+        def fn(group) -> int:
+            return 0 if ctx.exact else rounds[i].fn(ctx.job)
+        return fn
+
+    def keep_residuals() -> None:
+        """Residual = what was meant minus what was sent, for the shard; zero where not owned."""
+        if ctx.exact or not use_ef:
+            return
+        job = ctx.job
+        keep = torch.zeros_like(ctx.resid)
+        keep[layout.lo: layout.hi] = job.x - job.sent
+        _unstage(keep, feedback.get("worker", keys, numels, cdtype, staged.device), layout)
+        if uses_server:
+            server = torch.zeros_like(ctx.server)
+            rank, chunk = job.rank, job.x.numel() // job.n
+            start = layout.lo + rank * chunk
+            server[start: start + chunk] = job.server
+            _unstage(server, feedback.get("server", keys, numels, cdtype, staged.device), layout)
+
+    def all_gather() -> int:
+        out = ctx.job.out
+        ctx.job.out = staged  # the shard's result is gathered into the staged vector (no longer needed)
+        wait_work(all_gather_single(staged, out.contiguous(), group=ag_group, async_op=True), timeout)
+        return (local - 1) * out.numel() * esize
+
+    def finish() -> None:
+        out = ctx.job.out
+        if topo is None and out.numel() != staged.numel():
+            full = torch.zeros_like(staged)
+            full[layout.lo: layout.hi] = out
+            out = full
+        if average:
+            out = out / world
+        _unstage(out, tensors, layout)
+
+    rounds = compressor.rounds()
+    if len(rounds) != compressor.n_rounds:
+        raise RuntimeError(f"{type(compressor).__name__}.rounds() returned {len(rounds)} rounds but declares "
+                           f"n_rounds={compressor.n_rounds}")
+    phases = [_phase("check", check_group, lambda g: check())]
+    if topo is not None:
+        phases.append(_phase("reduce_scatter", rs_group, lambda g: reduce_scatter()))
+    for i, group in enumerate(round_groups):
+        fn = first_round if i == 0 else later_round(i)
+        if group is None:  # a rail of one node: the exchange is local (exact)
+            fn = first_round if i == 0 else (lambda g: 0)
+        phases.append(_phase(rounds[i].name, group, fn))
+    phases.append(Phase("residuals", keep_residuals))
+    if topo is not None:
+        phases.append(_phase("all_gather", ag_group, lambda g: all_gather()))
+    phases.append(Phase("unstage", finish))
+    return engine().submit(phases, op=f"compress/{name}", result=None, device=staged.device)
+
+
+def _phase(name: str, group, body) -> Phase:
+    """A phase whose byte count is known only once it ran (it may fall back to an exact reduction)."""
+    phase = Phase(name, None, group)
+
+    def fn() -> None:
+        phase.nbytes = int(body(group) or 0)
+
+    phase.fn = fn
+    return phase

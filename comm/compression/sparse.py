@@ -1,0 +1,127 @@
+"""Sparsifiers: random-k (summable, unbiased) and top-k (gathered, biased, needs error feedback).
+
+Random-k: every rank keeps the same k indices, drawn from a generator seeded with (seed, step, the
+vector's keys) identically on every rank, so the k values can be summed by one all-reduce; they are
+scaled by d/k, which makes E[decode(encode(x))] = x (no error feedback needed).
+
+Top-k: every rank keeps its own k largest magnitudes, so the payloads (``kernels.topk_pack``: values
+and indices in one byte buffer of a size known from k) are all-gathered and accumulated with
+``kernels.scatter_add_unpack``. Biased: what is dropped goes to the error-feedback residual.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ReduceOp
+
+from ... import kernels
+from .base import Compressor, Job, Round, all_gather_single, derive_seed, wait_work
+
+__all__ = ["RandomKCompressor", "TopKCompressor"]
+
+
+def _k(ratio: float, d: int, at_least_one: bool) -> int:
+    if d == 0:
+        return 0
+    k = math.ceil(ratio * d)
+    return min(d, max(1, k) if at_least_one else k)
+
+
+class RandomKCompressor(Compressor):
+    """Keep k = ceil(ratio * d) elements at indices shared by all ranks, scaled by d/k (unbiased).
+
+    Args:
+        ratio: fraction of elements kept, in (0, 1].
+    """
+
+    name = "randomk"
+    summable = True
+    biased = False
+    n_rounds = 1
+
+    def __init__(self, ratio: float = 0.01):
+        super().__init__()
+        if not 0 < ratio <= 1:
+            raise ValueError(f"RandomKCompressor: ratio={ratio} must be in (0, 1]")
+        self.ratio = float(ratio)
+
+    def config(self) -> dict:
+        return {"name": self.name, "ratio": self.ratio}
+
+    def indices(self, d: int, *, step: int, seed: int, salt: int) -> torch.Tensor:
+        """The k indices of step ``step``: identical on every rank, different across steps."""
+        gen = torch.Generator().manual_seed(derive_seed(seed, self.name, step, salt))
+        return torch.randperm(d, generator=gen)[: _k(self.ratio, d, True)]
+
+    def rounds(self) -> list[Round]:
+        return [Round("all_reduce", self._exchange)]
+
+    def _exchange(self, job: Job) -> int:
+        x, d = job.x, job.x.numel()
+        idx = self.indices(d, step=job.step, seed=job.seed, salt=job.salt).to(x.device)
+        values = x[idx] * (d / max(1, idx.numel()))
+        if job.sent is not None:
+            job.sent.zero_()
+            job.sent[idx] = values
+        wait_work(dist.all_reduce(values, op=ReduceOp.SUM, group=job.group, async_op=True), job.timeout)
+        job.out.zero_()
+        job.out[idx] = values
+        return int(2 * (job.n - 1) / job.n * values.numel() * values.element_size())
+
+    def roundtrip(self, x: torch.Tensor, *, step: int = 0, seed: int = 0, salt: int = 0) -> torch.Tensor:
+        flat = x.reshape(-1)
+        d = flat.numel()
+        idx = self.indices(d, step=step, seed=seed, salt=salt).to(x.device)
+        out = torch.zeros_like(flat)
+        out[idx] = flat[idx] * (d / max(1, idx.numel()))
+        return out.view_as(x)
+
+    def payload_bytes(self, numel: int, n: int) -> int:
+        return int(2 * (n - 1) / n * _k(self.ratio, numel, True) * 4)
+
+
+class TopKCompressor(Compressor):
+    """Keep each rank's k = ceil(ratio * d) largest magnitudes; all-gather and scatter-add them.
+
+    Args:
+        ratio: fraction of elements kept, in [0, 1] (0 sends nothing: everything goes to the residual).
+    """
+
+    name = "topk"
+    summable = False
+    biased = True
+    n_rounds = 1
+
+    def __init__(self, ratio: float = 0.01):
+        super().__init__()
+        if not 0 <= ratio <= 1:
+            raise ValueError(f"TopKCompressor: ratio={ratio} must be in [0, 1]")
+        self.ratio = float(ratio)
+
+    def config(self) -> dict:
+        return {"name": self.name, "ratio": self.ratio}
+
+    def rounds(self) -> list[Round]:
+        return [Round("all_gather", self._exchange)]
+
+    def _exchange(self, job: Job) -> int:
+        x, d = job.x, job.x.numel()
+        payload = kernels.topk_pack(x, _k(self.ratio, d, False))
+        if job.sent is not None:
+            job.sent.copy_(kernels.scatter_add_unpack([payload], d, dtype=x.dtype))
+        gathered = payload.new_empty(job.n * payload.numel())
+        wait_work(all_gather_single(gathered, payload, group=job.group, async_op=True), job.timeout)
+        job.out.copy_(kernels.scatter_add_unpack(gathered.view(job.n, -1), d, dtype=x.dtype))
+        return (job.n - 1) * payload.numel()
+
+    def roundtrip(self, x: torch.Tensor, *, step: int = 0, seed: int = 0, salt: int = 0) -> torch.Tensor:
+        flat = x.reshape(-1)
+        payload = kernels.topk_pack(flat, _k(self.ratio, flat.numel(), False))
+        return kernels.scatter_add_unpack([payload], flat.numel(), dtype=x.dtype).view_as(x)
+
+    def payload_bytes(self, numel: int, n: int) -> int:
+        k = _k(self.ratio, numel, False)
+        return (n - 1) * (8 + -(-k * 4 // 4) * 4 + 4 * k)
