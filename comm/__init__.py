@@ -7,7 +7,8 @@ Re-exports the public entry points (DESIGN 10): ``Topology``, ``all_reduce``, ``
 from __future__ import annotations
 
 from . import cost, errors, hooks
+from .alltoall import all_to_all
 from .collectives import all_gather, all_reduce, reduce_scatter
 from .topology import Topology, destroy
 
-__all__ = ["Topology", "all_reduce", "reduce_scatter", "all_gather", "destroy", "hooks", "errors", "cost"]
+__all__ = ["Topology", "all_reduce", "reduce_scatter", "all_gather", "all_to_all", "destroy", "hooks", "errors", "cost"]

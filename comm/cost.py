@@ -38,6 +38,8 @@ __all__ = [
     "calibrate",
     "model_for",
     "ALGORITHM_FACTORS",
+    "COPY_BETA",
+    "alltoall_chunks",
 ]
 
 
@@ -77,6 +79,9 @@ class CostModel:
 # 10 Gbit/s NIC between nodes (~50 us, 1.25 GB/s).
 DEFAULT_INTRA = LinkModel(alpha=20e-6, beta=1 / 3e9)
 DEFAULT_INTER = LinkModel(alpha=50e-6, beta=1 / 1.25e9)
+
+# Seconds per byte of a local copy (the permutes of the 2-D all-to-all): host memory, ~10 GB/s.
+COPY_BETA = 1 / 10e9
 
 # Per-rank traffic of ring-based collectives on p ranks, as a fraction of the buffer: used by the
 # byte counters and the nccl-tests "bus bandwidth" (busbw = algbw * factor).
@@ -168,7 +173,33 @@ def predict(algorithm: str, nbytes: float, topo: Topology, model: CostModel | No
         return sum(stages) + (chunks - 1) * max(stages)
     if algorithm == "ina":
         return ea.time(2 * nbytes * local, 2)
+    if algorithm == "2d" and op == "alltoall":
+        return _alltoall_2d(nbytes, topo, model, alltoall_chunks(nbytes, topo, model))
     raise ValueError(f"no cost formula for algorithm {algorithm!r}")
+
+
+def _alltoall_2d(nbytes: float, topo: Topology, model: CostModel, chunks: int) -> float:
+    """The 2-D all-to-all of an ``nbytes`` per-rank buffer cut into ``chunks`` pipelined chunks.
+
+    Phases: a local permute (one copy), then per chunk (1) intra-node exchange of (L-1)/L of the chunk
+    in L-1 messages plus the permute between the phases, (2) inter-node exchange along the rail in N-1
+    messages, all rails sharing the node link; the chunks pipeline, so the time is the sum of the
+    stages plus (chunks-1) times the slower one; then the final permute (one copy).
+    """
+    n = topo.num_nodes
+    local = max(len(nd) for nd in topo.nodes)
+    c = nbytes / chunks
+    intra = model.intra.time((local - 1) / local * c, local - 1) + c * COPY_BETA if local > 1 else 0.0
+    inter = model.inter.time(link_bytes("2d", c, topo, "alltoall"), n - 1) if n > 1 else 0.0
+    return 2 * nbytes * COPY_BETA + intra + inter + (chunks - 1) * max(intra, inter)
+
+
+def alltoall_chunks(nbytes: float, topo: Topology, model: CostModel) -> int:
+    """The pipelining depth (1..``model.chunks``) the model predicts fastest for a 2-D all-to-all
+    of ``nbytes`` per rank: more chunks hide the intra-node phase, each costs N-1 + L-1 more messages.
+    """
+    best = min(range(1, max(1, model.chunks) + 1), key=lambda k: (_alltoall_2d(nbytes, topo, model, k), k))
+    return best
 
 
 def choose(candidates: list[str], nbytes: float, topo: Topology, model: CostModel,

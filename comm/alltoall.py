@@ -1,0 +1,529 @@
+"""All-to-all with torch's contract: ``flat`` and topology-aware ``2d``, even and uneven splits.
+
+``all_to_all(output, input)`` sends rows ``input[sum(in_splits[:j]) : sum(in_splits[:j+1])]`` to rank
+``j`` and stores what rank ``i`` sent at ``output[sum(out_splits[:i]) : ...]``, like
+``torch.distributed.all_to_all_single``. Splits are in rows (dim 0); any dtype and trailing shape; the
+data moves as raw bytes, so every dtype is exact.
+
+Algorithms (:data:`ALGORITHMS`):
+
+- ``flat``: the group's own all-to-all, issued on the caller's thread (every rank sends p - 1
+  messages, p - L of them across its node's link);
+- ``2d`` (Tutel-style hierarchical): (0) a local permute that groups the input by the destination's
+  local index, (1) an intra-node exchange so that local rank j holds everything its node sends to the
+  ranks of local index j (its rail), (1b) a local permute that groups that by destination node, (2)
+  one inter-node exchange along the rail, (3) a local permute into source-rank order. Every rank sends
+  L - 1 + N - 1 messages instead of N*L - 1, and the same bytes cross the node link as with ``flat``,
+  so it wins where per-message cost dominates (many ranks per node, small messages). Phases (1)-(2)
+  run through the comm engine (one role per phase, DESIGN 2) and are pipelined over chunks: chunk
+  2's intra-node exchange overlaps chunk 1's inter-node one. Needs nodes of equal size;
+- ``auto``: ``flat`` on one-level or non-uniform topologies, else the cheaper by the cost model, from
+  a size all ranks agree on (DESIGN 2, rule 2).
+
+Also here: :func:`all_to_all_autograd`, whose backward is the reverse all-to-all (for MoE layers),
+and the figures the benchmark prints (:func:`link_bytes`, :func:`predicted_ratio`,
+:func:`crossover_bytes`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Union
+
+import torch
+import torch.distributed as dist
+from commopt.kernels import permute_chunks
+
+from . import cost
+from .collectives import (
+    _blocking,
+    _check_tensor,
+    _deliver,
+    _done,
+    _flat_future,
+    _Prepared,
+    _then_finish,
+    engine,
+    resolve_topology,
+    validate_same,
+)
+from .engine import Phase, all_of
+from .errors import CollectiveMismatchError, TopologyError
+from .topology import Topology
+
+__all__ = [
+    "all_to_all",
+    "all_to_all_autograd",
+    "exchange_splits",
+    "ALGORITHMS",
+    "link_bytes",
+    "predicted_ratio",
+    "crossover_bytes",
+]
+
+Result = Union[torch.Tensor, torch.futures.Future]
+Splits = Union[Sequence[int], torch.Tensor, None]
+
+ALGORITHMS = ("flat", "2d")
+_NAME = "all_to_all"
+
+
+# --------------------------------------------------------------------------------- arguments
+def _as_list(name: str, splits: Splits) -> list[int] | None:
+    if splits is None:
+        return None
+    if isinstance(splits, torch.Tensor):
+        splits = splits.tolist()
+    out = []
+    for i, s in enumerate(splits):
+        if isinstance(s, bool) or not isinstance(s, int):
+            raise TypeError(f"{_NAME}: {name}[{i}] must be an int, got {type(s).__name__}")
+        out.append(s)
+    return out
+
+
+def _check_splits(name: str, splits: list[int], world: int, rows: int | None, tensor_name: str) -> str | None:
+    """The problem with ``splits``, or None."""
+    if len(splits) != world:
+        return f"{name} has {len(splits)} entries but the group has world_size={world}; pass one per rank"
+    neg = [i for i, s in enumerate(splits) if s < 0]
+    if neg:
+        return f"{name} has negative entries at ranks {neg} ({[splits[i] for i in neg]}); split sizes count rows"
+    if rows is not None and sum(splits) != rows:
+        return (f"{name}={splits} sums to {sum(splits)} but {tensor_name} has {rows} rows along dim 0; "
+                f"the splits must add up to {tensor_name}.shape[0]")
+    return None
+
+
+def _even(rows: int, world: int, tensor_name: str) -> tuple[list[int], str | None]:
+    if rows % world:
+        return [0] * world, (f"{tensor_name} has {rows} rows, not divisible by world_size={world}; pass "
+                             f"explicit splits for an uneven all-to-all")
+    return [rows // world] * world, None
+
+
+@dataclass
+class _Args:
+    """One call's arguments, normalised; ``problem`` is this rank's argument error (None if fine)."""
+
+    in_splits: list[int]
+    out_splits: list[int] | None  # None: exchanged from the peers' in_splits
+    even: bool
+    problem: str | None
+
+
+def _normalise(output: torch.Tensor | None, input: torch.Tensor, in_splits: Splits, out_splits: Splits,
+               world: int) -> _Args:
+    ins, outs = _as_list("in_splits", in_splits), _as_list("out_splits", out_splits)
+    if input.dim() == 0:
+        return _Args([0] * world, None, False, "input is 0-d; all_to_all splits dim 0, pass at least a 1-D tensor")
+    if output is not None and (output.dim() == 0 or output.shape[1:] != input.shape[1:]):
+        return _Args([0] * world, None, False,
+                     f"output shape {tuple(output.shape)} and input shape {tuple(input.shape)} differ beyond "
+                     f"dim 0; every row sent must fit a row received")
+    problem = None
+    even = ins is None and outs is None
+    if ins is None:
+        ins, problem = _even(input.shape[0], world, "input")
+    else:
+        problem = _check_splits("in_splits", ins, world, input.shape[0], "input")
+    if problem is None:
+        if outs is not None:
+            rows = output.shape[0] if output is not None else None
+            problem = _check_splits("out_splits", outs, world, rows, "output")
+        elif in_splits is None:
+            # torch's rule: splits not given on a side split that side evenly.
+            rows = output.shape[0] if output is not None else input.shape[0]
+            outs, problem = _even(rows, world, "output")
+    return _Args(ins, outs, even, problem)
+
+
+def _row_bytes(t: torch.Tensor) -> int:
+    return math.prod(t.shape[1:]) * t.element_size()
+
+
+def _byte_rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (contiguous) as a (rows, row_bytes) uint8 view: every dtype moves exactly as bytes."""
+    return t.reshape(t.shape[0], math.prod(t.shape[1:])).view(torch.uint8)
+
+
+# --------------------------------------------------------------------------------- split exchange
+def exchange_splits(in_splits: Splits, *, group=None, validate: bool = False) -> list[int]:
+    """Every rank's ``in_splits[rank]``: the rows this rank will receive from each peer.
+
+    One all-to-all of ``world_size`` int64 on ``group``, on the caller's thread. Collective.
+    """
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    ins = _as_list("in_splits", in_splits)
+    problem = _check_splits("in_splits", ins, world, None, "input")
+    if validate and world > 1:
+        return _agree(problem, ins, None, None, True, group, world)
+    if problem:
+        raise ValueError(f"{_NAME}: {problem}")
+    if world == 1:
+        return list(ins)
+    send = torch.tensor(ins, dtype=torch.int64)
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    return recv.tolist()
+
+
+def _agree(problem: str | None, ins: list[int], outs: list[int] | None, out_rows: int | None, even: bool,
+           group, world: int) -> list[int]:
+    """The ``validate=True`` check of the splits: one all-gather of every rank's splits.
+
+    Every rank learns every rank's in/out splits and argument status, so every rank raises the same
+    error for a bad argument anywhere, or for splits that disagree (rank i sends k rows to rank j but
+    j expects m), instead of the bad rank raising alone and the others hanging. Returns this rank's
+    out_splits (derived from the peers' in_splits when not given).
+    """
+    rank = dist.get_rank(group)
+    row = [1 if problem else 0, -1 if out_rows is None else out_rows, int(even)]
+    row += ins if len(ins) == world and not problem else [0] * world
+    row += outs if outs is not None and len(outs) == world and not problem else [-1] * world
+    mine = torch.tensor(row, dtype=torch.int64)
+    gathered = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(gathered, mine, group=group)
+    rows = [g.tolist() for g in gathered]
+    bad = [r for r in range(world) if rows[r][0]]
+    if bad:
+        mine_text = f" (this rank: {problem})" if problem else ""
+        raise ValueError(f"{_NAME}: ranks {bad} passed invalid arguments{mine_text}; fix the splits "
+                         f"or tensor shapes on those ranks")
+    send = [rows[r][3:3 + world] for r in range(world)]
+    recv = [rows[r][3 + world:] for r in range(world)]
+    diffs, odd = [], set()
+    evens = [r for r in range(world) if rows[r][2]]
+    if 0 < len(evens) < world:
+        # The even path skips the split metadata the uneven one exchanges: both must be the same.
+        diffs.append(f"ranks {evens} passed no splits (even) but the others passed splits; pass splits "
+                     f"on every rank or on none")
+        odd.update(evens)
+    for i in range(world):
+        for j in range(world):
+            if recv[j][i] >= 0 and recv[j][i] != send[i][j]:
+                diffs.append(f"rank {i} sends {send[i][j]} rows to rank {j}, which expects {recv[j][i]}")
+                odd.update((i, j))
+    for j in range(world):
+        expected = rows[j][1]
+        if recv[j][0] < 0 and expected >= 0 and expected != sum(send[i][j] for i in range(world)):
+            diffs.append(f"rank {j}'s output has {expected} rows but the peers send it "
+                         f"{sum(send[i][j] for i in range(world))}")
+            odd.add(j)
+    if diffs:
+        shown = "; ".join(diffs[:6]) + (f"; ... ({len(diffs)} in all)" if len(diffs) > 6 else "")
+        odd = sorted(odd)
+        raise CollectiveMismatchError(
+            f"split sizes disagree across ranks: {shown}. in_splits[j] on rank i must equal out_splits[i] "
+            f"on rank j (or pass only in_splits and let all_to_all exchange them)", op=_NAME, ranks=odd)
+    return outs if outs is not None else [send[i][rank] for i in range(world)]
+
+
+# --------------------------------------------------------------------------------- algorithms
+def _choose(algorithm: str, args: _Args, input: torch.Tensor, topology: Topology | None, group, world: int,
+            agreed_bytes: float | None) -> tuple[str, Topology | None]:
+    if algorithm not in ALGORITHMS + ("auto",):
+        raise ValueError(f"{_NAME}: unknown algorithm {algorithm!r}; choose one of {list(ALGORITHMS) + ['auto']}")
+    if algorithm == "flat":
+        return "flat", None
+    topo = resolve_topology(topology, group)
+    if algorithm == "2d" and not topo.is_uniform:
+        raise TopologyError(
+            f"algorithm '2d' needs nodes of equal size, got node sizes {[len(n) for n in topo.nodes]} "
+            f"({topo.layout}); use algorithm='auto' (falls back to flat) or 'flat'", op=f"{_NAME}/2d")
+    if topo.num_nodes == 1 or topo.num_nodes == topo.world_size:
+        return "flat", topo  # one level: the 2-D phases degenerate to the flat exchange
+    if algorithm == "2d":
+        return "2d", topo
+    if not topo.is_uniform:
+        return "flat", topo
+    if agreed_bytes is None:
+        # Uneven splits: local sizes differ, so agree on the mean with one tiny all-reduce.
+        total = torch.tensor([input.shape[0] * _row_bytes(input)], dtype=torch.int64)
+        dist.all_reduce(total, group=group)
+        agreed_bytes = float(total.item()) / world
+    return cost.choose(["flat", "2d"], agreed_bytes, topo, cost.model_for(topo), op="alltoall"), topo
+
+
+def _flat(out_work: torch.Tensor, src: torch.Tensor, args: _Args, p: _Prepared, group, rank: int,
+          row_bytes: int) -> torch.futures.Future:
+    engine().count(f"{_NAME}/flat", (sum(args.in_splits) - args.in_splits[rank]) * row_bytes)
+    work = dist.all_to_all_single(_byte_rows(out_work), _byte_rows(src), args.out_splits, args.in_splits,
+                                  group=group, async_op=True)
+    return _flat_future(work, p, f"{_NAME}/flat")
+
+
+def _part(rows: int, c: int, chunks: int) -> int:
+    """Rows of pipeline chunk ``c`` of a block of ``rows`` rows: [rows*c//chunks, rows*(c+1)//chunks)."""
+    return rows * (c + 1) // chunks - rows * c // chunks
+
+
+def _two_d(out_work: torch.Tensor, src: torch.Tensor, args: _Args, p: _Prepared, topo: Topology, chunks: int,
+           timeout) -> torch.futures.Future:
+    """Submit the 2-D phases; see the module docstring for why each exists."""
+    nodes, world = topo.nodes, topo.world_size
+    n_nodes, local = topo.num_nodes, topo.local_size
+    me_local = topo.local_rank
+    ins, outs = args.in_splits, args.out_splits
+    node_of = {r: k for k, nd in enumerate(nodes) for r in nd}
+    # Rail j's members in rail-group order (torch orders a new group's ranks by rank).
+    rails = [sorted(nd[j] for nd in nodes) for j in range(local)]
+    my_rail = rails[me_local]
+    # One role per phase (the engine refuses a queue with two feeders); created in this order on
+    # every rank, whatever the splits, so group creation never diverges.
+    intra_g, inter_g = topo.groups("a2a-intra").intra, topo.groups("a2a-inter").rail
+    meta_g = topo.groups("a2a-meta").intra  # used on the caller's thread only
+    me_q = my_rail.index(topo.rank)
+
+    # m[s][q]: rows local peer s sends to my_rail[q]; known locally for even splits.
+    if args.even:
+        m = [[ins[0]] * n_nodes for _ in range(local)]
+    else:
+        send = torch.tensor([[ins[d] for d in rails[j]] for j in range(local)], dtype=torch.int64)
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=meta_g)
+        m = recv.tolist()
+
+    rb = _row_bytes(src)
+    src_b = _byte_rows(src)
+    # (0) group by (chunk, destination local index, rail position).
+    pieces = [_part(ins[d], c, chunks) for d in range(world) for c in range(chunks)]
+    order0 = [d * chunks + c for c in range(chunks) for j in range(local) for d in rails[j]]
+    staged = src_b if order0 == list(range(len(order0))) else permute_chunks(src_b, pieces, order0)
+    # (3)'s input: every chunk's region, each rail-position-major then source-local-index.
+    src_of = [nodes[node_of[my_rail[q]]][s] for q in range(n_nodes) for s in range(local)]
+    final_sizes = [_part(outs[src_of[k]], c, chunks) for c in range(chunks) for k in range(world)]
+    landing = src_b.new_empty((sum(outs), src_b.shape[1]))
+    pos_in_buf = {r: k for k, r in enumerate(src_of)}
+    order3 = [c * world + pos_in_buf[i] for i in range(world) for c in range(chunks)]
+
+    order1 = [s * n_nodes + q for q in range(n_nodes) for s in range(local)]
+    futures = []
+    a_off = r_off = 0
+    for c in range(chunks):
+        send1 = [sum(_part(ins[d], c, chunks) for d in rails[j]) for j in range(local)]
+        mc = [[_part(m[s][q], c, chunks) for q in range(n_nodes)] for s in range(local)]
+        recv1 = [sum(row) for row in mc]
+        send2 = [sum(mc[s][q] for s in range(local)) for q in range(n_nodes)]
+        recv2 = [sum(_part(outs[src_of[q * local + s]], c, chunks) for s in range(local)) for q in range(n_nodes)]
+        a = staged[a_off:a_off + sum(send1)]
+        r = landing[r_off:r_off + sum(recv2)]
+        a_off += sum(send1)
+        r_off += sum(recv2)
+        b = src_b.new_empty((sum(recv1), src_b.shape[1]))
+        mid = src_b.new_empty((sum(recv1), src_b.shape[1]))
+        sizes1 = [mc[s][q] for s in range(local) for q in range(n_nodes)]
+
+        def intra(a=a, b=b, recv1=recv1, send1=send1):
+            _blocking(lambda: dist.all_to_all_single(b, a, recv1, send1, group=intra_g, async_op=True), timeout)
+
+        def regroup(b=b, mid=mid, sizes1=sizes1):
+            permute_chunks(b, sizes1, order1, out=mid)
+
+        def inter(mid=mid, r=r, recv2=recv2, send2=send2):
+            _blocking(lambda: dist.all_to_all_single(r, mid, recv2, send2, group=inter_g, async_op=True), timeout)
+
+        phases = [
+            Phase("intra", intra, intra_g, (sum(send1) - send1[me_local]) * rb),
+            Phase("regroup", regroup),
+            Phase("inter", inter, inter_g, (sum(send2) - send2[me_q]) * rb),
+        ]
+        if c == chunks - 1:
+            # The rail queue is FIFO, so this runs after every chunk's inter-node phase.
+            phases.append(Phase("permute", lambda: permute_chunks(landing, final_sizes, order3,
+                                                                  out=_byte_rows(out_work))))
+        futures.append(engine().submit(phases, op=f"{_NAME}/2d", device=src.device))
+    return _then_finish(all_of(futures, None), p)
+
+
+# --------------------------------------------------------------------------------- public
+def all_to_all(output: torch.Tensor | None, input: torch.Tensor, *, in_splits: Splits = None,
+               out_splits: Splits = None, group=None, topology: Topology | None = None, algorithm: str = "auto",
+               async_op: bool = False, validate: bool = False, timeout: float | None = None,
+               chunks: int | None = None) -> Result:
+    """Exchange rows of ``input`` with every rank of ``group``, like ``all_to_all_single``.
+
+    Args:
+        output: receives ``sum(out_splits)`` rows shaped like ``input``'s rows (written in place;
+            non-contiguous is fine), or None to allocate it (the result is returned).
+        input: any supported dtype, at least 1-D; rows (dim 0) go to ranks in ``in_splits`` order.
+        in_splits: rows for each rank (None: ``input.shape[0] / world_size`` each).
+        out_splits: rows from each rank. None with ``in_splits`` given: exchanged first (one small
+            all-to-all, or read from the validation exchange); None with ``in_splits`` None: even.
+        group: the process group (None: WORLD).
+        topology: the layout of ``group``; None detects it (once per group).
+        algorithm: ``"auto"``, ``"flat"`` or ``"2d"`` (``TopologyError`` on unequal nodes).
+        async_op: return a Future completing with the output instead of waiting.
+        validate: before any payload moves, exchange a fingerprint (dtype, device, row shape) and
+            every rank's splits; mismatched dtypes or row shapes raise ``CollectiveMismatchError``,
+            splits that disagree across ranks ``CollectiveMismatchError``, and a bad argument on any
+            rank ``ValueError``, on every rank. Without it a bad argument raises on its own rank only.
+        timeout: seconds each 2-D phase may take before ``CommTimeoutError``.
+        chunks: pipelining depth of ``2d``, the same on every rank. None: chosen by the cost model
+            for even splits, 1 for uneven ones (whose sizes the ranks do not share).
+
+    Returns:
+        The output tensor, or a Future of it when ``async_op``.
+
+    Raises:
+        ValueError: splits that do not sum to dim 0, negative or of the wrong length, shapes that
+            disagree beyond dim 0, or rows not divisible by the world size for even splits.
+        TopologyError: ``algorithm="2d"`` on nodes of unequal size.
+    """
+    _check_tensor(_NAME, input, "input")
+    if output is not None:
+        _check_tensor(_NAME, output, "output")
+        if output.dtype != input.dtype:
+            raise TypeError(f"{_NAME}: output dtype {output.dtype} differs from input dtype {input.dtype}")
+        if output.device != input.device:
+            raise ValueError(f"{_NAME}: output is on {output.device} but input on {input.device}")
+    if chunks is not None and (isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1):
+        raise ValueError(f"{_NAME}: chunks={chunks!r} must be a positive int (or None)")
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    args = _normalise(output, input, in_splits, out_splits, world)
+    agreed_bytes = None
+    if validate and world > 1:
+        validate_same(_NAME, input[:0] if input.dim() else input, algorithm=algorithm, op="none", group=group)
+        args.out_splits = _agree(args.problem, args.in_splits, args.out_splits,
+                                 None if output is None else output.shape[0], args.even, group, world)
+    elif args.problem:
+        raise ValueError(f"{_NAME}: {args.problem}")
+    elif args.out_splits is None and world > 1:
+        # Rows from each peer, plus each peer's total, which gives every rank the same mean size.
+        send = torch.tensor([[s, input.shape[0]] for s in args.in_splits], dtype=torch.int64)
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=group)
+        args.out_splits = recv[:, 0].tolist()
+        agreed_bytes = float(recv[:, 1].sum()) * _row_bytes(input) / world
+    if args.out_splits is None:  # world_size 1
+        args.out_splits = list(args.in_splits)
+    if args.even:
+        agreed_bytes = input.shape[0] * _row_bytes(input)
+    rows_out = sum(args.out_splits)
+    if output is None:
+        output = input.new_empty((rows_out,) + tuple(input.shape[1:]))
+    elif output.shape[0] != rows_out:
+        raise ValueError(f"{_NAME}: output has {output.shape[0]} rows but the peers send {rows_out} "
+                         f"(out_splits={args.out_splits}); allocate sum(out_splits) rows or pass output=None")
+    if world == 1 or _row_bytes(input) == 0:
+        # One rank: a copy. Zero-width rows: nothing to move on any rank (row shapes agree).
+        if world == 1 and rows_out:
+            output.copy_(input)
+        return _done(output) if async_op else output
+    algo, topo = _choose(algorithm, args, input, topology, group, world, agreed_bytes)
+    copy_back = not output.is_contiguous()
+    out_work = output.contiguous() if copy_back else output
+    p = _Prepared(output, out_work, out_work.view(-1), None, copy_back)
+    src = input.contiguous()
+    if algo == "flat":
+        fut = _flat(out_work, src, args, p, group, dist.get_rank(group), _row_bytes(input))
+    else:
+        if chunks is None:
+            chunks = cost.alltoall_chunks(agreed_bytes, topo, cost.model_for(topo)) if args.even else 1
+        fut = _two_d(out_work, src, args, p, topo, chunks, timeout)
+    return _deliver(fut, async_op, timeout, f"{_NAME}/{algo}")
+
+
+# --------------------------------------------------------------------------------- autograd
+class _AllToAll(torch.autograd.Function):
+    """Forward: all-to-all with (in_splits, out_splits); backward: the reverse all-to-all of the
+    gradient with the splits swapped (rank j's gradient rows for what rank i sent go back to i)."""
+
+    @staticmethod
+    def forward(ctx, input, in_splits, out_splits, group, topology, algorithm, chunks):
+        out = all_to_all(None, input, in_splits=in_splits, out_splits=out_splits, group=group,
+                         topology=topology, algorithm=algorithm, chunks=chunks)
+        ctx.splits = (in_splits, out_splits)
+        ctx.comm = (group, topology, algorithm, chunks)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        in_splits, out_splits = ctx.splits
+        group, topology, algorithm, chunks = ctx.comm
+        g = all_to_all(None, grad.contiguous(), in_splits=out_splits, out_splits=in_splits, group=group,
+                       topology=topology, algorithm=algorithm, chunks=chunks)
+        return g, None, None, None, None, None, None
+
+
+def all_to_all_autograd(input: torch.Tensor, in_splits: Splits = None, out_splits: Splits = None, *,
+                        group=None, topology: Topology | None = None, algorithm: str = "auto",
+                        chunks: int | None = None) -> torch.Tensor:
+    """A differentiable :func:`all_to_all` that allocates its output (for MoE dispatch and combine).
+
+    The backward pass is the reverse all-to-all: splits swapped, same algorithm. When only
+    ``in_splits`` is given, the output splits are exchanged once in the forward pass and reused.
+
+    Args:
+        input: rows to send (dim 0), any floating dtype for gradients.
+        in_splits, out_splits: as in :func:`all_to_all`.
+        group, topology, algorithm, chunks: as in :func:`all_to_all`.
+
+    Returns:
+        The received rows, ``sum(out_splits)`` of them.
+    """
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    ins = _as_list("in_splits", in_splits)
+    outs = _as_list("out_splits", out_splits)
+    if ins is None and outs is None:
+        ins, problem = _even(input.shape[0] if input.dim() else 0, world, "input")
+        if problem:
+            raise ValueError(f"{_NAME}: {problem}")
+        outs = list(ins)
+    elif outs is None:
+        outs = exchange_splits(ins, group=group)
+    elif ins is None:
+        ins, problem = _even(input.shape[0] if input.dim() else 0, world, "input")
+        if problem:
+            raise ValueError(f"{_NAME}: {problem}")
+    return _AllToAll.apply(input, ins, outs, group, topology, algorithm, chunks)
+
+
+# --------------------------------------------------------------------------------- figures
+def _grid_topology(num_nodes: int, ranks_per_node: int) -> Topology:
+    p = num_nodes * ranks_per_node
+    nodes = tuple(tuple(range(k * ranks_per_node, (k + 1) * ranks_per_node)) for k in range(num_nodes))
+    return Topology(nodes=nodes, rank=0, world_size=p)
+
+
+def link_bytes(algorithm: str, nbytes: float, topology: Topology) -> float:
+    """Bytes one node's link carries in each direction for an even all-to-all of ``nbytes`` per rank.
+
+    Equal for ``flat`` and ``2d`` (each of a node's L ranks sends (p - L)/p of its buffer off-node,
+    the 2-D one just in fewer, larger messages); ``auto`` is whichever it picks.
+    """
+    if algorithm not in ALGORITHMS + ("auto",):
+        raise ValueError(f"{_NAME}: unknown algorithm {algorithm!r}")
+    return cost.link_bytes("flat" if algorithm == "auto" else algorithm, nbytes, topology, "alltoall")
+
+
+def predicted_ratio(num_nodes: int, ranks_per_node: int, nbytes: float, model: cost.CostModel | None = None) -> float:
+    """Predicted time of ``2d`` over ``flat`` (below 1: 2-D faster) for ``nbytes`` per rank on
+    ``num_nodes`` x ``ranks_per_node`` ranks, under ``model`` (default: the documented defaults)."""
+    model = model or cost.CostModel(cost.DEFAULT_INTRA, cost.DEFAULT_INTER)
+    topo = _grid_topology(num_nodes, ranks_per_node)
+    return (cost.predict("2d", nbytes, topo, model, op="alltoall")
+            / cost.predict("flat", nbytes, topo, model, op="alltoall"))
+
+
+def crossover_bytes(num_nodes: int, ranks_per_node: int, model: cost.CostModel | None = None,
+                    lo: float = 64.0, hi: float = float(1 << 40)) -> float | None:
+    """The per-rank buffer size (bytes) above which the model predicts ``flat`` at least as fast as
+    ``2d``; None when one of them wins over the whole range [lo, hi]."""
+    def ratio(s: float) -> float:
+        return predicted_ratio(num_nodes, ranks_per_node, s, model)
+
+    if (ratio(lo) < 1) == (ratio(hi) < 1):
+        return None
+    a, b = lo, hi
+    for _ in range(200):
+        mid = math.sqrt(a * b)
+        if (ratio(mid) < 1) == (ratio(lo) < 1):
+            a = mid
+        else:
+            b = mid
+        if b / a < 1.001:
+            break
+    return b
