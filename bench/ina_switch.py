@@ -55,15 +55,18 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from commopt.comm.ina.switch import Switch, format_stats
-
     stop = {"flag": False}
 
     def _on_signal(signum: int, frame: Any) -> None:
         stop["flag"] = True
 
+    # Handlers first: importing the package (and torch, for the backend it registers) takes seconds,
+    # and a SIGTERM in that window must still end in a clean exit 0.
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
+
+    from commopt.comm.ina.switch import Switch, format_stats
+
     switch = Switch(args.host, args.port, pool_slots=args.pool_slots, partition_size=args.partition_size,
                     job_idle_timeout=args.job_idle_timeout)
     host, port = switch.address

@@ -512,18 +512,21 @@ class InaSession:
                 p.packet[_FLAGS_OFFSET] = p.shadow | FLAG_RETX
             self._tx(p.packet)
 
-        def start(slot: int, now: float) -> None:
+        def start(slot: int, chunk: int, now: float) -> None:
             nonlocal next_chunk
             use = self._uses[slot]
             self._uses[slot] = use + 1
-            p = _Pending(next_chunk, FLAG_SHADOW if use & 1 else 0, now, self._rto)
-            next_chunk += 1
+            p = _Pending(chunk, FLAG_SHADOW if use & 1 else 0, now, self._rto)
+            next_chunk = max(next_chunk, chunk + 1)
             pending[slot] = p
             send(slot, p, False)
 
+        # The chunk -> slot map is static (chunk c on slot 1 + c % width), as in SwitchML: every
+        # worker must put chunk c in the same slot copy, whatever order its results arrive in.
+        width = len(slots)
         now = time.monotonic()
-        for slot in slots:
-            start(slot, now)
+        for i, slot in enumerate(slots):
+            start(slot, i, now)
         self._missing = None
         while done < nchunks:
             now = time.monotonic()
@@ -581,8 +584,8 @@ class InaSession:
                 self._sample_rtt(now - p.sent_at)
             del pending[h.slot]
             done += 1
-            if next_chunk < nchunks:
-                start(h.slot, time.monotonic())
+            if p.chunk + width < nchunks:
+                start(h.slot, p.chunk + width, time.monotonic())
         return saturated
 
     # -- errors ----------------------------------------------------------------------------------
