@@ -90,6 +90,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--validate", action="store_true", help="collectives with validate=True")
     p.add_argument("--compare-validate", action="store_true",
                    help="measure each algorithm with and without validate=True, interleaved")
+    p.add_argument("--no-calibrate", dest="calibrate", action="store_false",
+                   help="skip measuring the two link levels first (auto then uses the cached or default model)")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds before a collective is declared hung")
     return p
 
@@ -444,6 +446,12 @@ def _rank_body(args) -> int:
     if topo.link_rate_bps:
         log(f"# link rate: configured {topo.link_rate_bps / 1e6:.1f} Mbit/s"
             + (f", measured {measured / 1e6:.1f} Mbit/s" if measured else ""))
+    if args.calibrate and world > 1 and topo.num_nodes > 1:
+        from commopt.comm import cost
+
+        m = cost.calibrate(topo)
+        log(f"# calibrated: intra alpha={m.intra.alpha * 1e6:.1f} us, {m.intra.bandwidth / 1e9:.3f} GB/s; "
+            f"inter alpha={m.inter.alpha * 1e6:.1f} us, {m.inter.bandwidth / 1e9:.3f} GB/s")
     rows = run_sweep(args, topo, log)
     _print_table(rows, measured, log)
     _print_ratios(rows, log)

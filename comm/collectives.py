@@ -303,7 +303,8 @@ def _pipelined(p: _Prepared, topo: Topology, multiple: int, make_phases, op_name
     flat = p.flat
     fut_list = []
     copies: list[tuple[torch.Tensor, torch.Tensor]] = []
-    for start, end in _chunk_bounds(flat.numel(), flat.element_size(), multiple, model.chunks):
+    chunks = cost.chunks_for(op_name, flat.numel() * flat.element_size(), topo, model)
+    for start, end in _chunk_bounds(flat.numel(), flat.element_size(), multiple, chunks):
         piece = flat[start:end]
         if piece.numel() % multiple:
             padded = piece.new_zeros(math.ceil(piece.numel() / multiple) * multiple)

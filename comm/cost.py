@@ -65,14 +65,14 @@ class CostModel:
 
     intra: LinkModel
     inter: LinkModel
-    chunks: int = 4
+    chunks: int = 8  # the most chunks a pipelined all-reduce is cut into (see chunks_for)
 
     def to_dict(self) -> dict:
         return {"intra": asdict(self.intra), "inter": asdict(self.inter), "chunks": self.chunks}
 
     @classmethod
     def from_dict(cls, d: dict) -> CostModel:
-        return cls(LinkModel(**d["intra"]), LinkModel(**d["inter"]), int(d.get("chunks", 4)))
+        return cls(LinkModel(**d["intra"]), LinkModel(**d["inter"]), int(d.get("chunks", 8)))
 
 
 # Defaults when nothing was measured: gloo over loopback inside a node (~20 us, ~3 GB/s), and a
@@ -155,22 +155,11 @@ def predict(algorithm: str, nbytes: float, topo: Topology, model: CostModel | No
         worst_alpha = max(ia.alpha, ea.alpha)
         return rounds * (p - 1) * worst_alpha + max(
             ALGORITHM_FACTORS[op](p) * nbytes * ia.beta, link_bytes("flat", nbytes, topo, op) * ea.beta)
-    if algorithm == "hierarchical":
-        chunks = max(1, model.chunks) if op == "allreduce" else 1
-        c = nbytes / chunks
-        intra = ia.time((local - 1) / local * c, local - 1) if local > 1 else 0.0
-        inter_bytes = link_bytes("hierarchical", c, topo, op)
-        inter = ea.time(inter_bytes, rounds * (n - 1)) if n > 1 else 0.0
-        stages = [intra, inter, intra] if op == "allreduce" else [intra, inter]
-        return sum(stages) + (chunks - 1) * max(stages)
-    if algorithm == "leader":
-        chunks = max(1, model.chunks)
-        c = nbytes / chunks
-        steps = math.ceil(math.log2(local)) if local > 1 else 0
-        intra = ia.time(c * steps, steps)
-        inter = ea.time(link_bytes("leader", c, topo), 2 * (n - 1)) if n > 1 else 0.0
-        stages = [intra, inter, intra]
-        return sum(stages) + (chunks - 1) * max(stages)
+    if algorithm == "hierarchical" and op != "allreduce":
+        intra = ia.time((local - 1) / local * nbytes, local - 1) if local > 1 else 0.0
+        return intra + (ea.time(link_bytes(algorithm, nbytes, topo, op), n - 1) if n > 1 else 0.0)
+    if algorithm in ("hierarchical", "leader"):
+        return _pipeline_time(algorithm, nbytes, topo, model, chunks_for(algorithm, nbytes, topo, model))
     if algorithm == "ina":
         return ea.time(2 * nbytes * local, 2)
     if algorithm == "2d" and op == "alltoall":
@@ -200,6 +189,31 @@ def alltoall_chunks(nbytes: float, topo: Topology, model: CostModel) -> int:
     """
     best = min(range(1, max(1, model.chunks) + 1), key=lambda k: (_alltoall_2d(nbytes, topo, model, k), k))
     return best
+
+
+def _pipeline_time(algorithm: str, nbytes: float, topo: Topology, model: CostModel, chunks: int) -> float:
+    ia, ea = model.intra, model.inter
+    n = topo.num_nodes
+    local = max(len(nd) for nd in topo.nodes)
+    c = nbytes / chunks
+    if algorithm == "hierarchical":
+        intra = ia.time((local - 1) / local * c, local - 1) if local > 1 else 0.0
+        inter = ea.time(link_bytes("hierarchical", c, topo), 2 * (n - 1)) if n > 1 else 0.0
+    else:
+        steps = math.ceil(math.log2(local)) if local > 1 else 0
+        intra = ia.time(c * steps, steps)
+        inter = ea.time(link_bytes("leader", c, topo), 2 * (n - 1)) if n > 1 else 0.0
+    stages = [intra, inter, intra]
+    return sum(stages) + (chunks - 1) * max(stages)
+
+
+def chunks_for(algorithm: str, nbytes: float, topo: Topology, model: CostModel) -> int:
+    """How many chunks to pipeline a hierarchical or leader all-reduce over (at most
+    ``model.chunks``): the count with the lowest predicted time. Pipelining pays only when one
+    level is slower than the other; on equal levels the extra phases' latency makes one chunk best.
+    """
+    options = [c for c in (1, 2, 4, 8, 16) if c <= max(1, model.chunks)]
+    return min(options, key=lambda c: (_pipeline_time(algorithm, nbytes, topo, model, c), c))
 
 
 def choose(candidates: list[str], nbytes: float, topo: Topology, model: CostModel,
@@ -259,7 +273,10 @@ def calibrate(topology: Topology, *, cache_dir: str | os.PathLike | None = None,
             levels[name] = None
             continue
         times = [_time_allreduce(group, s, reps) for s in sizes]
-        levels[name] = fit(list(sizes), times, messages=2 * (size - 1), bytes_factor=2 * (size - 1) / size)
+        # Every rail is timed at the same time, as in a real hierarchical phase, so one rail's
+        # bytes/s is the node link's share: the node link carries local_size times that.
+        share = topology.local_size if name == "inter" else 1
+        levels[name] = fit(list(sizes), times, messages=2 * (size - 1), bytes_factor=2 * (size - 1) / size / share)
     model = CostModel(levels["intra"] or DEFAULT_INTRA, levels["inter"] or _inter_default(topology))
     model = _broadcast_model(model, topology)
     if topology.rank == 0:
