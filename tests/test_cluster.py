@@ -413,7 +413,7 @@ def test_cleanup_after_sigkilled_launcher(sweep):
     with cl.Cluster(1, 10**9) as live:  # a launcher that is alive: this test process
         code, out, err, _ = _run_cli("--cleanup", timeout=30)
         assert code == 0, err
-        assert proc.pid and _leftovers(proc.pid) == []
+        assert _leftovers(proc.pid) == []
         assert f"co-{proc.pid:x}-" in out
         assert live.node_namespaces[0] in cl.list_namespaces()
     assert live.node_namespaces[0] not in cl.list_namespaces()
