@@ -199,6 +199,11 @@ def allreduce_hook(state: AllReduceState, bucket) -> torch.futures.Future:
     return fut.then(lambda f: check_result(bucket, f.value()))
 
 
+# DDP checks the hook's return annotation by identity; `from __future__ import annotations` makes
+# it a string, so the real object is put back.
+allreduce_hook.__annotations__["return"] = torch.futures.Future[torch.Tensor]
+
+
 def register(ddp_model, state: AllReduceState) -> None:
     """Validate ``ddp_model`` for ``state``, then ``ddp_model.register_comm_hook(state, allreduce_hook)``.
 
