@@ -1,0 +1,220 @@
+"""In-network aggregation across real processes: the "ina" backend under DDP, and a killed worker.
+
+These tests start fresh processes (spawned, never forked) because they must: DDP needs
+``init_process_group("ina")`` in new ranks, and a crash needs a process to kill. They are few and
+small (DESIGN 8); each has a wall-clock guard and kills whatever it started.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import signal
+import tempfile
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+from commopt.comm.errors import CommTimeoutError
+from commopt.comm.ina import InaSession, SwitchProcess
+
+GUARD = 120.0
+
+
+def _train(backend: str, store_path: str, rank: int, options: Any) -> tuple[list[list[float]], dict]:
+    import torch.distributed as dist
+
+    dist.init_process_group(backend, store=dist.FileStore(store_path, 2), rank=rank, world_size=2,
+                            pg_options=options)
+    extra: dict[str, Any] = {}
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
+        ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.004)  # several buckets
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(100 + rank)
+        for _ in range(5):
+            x, y = torch.randn(8, 32, generator=g), torch.randn(8, 4, generator=g)
+            opt.zero_grad()
+            ((ddp(x) - y) ** 2).mean().backward()
+            opt.step()
+        params = [p.detach().reshape(-1).tolist() for p in model.parameters()]
+        if backend == "ina":
+            # The rest of the backend: half precision and AVG through the switch, the others via gloo.
+            h = torch.full((5,), 1.5 + rank, dtype=torch.float16)
+            dist.all_reduce(h)
+            b = torch.full((5,), 1.0 + rank, dtype=torch.bfloat16)
+            dist.all_reduce(b, op=dist.ReduceOp.AVG)
+            i = torch.tensor([rank + 1])
+            dist.all_reduce(i)  # integers: the gloo fallback
+            m = torch.tensor([float(rank)])
+            dist.all_reduce(m, op=dist.ReduceOp.MAX)
+            src = torch.tensor([float(rank + 10)])
+            dist.broadcast(src, 1)
+            gathered = [torch.zeros(1) for _ in range(2)]
+            dist.all_gather(gathered, torch.tensor([float(rank)]))
+            dist.barrier()
+            pg = dist.group.WORLD
+            extra = {"half": h.tolist(), "bf16_avg": b.tolist(), "int": i.tolist(), "max": m.tolist(),
+                     "bcast": src.tolist(), "gather": [t.item() for t in gathered],
+                     "name": pg.getBackendName() if hasattr(pg, "getBackendName") else "",
+                     "counters": dict(pg.session.counters)}
+    finally:
+        dist.destroy_process_group()
+    return params, extra
+
+
+def _ddp_rank(rank: int, tmp: str, address: str, results: Any) -> None:
+    try:
+        torch.set_num_threads(1)
+        from commopt.comm.ina import InaOptions
+
+        ina, extra = _train("ina", os.path.join(tmp, "ina_store"), rank, InaOptions(switch=address, timeout=60))
+        ref, _ = _train("gloo", os.path.join(tmp, "gloo_store"), rank, None)
+        results.put((rank, "ok", (ina, ref, extra)))
+    except BaseException as e:  # noqa: BLE001 - reported to the test with its text
+        import traceback
+
+        results.put((rank, "err", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+
+
+def _collect(procs: list[Any], results: Any, count: int, guard: float) -> list[Any]:
+    out: list[Any] = []
+    deadline = time.monotonic() + guard
+    while len(out) < count:
+        left = deadline - time.monotonic()
+        assert left > 0, f"processes did not report within {guard:.0f} s: got {[r[0] for r in out]}"
+        try:
+            item = results.get(timeout=min(1.0, left))
+        except queue.Empty:
+            dead = [p.name for p in procs if p.exitcode not in (None, 0)]
+            assert not dead, f"processes died: {dead}"
+            continue
+        assert item[1] == "ok", f"rank {item[0]} failed:\n{item[2]}"
+        out.append(item)
+    return sorted(out, key=lambda r: r[0])
+
+
+def _reap(procs: list[Any]) -> None:
+    for p in procs:
+        p.join(10)
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+
+
+def test_ddp_on_ina_backend_matches_gloo():
+    """FAULTS row 24 (end to end): DDP on init_process_group("ina") (2 spawned ranks, FileStore in a
+    tmp dir) trains 5 steps to the same parameters as gloo DDP, within the quantization tolerance;
+    fp16/bf16/AVG all-reduce go through the switch and the other collectives through gloo."""
+    ctx = mp.get_context("spawn")
+    with SwitchProcess() as sw, tempfile.TemporaryDirectory() as tmp:
+        results = ctx.Queue()
+        address = f"{sw.address[0]}:{sw.address[1]}"
+        procs = [ctx.Process(target=_ddp_rank, args=(r, tmp, address, results), daemon=True, name=f"rank{r}")
+                 for r in range(2)]
+        for p in procs:
+            p.start()
+        try:
+            out = _collect(procs, results, 2, GUARD)
+        finally:
+            _reap(procs)
+        stats = sw.stats()
+    for rank, _, (ina, ref, extra) in out:
+        for a, b in zip(ina, ref):
+            diff = max(abs(x - y) for x, y in zip(a, b))
+            assert diff <= 1e-5, f"rank {rank}: ina DDP differs from gloo DDP by {diff}"
+        assert extra["half"] == [4.0] * 5 and extra["bf16_avg"] == [1.5] * 5
+        assert extra["int"] == [3] and extra["max"] == [1.0] and extra["bcast"] == [11.0]
+        assert extra["gather"] == [0.0, 1.0] and extra["name"] == "ina"
+        assert extra["counters"]["results"] > 0
+    assert stats["results_sent"] > 0 and stats["epochs"] == 1
+
+
+def _doomed_worker(address: tuple[str, int], job: int, started: Any) -> None:
+    torch.set_num_threads(1)
+    with InaSession(address, job_id=job, worker_id=2, num_workers=3, timeout=60.0) as s:
+        while True:
+            s.all_reduce(torch.ones(50000))
+            started.set()
+
+
+def test_killed_worker_survivors_raise_then_next_job(tmp_path):
+    """FAULTS row 26: a worker process is SIGKILLed mid-job: the two survivors raise CommTimeoutError
+    within timeout + slack, naming it; the job's slots are freed when its next incarnation (2 workers,
+    same job id) joins, and that job succeeds."""
+    timeout, job = 3.0, 4242
+    ctx = mp.get_context("spawn")
+    with SwitchProcess() as sw:
+        started = ctx.Event()
+        child = ctx.Process(target=_doomed_worker, args=(sw.address, job, started), daemon=True,
+                            name="doomed")
+        child.start()
+        outcome: dict[int, Any] = {}
+        killed_at: list[float] = []
+
+        def survivor(w: int) -> None:
+            try:
+                with InaSession(sw.address, job_id=job, worker_id=w, num_workers=3, timeout=timeout) as s:
+                    s.all_reduce(torch.ones(50000), timeout=GUARD / 2)  # waits for the child's start-up
+                    while True:
+                        s.all_reduce(torch.ones(50000))
+            except CommTimeoutError as e:
+                outcome[w] = (e, time.monotonic())
+            except BaseException as e:  # noqa: BLE001 - reported below
+                outcome[w] = (e, time.monotonic())
+
+        threads = [threading.Thread(target=survivor, args=(w,), daemon=True) for w in (0, 1)]
+        try:
+            for t in threads:
+                t.start()
+            assert started.wait(GUARD / 2), "the doomed worker never completed an all-reduce"
+            time.sleep(0.2)
+            os.kill(child.pid, signal.SIGKILL)
+            killed_at.append(time.monotonic())
+            for t in threads:
+                t.join(timeout + 15)
+            assert not any(t.is_alive() for t in threads), "survivors did not raise within the guard"
+        finally:
+            if child.is_alive():
+                child.kill()
+            child.join(5)
+        for w in (0, 1):
+            err, when = outcome[w]
+            assert isinstance(err, CommTimeoutError), f"worker {w}: {type(err).__name__}: {err}"
+            assert when - killed_at[0] <= timeout + 3.0, f"worker {w} raised {when - killed_at[0]:.1f}s after kill"
+            assert err.ranks in ([2], None) and "seq=" in str(err)
+        before = sw.stats()
+        done: dict[int, torch.Tensor] = {}
+
+        def next_job(w: int) -> None:
+            with InaSession(sw.address, job_id=job, worker_id=w, num_workers=2, timeout=20.0) as s:
+                t = torch.full((20000,), float(w + 1))
+                s.all_reduce(t)
+                done[w] = t
+
+        threads = [threading.Thread(target=next_job, args=(w,), daemon=True) for w in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert sorted(done) == [0, 1]
+        for t in done.values():
+            assert torch.equal(t, torch.full((20000,), 3.0))
+        after = sw.stats()
+        assert after["epochs"] == before["epochs"] + 1
+        assert after["jobs_active"] == before["jobs_active"]  # the same partition, reset and reused
+
+
+@pytest.mark.parametrize("dummy", [0])
+def test_import_registers_backend_idempotently(dummy):
+    """FAULTS row 30: importing commopt.comm.ina registers "ina" once; registering again is a no-op."""
+    import commopt.comm.ina as ina
+    import torch.distributed as dist
+
+    ina.register_backend()
+    ina.register_backend()
+    assert "ina" in dist.Backend.backend_list and dist.Backend.backend_list.count("ina") == 1
