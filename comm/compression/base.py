@@ -223,14 +223,19 @@ class Compressor:
                              average=op == ReduceOp.AVG, step=step, seed=seed, feedback=error_feedback,
                              check_finite=check_finite, timeout=timeout)
 
-        def finish(f: torch.futures.Future) -> torch.Tensor:
-            f.value()
+        def finish(f: torch.futures.Future | None = None) -> torch.Tensor:
+            if f is not None:
+                f.value()
             if work is not tensor:
                 tensor.copy_(work)
             return tensor
 
-        fut = fut.then(finish)
-        return fut if async_op else wait(fut, None, op=f"compress/{self.name}")
+        if async_op:
+            return fut.then(finish)
+        # Waiting on the engine's own future re-raises the phase's exception with its type
+        # (NonFiniteError, CommTimeoutError); a chained future would wrap it in a RuntimeError.
+        wait(fut, None, op=f"compress/{self.name}")
+        return finish()
 
     def warn_biased(self) -> None:
         if not self._warned:

@@ -1,0 +1,331 @@
+"""Compressors used alone (``compressor.all_reduce``), against independent oracles (issue 5).
+
+Oracles: every rank regenerates every rank's input from its seed and sums them in float64 locally;
+lossless settings (top-k / random-k at ratio 1, full-rank PowerSGD) must match it, lossy ones must
+stay within their error bound, and error feedback must conserve mass exactly. Many cases run inside
+one pool call (DESIGN 8). FAULTS rows: 8, 9, 10, 11, 12, 13, 15, 16, 17.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+from commopt.comm import Topology
+from commopt.comm import compression as C
+from commopt.comm.collectives import engine
+from commopt.comm.compression import ErrorFeedback
+from commopt.comm.errors import NonFiniteError
+from torch.distributed import ReduceOp
+
+
+def _inputs(world: int, shape: tuple[int, ...], dtype: torch.dtype, salt: int) -> list[torch.Tensor]:
+    return [(torch.randn(*shape, generator=torch.Generator().manual_seed(1000 * salt + r), dtype=torch.float64)
+             * 3).to(dtype) for r in range(world)]
+
+
+def _lossless():
+    return [C.TopKCompressor(1.0), C.RandomKCompressor(1.0),
+            C.PowerSGDCompressor(rank=12, start_iter=0, min_compression_rate=0.0)]
+
+
+def _lossy():
+    """(compressor, relative error bound of one reduction of Gaussian data)."""
+    return [(C.FP16Compressor(), 2e-3), (C.BF16Compressor(), 1e-2), (C.QuantizeCompressor(8), 3e-2),
+            (C.QuantizeCompressor(4, 64), 0.4), (C.TopKCompressor(0.3), 0.9), (C.RandomKCompressor(0.5), 1.5),
+            (C.SignCompressor(), 1.0), (C.OneBitCompressor(), 1.0),
+            (C.PowerSGDCompressor(rank=2, start_iter=0), 1.0)]
+
+
+# ------------------------------------------------------------------------------------------ bodies
+def _body_matrix(topo_spec: str, algorithm: str) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    topo = Topology.from_spec(topo_spec)
+    report = {}
+    for dtype in (torch.float64, torch.float32, torch.bfloat16, torch.float16):
+        inputs = _inputs(world, (40, 12), dtype, salt=1)
+        exact = torch.stack([x.double() for x in inputs]).sum(0)
+        eps = torch.finfo(dtype).eps
+        for c in _lossless():
+            for op in (ReduceOp.SUM, ReduceOp.AVG):
+                y = inputs[rank].clone()
+                out = c.all_reduce(y, op, topology=topo, algorithm=algorithm, error_feedback=ErrorFeedback())
+                assert out is y and y.dtype == dtype
+                ref = exact / world if op == ReduceOp.AVG else exact
+                err = ((y.double() - ref).abs().max() / ref.abs().max()).item()
+                assert err <= 8 * max(eps, 1e-6) * world, (c, dtype, op, err)
+        for c, bound in _lossy():
+            y = inputs[rank].clone()
+            c.all_reduce(y, topology=topo, algorithm=algorithm, error_feedback=ErrorFeedback())
+            err = ((y.double() - exact).norm() / exact.norm()).item()
+            assert math.isfinite(err) and err <= bound + 4 * eps, (c, dtype, err)
+            report[f"{c!r}/{dtype}"] = err
+    # FAULTS row 9: a transposed (non-contiguous) input gives the contiguous result, in place.
+    for make in (lambda: C.PowerSGDCompressor(rank=3, start_iter=0), C.FP16Compressor,
+                 lambda: C.TopKCompressor(0.2), C.OneBitCompressor):
+        base = _inputs(world, (12, 40), torch.float32, salt=2)[rank]
+        a, b = base.clone().t(), base.t().contiguous()
+        assert not a.is_contiguous()
+        out = make().all_reduce(a, topology=topo, algorithm=algorithm, step=3, error_feedback=ErrorFeedback())
+        make().all_reduce(b, topology=topo, algorithm=algorithm, step=3, error_feedback=ErrorFeedback())
+        assert out is a and torch.equal(a, b), make
+    # FAULTS row 8: zero elements and k = 0 are no-ops of the right dtype, with no NaN.
+    for c in _lossless() + [C.TopKCompressor(0.0), C.SignCompressor(), C.QuantizeCompressor()]:
+        e = torch.empty(0, 5, dtype=torch.float16)
+        assert c.all_reduce(e, topology=topo, algorithm=algorithm) is e and e.dtype == torch.float16
+    z = _inputs(world, (64,), torch.float32, salt=3)[rank]
+    ef = ErrorFeedback()
+    zc = z.clone()
+    C.TopKCompressor(0.0).all_reduce(zc, topology=topo, algorithm=algorithm, error_feedback=ef, key="z")
+    assert torch.equal(zc, torch.zeros(64)), "k = 0 sends nothing"
+    kept = ef.residuals["worker"]["z"].clone()
+    dist.all_reduce(kept)  # hierarchical: each rank keeps the node sum of its shard
+    assert torch.allclose(kept, sum(_inputs(world, (64,), torch.float32, salt=3)), atol=1e-5), \
+        "k = 0: everything stays in the residuals"
+    zero = torch.zeros(8, 6)
+    C.PowerSGDCompressor(start_iter=0, min_compression_rate=0).all_reduce(zero, topology=topo, algorithm=algorithm)
+    assert torch.equal(zero, torch.zeros(8, 6)), "an all-zero matrix must not produce NaN"
+    # FAULTS row 10: integers pass through, SUM bit-exact; AVG on integers raises TypeError.
+    for c in (C.FP16Compressor(), C.TopKCompressor(0.1), C.QuantizeCompressor()):
+        i = torch.full((33,), rank + 1, dtype=torch.int64)
+        c.all_reduce(i, topology=topo, algorithm=algorithm)
+        assert torch.equal(i, torch.full((33,), world * (world + 1) // 2, dtype=torch.int64))
+        with pytest.raises(TypeError):
+            c.all_reduce(torch.ones(3, dtype=torch.int32), ReduceOp.AVG, topology=topo, algorithm=algorithm)
+    return report
+
+
+def _body_fp16_overflow() -> None:
+    """FAULTS row 12: fp16 gradients of 40 000 on 4 ranks average to 40 000, never inf."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for algorithm, topo in (("flat", None), ("hierarchical", Topology.from_spec("2x2"))):
+        for dtype in (torch.float16, torch.float32):
+            y = torch.full((1000,), 40_000.0, dtype=dtype)
+            C.FP16Compressor().all_reduce(y, ReduceOp.AVG, topology=topo, algorithm=algorithm)
+            assert torch.equal(y, torch.full((1000,), 40_000.0, dtype=dtype)), (algorithm, dtype, y[:3])
+        # Beyond fp16's range altogether (fp32 input): scaled by an agreed power of two.
+        y = torch.full((100,), 3e6 * (rank + 1))
+        C.FP16Compressor().all_reduce(y, ReduceOp.SUM, topology=topo, algorithm=algorithm)
+        ref = 3e6 * world * (world + 1) / 2
+        assert torch.isfinite(y).all() and ((y - ref).abs() / ref).max() < 1e-3, (algorithm, y[:3])
+
+
+def _body_conservation(algorithm: str, topo_spec: str, steps: int) -> dict:
+    """FAULTS row 15: sum of results + final residuals (worker and server) = sum of inputs, fp64."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    topo = Topology.from_spec(topo_spec)
+    worst = {}
+    for c in (C.TopKCompressor(0.05), C.SignCompressor(block=64), C.OneBitCompressor(block=64),
+              C.PowerSGDCompressor(rank=1, start_iter=0, min_compression_rate=1.0)):
+        ef = ErrorFeedback()
+        total_in = torch.zeros(30, 20, dtype=torch.float64)
+        total_out = torch.zeros(30, 20, dtype=torch.float64)
+        for step in range(steps):
+            xs = _inputs(world, (30, 20), torch.float64, salt=10_000 + step)
+            total_in += torch.stack(xs).sum(0)
+            y = xs[rank].clone()
+            c.all_reduce(y, topology=topo, algorithm=algorithm, error_feedback=ef, key="w", step=step)
+            total_out += y
+        left = sum(ef.residuals[k]["w"] for k in ("worker", "server") if "w" in ef.residuals[k]).view(30, 20)
+        dist.all_reduce(left)  # exact fp64 sum over ranks
+        err = ((total_out + left - total_in).abs().max() / total_in.abs().max()).item()
+        assert err <= 1e-12, (c, err)
+        assert ef.numel("worker") == 600, "one residual per key, O(tensor)"
+        worst[c.name] = err
+    return worst
+
+
+def _body_nonfinite(algorithm: str, topo_spec: str) -> None:
+    """FAULTS row 13: NaN/Inf on one rank only propagates (exact fallback) and leaves residuals as
+    they were; check_finite=True raises NonFiniteError on every rank."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    topo = Topology.from_spec(topo_spec)
+    comps = [C.FP16Compressor(), C.BF16Compressor(), C.TopKCompressor(0.1), C.RandomKCompressor(0.1),
+             C.SignCompressor(), C.OneBitCompressor(), C.QuantizeCompressor(8),
+             C.PowerSGDCompressor(rank=1, start_iter=0)]
+    for c in comps:
+        ef = ErrorFeedback()
+        x = _inputs(world, (16, 32), torch.float32, salt=5)[rank]
+        c.all_reduce(x.clone(), topology=topo, algorithm=algorithm, error_feedback=ef, key="w", step=0)
+        before = {k: {n: t.clone() for n, t in d.items()} for k, d in ef.residuals.items()}
+        for bad in (float("nan"), float("inf")):
+            y = x.clone()
+            if rank == world - 1:
+                y[3, 5] = bad
+            c.all_reduce(y, topology=topo, algorithm=algorithm, error_feedback=ef, key="w", step=1)
+            assert not torch.isfinite(y[3, 5]), (c, bad, "the non-finite value must reach every rank")
+            assert torch.isfinite(y.view(-1)[:10]).all() or math.isnan(bad), c
+            for k, d in ef.residuals.items():
+                for n, t in d.items():
+                    assert torch.equal(t, before[k][n]), (c, "residual poisoned or changed by a skipped step")
+            z = x.clone()
+            if rank == 0:
+                z[0, 0] = bad
+            with pytest.raises(NonFiniteError):
+                c.all_reduce(z, topology=topo, algorithm=algorithm, error_feedback=ef, key="w", step=1,
+                             check_finite=True)
+        # The next finite step compresses again and updates the residual.
+        c.all_reduce(x.clone(), topology=topo, algorithm=algorithm, error_feedback=ef, key="w", step=2)
+        assert all(torch.isfinite(t).all() for d in ef.residuals.values() for t in d.values()), c
+
+
+def _body_randomness() -> dict:
+    """FAULTS row 17: random-k indices and PowerSGD's Q agree across ranks and change across
+    steps; the global RNG is untouched."""
+    rank = dist.get_rank()
+    rng = torch.get_rng_state()
+    rk = C.RandomKCompressor(0.1)
+    idx = [rk.indices(1000, step=s, seed=7, salt=3) for s in range(3)]
+    assert not torch.equal(idx[0], idx[1]) and not torch.equal(idx[1], idx[2])
+    gathered = [torch.zeros_like(idx[0]) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, idx[0])
+    assert all(torch.equal(g, idx[0]) for g in gathered)
+    # Random-k through the exchange: the result is non-zero exactly at shared indices on every rank.
+    y = _inputs(2, (512,), torch.float32, salt=8)[rank].abs() + 1
+    rk.all_reduce(y, seed=7, step=4)
+    support = (y != 0).nonzero().view(-1)
+    sup = [torch.zeros_like(support) for _ in range(dist.get_world_size())]
+    dist.all_gather(sup, support)
+    assert support.numel() == 52 and all(torch.equal(s, support) for s in sup)
+    qs = []
+    for warm in (True, False):
+        ps = C.PowerSGDCompressor(rank=2, start_iter=0, warm_start=warm)
+        steps = []
+        for step in range(2):
+            m = _inputs(2, (24, 16), torch.float32, salt=20 + step)[rank]
+            ps.all_reduce(m, step=step, error_feedback=ErrorFeedback(), key="m")
+            if warm:
+                steps.append(ps.q_memory["m"].clone())
+            else:
+                from commopt.comm.compression.base import Job
+                job = Job(x=m.view(-1), out=m.view(-1), sent=None, group=None, n=2, rank=rank, step=step, seed=0)
+                steps.append(ps._initial_q("m", 16, 2, job))
+        assert not torch.equal(steps[0], steps[1]), warm
+        for q in steps:
+            all_q = [torch.zeros_like(q) for _ in range(dist.get_world_size())]
+            dist.all_gather(all_q, q)
+            assert all(torch.equal(a, q) for a in all_q), "Q differs across ranks"
+        qs.append(steps)
+    # Stochastic rounding and the rest: nothing drew from the global RNG.
+    C.QuantizeCompressor().all_reduce(torch.randn(300, generator=torch.Generator().manual_seed(rank)), step=1)
+    assert torch.equal(torch.get_rng_state(), rng), "a compressor used the global RNG"
+    return {"ok": True}
+
+
+# ------------------------------------------------------------------------------------------ tests
+def test_compressors_match_oracle_flat(ranks):
+    """FAULTS rows 8, 9, 10, 11: every compressor and dtype on 2 ranks: lossless settings equal the
+    float64 oracle, lossy ones stay within their bound; non-contiguous, empty, k=0, integer inputs."""
+    ranks(2, _body_matrix, "1x2", "flat", timeout=120)
+
+
+def test_compressors_match_oracle_hierarchical(ranks):
+    """FAULTS rows 8-11 on 4 ranks as 2x2 with only the inter-node phase compressed (and 4x1/1x4
+    through auto, which must fall back to flat)."""
+    ranks(4, _body_matrix, "2x2", "hierarchical", timeout=180)
+
+
+def test_fp16_overflow_four_ranks(ranks):
+    """FAULTS row 12: 40 000 on 4 ranks through the fp16 compressor, flat and hierarchical."""
+    ranks(4, _body_fp16_overflow)
+
+
+@pytest.mark.parametrize("algorithm,world,spec,steps", [("flat", 2, "1x2", 200), ("hierarchical", 4, "2x2", 40)])
+def test_error_feedback_conservation(ranks, algorithm, world, spec, steps):
+    """FAULTS row 15: over 200 fp64 steps (40 on the slower 2x2 pool), sum of results + final
+    residuals (worker and server) = sum of inputs to 1e-12."""
+    ranks(world, _body_conservation, algorithm, spec, steps, timeout=180)
+
+
+@pytest.mark.parametrize("algorithm,world,spec", [("flat", 2, "1x2"), ("hierarchical", 4, "2x2")])
+def test_nonfinite_one_rank(ranks, algorithm, world, spec):
+    """FAULTS row 13: NaN/Inf on one rank with each compressor: propagates, residuals unpoisoned,
+    check_finite raises NonFiniteError on every rank."""
+    ranks(world, _body_nonfinite, algorithm, spec, timeout=120)
+
+
+def test_randomness_shared_and_global_rng_untouched(ranks):
+    """FAULTS row 17: random-k indices and PowerSGD's Q identical across ranks, different across steps."""
+    ranks(2, _body_randomness)
+
+
+def test_unbiased_monte_carlo():
+    """FAULTS row 16: random-k (scaled d/k) and stochastic int8/int4 quantization are unbiased: the
+    mean of 10^4 seeds is within 5 standard errors of the input, element by element."""
+    x = torch.randn(64, generator=torch.Generator().manual_seed(0), dtype=torch.float64).float() * 2
+    n = 10_000
+    rk = C.RandomKCompressor(0.25)
+    acc = torch.zeros(64, dtype=torch.float64)
+    for s in range(n):
+        acc += rk.roundtrip(x, step=s, seed=1).double()
+    se = x.double().abs() * math.sqrt(64 / 16 - 1) / math.sqrt(n)
+    assert ((acc / n - x.double()).abs() <= 5 * se + 1e-9).all()
+    for bits, block in ((8, 16), (4, 16)):
+        q = C.QuantizeCompressor(bits, block)
+        acc.zero_()
+        for s in range(n):
+            acc += q.roundtrip(x, step=s, seed=2).double()
+        qmax = 127 if bits == 8 else 7
+        scale = x.double().view(-1, block).abs().amax(1, keepdim=True).expand(-1, block).reshape(-1) / qmax
+        se = scale / 2 / math.sqrt(n)  # a rounding error in [0, scale) has std <= scale / 2
+        assert ((acc / n - x.double()).abs() <= 5 * se + 1e-7).all(), bits
+        # and it is not the deterministic rounding in disguise:
+        assert not torch.equal(q.roundtrip(x, step=0, seed=2), q.roundtrip(x, step=1, seed=2))
+
+
+def test_biased_without_error_feedback_warns():
+    """Biased compressors without error feedback warn (they may not converge); unbiased ones do not."""
+    from commopt.comm.hooks import AllReduceState
+
+    for c in (C.TopKCompressor(), C.SignCompressor(), C.OneBitCompressor(), C.PowerSGDCompressor()):
+        with pytest.warns(UserWarning, match="without error feedback"):
+            AllReduceState(compressor=c, error_feedback=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for c in (C.RandomKCompressor(), C.QuantizeCompressor(), C.FP16Compressor()):
+            AllReduceState(compressor=c, error_feedback=False)
+        AllReduceState(compressor=C.TopKCompressor(), error_feedback=True)
+
+
+def test_declarations_and_bytes():
+    """The declared properties, and the byte ratios against an fp32 ring all-reduce (4 ranks)."""
+    assert C.PowerSGDCompressor().needs_matrices and C.PowerSGDCompressor().summable
+    assert not C.TopKCompressor().summable and C.TopKCompressor().biased
+    assert C.RandomKCompressor().summable and not C.RandomKCompressor().biased
+    assert not C.QuantizeCompressor().summable and not C.QuantizeCompressor().biased
+    d, n = 1 << 20, 4
+    fp32 = 2 * (n - 1) / n * d * 4
+    assert fp32 / C.FP16Compressor().payload_bytes(d, n) == pytest.approx(2)
+    assert fp32 / C.QuantizeCompressor(8).payload_bytes(d, n) >= 3.5
+    assert fp32 / C.OneBitCompressor().payload_bytes(d, n) >= 20
+    shapes = [(512, 128), (128, 512), (128, 128), (128,)]
+    full = 2 * (n - 1) / n * sum(math.prod(s) for s in shapes) * 4
+    assert full / C.PowerSGDCompressor(rank=4).shapes_bytes(shapes, n) >= 20
+
+
+def _body_engine_bytes() -> dict:
+    """Bytes counted by the engine for one 2x2 hierarchical reduction: only the rail phase shrinks."""
+    topo = Topology.from_spec("2x2")
+    out = {}
+    for c in (C.FP16Compressor(), C.QuantizeCompressor(8), C.OneBitCompressor()):
+        engine().reset_stats()
+        c.all_reduce(torch.randn(1 << 16, generator=torch.Generator().manual_seed(dist.get_rank())),
+                     topology=topo, algorithm="hierarchical", error_feedback=ErrorFeedback())
+        out[c.name] = engine().bytes_sent()[f"compress/{c.name}"]
+    return out
+
+
+def test_engine_counts_compressed_bytes(ranks):
+    """Bytes on the wire come from the engine's counters: intra-node phases exact (fp32), the
+    inter-node phase compressed, the agreed check a few bytes."""
+    res = ranks(4, _body_engine_bytes)[0]
+    d, local = 1 << 16, 2
+    intra = 2 * (local - 1) * (d // local) * 4  # reduce-scatter + all-gather, exact fp32
+    check = int(2 * 3 / 4 * 16)
+    rail = {"fp16": 2 * 1 / 2 * (d // 2) * 2, "quantize": 2 * 1 * (d // 4 + d // 4 // 256 * 4),
+            "onebit": 2 * 1 * (d // 4 // 8 + d // 4 // 256 * 4)}
+    for name, nbytes in res.items():
+        assert nbytes == intra + check + rail[name], (name, nbytes, intra + check + rail[name])
