@@ -92,6 +92,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="measure each algorithm with and without validate=True, interleaved")
     p.add_argument("--no-calibrate", dest="calibrate", action="store_false",
                    help="skip measuring the two link levels first (auto then uses the cached or default model)")
+    # Fault injection for the test of FAULTS row 31 (a failing rank must end the whole job).
+    p.add_argument("--fail-rank", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--timeout", type=float, default=120.0, help="seconds before a collective is declared hung")
     return p
 
@@ -438,6 +440,8 @@ def _print_fit(rows: list[dict], topo, log=print) -> None:
 
 def _rank_body(args) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
+    if args.fail_rank == rank:
+        raise RuntimeError(f"rank {rank}: failure injected by --fail-rank")
     topo = _topology(args)
     measured = float(os.environ.get("COMMOPT_LINK_MEASURED_BPS", "0") or 0) or None
     log = print if rank == 0 else (lambda *a, **k: None)
