@@ -477,3 +477,24 @@ def test_protocol_header_roundtrip():
     with pytest.raises(struct.error):
         pack_header(PacketType.DATA, job_id=70000)
     assert math.isclose(error_bound(30, 2), 2.0**-30)
+
+
+def test_quantize_matches_float64_reference():
+    """FAULTS row 27: the float32 quantizer gives exactly round-half-even(x * 2**s) computed in float64
+    (an independent oracle), for every dtype, magnitudes from tiny to large, and shifts of both signs."""
+    g = torch.Generator().manual_seed(27)
+    scales = {torch.float32: (1e-30, 1e-3, 1.0, 1e4, 3e37), torch.float16: (1e-3, 1.0, 1e3),
+              torch.bfloat16: (1e-30, 1.0, 3e37)}
+    for dtype, dtype_scales in scales.items():
+        for scale in dtype_scales:
+            x = (torch.randn(4096, generator=g, dtype=torch.float64) * scale).to(dtype)
+            shift = block_shift(max_exponent(x), 2)
+            ties = torch.tensor([0.5, 1.5, -2.5], dtype=torch.float64)  # exact ties: to even
+            x[:3] = torch.ldexp(ties, torch.tensor(-shift, dtype=torch.float64)).to(dtype)
+            assert block_shift(max_exponent(x), 2) == shift
+            ref = torch.round(torch.ldexp(x.double(), torch.tensor(shift, dtype=torch.float64))).to(torch.int64)
+            assert ref.abs().max() < 2**30
+            got = quantize(x, shift).astype(np.int64)
+            assert np.array_equal(got, ref.numpy()), (dtype, scale)
+            if bool((x[:3] != 0).all()):  # the ties survived the cast to the dtype
+                assert got[:3].tolist() == [0, 2, -2]

@@ -99,14 +99,20 @@ _OP = "ina/all_reduce"
 _FLAGS_OFFSET = 6  # byte offset of ``flags`` in the header (magic 4, version 1, ptype 1)
 
 
+def _scan(x: torch.Tensor) -> tuple[int, bool]:
+    """(exponent, has NaN/Inf) in one pass: ``aminmax`` propagates NaN and shows +-Inf."""
+    if x.numel() == 0:
+        return ZERO_EXPONENT, False
+    lo, hi = torch.aminmax(x.detach().reshape(-1))
+    m = max(-float(lo), float(hi))
+    if not math.isfinite(m):
+        return ZERO_EXPONENT, True
+    return (math.frexp(m)[1] if m != 0.0 else ZERO_EXPONENT), False
+
+
 def max_exponent(x: torch.Tensor) -> int:
     """The exponent ``E`` with ``max|x| < 2**E`` (``ZERO_EXPONENT`` for all zeros or no elements)."""
-    if x.numel() == 0:
-        return ZERO_EXPONENT
-    m = float(x.detach().abs().max())
-    if m == 0.0:
-        return ZERO_EXPONENT
-    return math.frexp(m)[1]
+    return _scan(x)[0]
 
 
 def headroom_bits(num_workers: int) -> int:
@@ -128,10 +134,16 @@ def _as_float32_numpy(x: torch.Tensor) -> np.ndarray:
     return flat.numpy()
 
 
-def _quantize_np(a: np.ndarray, shift: int) -> np.ndarray:
-    # float64 holds every fp32 value times a power of two exactly (|a * 2**shift| < 2**31), so the only
-    # rounding is rint's, to the nearest integer with ties to even.
-    return np.rint(np.ldexp(a.astype(np.float64), shift)).astype("<i4")
+def _quantize_np(a: np.ndarray, shift: int, out: np.ndarray | None = None) -> np.ndarray:
+    # Scaling by a power of two is exact in float32 here (|a * 2**shift| < 2**31: no overflow, and
+    # anything that would underflow rounds to 0 anyway), and float32 integers above 2**24 are already
+    # integral, so rint's ties-to-even rounding is the only rounding and the int32 cast is exact.
+    scaled = np.ldexp(a, shift)
+    np.rint(scaled, out=scaled)
+    if out is None:
+        return scaled.astype("<i4")
+    out[:] = scaled
+    return out
 
 
 def quantize(x: torch.Tensor, shift: int) -> np.ndarray:
@@ -330,14 +342,14 @@ class InaSession:
         deadline = time.monotonic() + timeout
         x = tensor.detach()
         numel = x.numel()
-        nonfinite = numel > 0 and not bool(torch.isfinite(x).all())
+        scanned_exponent, nonfinite = _scan(x)
         if self.num_workers == 1:
             if nonfinite:
                 raise NonFiniteError(self._nonfinite_msg([0], tensor), op=_OP, seq=self._round, ranks=[0])
             return tensor  # the sum and the average over one worker are the input
         try:
             self._ensure_joined(deadline)
-            exponent = ZERO_EXPONENT if nonfinite else max_exponent(x)
+            exponent = scanned_exponent
             h = headroom_bits(self.num_workers) if self.headroom is None else self.headroom
             dcode = _DTYPE_CODES[tensor.dtype]
             values: np.ndarray | None = None
@@ -472,7 +484,7 @@ class InaSession:
     def _aggregate(self, rnd: int, values: np.ndarray, out: np.ndarray, dcode: int, shift: int,
                    deadline: float) -> bool:
         def payload(lo: int, hi: int) -> bytes:
-            return _quantize_np(values[lo:hi], shift).tobytes()
+            return _quantize_np(values[lo:hi], shift).data  # type: ignore[return-value]
 
         return self._exchange(PacketType.DATA, rnd, len(values), payload, out, dcode, shift, "aggregate",
                               deadline)
@@ -530,8 +542,15 @@ class InaSession:
         self._missing = None
         while done < nchunks:
             now = time.monotonic()
+            if now >= deadline:
+                first = min(pending, key=lambda s: pending[s].chunk)
+                self._raise_timeout(phase, rnd, pending[first].chunk, pending[first].unanswered, deadline, first)
             earliest = min(p.deadline for p in pending.values())
-            if earliest <= now:
+            # Drain what has arrived before retransmitting anything: a worker that was descheduled for
+            # longer than its RTO finds its results already queued, and must not resend the window.
+            got = self._rx(min(earliest, deadline) - now)
+            if got is None or now > earliest + self.max_rto:
+                now = time.monotonic()
                 for slot, p in pending.items():
                     if p.deadline > now:
                         continue
@@ -544,11 +563,6 @@ class InaSession:
                     self.counters["retransmissions"] += 1
                     send(slot, p, True)
                     p.deadline = now + min(self._rto * 2 ** p.backoff, self.max_rto)
-                continue
-            if now >= deadline:
-                first = min(pending, key=lambda s: pending[s].chunk)
-                self._raise_timeout(phase, rnd, pending[first].chunk, pending[first].unanswered, deadline, first)
-            got = self._rx(min(earliest, deadline) - now)
             if got is None:
                 continue
             h, payload = got
@@ -648,10 +662,10 @@ class InaSession:
     def _rx(self, wait: float) -> tuple[Header, memoryview] | None:
         """One validated packet, or None after ``wait`` seconds (faults applied on the way in)."""
         if not self._inbox:
-            self._sock.settimeout(max(wait, 1e-4))
+            self._sock.settimeout(wait if wait > 0 else 0.0)  # 0: a non-blocking poll
             try:
                 nbytes = self._sock.recv_into(self._buf)
-            except socket.timeout:
+            except (socket.timeout, BlockingIOError):
                 return None
             except ConnectionRefusedError:
                 return None  # ICMP port unreachable: the switch is not (yet) there; retransmit later
