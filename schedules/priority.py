@@ -1,0 +1,154 @@
+"""ByteScheduler-style issue plans: partition, priority of the next forward, credit (DESIGN 5).
+
+Backward produces gradients last layer first, but the next forward needs them first layer first.
+Issued in ready order (DDP), the first layer's gradients wait behind everything else and the next
+forward waits for the whole reduction. ByteScheduler's policy fixes that: (1) partition large
+buckets into chunks, so a late, urgent bucket never waits behind a whole large one; (2) among the
+chunks that are ready, issue the one the next forward needs first; (3) keep at most ``credit`` bytes
+in flight, so that chunks not yet issued can still be overtaken by more urgent ones.
+
+Applied to *local* readiness, step (2) would issue in a different order on every rank (DESIGN 2,
+rule 2). Here the policy runs once, as a small discrete-event simulation over shapes and timings
+(profiled on one rank), and its output is an :class:`~commopt.schedules.plan.IssuePlan`: a fixed
+order that every rank then follows, waiting for a chunk's bucket when it is not yet ready locally.
+Misestimated timings cost idle time, never a mismatch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Callable
+
+from .plan import BucketPlan, Chunk, IssuePlan, partition
+
+__all__ = ["fifo_plan", "priority_plan", "simulate_issue", "shape_priority", "IssueTimeline"]
+
+
+def shape_priority(plan: BucketPlan, first_use: Sequence[int] | None = None) -> tuple[int, ...]:
+    """Each bucket's rank in the next forward's order of need (0: needed first).
+
+    Args:
+        plan: the bucket plan.
+        first_use: parameter indices in the order the forward first uses them (profiled); default
+            registration order, which is the forward order of a sequential model.
+    """
+    n = sum(len(b.params) for b in plan.buckets)
+    position = {p: i for i, p in enumerate(first_use)} if first_use is not None else {p: p for p in range(n)}
+    need = [min(position.get(p, n + p) for p in b.params) for b in plan.buckets]
+    ranked = sorted(range(len(need)), key=lambda b: (need[b], b))
+    out = [0] * len(need)
+    for r, b in enumerate(ranked):
+        out[b] = r
+    return tuple(out)
+
+
+def fifo_plan(plan: BucketPlan, *, ready_times: Sequence[float] | None = None, partition_bytes: int = 0,
+              credit: int = 0) -> IssuePlan:
+    """Chunks in ready order (DDP's order), each bucket's chunks in order."""
+    pieces = partition(plan, partition_bytes)
+    ready = list(ready_times) if ready_times is not None else [float(b.index) for b in plan.buckets]
+    order = sorted(range(len(pieces)), key=lambda b: (ready[b], b))
+    return IssuePlan(tuple(c for b in order for c in pieces[b]), int(partition_bytes or 0), int(credit),
+                     shape_priority(plan))
+
+
+class IssueTimeline:
+    """What :func:`simulate_issue` computed: per chunk (in issue order) its issue, start, end time."""
+
+    def __init__(self) -> None:
+        self.chunks: list[Chunk] = []
+        self.issued: list[float] = []
+        self.started: list[float] = []
+        self.finished: list[float] = []
+        self.max_in_flight = 0
+
+    def bucket_done(self) -> dict[int, float]:
+        """Bucket index -> time its last chunk finished."""
+        out: dict[int, float] = {}
+        for c, t in zip(self.chunks, self.finished):
+            out[c.bucket] = max(out.get(c.bucket, 0.0), t)
+        return out
+
+
+def simulate_issue(chunks_by_bucket: Sequence[Sequence[Chunk]], ready_times: Sequence[float],
+                   service: Callable[[int], float], *, credit: int = 0,
+                   priority: Sequence[int] | None = None, order: Sequence[Chunk] | None = None) -> IssueTimeline:
+    """Simulate a link that serves issued chunks first come, first served.
+
+    Either ``priority`` (choose among ready chunks by it: the policy) or ``order`` (follow a fixed
+    issue order, waiting for each chunk's bucket: what a rank does with a plan) drives issue.
+
+    Args:
+        chunks_by_bucket: each bucket's chunks in order.
+        ready_times: when each bucket's gradients are ready (seconds from any common origin).
+        service: seconds the link needs for a chunk of so many bytes.
+        credit: the most bytes in flight (issued, not finished); 0: unbounded.
+        priority: per bucket, lower goes first among ready chunks (ties: bucket, then chunk order).
+        order: a fixed issue order instead of the policy.
+    """
+    if (priority is None) == (order is None):
+        raise ValueError("simulate_issue needs exactly one of priority and order")
+    tl = IssueTimeline()
+    pending = [list(c) for c in chunks_by_bucket]
+    fixed = list(order) if order is not None else None
+    total = sum(len(c) for c in pending)
+    in_flight: list[tuple[float, int]] = []  # (finish, bytes)
+    t, link_free, issued = 0.0, 0.0, 0
+    t = min(ready_times) if len(ready_times) else 0.0
+    while issued < total:
+        in_flight = [(f, n) for f, n in in_flight if f > t]
+        busy = sum(n for _, n in in_flight)
+        if fixed is not None:
+            nxt = fixed[issued]
+            candidate = nxt if ready_times[nxt.bucket] <= t else None
+        else:
+            ready = [b for b in range(len(pending)) if pending[b] and ready_times[b] <= t]
+            candidate = pending[min(ready, key=lambda b: (priority[b], b))][0] if ready else None
+        if candidate is not None and (not credit or not in_flight or busy + candidate.nbytes <= credit):
+            if fixed is None:
+                pending[candidate.bucket].pop(0)
+            start = max(t, link_free)
+            link_free = start + service(candidate.nbytes)
+            in_flight.append((link_free, candidate.nbytes))
+            tl.max_in_flight = max(tl.max_in_flight, busy + candidate.nbytes)
+            tl.chunks.append(candidate)
+            tl.issued.append(t)
+            tl.started.append(start)
+            tl.finished.append(link_free)
+            issued += 1
+            continue
+        # Nothing can go now: advance to the next event (a bucket turning ready, a chunk finishing).
+        events = [f for f, _ in in_flight]
+        if fixed is not None:
+            events.append(ready_times[fixed[issued].bucket])
+        else:
+            events += [ready_times[b] for b in range(len(pending)) if pending[b]]
+        t = min(e for e in events if e > t) if any(e > t for e in events) else t
+    return tl
+
+
+def priority_plan(plan: BucketPlan, *, ready_times: Sequence[float], service: Callable[[int], float],
+                  partition_bytes: int = 0, credit: int = 0,
+                  priority: Sequence[int] | None = None) -> IssuePlan:
+    """The ByteScheduler policy, simulated once, as a fixed issue order.
+
+    Args:
+        plan: the bucket plan.
+        ready_times: estimated (or rank 0's profiled) time each bucket becomes ready in backward.
+        service: seconds the link needs per chunk of so many bytes (``comm.cost`` or a fit of
+            profiled chunk times).
+        partition_bytes: chunk size (0: whole buckets).
+        credit: the most bytes in flight (0: unbounded, which reduces the policy to ready order
+            except for chunks that become ready at the same instant).
+        priority: per bucket, its rank in the next forward's need (default :func:`shape_priority`).
+
+    Returns:
+        An :class:`IssuePlan` to broadcast; computing it on one rank and sharing it is what makes the
+        order identical everywhere.
+    """
+    prio = tuple(priority) if priority is not None else shape_priority(plan)
+    pieces = partition(plan, partition_bytes)
+    tl = simulate_issue(pieces, ready_times, service, credit=credit, priority=prio)
+    out = IssuePlan(tuple(tl.chunks), int(partition_bytes or 0), int(credit), prio)
+    out.check(plan)
+    return out
