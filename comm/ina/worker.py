@@ -551,9 +551,11 @@ class InaSession:
             got = self._rx(min(earliest, deadline) - now)
             if got is None or now > earliest + self.max_rto:
                 now = time.monotonic()
+                fired = False
                 for slot, p in pending.items():
                     if p.deadline > now:
                         continue
+                    fired = True
                     self.counters["timeouts_fired"] += 1
                     if now >= deadline or p.unanswered >= self.max_retries:
                         self._raise_timeout(phase, rnd, p.chunk, p.unanswered, deadline, slot)
@@ -563,6 +565,10 @@ class InaSession:
                     self.counters["retransmissions"] += 1
                     send(slot, p, True)
                     p.deadline = now + min(self._rto * 2 ** p.backoff, self.max_rto)
+                if fired:
+                    # Back off the estimate too (RFC 6298 5.5): Karn's rule takes no samples from
+                    # retransmitted chunks, so only a slow chunk that made it in time can lower it again.
+                    self._rto = min(self.max_rto, 2 * self._rto)
             if got is None:
                 continue
             h, payload = got
