@@ -72,7 +72,8 @@ class IssueTimeline:
 
 def simulate_issue(chunks_by_bucket: Sequence[Sequence[Chunk]], ready_times: Sequence[float],
                    service: Callable[[int], float], *, credit: int = 0,
-                   priority: Sequence[int] | None = None, order: Sequence[Chunk] | None = None) -> IssueTimeline:
+                   priority: Sequence[int] | None = None, order: Sequence[Chunk] | None = None,
+                   link_free: float = 0.0) -> IssueTimeline:
     """Simulate a link that serves issued chunks first come, first served.
 
     Either ``priority`` (choose among ready chunks by it: the policy) or ``order`` (follow a fixed
@@ -85,6 +86,7 @@ def simulate_issue(chunks_by_bucket: Sequence[Sequence[Chunk]], ready_times: Seq
         credit: the most bytes in flight (issued, not finished); 0: unbounded.
         priority: per bucket, lower goes first among ready chunks (ties: bucket, then chunk order).
         order: a fixed issue order instead of the policy.
+        link_free: when the link finishes earlier work (the previous iteration's tail).
     """
     if (priority is None) == (order is None):
         raise ValueError("simulate_issue needs exactly one of priority and order")
@@ -93,7 +95,7 @@ def simulate_issue(chunks_by_bucket: Sequence[Sequence[Chunk]], ready_times: Seq
     fixed = list(order) if order is not None else None
     total = sum(len(c) for c in pending)
     in_flight: list[tuple[float, int]] = []  # (finish, bytes)
-    t, link_free, issued = 0.0, 0.0, 0
+    issued = 0
     t = min(ready_times) if len(ready_times) else 0.0
     while issued < total:
         in_flight = [(f, n) for f, n in in_flight if f > t]

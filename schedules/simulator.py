@@ -1,0 +1,396 @@
+"""A discrete-event model of data-parallel training iterations, and the traffic matrix (DESIGN 5).
+
+The model (the quantities ASTRA-sim reports): per-layer forward and backward compute times and
+gradient sizes (measured from a model on this machine with :func:`layers_from_model`, or derived
+from a transformer configuration with :func:`transformer_layers`), buckets built exactly as
+``OverlapDataParallel`` builds them, chunks served first come first served by one link whose time
+per chunk comes from ``commopt.comm.cost.predict`` for the chosen algorithm and topology, and a
+schedule:
+
+- ``none``: backward, then every bucket's reduction, then the optimizer; no overlap;
+- ``ddp``: buckets issued in ready order as backward produces them; the optimizer step and the next
+  forward wait for the last bucket (DDP);
+- ``fifo``: as ``ddp``, but each bucket's optimizer step runs when it is reduced and each layer of
+  the next forward waits only for its own bucket (``OverlapDataParallel(plan="fifo")``);
+- ``priority``: as ``fifo`` with the ByteScheduler plan: partitioned chunks, the next forward's
+  order of need, a credit (``OverlapDataParallel(plan="priority")``).
+
+Optionally with compression: a ratio applied to the bytes on the wire and a compute cost per
+gradient byte. Several iterations are simulated back to back (the next forward overlaps the
+previous reduction); the reported iteration time is the steady-state period.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from commopt.comm import cost
+from commopt.comm.topology import Topology
+from torch import nn
+
+from .plan import BucketPlan, build_buckets, partition
+from .priority import fifo_plan, priority_plan, shape_priority, simulate_issue
+
+__all__ = ["Layer", "Schedule", "SimResult", "simulate", "transformer_layers", "layers_from_model",
+           "TRANSFORMERS", "traffic_matrix", "iteration_traffic", "SCHEDULES", "link_service"]
+
+_MB = 1024 * 1024
+SCHEDULES = ("none", "ddp", "fifo", "priority")
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One layer: forward and backward seconds, and the bytes of its gradients."""
+
+    name: str
+    forward: float
+    backward: float
+    grad_bytes: int
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """How an iteration communicates (see the module docstring for the kinds).
+
+    Attributes:
+        kind: "none", "ddp", "fifo" or "priority".
+        bucket_cap_mb, first_bucket_cap_mb: bucket caps, as ``OverlapDataParallel``.
+        partition_mb: chunk size of the priority plan (0: whole buckets).
+        credit_mb: most MiB in flight for the priority plan (0: unbounded).
+        compression_ratio: wire bytes / gradient bytes (1: uncompressed).
+        compress_seconds_per_byte: compute cost of compressing and decompressing, per gradient byte.
+        optimizer_seconds_per_byte: optimizer step cost per gradient byte.
+    """
+
+    kind: str = "priority"
+    bucket_cap_mb: float = 25.0
+    first_bucket_cap_mb: float = 1.0
+    partition_mb: float = 1.0
+    credit_mb: float = 4.0
+    compression_ratio: float = 1.0
+    compress_seconds_per_byte: float = 0.0
+    optimizer_seconds_per_byte: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in SCHEDULES:
+            raise ValueError(f"schedule kind {self.kind!r}: choose one of {SCHEDULES}")
+        if not 0 < self.compression_ratio <= 1:
+            raise ValueError(f"compression_ratio must be in (0, 1], got {self.compression_ratio}")
+
+
+@dataclass
+class SimResult:
+    """The steady-state iteration and its timeline.
+
+    Attributes:
+        iteration: seconds between the starts of the last two simulated iterations.
+        compute: forward + backward seconds of one iteration.
+        communication: link-busy seconds of one iteration's reduction.
+        exposed: ``iteration - compute``: communication (and waiting) not hidden.
+        timeline: (lane, label, start, end) of the last two iterations, for plotting.
+    """
+
+    iteration: float
+    compute: float
+    communication: float
+    exposed: float
+    schedule: Schedule
+    timeline: list[tuple[str, str, float, float]] = field(default_factory=list)
+
+    @property
+    def overlap(self) -> float:
+        """Fraction of communication hidden behind compute (1 when fully hidden)."""
+        if self.communication <= 0:
+            return 1.0
+        return max(0.0, min(1.0, 1.0 - self.exposed / self.communication))
+
+
+def link_service(algorithm: str, topology: Topology, model: cost.CostModel | None = None,
+                 ratio: float = 1.0) -> Callable[[int], float]:
+    """Seconds to all-reduce a chunk of ``n`` bytes (``ratio`` of them on the wire)."""
+
+    def service(n: int) -> float:
+        return cost.predict(algorithm, n * ratio, topology, model) if n else 0.0
+
+    return service
+
+
+def _buckets(layers: Sequence[Layer], sched: Schedule) -> BucketPlan:
+    # One "parameter" per layer, counted in bytes: bucket boundaries fall where the model's would
+    # (the model's buckets hold whole parameters of one layer or several).
+    shapes = [(max(1, layer.grad_bytes), torch.uint8) for layer in layers]
+    return build_buckets(shapes, cap_bytes=sched.bucket_cap_mb * _MB, first_cap_bytes=sched.first_bucket_cap_mb * _MB,
+                         align=1)
+
+
+def simulate(layers: Sequence[Layer], service: Callable[[int], float], schedule: Schedule | None = None, *,
+             iterations: int = 4) -> SimResult:
+    """Simulate ``iterations`` back-to-back iterations; report the last period.
+
+    Args:
+        layers: the model, first layer first.
+        service: seconds the link needs per chunk of so many (gradient) bytes, e.g.
+            :func:`link_service`; the schedule's compression ratio is applied by the caller's
+            ``service`` (see :func:`link_service`'s ``ratio``).
+        schedule: the schedule (default: priority).
+        iterations: at least 2; the period between the last two iteration starts is reported.
+    """
+    sched = schedule or Schedule()
+    if iterations < 2:
+        raise ValueError(f"iterations must be >= 2, got {iterations}")
+    plan = _buckets(layers, sched)
+    bucket_of = plan.bucket_of()
+    nb = len(plan.buckets)
+    fwd = [layer.forward for layer in layers]
+    bwd = [layer.backward for layer in layers]
+    compute = sum(fwd) + sum(bwd)
+    overlapped = sched.kind in ("fifo", "priority")
+    part = int(sched.partition_mb * _MB) if sched.kind == "priority" else 0
+    credit = int(sched.credit_mb * _MB) if sched.kind == "priority" else 0
+    pieces = partition(plan, part)
+    opt = [b.nbytes * sched.optimizer_seconds_per_byte for b in plan.buckets]
+    squeeze = [b.nbytes * sched.compress_seconds_per_byte for b in plan.buckets]
+    comm = sum(service(c.nbytes) for chunks in pieces for c in chunks)
+
+    applied = [0.0] * nb  # when each bucket's previous update is done
+    t = 0.0
+    link_free = 0.0
+    starts: list[float] = []
+    timeline: list[tuple[str, str, float, float]] = []
+    issue = None
+    for _ in range(iterations):
+        starts.append(t)
+        # Forward: layer l waits for its bucket's previous update (overlapped schedules only;
+        # the others waited for everything before this iteration started).
+        for i in range(len(layers)):
+            if overlapped:
+                t = max(t, applied[bucket_of[i]])
+            timeline.append(("compute", f"F{i}", t, t + fwd[i]))
+            t += fwd[i]
+        forward_end = t
+        ready = [0.0] * nb
+        for i in reversed(range(len(layers))):
+            timeline.append(("compute", f"B{i}", t, t + bwd[i]))
+            t += bwd[i]
+            b = bucket_of[i]
+            ready[b] = max(ready[b], t)
+        backward_end = t
+        if sched.kind == "none":
+            ready = [backward_end] * nb
+        ready = [r + s for r, s in zip(ready, squeeze)]
+        if issue is None:
+            rel = [r - forward_end for r in ready]
+            if sched.kind == "priority":
+                issue = priority_plan(plan, ready_times=rel, service=service, partition_bytes=part, credit=credit,
+                                      priority=shape_priority(plan, list(range(len(layers)))))
+            else:
+                issue = fifo_plan(plan, ready_times=rel, partition_bytes=part, credit=credit)
+        tl = simulate_issue(pieces, ready, service, credit=credit, order=list(issue.chunks), link_free=link_free)
+        link_free = max([link_free, *tl.finished])
+        for c, s, e in zip(tl.chunks, tl.started, tl.finished):
+            timeline.append(("link", f"b{c.bucket}", s, e))
+        done = tl.bucket_done()
+        if overlapped:
+            # The applier steps buckets one at a time, in completion order.
+            free = 0.0
+            for b in sorted(range(nb), key=lambda b: (done[b], b)):
+                free = max(free, done[b]) + opt[b]
+                applied[b] = free
+            t = backward_end
+        else:
+            t = max(backward_end, max(done.values(), default=backward_end)) + sum(opt)
+            applied = [t] * nb
+    period = starts[-1] - starts[-2]
+    keep_from = starts[-2]
+    timeline = [(lane, label, s - keep_from, e - keep_from) for lane, label, s, e in timeline if e > keep_from]
+    return SimResult(period, compute, comm, period - compute, sched, timeline)
+
+
+# ------------------------------------------------------------------------------------- workloads
+@dataclass(frozen=True)
+class TransformerConfig:
+    """A GPT-style decoder: ``n_layer`` blocks of width ``d_model``, vocabulary ``vocab``."""
+
+    n_layer: int
+    d_model: int
+    vocab: int = 50257
+    seq: int = 2048
+
+
+TRANSFORMERS: dict[str, TransformerConfig] = {
+    "gpt2-124m": TransformerConfig(12, 768, seq=1024),
+    "gpt-350m": TransformerConfig(24, 1024),
+    "gpt-1.3b": TransformerConfig(24, 2048),
+    "gpt-6.7b": TransformerConfig(32, 4096),
+    "gpt-13b": TransformerConfig(40, 5120),
+}
+
+
+def transformer_layers(config: TransformerConfig | str, *, tokens: int, flops: float,
+                       grad_bytes_per_param: int = 2) -> list[Layer]:
+    """Layers of a GPT-style model: embedding, ``n_layer`` blocks, head (tied, so no gradient of its own).
+
+    Compute per block and token: ``2 * 12 d^2`` FLOPs for the matrices plus ``4 * seq * d`` for
+    attention scores (forward); backward twice the forward. ``flops`` is the sustained rate of one
+    rank (peak times achieved utilisation).
+
+    Args:
+        config: a :class:`TransformerConfig` or a name in :data:`TRANSFORMERS`.
+        tokens: tokens per rank per iteration (micro-batch x sequence length).
+        flops: sustained FLOP/s of one rank.
+        grad_bytes_per_param: 2 for bf16/fp16 gradients, 4 for fp32.
+    """
+    cfg = TRANSFORMERS[config] if isinstance(config, str) else config
+    d = cfg.d_model
+    block_params = 12 * d * d + 13 * d
+    block_flops = tokens * (2 * (12 * d * d) + 4 * cfg.seq * d)
+    emb_params = cfg.vocab * d + cfg.seq * d
+    head_flops = 2 * tokens * cfg.vocab * d
+    # The head is tied to the embedding: its compute is charged to the embedding layer, whose gradient
+    # is complete only at the very end of backward (after the lookup's backward).
+    layers = [Layer("embedding", head_flops / flops, 2 * head_flops / flops, emb_params * grad_bytes_per_param)]
+    for i in range(cfg.n_layer):
+        layers.append(Layer(f"block{i}", block_flops / flops, 2 * block_flops / flops,
+                            block_params * grad_bytes_per_param))
+    return layers
+
+
+def layers_from_model(module: nn.Module, example: torch.Tensor, *, repeats: int = 5,
+                      loss=lambda y: y.float().pow(2).mean()) -> list[Layer]:
+    """Measure each parameterised module's forward and backward on this machine (medians).
+
+    Forward time: between a module's forward pre-hook and forward hook. Backward time: from one
+    gradient-ready event to the next, in backward order (each module's gradients become ready when
+    its backward is done), the first measured from the start of backward. Modules are the leaves
+    that own parameters, in forward order.
+    """
+    mods = [m for m in module.modules() if any(True for _ in m.parameters(recurse=False))]
+    names = {m: n for n, m in module.named_modules()}
+    fwd: dict[nn.Module, list[float]] = {m: [] for m in mods}
+    ready: dict[nn.Module, float] = {}
+    bwd: dict[nn.Module, list[float]] = {m: [] for m in mods}
+    order: list[nn.Module] = []
+    starts: dict[nn.Module, float] = {}
+    handles = []
+    for m in mods:
+        handles.append(m.register_forward_pre_hook(lambda mod, a: starts.__setitem__(mod, time.perf_counter())))
+        handles.append(m.register_forward_hook(
+            lambda mod, a, out: (fwd[mod].append(time.perf_counter() - starts[mod]),
+                                 order.append(mod) if mod not in order else None)))
+        for p in m.parameters(recurse=False):
+            if p.requires_grad:
+                handles.append(p.register_post_accumulate_grad_hook(
+                    lambda p, mod=m: ready.__setitem__(mod, time.perf_counter())))
+    try:
+        for _ in range(repeats + 1):
+            module.zero_grad(set_to_none=True)
+            ready.clear()
+            out = module(example)
+            t0 = time.perf_counter()
+            loss(out).backward()
+            prev = t0
+            for m in sorted(ready, key=ready.get):
+                bwd[m].append(ready[m] - prev)
+                prev = ready[m]
+    finally:
+        for h in handles:
+            h.remove()
+        module.zero_grad(set_to_none=True)
+
+    def median(v: list[float]) -> float:
+        v = sorted(v[1:]) or [0.0]  # the first run warms caches up
+        return v[len(v) // 2]
+
+    out_layers = []
+    for m in order:
+        nbytes = sum(p.numel() * p.element_size() for p in m.parameters(recurse=False) if p.requires_grad)
+        out_layers.append(Layer(names.get(m, type(m).__name__), median(fwd[m]), median(bwd[m]), nbytes))
+    return out_layers
+
+
+# ------------------------------------------------------------------------------------- traffic
+def traffic_matrix(algorithm: str, nbytes: float, topology: Topology, op: str = "allreduce") -> torch.Tensor:
+    """Bytes rank i sends to rank j (``[p, p]``, float64) for one ``op`` of an ``nbytes`` buffer per rank.
+
+    Phases as the implementations run them: ``flat`` all-reduce = a ring over ranks 0..p-1
+    (2(p-1)/p of the buffer to the next rank); ``hierarchical`` = (1) intra-node reduce-scatter as
+    an exchange (S/L to every other local rank), (2) a ring along each rail on S/L, (3) intra-node
+    all-gather (S/L to every other local rank); ``leader`` = (1) reduce to the node's first rank,
+    (2) a ring among leaders, (3) broadcast; all-to-all ``flat`` = S/p to every rank; ``2d`` =
+    (1) intra-node: to local rank k everything bound for rail k, (2) along the rail: to each other
+    node L*S/p.
+    """
+    p = topology.world_size
+    m = torch.zeros(p, p, dtype=torch.float64)
+    if p == 1 or nbytes == 0:
+        return m
+    nodes = [list(n) for n in topology.nodes]
+    local = max(len(n) for n in nodes)
+
+    def ring(members: list[int], amount: float) -> None:
+        k = len(members)
+        if k < 2:
+            return
+        for i, r in enumerate(members):
+            m[r, members[(i + 1) % k]] += 2 * (k - 1) / k * amount
+
+    if op == "allreduce":
+        if algorithm in ("flat", "ina"):
+            ring(list(range(p)), nbytes)
+        elif algorithm == "hierarchical":
+            for node in nodes:
+                for a in node:
+                    for b in node:
+                        if a != b:
+                            m[a, b] += 2 * nbytes / len(node)  # reduce-scatter + all-gather
+            for j in range(local):
+                ring([n[j] for n in nodes if len(n) > j], nbytes / local)
+        elif algorithm == "leader":
+            leaders = [n[0] for n in nodes]
+            for node in nodes:
+                for r in node[1:]:
+                    m[r, node[0]] += nbytes
+                    m[node[0], r] += nbytes
+            ring(leaders, nbytes)
+        else:
+            raise ValueError(f"traffic_matrix: no all-reduce algorithm {algorithm!r}")
+    elif op == "alltoall":
+        share = nbytes / p
+        if algorithm == "flat":
+            m += share
+            m.fill_diagonal_(0)
+        elif algorithm == "2d":
+            if not topology.is_uniform:
+                raise ValueError("traffic_matrix: the 2-D all-to-all needs nodes of equal size")
+            n_nodes = len(nodes)
+            for node in nodes:
+                for a in node:
+                    for b in node:
+                        if a != b:
+                            m[a, b] += n_nodes * share  # what goes to rail k on every node
+            for j in range(local):
+                rail = [n[j] for n in nodes]
+                for a in rail:
+                    for b in rail:
+                        if a != b:
+                            m[a, b] += local * share
+        else:
+            raise ValueError(f"traffic_matrix: no all-to-all algorithm {algorithm!r}")
+    else:
+        raise ValueError(f"traffic_matrix: op {op!r}; use 'allreduce' or 'alltoall'")
+    return m
+
+
+def iteration_traffic(layers: Sequence[Layer], algorithm: str, topology: Topology,
+                      schedule: Schedule | None = None) -> torch.Tensor:
+    """The traffic matrix of one iteration: every bucket's reduction (compression ratio applied)."""
+    sched = schedule or Schedule()
+    plan = _buckets(layers, sched)
+    total = torch.zeros(topology.world_size, topology.world_size, dtype=torch.float64)
+    for b in plan.buckets:
+        total += traffic_matrix(algorithm, b.nbytes * sched.compression_ratio, topology)
+    return total
