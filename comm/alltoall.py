@@ -59,6 +59,7 @@ __all__ = [
     "exchange_splits",
     "ALGORITHMS",
     "link_bytes",
+    "choose_algorithm",
     "predicted_ratio",
     "crossover_bytes",
 ]
@@ -159,7 +160,7 @@ def exchange_splits(in_splits: Splits, *, group=None, validate: bool = False) ->
     ins = _as_list("in_splits", in_splits)
     problem = _check_splits("in_splits", ins, world, None, "input")
     if validate and world > 1:
-        return _agree(problem, ins, None, None, True, group, world)
+        return _agree(problem, ins, None, None, False, group, world)[0]
     if problem:
         raise ValueError(f"{_NAME}: {problem}")
     if world == 1:
@@ -171,13 +172,13 @@ def exchange_splits(in_splits: Splits, *, group=None, validate: bool = False) ->
 
 
 def _agree(problem: str | None, ins: list[int], outs: list[int] | None, out_rows: int | None, even: bool,
-           group, world: int) -> list[int]:
+           group, world: int) -> tuple[list[int], int]:
     """The ``validate=True`` check of the splits: one all-gather of every rank's splits.
 
     Every rank learns every rank's in/out splits and argument status, so every rank raises the same
     error for a bad argument anywhere, or for splits that disagree (rank i sends k rows to rank j but
     j expects m), instead of the bad rank raising alone and the others hanging. Returns this rank's
-    out_splits (derived from the peers' in_splits when not given).
+    out_splits (derived from the peers' in_splits when not given) and the rows sent by all ranks.
     """
     rank = dist.get_rank(group)
     row = [1 if problem else 0, -1 if out_rows is None else out_rows, int(even)]
@@ -218,33 +219,41 @@ def _agree(problem: str | None, ins: list[int], outs: list[int] | None, out_rows
         raise CollectiveMismatchError(
             f"split sizes disagree across ranks: {shown}. in_splits[j] on rank i must equal out_splits[i] "
             f"on rank j (or pass only in_splits and let all_to_all exchange them)", op=_NAME, ranks=odd)
-    return outs if outs is not None else [send[i][rank] for i in range(world)]
+    total = sum(map(sum, send))
+    return (outs if outs is not None else [send[i][rank] for i in range(world)]), total
 
 
 # --------------------------------------------------------------------------------- algorithms
-def _choose(algorithm: str, args: _Args, input: torch.Tensor, topology: Topology | None, group, world: int,
-            agreed_bytes: float | None) -> tuple[str, Topology | None]:
+def _mean_bytes(input: torch.Tensor, group, world: int) -> float:
+    """The mean per-rank input size, agreed by every rank through one 8-byte all-reduce: uneven
+    splits make local sizes differ, and a choice made from a local size would differ across ranks."""
+    total = torch.tensor([input.shape[0] * _row_bytes(input)], dtype=torch.int64)
+    engine().count(f"{_NAME}/agree", 8)
+    dist.all_reduce(total, group=group)
+    return float(total.item()) / world
+
+
+def _choose(algorithm: str, input: torch.Tensor, topology: Topology | None, group, world: int,
+            agreed_bytes: float | None) -> tuple[str, Topology | None, float | None]:
     if algorithm not in ALGORITHMS + ("auto",):
         raise ValueError(f"{_NAME}: unknown algorithm {algorithm!r}; choose one of {list(ALGORITHMS) + ['auto']}")
     if algorithm == "flat":
-        return "flat", None
+        return "flat", None, agreed_bytes
     topo = resolve_topology(topology, group)
     if algorithm == "2d" and not topo.is_uniform:
         raise TopologyError(
             f"algorithm '2d' needs nodes of equal size, got node sizes {[len(n) for n in topo.nodes]} "
             f"({topo.layout}); use algorithm='auto' (falls back to flat) or 'flat'", op=f"{_NAME}/2d")
     if topo.num_nodes == 1 or topo.num_nodes == topo.world_size:
-        return "flat", topo  # one level: the 2-D phases degenerate to the flat exchange
+        return "flat", topo, agreed_bytes  # one level: the 2-D phases degenerate to the flat exchange
     if algorithm == "2d":
-        return "2d", topo
+        return "2d", topo, agreed_bytes
     if not topo.is_uniform:
-        return "flat", topo
+        return "flat", topo, agreed_bytes
     if agreed_bytes is None:
-        # Uneven splits: local sizes differ, so agree on the mean with one tiny all-reduce.
-        total = torch.tensor([input.shape[0] * _row_bytes(input)], dtype=torch.int64)
-        dist.all_reduce(total, group=group)
-        agreed_bytes = float(total.item()) / world
-    return cost.choose(["flat", "2d"], agreed_bytes, topo, cost.model_for(topo), op="alltoall"), topo
+        agreed_bytes = _mean_bytes(input, group, world)
+    algo = cost.choose(["flat", "2d"], agreed_bytes, topo, cost.model_for(topo), op="alltoall")
+    return algo, topo, agreed_bytes
 
 
 def _flat(out_work: torch.Tensor, src: torch.Tensor, args: _Args, p: _Prepared, group, rank: int,
@@ -360,9 +369,11 @@ def all_to_all(output: torch.Tensor | None, input: torch.Tensor, *, in_splits: S
             every rank's splits; mismatched dtypes or row shapes raise ``CollectiveMismatchError``,
             splits that disagree across ranks ``CollectiveMismatchError``, and a bad argument on any
             rank ``ValueError``, on every rank. Without it a bad argument raises on its own rank only.
+            Splits must be passed on every rank or on none (``validate`` checks that too).
         timeout: seconds each 2-D phase may take before ``CommTimeoutError``.
         chunks: pipelining depth of ``2d``, the same on every rank. None: chosen by the cost model
-            for even splits, 1 for uneven ones (whose sizes the ranks do not share).
+            from the mean per-rank size (known to all for even splits, read from the split exchange
+            when there is one, else agreed by one 8-byte all-reduce).
 
     Returns:
         The output tensor, or a Future of it when ``async_op``.
@@ -386,8 +397,9 @@ def all_to_all(output: torch.Tensor | None, input: torch.Tensor, *, in_splits: S
     agreed_bytes = None
     if validate and world > 1:
         validate_same(_NAME, input[:0] if input.dim() else input, algorithm=algorithm, op="none", group=group)
-        args.out_splits = _agree(args.problem, args.in_splits, args.out_splits,
-                                 None if output is None else output.shape[0], args.even, group, world)
+        args.out_splits, total_rows = _agree(args.problem, args.in_splits, args.out_splits,
+                                             None if output is None else output.shape[0], args.even, group, world)
+        agreed_bytes = total_rows * _row_bytes(input) / world
     elif args.problem:
         raise ValueError(f"{_NAME}: {args.problem}")
     elif args.out_splits is None and world > 1:
@@ -412,7 +424,7 @@ def all_to_all(output: torch.Tensor | None, input: torch.Tensor, *, in_splits: S
         if world == 1 and rows_out:
             output.copy_(input)
         return _done(output) if async_op else output
-    algo, topo = _choose(algorithm, args, input, topology, group, world, agreed_bytes)
+    algo, topo, agreed_bytes = _choose(algorithm, input, topology, group, world, agreed_bytes)
     copy_back = not output.is_contiguous()
     out_work = output.contiguous() if copy_back else output
     p = _Prepared(output, out_work, out_work.view(-1), None, copy_back)
@@ -421,7 +433,9 @@ def all_to_all(output: torch.Tensor | None, input: torch.Tensor, *, in_splits: S
         fut = _flat(out_work, src, args, p, group, dist.get_rank(group), _row_bytes(input))
     else:
         if chunks is None:
-            chunks = cost.alltoall_chunks(agreed_bytes, topo, cost.model_for(topo)) if args.even else 1
+            if agreed_bytes is None:
+                agreed_bytes = _mean_bytes(input, group, world)
+            chunks = cost.alltoall_chunks(agreed_bytes, topo, cost.model_for(topo))
         fut = _two_d(out_work, src, args, p, topo, chunks, timeout)
     return _deliver(fut, async_op, timeout, f"{_NAME}/{algo}")
 
@@ -497,6 +511,15 @@ def link_bytes(algorithm: str, nbytes: float, topology: Topology) -> float:
     if algorithm not in ALGORITHMS + ("auto",):
         raise ValueError(f"{_NAME}: unknown algorithm {algorithm!r}")
     return cost.link_bytes("flat" if algorithm == "auto" else algorithm, nbytes, topology, "alltoall")
+
+
+def choose_algorithm(nbytes: float, topology: Topology, model: cost.CostModel | None = None) -> str:
+    """What ``algorithm="auto"`` runs for an all-to-all of ``nbytes`` per rank on ``topology``
+    (``model`` None: the model ``auto`` itself uses, ``cost.model_for``; collective on first use)."""
+    if topology.num_nodes in (1, topology.world_size) or not topology.is_uniform:
+        return "flat"
+    model = model or cost.model_for(topology)
+    return cost.choose(["flat", "2d"], nbytes, topology, model, op="alltoall")
 
 
 def predicted_ratio(num_nodes: int, ranks_per_node: int, nbytes: float, model: cost.CostModel | None = None) -> float:

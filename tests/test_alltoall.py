@@ -15,10 +15,11 @@ import random
 import pytest
 import torch
 import torch.distributed as dist
-from commopt.comm import Topology
+from commopt.comm import Topology, cost
 from commopt.comm.alltoall import (
     all_to_all,
     all_to_all_autograd,
+    choose_algorithm,
     crossover_bytes,
     exchange_splits,
     link_bytes,
@@ -296,4 +297,9 @@ def test_cost_figures():
     assert predicted_ratio(16, 8, 128 * 1024) < 1.0
     cross = crossover_bytes(16, 8)
     assert cross is None or cross > 128 * 1024
-    assert predicted_ratio(1, 8, 1 << 20) == pytest.approx(predicted_ratio(1, 8, 1 << 20))
+    model = cost.CostModel(cost.DEFAULT_INTRA, cost.DEFAULT_INTER)
+    assert choose_algorithm(1 << 20, Topology(nodes=((0, 1, 2, 3),), rank=0, world_size=4), model) == "flat"
+    assert choose_algorithm(1 << 20, Topology(nodes=((0, 1), (2,)), rank=0, world_size=3), model) == "flat"
+    tiny, big = choose_algorithm(4 * 64, topo, model), choose_algorithm(1 << 30, topo, model)
+    assert tiny == ("2d" if predicted_ratio(2, 2, 4 * 64) < 1 else "flat")
+    assert big == ("2d" if predicted_ratio(2, 2, 1 << 30) < 1 else "flat")
