@@ -30,9 +30,9 @@ import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 from . import cost
-from .engine import Phase, all_of, as_timedelta, wait, wrap_error
-from .errors import CollectiveMismatchError, TopologyError
-from .topology import _REGISTRY, Topology
+from .engine import Phase, all_of, as_timedelta, chain, wait, wrap_error
+from .errors import CollectiveMismatchError, CommTimeoutError, TopologyError
+from .topology import _REGISTRY, Topology, setup_wait
 
 __all__ = ["all_reduce", "reduce_scatter", "all_gather", "ALGORITHMS", "SUPPORTED_DTYPES",
            "resolve_topology", "engine", "select_algorithm", "validate_same"]
@@ -58,14 +58,14 @@ def engine():
     return _REGISTRY.engine()
 
 
-def resolve_topology(topology: Topology | None, group) -> Topology:
+def resolve_topology(topology: Topology | None, group, timeout: float | None = None) -> Topology:
     """``topology`` itself, or ``Topology.detect(group)`` computed once per group."""
     if topology is not None:
         return topology
     key = id(group) if group is not None else None
     topo = _REGISTRY.detected.get(key)
     if topo is None:
-        topo = _REGISTRY.detected[key] = Topology.detect(group)
+        topo = _REGISTRY.detected[key] = Topology.detect(group, timeout=timeout)
     return topo
 
 
@@ -111,7 +111,7 @@ def fingerprint(kind: str, tensor: torch.Tensor, *, algorithm: str, op: str, gro
 
 
 def validate_same(kind: str, tensor: torch.Tensor, *, algorithm: str, op: str, group,
-                  extra: str = "") -> None:
+                  extra: str = "", timeout: float | None = None) -> None:
     """Exchange a fingerprint of this collective; ``CollectiveMismatchError`` on every rank if the
     ranks disagree on op, sequence number, algorithm, reduce op, dtype, device or shape.
 
@@ -123,7 +123,17 @@ def validate_same(kind: str, tensor: torch.Tensor, *, algorithm: str, op: str, g
     # NCCL groups only move CUDA tensors; gloo moves both.
     local = torch.tensor(mine, dtype=torch.int64, device=tensor.device if tensor.is_cuda else "cpu")
     gathered = [torch.zeros_like(local) for _ in range(size)]
-    dist.all_gather(gathered, local, group=group)
+    arrival = _Arrival(group, mine[1]) if timeout is not None else None
+    try:
+        setup_wait(dist.all_gather(gathered, local, group=group, async_op=True), timeout, f"{kind}/validate")
+    except CommTimeoutError as exc:
+        missing = arrival.missing() if arrival is not None else None
+        if not missing:
+            raise
+        raise CommTimeoutError(
+            f"ranks {missing} never arrived at {kind} #{mine[1]} within {timeout:.1f} s (a rank that skipped "
+            f"the collective, hangs before it, or died); the others raise this error too",
+            op=kind, seq=mine[1], ranks=missing) from exc
     rows = [g.cpu().tolist() for g in gathered]
     diffs = [f for i, f in enumerate(_FIELDS) if len({row[i] for row in rows}) > 1]
     if diffs:
@@ -134,6 +144,35 @@ def validate_same(kind: str, tensor: torch.Tensor, *, algorithm: str, op: str, g
             f"ranks issued different collectives ({', '.join(diffs)} differ): {described}. Every rank "
             f"must issue the same collectives in the same order with the same shape and dtype{extra}",
             op=kind, seq=mine[1], ranks=odd)
+
+
+class _Arrival:
+    """Arrival marks in the group's store, so a timed-out rank can name who never came.
+
+    Written only for validated collectives with a timeout (one small store write each); each rank
+    deletes its previous mark, so the store holds at most one key per rank and group.
+    """
+
+    def __init__(self, group, seq: int):
+        self.store = dist.distributed_c10d._get_default_store()
+        g = group if group is not None else dist.group.WORLD
+        self.ranks = dist.get_process_group_ranks(g)
+        self.prefix = f"commopt/arrive/{_group_key(g)}"
+        self.seq = seq
+        me = dist.get_rank()
+        self.store.set(f"{self.prefix}/{seq}/{me}", "1")
+        if seq > 0:
+            self.store.delete_key(f"{self.prefix}/{seq - 1}/{me}")
+
+    def missing(self) -> list[int]:
+        return [r for r in self.ranks if not self.store.check([f"{self.prefix}/{self.seq}/{r}"])]
+
+
+def _group_key(group) -> str:
+    try:
+        return str(dist.distributed_c10d._get_process_group_name(group))
+    except (AttributeError, KeyError, RuntimeError):
+        return ",".join(str(r) for r in dist.get_process_group_ranks(group))
 
 
 def _describe(rank: int, row: list[int]) -> str:
@@ -188,7 +227,7 @@ def _finish(p: _Prepared) -> torch.Tensor:
 def _then_finish(fut: torch.futures.Future, p: _Prepared) -> torch.futures.Future:
     # f.value() re-raises a failed phase; a callback that ignored it would turn a failure into a
     # silently wrong result.
-    return fut.then(lambda f: (f.value(), _finish(p))[1])
+    return chain(fut, lambda _value: _finish(p))
 
 
 def _done(value: torch.Tensor) -> torch.futures.Future:
@@ -227,19 +266,28 @@ def _flat_all_reduce(p: _Prepared, red: ReduceOp, group, topo: Topology | None, 
     nbytes = p.flat.numel() * p.flat.element_size()
     engine().count("flat", cost.ALGORITHM_FACTORS["allreduce"](world) * nbytes)
     work = dist.all_reduce(p.flat, op=red, group=group, async_op=True)
-    return _flat_future(work, p, "all_reduce/flat")
+    return _flat_future(work, p, "all_reduce/flat", timeout)
 
 
-def _flat_future(work, p: _Prepared, op: str) -> torch.futures.Future:
-    """The group's own async work as a Future of the caller's tensor; failures become CommErrors."""
+def _flat_future(work, p: _Prepared, op: str, timeout: float | None = None) -> torch.futures.Future:
+    """The group's own async work as a Future of the caller's tensor; failures become CommErrors,
+    and with ``timeout`` the future fails with ``CommTimeoutError`` when the work does not finish.
+
+    The work is issued on the caller's thread, keeping the caller's order with its own
+    ``torch.distributed`` calls on the same group; the engine's watchdog enforces the deadline.
+    """
     rank = dist.get_rank()
 
-    def finish(f: torch.futures.Future) -> torch.Tensor:
+    def finish(f: torch.futures.Future) -> None:
         try:
             f.value()
-        except Exception as exc:  # noqa: BLE001 - re-raised with op and rank
-            raise wrap_error(exc, op=op, seq=None, rank=rank) from exc
-        return _finish(p)
+        except Exception as exc:  # noqa: BLE001 - delivered with op and rank
+            out.set_exception(wrap_error(exc, op=op, seq=None, rank=rank))
+            return
+        try:
+            out.set_result(_finish(p))
+        except Exception as exc:  # noqa: BLE001
+            out.set_exception(exc)
 
     try:
         fut = work.get_future()
@@ -252,7 +300,11 @@ def _flat_future(work, p: _Prepared, op: str) -> torch.futures.Future:
             fut.set_result(None)
         except Exception as exc:  # noqa: BLE001 - delivered through the future like async errors
             fut.set_exception(exc)
-    return fut.then(finish)
+    if timeout is not None:
+        fut = engine().watch(fut, timeout, op=op)
+    out: torch.futures.Future = torch.futures.Future()
+    fut.add_done_callback(finish)
+    return out
 
 
 def _reduce_scatter_exchange(out: torch.Tensor, inp: torch.Tensor, red: ReduceOp, group, timeout) -> None:
@@ -277,7 +329,7 @@ def _reduce_scatter_exchange(out: torch.Tensor, inp: torch.Tensor, red: ReduceOp
 def _hierarchical_phases(chunk: torch.Tensor, red: ReduceOp, topo: Topology, timeout) -> list[Phase]:
     """The three phases of one chunk; ``chunk`` is a multiple of the node size L."""
     local = topo.local_size
-    rs, ar, ag = topo.groups("hier-rs"), topo.groups("hier-ar"), topo.groups("hier-ag")
+    rs, ar, ag = (topo.groups(role, timeout) for role in ("hier-rs", "hier-ar", "hier-ag"))
     shard = chunk.new_empty(chunk.numel() // local) if local > 1 else chunk
     esize = chunk.element_size()
     n_rail = len(ar.rail_ranks)
@@ -296,10 +348,11 @@ def _hierarchical_phases(chunk: torch.Tensor, red: ReduceOp, topo: Topology, tim
     return phases
 
 
-def _pipelined(p: _Prepared, topo: Topology, multiple: int, make_phases, op_name: str) -> torch.futures.Future:
+def _pipelined(p: _Prepared, topo: Topology, multiple: int, make_phases, op_name: str,
+               timeout: float | None) -> torch.futures.Future:
     """Submit one chain per chunk; chunks whose length is not a multiple of ``multiple`` run on a
     zero-padded copy (padding of SUM/MAX/MIN with 0 is harmless: padded slots are discarded)."""
-    model = cost.model_for(topo)
+    model = cost.model_for(topo, timeout=timeout)
     flat = p.flat
     fut_list = []
     copies: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -318,16 +371,16 @@ def _pipelined(p: _Prepared, topo: Topology, multiple: int, make_phases, op_name
             dst.copy_(src[: dst.numel()])
         return _finish(p)
 
-    return all_of(fut_list, None).then(lambda f: (f.value(), finish(f))[1])
+    return chain(all_of(fut_list, None), finish)
 
 
 def _hierarchical_all_reduce(p: _Prepared, red: ReduceOp, group, topo: Topology, timeout) -> torch.futures.Future:
     return _pipelined(p, topo, topo.local_size,
-                      lambda chunk: _hierarchical_phases(chunk, red, topo, timeout), "hierarchical")
+                      lambda chunk: _hierarchical_phases(chunk, red, topo, timeout), "hierarchical", timeout)
 
 
 def _leader_phases(chunk: torch.Tensor, red: ReduceOp, topo: Topology, timeout) -> list[Phase]:
-    lr, la, lb = topo.groups("leader-reduce"), topo.groups("leader-ar"), topo.groups("leader-bcast")
+    lr, la, lb = (topo.groups(role, timeout) for role in ("leader-reduce", "leader-ar", "leader-bcast"))
     leader = topo.group_rank_to_global(topo.nodes[topo.node][0])
     nbytes = chunk.numel() * chunk.element_size()
     phases = []
@@ -348,7 +401,7 @@ def _leader_phases(chunk: torch.Tensor, red: ReduceOp, topo: Topology, timeout) 
 
 
 def _leader_all_reduce(p: _Prepared, red: ReduceOp, group, topo: Topology, timeout) -> torch.futures.Future:
-    return _pipelined(p, topo, 1, lambda chunk: _leader_phases(chunk, red, topo, timeout), "leader")
+    return _pipelined(p, topo, 1, lambda chunk: _leader_phases(chunk, red, topo, timeout), "leader", timeout)
 
 
 def _ina_all_reduce(p: _Prepared, red: ReduceOp, group, topo: Topology, timeout) -> torch.futures.Future:
@@ -374,7 +427,7 @@ def _require_uniform(topo: Topology, algorithm: str) -> None:
             f"'leader'", op=algorithm)
 
 
-def select_algorithm(kind: str, algorithm: str, nbytes: int, topo: Topology) -> str:
+def select_algorithm(kind: str, algorithm: str, nbytes: int, topo: Topology, timeout: float | None = None) -> str:
     """The algorithm a call would run: ``algorithm`` itself (checked), or what ``auto`` picks.
 
     Args:
@@ -397,7 +450,7 @@ def select_algorithm(kind: str, algorithm: str, nbytes: int, topo: Topology) -> 
         return "flat"  # one level only: the hierarchy adds phases and saves nothing
     if not topo.is_uniform:
         candidates = [c for c in candidates if c != "hierarchical"]
-    return cost.choose(candidates, nbytes, topo, cost.model_for(topo), op=kind)
+    return cost.choose(candidates, nbytes, topo, cost.model_for(topo, timeout=timeout), op=kind)
 
 
 def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, *, group=None, topology: Topology | None = None,
@@ -427,7 +480,7 @@ def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, *, group=None, topology: T
     _check_tensor(name, tensor)
     op_name = _op_name(op)
     if validate and dist.is_initialized() and dist.get_world_size(group) > 1:
-        validate_same(name, tensor, algorithm=algorithm, op=op_name, group=group)
+        validate_same(name, tensor, algorithm=algorithm, op=op_name, group=group, timeout=timeout)
     _check_op_dtype(name, op_name, tensor.dtype)
     if not dist.is_initialized() or dist.get_world_size(group) == 1 or tensor.numel() == 0:
         return _done(tensor) if async_op else tensor
@@ -435,9 +488,9 @@ def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, *, group=None, topology: T
         return compressor.all_reduce(tensor, op=op, group=group, topology=topology, algorithm=algorithm,
                                      async_op=async_op)
     world = dist.get_world_size(group)
-    topo = None if algorithm == "flat" else resolve_topology(topology, group)
+    topo = None if algorithm == "flat" else resolve_topology(topology, group, timeout)
     nbytes = tensor.numel() * tensor.element_size()
-    algo = "flat" if topo is None else select_algorithm("allreduce", algorithm, nbytes, topo)
+    algo = "flat" if topo is None else select_algorithm("allreduce", algorithm, nbytes, topo, timeout)
     p, red = _prepare(tensor, op_name, world)
     return _deliver(ALGORITHMS[algo](p, red, group, topo, timeout), async_op, timeout, f"all_reduce/{algo}")
 
@@ -478,15 +531,15 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM, *
     _check_rs_ag(name, input, output, world, "input", "output")
     op_name = _op_name(op)
     if validate and world > 1:
-        validate_same(name, input, algorithm=algorithm, op=op_name, group=group)
+        validate_same(name, input, algorithm=algorithm, op=op_name, group=group, timeout=timeout)
     _check_op_dtype(name, op_name, input.dtype)
     if world == 1 or output.numel() == 0:
         if world == 1:
             output.copy_(input.reshape(output.shape))
         return _done(output) if async_op else output
-    topo = None if algorithm == "flat" else resolve_topology(topology, group)
+    topo = None if algorithm == "flat" else resolve_topology(topology, group, timeout)
     algo = "flat" if topo is None else select_algorithm("reduce_scatter", algorithm,
-                                                input.numel() * input.element_size(), topo)
+                                                input.numel() * input.element_size(), topo, timeout)
     p, red = _prepare(output, op_name, world)
     src = input.contiguous().view(-1)
     if src.dtype == torch.bool:
@@ -499,12 +552,12 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM, *
     if algo == "flat":
         engine().count("reduce_scatter/flat", (world - 1) * n * esize)
         fut = _flat_future(_reduce_scatter_single(p.flat, src, op=red, group=group, async_op=True),
-                           p, "reduce_scatter/flat")
+                           p, "reduce_scatter/flat", timeout)
         return _deliver(fut, async_op, timeout, "reduce_scatter/flat")
     local, nodes = topo.local_size, topo.num_nodes
     order = _rail_order(topo)
     staged = src.view(world, n)[torch.tensor(order)].reshape(-1)
-    rs, rail = topo.groups("hier-rs"), topo.groups("hier-rs-rail")
+    rs, rail = topo.groups("hier-rs", timeout), topo.groups("hier-rs-rail", timeout)
     mid = staged.new_empty(nodes * n)
     phases = [
         Phase("reduce_scatter_intra", lambda: _reduce_scatter_exchange(mid, staged, red, rs.intra, timeout),
@@ -529,14 +582,14 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, *, group=None, topolog
     world = dist.get_world_size(group) if dist.is_initialized() else 1
     _check_rs_ag(name, output, input, world, "output", "input")
     if validate and world > 1:
-        validate_same(name, input, algorithm=algorithm, op="none", group=group)
+        validate_same(name, input, algorithm=algorithm, op="none", group=group, timeout=timeout)
     if world == 1 or input.numel() == 0:
         if world == 1:
             output.copy_(input.reshape(output.shape))
         return _done(output) if async_op else output
-    topo = None if algorithm == "flat" else resolve_topology(topology, group)
+    topo = None if algorithm == "flat" else resolve_topology(topology, group, timeout)
     algo = "flat" if topo is None else select_algorithm("all_gather", algorithm,
-                                                output.numel() * output.element_size(), topo)
+                                                output.numel() * output.element_size(), topo, timeout)
     p, _ = _prepare(output, "sum", world)
     src = input.contiguous().view(-1)
     if src.dtype == torch.bool:
@@ -546,10 +599,10 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, *, group=None, topolog
     if algo == "flat":
         engine().count("all_gather/flat", (world - 1) * n * esize)
         fut = _flat_future(_all_gather_single(p.flat, src, group=group, async_op=True),
-                           p, "all_gather/flat")
+                           p, "all_gather/flat", timeout)
         return _deliver(fut, async_op, timeout, "all_gather/flat")
     local, nodes = topo.local_size, topo.num_nodes
-    rail, ag = topo.groups("hier-ag-rail"), topo.groups("hier-ag-intra")
+    rail, ag = topo.groups("hier-ag-rail", timeout), topo.groups("hier-ag-intra", timeout)
     mid = src.new_empty(nodes * n)
     gathered = src.new_empty(world * n)
     phases = [

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .topology import _REGISTRY, Topology
+from .topology import _REGISTRY, Topology, setup_wait
 
 __all__ = [
     "LinkModel",
@@ -293,17 +293,19 @@ def _inter_default(topo: Topology) -> LinkModel:
     return DEFAULT_INTER
 
 
-def _broadcast_model(model: CostModel, topo: Topology) -> CostModel:
+def _broadcast_model(model: CostModel, topo: Topology, timeout: float | None = None) -> CostModel:
     if topo.world_size == 1:
         return model
     t = torch.tensor([model.intra.alpha, model.intra.beta, model.inter.alpha, model.inter.beta,
                       float(model.chunks)], dtype=torch.float64)
-    dist.broadcast(t, src=topo.group_rank_to_global(0), group=topo.group)
+    setup_wait(dist.broadcast(t, src=topo.group_rank_to_global(0), group=topo.group, async_op=True), timeout,
+               "cost.model_for")
     v = t.tolist()
     return CostModel(LinkModel(v[0], v[1]), LinkModel(v[2], v[3]), int(v[4]))
 
 
-def model_for(topology: Topology, *, cache_dir: str | os.PathLike | None = None) -> CostModel:
+def model_for(topology: Topology, *, cache_dir: str | os.PathLike | None = None,
+              timeout: float | None = None) -> CostModel:
     """The model ``auto`` uses for ``topology``: cached calibration, else link rate, else defaults.
 
     Resolved once per topology (one tiny broadcast from rank 0), then kept in commopt's cache.
@@ -320,6 +322,6 @@ def model_for(topology: Topology, *, cache_dir: str | os.PathLike | None = None)
                 model = CostModel.from_dict(json.loads(path.read_text()))
             except (ValueError, KeyError, TypeError):
                 pass  # a corrupt cache falls back to defaults; calibrate() rewrites it
-    model = _broadcast_model(model, topology)
+    model = _broadcast_model(model, topology, timeout)
     _REGISTRY.models[key] = model
     return model

@@ -21,9 +21,11 @@ benchmark) and labels each phase for ``torch.profiler`` as ``commopt/<op>/<phase
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import queue
 import threading
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -34,7 +36,7 @@ import torch.distributed as dist
 
 from .errors import CommError, CommTimeoutError
 
-__all__ = ["Engine", "Phase", "wait", "all_of"]
+__all__ = ["Engine", "Phase", "wait", "all_of", "chain"]
 
 _DIRECT = "direct submission"
 
@@ -111,6 +113,7 @@ class Engine:
         self._bytes: dict[str, int] = defaultdict(int)
         self._calls: dict[str, int] = defaultdict(int)
         self._closed = False
+        self._watchdog: _Watchdog | None = None
 
     # ----------------------------------------------------------------------------- submission
     def submit(self, phases: list[Phase], *, op: str, result: Any = None,
@@ -210,6 +213,42 @@ class Engine:
         item.future.set_exception(wrap_error(exc, op=f"{item.op}/{phase.name}", seq=item.seq,
                                              rank=item.rank))
 
+    # ----------------------------------------------------------------------------- deadlines
+    def watch(self, future: torch.futures.Future, timeout: float, *, op: str) -> torch.futures.Future:
+        """A future that mirrors ``future`` but fails with ``CommTimeoutError`` after ``timeout`` s.
+
+        For work issued on the caller's thread (a flat collective keeps the caller's order that
+        way): the backend cannot cancel it, but the caller, or DDP waiting on a hook's future, gets
+        control back. One watchdog thread serves every deadline.
+        """
+        out: torch.futures.Future = torch.futures.Future()
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        lock = threading.Lock()
+
+        def settle(f: torch.futures.Future) -> None:
+            with lock:
+                if out.done():
+                    return
+                try:
+                    out.set_result(f.value())
+                except Exception as exc:  # noqa: BLE001 - forwarded with op and rank
+                    out.set_exception(wrap_error(exc, op=op, seq=None, rank=rank))
+
+        def expire() -> None:
+            with lock:
+                if not out.done():
+                    out.set_exception(CommTimeoutError(
+                        f"did not complete within {timeout:.1f} s on rank {rank}; a rank may not have entered "
+                        f"the collective or may have died", op=op, ranks=[rank]))
+
+        with self._lock:
+            if self._watchdog is None:
+                self._watchdog = _Watchdog()
+            watchdog = self._watchdog
+        watchdog.add(time.monotonic() + timeout, expire)
+        future.add_done_callback(settle)
+        return out
+
     # ----------------------------------------------------------------------------- statistics
     def bytes_sent(self) -> dict[str, int]:
         """Bytes this rank has sent per operation since the last ``reset_stats()``."""
@@ -243,10 +282,47 @@ class Engine:
         with self._lock:
             self._closed = True
             workers, self._workers = list(self._workers.values()), {}
+            watchdog, self._watchdog = self._watchdog, None
+        if watchdog is not None:
+            watchdog.stop(timeout)
         for w in workers:
             w.queue.put(None)
         for w in workers:
             w.thread.join(timeout)
+
+
+class _Watchdog:
+    """One thread firing deadline callbacks in time order."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._heap: list[tuple[float, int, Callable[[], None]]] = []
+        self._ids = itertools.count()
+        self._stopped = False
+        self.thread = threading.Thread(target=self._loop, name="commopt-engine-watchdog", daemon=True)
+        self.thread.start()
+
+    def add(self, deadline: float, callback: Callable[[], None]) -> None:
+        with self._cond:
+            heapq.heappush(self._heap, (deadline, next(self._ids), callback))
+            self._cond.notify()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stopped and (not self._heap or self._heap[0][0] > time.monotonic()):
+                    wait = self._heap[0][0] - time.monotonic() if self._heap else None
+                    self._cond.wait(wait)
+                if self._stopped:
+                    return
+                _, _, callback = heapq.heappop(self._heap)
+            callback()
+
+    def stop(self, timeout: float) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+        self.thread.join(timeout)
 
 
 def _group_name(group) -> str:
@@ -273,6 +349,27 @@ def wrap_error(exc: BaseException, *, op: str, seq: int | None, rank: int) -> Ba
               f"different collective; check the other ranks' errors", op=op, seq=seq, ranks=[rank])
     err.__cause__ = exc
     return err
+
+
+def chain(future: torch.futures.Future, fn: Callable[[Any], Any]) -> torch.futures.Future:
+    """``future.then`` that keeps exception types: ``fn(value)`` on success, else the same error.
+
+    torch's ``Future.then`` turns an exception raised in the callback into a ``RuntimeError``
+    ("Got the following error when running the callback"), which would hide a
+    ``CommTimeoutError`` from the caller. ``fn`` does local work only (DESIGN 2, rule 1).
+    """
+    out: torch.futures.Future = torch.futures.Future()
+
+    def done(f: torch.futures.Future) -> None:
+        try:
+            value = fn(f.value())
+        except Exception as exc:  # noqa: BLE001 - forwarded unchanged
+            out.set_exception(exc)
+            return
+        out.set_result(value)
+
+    future.add_done_callback(done)
+    return out
 
 
 def all_of(futures: list[torch.futures.Future], result: Any) -> torch.futures.Future:

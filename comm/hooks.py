@@ -21,6 +21,7 @@ from torch.distributed import ReduceOp
 
 from .collectives import SUPPORTED_DTYPES, all_reduce, validate_same
 from .compression import ErrorFeedback, reduce_tensors
+from .engine import chain
 from .topology import Topology
 
 __all__ = ["AllReduceState", "allreduce_hook", "register", "check_result"]
@@ -193,10 +194,10 @@ def allreduce_hook(state: AllReduceState, bucket) -> torch.futures.Future:
         fut = reduce_tensors(compressor, _views(bucket, buf), keys, group=group, topology=state.topology,
                              algorithm=state.algorithm, average=True, step=step, seed=state.seed,
                              feedback=state.feedback, check_finite=state.check_finite, timeout=state.timeout)
-        return fut.then(lambda f: (f.value(), check_result(bucket, buf))[1])
+        return chain(fut, lambda _value: check_result(bucket, buf))
     fut = all_reduce(buf, ReduceOp.AVG, group=group, topology=state.topology, algorithm=state.algorithm,
                      async_op=True, validate=state.validate, timeout=state.timeout)
-    return fut.then(lambda f: check_result(bucket, f.value()))
+    return chain(fut, lambda value: check_result(bucket, value))
 
 
 # DDP checks the hook's return annotation by identity; `from __future__ import annotations` makes

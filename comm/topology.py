@@ -17,13 +17,14 @@ import os
 import socket
 import threading
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from .errors import TopologyError
+from .errors import CommTimeoutError, TopologyError
 
-__all__ = ["Topology", "Groups", "parse_rate", "destroy"]
+__all__ = ["Topology", "Groups", "parse_rate", "destroy", "setup_wait"]
 
 
 def parse_rate(text: str | int | float) -> float:
@@ -189,7 +190,7 @@ class Topology:
                             "under torchrun or mpirun, or call Topology.detect()")
 
     @classmethod
-    def detect(cls, group=None) -> Topology:
+    def detect(cls, group=None, *, timeout: float | None = None) -> Topology:
         """``from_env()`` when the environment gives the layout, else host-name hashes exchanged.
 
         Network namespaces of one machine share a host name, so inside the emulated cluster the
@@ -206,7 +207,7 @@ class Topology:
         digest = hashlib.sha1(socket.gethostname().encode()).digest()[:8]
         mine = torch.tensor([int.from_bytes(digest, "little", signed=True)], dtype=torch.int64)
         out = [torch.zeros_like(mine) for _ in range(size)]
-        dist.all_gather(out, mine, group=group)
+        setup_wait(dist.all_gather(out, mine, group=group, async_op=True), timeout, "topology.detect")
         by_host: dict[int, list[int]] = {}
         for r, t in enumerate(out):
             by_host.setdefault(int(t.item()), []).append(r)
@@ -250,17 +251,18 @@ class Topology:
         return f"Topology(nodes={self.layout!r}, rank={self.rank}, world_size={self.world_size})"
 
     # ----------------------------------------------------------------------------- groups
-    def validate(self) -> None:
+    def validate(self, timeout: float | None = None) -> None:
         """Check that every rank of the group holds the same layout; ``TopologyError`` on all if not.
 
-        One tiny all-gather (a 64-bit hash of the layout) on the topology's group.
+        One tiny all-gather (a 64-bit hash of the layout) on the topology's group; ``timeout``
+        seconds (None: the group's own) before ``CommTimeoutError``.
         """
         if self.world_size == 1:
             return
         digest = hashlib.sha1(self.layout.encode()).digest()[:8]
         mine = torch.tensor([int.from_bytes(digest, "little", signed=True)], dtype=torch.int64)
         out = [torch.zeros_like(mine) for _ in range(self.world_size)]
-        dist.all_gather(out, mine, group=self.group)
+        setup_wait(dist.all_gather(out, mine, group=self.group, async_op=True), timeout, "topology.validate")
         values = [int(t.item()) for t in out]
         if len(set(values)) > 1:
             mine_v = values[self.rank]
@@ -270,7 +272,7 @@ class Topology:
                 f"{others} have a different layout; build the topology from the same spec (or "
                 f"COMMOPT_NODES) on every rank", op="topology.groups", ranks=others)
 
-    def groups(self, role: str = "default") -> Groups:
+    def groups(self, role: str = "default", timeout: float | None = None) -> Groups:
         """This rank's intra-node and rail groups for ``role``, created once per layout and role.
 
         Creation is collective over WORLD (torch's rule for ``new_group``): every rank must call
@@ -283,6 +285,24 @@ class Topology:
         if self.group is None or not dist.is_initialized():
             return rank
         return dist.get_global_rank(self.group, rank)
+
+
+def setup_wait(work, timeout: float | None, op: str) -> None:
+    """Wait for a setup collective (layout check, model broadcast) within ``timeout`` seconds.
+
+    Setup runs on the calling thread before any payload moves; without a bound it would wait for
+    the group's own timeout (30 minutes by default) when a rank never arrives.
+    """
+    try:
+        if timeout is None:
+            work.wait()
+        else:
+            work.wait(timedelta(seconds=timeout))
+    except RuntimeError as exc:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        raise CommTimeoutError(f"setup collective failed or timed out on rank {rank}: {type(exc).__name__}: "
+                               f"{exc}. Another rank did not reach this collective or died", op=op,
+                               ranks=[rank]) from exc
 
 
 class _Registry:
@@ -302,7 +322,7 @@ class _Registry:
         # Per-group sequence numbers of validated collectives (validate=True fingerprints).
         self.validate_seq: dict[int | None, object] = {}
 
-    def groups(self, topo: Topology, role: str) -> Groups:
+    def groups(self, topo: Topology, role: str, timeout: float | None = None) -> Groups:
         parent_key = id(topo.group) if topo.group is not None else None
         key = (topo.layout, parent_key, role)
         with self._lock:
@@ -316,7 +336,8 @@ class _Registry:
                 f"WORLD; use algorithm='flat' on subgroups", op="topology.groups")
         # Every rank reaches this point for a new key together (creation is collective), so every
         # rank validates: a check skipped on one rank only would leave the others waiting.
-        topo.validate()
+        topo.validate(timeout)
+        td = None if timeout is None else timedelta(seconds=timeout)
         to_global = topo.group_rank_to_global
         intra = rail = None
         intra_ranks: tuple[int, ...] = ()
@@ -324,13 +345,13 @@ class _Registry:
         # Every rank creates every group, in the same order (node order, then rail order).
         for node in topo.nodes:
             ranks = [to_global(r) for r in node]
-            g = dist.new_group(ranks) if len(node) > 1 else None
+            g = dist.new_group(ranks, timeout=td) if len(node) > 1 else None
             if topo.rank in node:
                 intra, intra_ranks = g, tuple(node)
         max_local = max(len(n) for n in topo.nodes)
         for j in range(max_local):
             members = [n[j] for n in topo.nodes if len(n) > j]
-            g = dist.new_group([to_global(r) for r in members]) if len(members) > 1 else None
+            g = dist.new_group([to_global(r) for r in members], timeout=td) if len(members) > 1 else None
             if topo.rank in members:
                 rail, rail_ranks = g, tuple(members)
         result = Groups(intra=intra, rail=rail, intra_ranks=intra_ranks, rail_ranks=rail_ranks)

@@ -81,13 +81,15 @@ class RankPool:
             p.start()
 
     def run(self, fn: Callable, *args: Any, timeout: float = 60.0, per_rank: list | None = None,
-            **kwargs: Any) -> list[Any]:
+            allow_dead: bool = False, **kwargs: Any) -> list[Any]:
         """Run ``fn(*args, **kwargs)`` on every rank; return the per-rank results in rank order.
 
         Args:
             fn: a module-level function (shipped by reference).
             timeout: wall-clock guard in seconds for all ranks together.
             per_rank: optional list of per-rank argument tuples appended to ``args``.
+            allow_dead: a rank may die (fault-injection tests): its result is ``None`` and the
+                survivors' results are still collected; the pool is replaced afterwards.
         """
         for r in range(self.world):
             extra = tuple(per_rank[r]) if per_rank is not None else ()
@@ -98,6 +100,14 @@ class RankPool:
         while len(out) + len(errors) < self.world:
             left = deadline - time.monotonic()
             dead = [p.name for p in self._procs if not p.is_alive()]
+            if allow_dead and dead and left > 0:
+                alive = {r for r, p in enumerate(self._procs) if p.is_alive()}
+                if alive <= set(out) | set(errors):
+                    for r in set(range(self.world)) - alive - set(out) - set(errors):
+                        out[r] = None
+                    self.restart()
+                    break
+                dead = []
             if left <= 0 or dead:
                 missing = sorted(set(range(self.world)) - set(out) - set(errors))
                 self.restart()

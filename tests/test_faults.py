@@ -1,0 +1,220 @@
+"""The fault matrix rows that belong to the collectives, the engine and the hook (issue 9).
+
+Rows covered here: 2 (op mismatch after 100 good ops), 4 (a rank never enters), 5 (a rank killed
+mid-collective), 6 (an exception inside a comm hook), 30 (lifecycle leaks). Rows 1 and 3 are in
+test_collectives.py (validation), 7-12 and 23 in test_collectives.py / test_topology.py, 14 and
+19-22 in test_hooks.py, 31 in test_mpi.py; the compression, INA and cluster rows in their files.
+Timeouts are short and explicit; every pool call has a wall-clock guard of timeout + slack.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from _pool import RankPool
+from commopt.comm import Topology, all_reduce, destroy, hooks
+from commopt.comm.errors import CollectiveMismatchError, CommError, CommTimeoutError
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+TIMEOUT = 4.0  # seconds a collective may take before the survivors give up
+SLACK = 10.0  # room for a cold process on 2 busy cores
+
+
+def _op_mismatch():
+    from commopt.comm import all_to_all
+
+    rank = dist.get_rank()
+    topo = Topology.from_spec("2x2")
+    for i in range(100):
+        t = torch.full((8,), float(i))
+        all_reduce(t, topology=topo, algorithm="flat", validate=True)
+        assert t[0].item() == 4 * i
+    x = torch.arange(8.0)
+    try:
+        if rank == 3:
+            all_to_all(torch.empty(8), x, topology=topo, validate=True)
+        else:
+            all_reduce(x, topology=topo, validate=True)
+    except CollectiveMismatchError as exc:
+        return exc.seq, exc.ranks, str(exc)
+    return None
+
+
+def test_op_mismatch_after_100_good_ops(ranks):
+    """FAULTS row 2: names both ops and the sequence number, on every rank."""
+    for seq, bad, msg in ranks(4, _op_mismatch, timeout=120):
+        assert seq == 100 and bad == [3]
+        assert "rank 0: all_reduce #100" in msg and "rank 3: all_to_all #100" in msg
+
+
+def _never_enters(algo: str, validate: bool):
+    rank = dist.get_rank()
+    topo = Topology.from_spec("2x2")
+    all_reduce(torch.ones(4), topology=topo, algorithm=algo, timeout=TIMEOUT)  # groups made, in step
+    if rank == 1:
+        time.sleep(TIMEOUT + 2)
+        return None
+    start = time.monotonic()
+    try:
+        all_reduce(torch.ones(1000), topology=topo, algorithm=algo, validate=validate, timeout=TIMEOUT)
+    except CommTimeoutError as exc:
+        return time.monotonic() - start, exc.ranks, str(exc)
+    return "completed"
+
+
+@pytest.mark.parametrize("algo,validate", [("flat", False), ("hierarchical", False), ("leader", True),
+                                           ("hierarchical", True)])
+def test_rank_never_enters(algo, validate):
+    """FAULTS row 4: the others raise CommTimeoutError between timeout and timeout + slack; with
+    validation on, the error names the missing rank."""
+    pool = RankPool(4)
+    try:
+        res = pool.run(_never_enters, algo, validate, timeout=TIMEOUT + SLACK + 30)
+    finally:
+        pool.close(graceful=False)
+    for rank, r in enumerate(res):
+        if rank == 1:
+            continue
+        assert r != "completed" and r is not None
+        elapsed, missing, msg = r
+        assert TIMEOUT - 0.5 <= elapsed <= TIMEOUT + SLACK, elapsed
+        if validate:
+            assert missing == [1] and "ranks [1] never arrived" in msg
+
+
+def _killed(mode: str, algo: str):
+    from commopt.comm import all_to_all
+
+    rank = dist.get_rank()
+    topo = Topology.from_spec("2x2")
+    n = 1 << 21
+    all_reduce(torch.ones(8), topology=topo, algorithm=algo if algo != "2d" else "flat", timeout=TIMEOUT)
+    if algo == "2d":
+        all_to_all(torch.empty(8), torch.ones(8), topology=topo, algorithm="2d")
+    if rank == 2:
+        if algo == "2d":
+            all_to_all(torch.empty(n), torch.ones(n), topology=topo, algorithm="2d", async_op=True)
+        else:
+            all_reduce(torch.ones(n), topology=topo, algorithm=algo, async_op=True)
+        time.sleep(0.02)  # mid-collective: the others are already exchanging with this rank
+        if mode == "exit":
+            os._exit(1)
+        os.kill(os.getpid(), signal.SIGKILL if mode == "kill" else signal.SIGTERM)
+        time.sleep(60)
+    start = time.monotonic()
+    error = None
+    try:
+        if algo == "2d":
+            all_to_all(torch.empty(n), torch.ones(n), topology=topo, algorithm="2d", timeout=TIMEOUT)
+        else:
+            all_reduce(torch.ones(n), topology=topo, algorithm=algo, timeout=TIMEOUT)
+    except CommError as exc:
+        error = type(exc).__name__
+    elapsed = time.monotonic() - start
+    destroy()  # the engine's threads must exit even though a peer died mid-phase
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and any(t.name.startswith("commopt-engine") and t.is_alive()
+                                              for t in threading.enumerate()):
+        time.sleep(0.05)
+    left = [t.name for t in threading.enumerate() if t.name.startswith("commopt-engine") and t.is_alive()]
+    return error, elapsed, left
+
+
+@pytest.mark.parametrize("mode,algo", [("kill", "hierarchical"), ("term", "flat"), ("exit", "2d")])
+def test_rank_killed_mid_collective(mode, algo):
+    """FAULTS row 5: survivors raise within timeout + slack; the engine's threads exit."""
+    pool = RankPool(4)
+    try:
+        res = pool.run(_killed, mode, algo, timeout=TIMEOUT + SLACK + 40, allow_dead=True)
+    finally:
+        pool.close(graceful=False)
+    assert res[2] is None
+    for rank in (0, 1, 3):
+        error, elapsed, left = res[rank]
+        assert error in ("CommError", "CommTimeoutError"), res[rank]
+        assert elapsed <= TIMEOUT + SLACK
+        assert left == [], left
+    assert not [p for p in pool._procs if p.is_alive()]  # no orphans
+
+
+def _hook_raises():
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    ddp = DDP(model, bucket_cap_mb=0.0001)
+    state = hooks.AllReduceState(Topology.from_spec("1x2"), algorithm="flat", timeout=TIMEOUT)
+    if rank == 1:
+        def failing(st, bucket):  # a user's hook wrapping ours, failing asynchronously at step 1
+            step = st.step
+
+            def boom(f):
+                value = f.value()
+                if step >= 1:
+                    raise ZeroDivisionError("injected failure in the comm hook")
+                return value
+
+            return hooks.allreduce_hook(st, bucket).then(boom)
+
+        ddp.register_comm_hook(state, failing)
+    else:
+        hooks.register(ddp, state)
+    x = torch.randn(3, 4)
+    try:
+        for _ in range(3):
+            ddp(x).sum().backward()
+    except Exception as exc:  # noqa: BLE001 - the test inspects what reached backward()
+        return type(exc).__name__, str(exc)
+    return None
+
+
+def test_exception_in_hook_reaches_backward(ranks):
+    """FAULTS row 6: the failing rank's backward carries the original type and message; the others
+    raise instead of hanging."""
+    res = ranks(2, _hook_raises, timeout=TIMEOUT + SLACK + 60)
+    name, msg = res[1]
+    assert "ZeroDivisionError" in msg and "injected failure in the comm hook" in msg
+    assert res[0] is not None  # rank 0 did not hang: its next collective failed
+    assert "CommTimeoutError" in res[0][1] or "CommError" in res[0][1]
+
+
+def _lifecycle(store_dir: str, cycles: int):
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    dist.destroy_process_group()  # the pool's own group; the pool is replaced after this test
+
+    def census():
+        return len(os.listdir("/proc/self/fd")), threading.active_count()
+
+    counts = []
+    for i in range(cycles):
+        store = dist.FileStore(os.path.join(store_dir, f"c{i}"), 2)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+        topo = Topology.from_spec("1x2")
+        t = torch.ones(1000)
+        all_reduce(t, topology=topo, algorithm="hierarchical")
+        all_reduce(t, topology=topo, algorithm="leader", async_op=True).wait()
+        assert t[0].item() == 4.0
+        destroy()
+        dist.destroy_process_group()
+        del store
+        counts.append(census())
+    leaked = counts[-1][0] > counts[1][0] + 2 or counts[-1][1] > counts[1][1]
+    # Leave the pool's rank with a working WORLD group again for the tests that follow.
+    dist.init_process_group("gloo", store=dist.FileStore(os.path.join(store_dir, "final"), 2), rank=rank,
+                            world_size=2)
+    return counts[1], counts[-1], leaked
+
+
+def test_lifecycle_leaks_nothing(ranks, tmp_path):
+    """FAULTS row 30: 20 cycles of init -> ops -> destroy leak no threads or file descriptors."""
+    res = ranks(2, _lifecycle, str(tmp_path), 20, timeout=240)
+    for first, last, leaked in res:
+        assert not leaked, (first, last)
