@@ -244,14 +244,20 @@ def test_stale_and_foreign_packets_ignored(switch):
         # A foreign job that never joined.
         raw.sendto(pack_header(PacketType.DATA, dtype=1, job_id=next(_JOB), num_workers=2, slot=1, count=10)
                    + payload, switch.address)
-        sessions_done = _run(n, lambda w: _session(switch.address, job, w, n).all_reduce(xs[w].clone()))
-        for t in sessions_done:
-            _check(t, xs, "sum")
-        # The job is at epoch >= 1 now: epoch 0 (and a wrong session tag) is stale.
-        raw.sendto(pack_header(PacketType.DATA, dtype=1, job_id=job, num_workers=2, slot=1, epoch=0, count=10)
-                   + payload, switch.address)
-        raw.sendto(pack_header(PacketType.CTRL, dtype=1, job_id=job, num_workers=2, slot=0, epoch=0, count=13)
-                   + np.zeros(13, dtype="<i4").tobytes(), switch.address)
+        sessions = [_session(switch.address, job, w, n) for w in range(n)]
+        try:
+            for t in _run(n, lambda w: sessions[w].all_reduce(xs[w].clone())):
+                _check(t, xs, "sum")
+            # The job is at epoch >= 1 now: epoch 0 (and a wrong session tag) is stale.
+            raw.sendto(pack_header(PacketType.DATA, dtype=1, job_id=job, num_workers=2, slot=1, epoch=0,
+                                   count=10) + payload, switch.address)
+            raw.sendto(pack_header(PacketType.CTRL, dtype=1, job_id=job, num_workers=2, slot=0, epoch=0,
+                                   count=13) + np.zeros(13, dtype="<i4").tobytes(), switch.address)
+            for t in _run(n, lambda w: sessions[w].all_reduce(xs[w].clone())):
+                _check(t, xs, "sum")
+        finally:
+            for sess in sessions:
+                sess.close()
     after = switch.stats()
     assert after["foreign_dropped"] - before["foreign_dropped"] >= 1
     assert after["stale_dropped"] - before["stale_dropped"] >= 2
@@ -461,6 +467,8 @@ def test_session_lifecycle_no_leaks(switch):
         _run(n, cycle)
     assert len(os.listdir("/proc/self/fd")) <= fds
     assert threading.active_count() == threads
+    stats = switch.stats()  # every cycle's LEAVEs freed its partition
+    assert stats["jobs_released"] >= 21
 
 
 def test_protocol_header_roundtrip():

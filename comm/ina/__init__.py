@@ -15,7 +15,7 @@ from __future__ import annotations
 from .backend import BACKEND_NAME, InaOptions, InaProcessGroup, parse_address, register_backend
 from .faults import FaultConfig, FaultInjector, LinkFaults
 from .switch import Switch, SwitchProcess, query_stats
-from .worker import InaSession, dequantize, error_bound, ina_all_reduce, quantize
+from .worker import InaSession, dequantize, error_bound, ina_all_reduce, ina_all_reduce_for, quantize
 
 __all__ = [
     "BACKEND_NAME",
@@ -23,6 +23,7 @@ __all__ = [
     "InaProcessGroup",
     "InaSession",
     "ina_all_reduce",
+    "ina_all_reduce_for",
     "quantize",
     "dequantize",
     "error_bound",

@@ -11,7 +11,7 @@ Header layout (``!4sBBBBHHHHIIIIiI``)::
     magic      4s  b"CINA"
     version    B   PROTOCOL_VERSION
     ptype      B   packet type (JOIN, JOIN_OK, CTRL, CTRL_RESULT, DATA, RESULT, STATUS, ERROR,
-                   STATS_REQ, STATS_REPLY)
+                   STATS_REQ, STATS_REPLY, LEAVE)
     flags      B   FLAG_SHADOW (the slot's shadow set), FLAG_RETX (a retransmission),
                    FLAG_SATURATED (the int32 sum saturated)
     dtype      B   the dtype of the tensor being reduced (DTYPE_FP32/FP16/BF16); payloads are int32
@@ -81,7 +81,7 @@ MAX_DATAGRAM = HEADER_SIZE + 4 * MAX_PAYLOAD_ELEMS
 
 
 class PacketType:
-    """Packet types; worker->switch types are odd-free of meaning, the sets below say who sends what."""
+    """Packet types; the two sets below say which side may send which."""
 
     JOIN = 1
     JOIN_OK = 2
@@ -93,8 +93,9 @@ class PacketType:
     ERROR = 8
     STATS_REQ = 9
     STATS_REPLY = 10
+    LEAVE = 11
 
-    TO_SWITCH = frozenset({JOIN, CTRL, DATA, STATS_REQ})
+    TO_SWITCH = frozenset({JOIN, CTRL, DATA, STATS_REQ, LEAVE})
     TO_WORKER = frozenset({JOIN_OK, CTRL_RESULT, RESULT, STATUS, ERROR, STATS_REPLY})
 
 
@@ -138,6 +139,7 @@ STAT_NAMES = (
     "epochs",
     "jobs_active",
     "jobs_refused",
+    "jobs_released",
     "stats_requests",
     # malformed_dropped by reason
     "bad_length",

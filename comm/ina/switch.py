@@ -16,6 +16,9 @@ It behaves like a SwitchML program on a programmable switch, in Python:
 - **counters** (packets, retransmissions, duplicates ignored, malformed/stale/foreign dropped, ...),
   returned to a ``STATS_REQ`` packet and printed on exit.
 
+A job's partition is freed when every worker of its epoch has sent LEAVE (a closed session), or
+after ``job_idle_timeout`` seconds without traffic (a crashed job), and reused by the next job.
+
 Each job's incarnation (its *epoch*) is agreed through the switch by a JOIN handshake: every worker
 of a new session sends JOIN with a fresh random session tag; when all ``num_workers`` have joined with
 new tags, the epoch advances, the job's slots are freed, and JOIN_OK goes to everyone. Packets of an
@@ -75,6 +78,7 @@ _INT32_MIN = -(2**31)
 _INT32_MAX = 2**31 - 1
 _SOCKET_BUFFER = 4 << 20  # the kernel caps this at net.core.rmem_max / wmem_max
 _RETIRED_TAGS = 256
+_GRAVES = 4096  # released jobs whose epoch and retired tags are remembered
 
 
 def _newer(a: tuple[int, int], b: tuple[int, int]) -> bool:
@@ -132,9 +136,11 @@ class _Job:
         self.retired: deque[tuple[int, int]] = deque(maxlen=_RETIRED_TAGS)
         self.slots = [[_Slot() for _ in range(partition_size)] for _ in range(2)]
         self.last_active = time.monotonic()
+        self.left = 0  # bitmap of workers of the current epoch that sent LEAVE
 
     def reset(self, num_workers: int) -> None:
         self.n = num_workers
+        self.left = 0
         self.addrs = [None] * num_workers
         for copy in self.slots:
             for st in copy:
@@ -162,6 +168,7 @@ class Switch:
         self.job_idle_timeout = job_idle_timeout
         self.jobs: dict[int, _Job] = {}
         self._free_partitions = list(range(self.num_partitions - 1, -1, -1))
+        self._graves: dict[int, tuple[int, deque[tuple[int, int]]]] = {}
         self.counters: dict[str, int] = dict.fromkeys(STAT_NAMES, 0)
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         for opt in (socket.SO_RCVBUF, socket.SO_SNDBUF):
@@ -218,6 +225,8 @@ class Switch:
             self._on_contribution(h, buf, addr)
         elif h.ptype == PacketType.JOIN:
             self._on_join(h, addr)
+        elif h.ptype == PacketType.LEAVE:
+            self._on_leave(h)
         else:  # STATS_REQ
             c["stats_requests"] += 1
             payload = encode_stats(self.stats())
@@ -241,6 +250,9 @@ class Switch:
                                        num_workers=h.num_workers, exponent=ERR_NO_PARTITION), addr)
                 return
             job = self.jobs[h.job_id] = _Job(h.job_id, part, h.num_workers, self.partition_size)
+            grave = self._graves.pop(h.job_id, None)
+            if grave is not None:
+                job.epoch, job.retired = grave
         job.last_active = time.monotonic()
         w = h.worker_id
         if (w, h.tag) in job.retired:
@@ -280,6 +292,34 @@ class Switch:
         msg = self._join_ok(job)
         for a in job.addrs:
             self._send(msg, a)
+
+    def _on_leave(self, h: Header) -> None:
+        """A worker closed its session; when every worker of the epoch has, the partition is freed."""
+        job = self.jobs.get(h.job_id)
+        if job is None:
+            return
+        w = h.worker_id
+        if job.pending.get(w) == h.tag:
+            del job.pending[w]
+            job.pending_addrs.pop(w, None)
+        if h.num_workers != job.n or job.tags[w] != h.tag:
+            return
+        job.left |= 1 << w
+        if job.left == (1 << job.n) - 1 and not job.pending:
+            self._release(h.job_id)
+            self.counters["jobs_released"] += 1
+
+    def _release(self, job_id: int) -> None:
+        job = self.jobs.pop(job_id)
+        self._free_partitions.append(job.partition)
+        # Remember the epoch and the retired session tags, so that a later incarnation of this job id
+        # still tells its predecessors' late packets from its own.
+        for wid, tag in enumerate(job.tags):
+            if tag is not None:
+                job.retired.append((wid, tag))
+        self._graves[job_id] = (job.epoch, job.retired)
+        while len(self._graves) > _GRAVES:
+            self._graves.pop(next(iter(self._graves)))
 
     def _join_ok(self, job: _Job) -> bytes:
         tags = np.array([t or 0 for t in job.tags], dtype="<u4")
@@ -394,7 +434,7 @@ class Switch:
     def _housekeeping(self) -> None:
         now = time.monotonic()
         for job_id in [j for j, job in self.jobs.items() if now - job.last_active > self.job_idle_timeout]:
-            self._free_partitions.append(self.jobs.pop(job_id).partition)
+            self._release(job_id)
 
 
 def format_stats(stats: dict[str, int]) -> str:

@@ -37,6 +37,7 @@ import secrets
 import socket
 import threading
 import time
+import zlib
 from collections.abc import Callable
 from typing import Any
 
@@ -83,6 +84,7 @@ __all__ = [
     "ZERO_EXPONENT",
     "InaSession",
     "ina_all_reduce",
+    "ina_all_reduce_for",
     "max_exponent",
     "headroom_bits",
     "block_shift",
@@ -280,7 +282,21 @@ class InaSession:
         return self._faults.stats if self._faults is not None else {}
 
     def close(self) -> None:
-        """Close the socket. The switch frees the job's slots when its next incarnation joins."""
+        """Say LEAVE (twice: it is not acknowledged) and close the socket.
+
+        The switch frees the job's partition once every worker of the epoch has left; a lost LEAVE
+        only delays that until the job's idle timeout, or until its next incarnation joins.
+        """
+        if self.closed:
+            return
+        if self._epoch is not None:
+            leave = HEADER.pack(MAGIC, PROTOCOL_VERSION, PacketType.LEAVE, 0, 0, self.job_id, self.worker_id,
+                                self.num_workers, 0, self._epoch, 0, 0, 0, 0, self._tag)
+            for _ in range(2):
+                try:
+                    self._sock.send(leave)
+                except OSError:
+                    break
         self._sock.close()
 
     def __enter__(self) -> InaSession:
@@ -729,3 +745,55 @@ def ina_all_reduce(tensor: torch.Tensor, *, address: tuple[str, int], job_id: in
     with InaSession(address, job_id=job_id, worker_id=worker_id, num_workers=num_workers, timeout=timeout,
                     **session_options) as s:
         return s.all_reduce(tensor, op, timeout=timeout)
+
+
+def _job_id_for(group: Any) -> int:
+    """A job id every rank of ``group`` derives alike, with no communication: from its group name.
+
+    Two trainings that share one switch and both call ``algorithm="ina"`` on groups of the same name
+    would collide; they should use the ``"ina"`` backend instead, whose job ids are agreed through
+    the store (random per group).
+    """
+    name = str(getattr(group, "group_name", "") or "WORLD")
+    return 1 + zlib.crc32(f"commopt-ina-collective:{name}".encode()) % 0xFFFF
+
+
+def ina_all_reduce_for(prepared: Any, red: Any, group: Any, topology: Any, timeout: float | None, *,
+                       finish: Callable[[Any], torch.Tensor]) -> torch.futures.Future:
+    """``all_reduce(..., algorithm="ina")``: the adapter the collective layer's registry calls.
+
+    Sums ``prepared.flat`` (contiguous, AVG already turned into SUM plus a scale by the caller)
+    through the switch named by ``topology.ina_switch`` ("host:port", from ``Topology.from_env()``
+    reading ``COMMOPT_INA_SWITCH``), then runs ``finish(prepared)``. When ``group`` is an ``"ina"``
+    process group, its long-lived session is used; otherwise a session is joined for the call (one
+    extra round trip) under a job id derived from the group's name.
+
+    Returns:
+        A completed future holding the result, or holding the error (so hooks see it on ``wait()``).
+    """
+    import torch.distributed as dist
+
+    fut: torch.futures.Future = torch.futures.Future()
+    try:
+        if red != dist.ReduceOp.SUM:
+            raise ValueError(f"{_OP}: in-network aggregation sums (and averages); reduce op {red} is not "
+                             "supported, use algorithm='flat'")
+        pg = group if group is not None else dist.group.WORLD
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
+        session = getattr(pg, "session", None)
+        if isinstance(session, InaSession):
+            session.all_reduce(prepared.flat, "sum", timeout=timeout)
+        else:
+            spec = getattr(topology, "ina_switch", None)
+            if not spec:
+                raise CommError(f"{_OP}: no switch address: set COMMOPT_INA_SWITCH=host:port (read by "
+                                "Topology.from_env()) or pass a Topology with ina_switch, and run "
+                                "`commopt-bench ina-switch`", op=_OP, ranks=[rank])
+            host, _, port = str(spec).rpartition(":")
+            ina_all_reduce(prepared.flat, address=(host.strip("[]"), int(port)), job_id=_job_id_for(pg),
+                           worker_id=rank, num_workers=size, op="sum",
+                           timeout=timeout if timeout is not None else 60.0)
+        fut.set_result(finish(prepared))
+    except (CommError, ValueError, TypeError, OSError) as e:
+        fut.set_exception(e)
+    return fut
