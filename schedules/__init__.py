@@ -1,1 +1,20 @@
-"""commopt.schedules: overlap schedulers and the iteration simulator."""
+"""commopt.schedules: overlap schedulers, their plans, the autotuner and the iteration simulator.
+
+``OverlapDataParallel`` (DESIGN 10) overlaps gradient reduction with backward and with the next
+forward, issuing chunks in an order every rank shares (``plan``, ``priority``); ``autotune`` picks
+bucket sizes, partition and credit from measured steps; ``simulator`` predicts iteration time and
+exposed communication at scales no laptop runs, and the traffic matrix of each algorithm.
+"""
+
+from __future__ import annotations
+
+from . import plan, priority, simulator
+from .autotune import TuneConfig, TuneResult, autotune
+from .overlap import OverlapDataParallel
+from .plan import BucketPlan, IssuePlan, broadcast_plan, build_buckets
+from .priority import fifo_plan, priority_plan
+from .simulator import Layer, Schedule, simulate, traffic_matrix
+
+__all__ = ["OverlapDataParallel", "autotune", "TuneConfig", "TuneResult", "BucketPlan", "IssuePlan", "build_buckets",
+           "broadcast_plan", "fifo_plan", "priority_plan", "Layer", "Schedule", "simulate", "traffic_matrix", "plan",
+           "priority", "simulator"]

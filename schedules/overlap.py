@@ -176,6 +176,7 @@ class OverlapDataParallel(nn.Module):
         self._keys = [names.get(id(p), f"param{i}") for i, p in enumerate(self._params)]
         self._distributed = dist.is_initialized() and dist.get_world_size(process_group) > 1
         self._group = None
+        self._process_group = process_group
         if self._distributed:
             ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
             self._group = dist.new_group(ranks)
@@ -219,7 +220,11 @@ class OverlapDataParallel(nn.Module):
         self._cv = threading.Condition()
         self._in_flight = 0
         self.max_in_flight = 0
+        # What tests and benchmarks inspect: (step, bucket, start, stop) per issued chunk, the plan
+        # each step followed, and this rank's profile of recent steps.
         self.issue_log: deque[tuple[int, int, int, int]] = deque(maxlen=100_000)
+        self.plans: deque[tuple[int, IssuePlan]] = deque(maxlen=1000)
+        self.profiles: deque[tuple[int, StepProfile]] = deque(maxlen=100)
         self._steps = 0
         self._last: _Step | None = None
         self._guard: _Step | None = None
@@ -443,6 +448,13 @@ class OverlapDataParallel(nn.Module):
         """Every rank reaches this at the same point of its issue sequence (before step k's first
         chunk), so the broadcast lines up; rank 0 plans from its own profile of step k-1."""
         step.issue = self.issue_plan
+        try:
+            self._replan(step, prev)
+        finally:
+            self.plans.append((step.index, step.issue))
+            self.profiles.append((step.index, step.profile))
+
+    def _replan(self, step: _Step, prev: _Step | None) -> None:
         if prev is None or not self.replan_every:
             return
         if not (step.index == 1 or step.index % self.replan_every == 0):
@@ -508,7 +520,10 @@ class OverlapDataParallel(nn.Module):
                 fut: torch.futures.Future = torch.futures.Future()
                 fut.set_result(None)
                 return fut
-            return reduce_tensors(self.compressor, views, keys, group=self._group, topology=self._topology,
+            # The user's group, not the private one: the compressed exchange runs on groups derived
+            # per role from it, and the engine requires one feeder per queue, which one derived check
+            # group per process (not one per wrapper) keeps true.
+            return reduce_tensors(self.compressor, views, keys, group=self._process_group, topology=self._topology,
                                   algorithm=self.algorithm, average=True, step=step.index, seed=self.seed,
                                   feedback=self._feedback, timeout=self.timeout)
         return all_reduce(buf[c.start: c.stop], ReduceOp.AVG, group=self._group, topology=self._topology,
