@@ -304,9 +304,12 @@ def _two_d(out_work: torch.Tensor, src: torch.Tensor, args: _Args, p: _Prepared,
     # (3)'s input: every chunk's region, each rail-position-major then source-local-index.
     src_of = [nodes[node_of[my_rail[q]]][s] for q in range(n_nodes) for s in range(local)]
     final_sizes = [_part(outs[src_of[k]], c, chunks) for c in range(chunks) for k in range(world)]
-    landing = src_b.new_empty((sum(outs), src_b.shape[1]))
     pos_in_buf = {r: k for k, r in enumerate(src_of)}
     order3 = [c * world + pos_in_buf[i] for i in range(world) for c in range(chunks)]
+    # One chunk and node-by-node placement: the rail exchange lands in rank order, straight into
+    # the output, and step (3) is the identity.
+    direct = order3 == list(range(len(order3)))
+    landing = _byte_rows(out_work) if direct else src_b.new_empty((sum(outs), src_b.shape[1]))
 
     order1 = [s * n_nodes + q for q in range(n_nodes) for s in range(local)]
     futures = []
@@ -339,7 +342,7 @@ def _two_d(out_work: torch.Tensor, src: torch.Tensor, args: _Args, p: _Prepared,
             Phase("regroup", regroup),
             Phase("inter", inter, inter_g, (sum(send2) - send2[me_q]) * rb),
         ]
-        if c == chunks - 1:
+        if c == chunks - 1 and not direct:
             # The rail queue is FIFO, so this runs after every chunk's inter-node phase.
             phases.append(Phase("permute", lambda: permute_chunks(landing, final_sizes, order3,
                                                                   out=_byte_rows(out_work))))
