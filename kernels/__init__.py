@@ -28,7 +28,7 @@ from typing import Union
 import torch
 
 from ._optional import CUPY, NUMBA
-from .reference import flatten_offsets, topk_layout
+from .reference import flatten_offsets, topk_k, topk_layout
 
 __all__ = [
     "BACKENDS",
@@ -42,6 +42,7 @@ __all__ = [
     "topk_pack",
     "scatter_add_unpack",
     "topk_k",
+    "topk_layout",
     "permute_chunks",
 ]
 
@@ -549,19 +550,6 @@ def scatter_add_unpack(
     return _impl(op, device, backend).scatter_add_unpack(
         [p.contiguous() for p in payloads], numel, dtype, value_dtype
     )
-
-
-def topk_k(nbytes: int, itemsize: int) -> int:
-    """``k`` of a top-k payload of ``nbytes`` bytes holding ``itemsize``-byte values (-1 if none)."""
-    body = nbytes - 8
-    if body < 0:
-        return -1
-    # 4 * ceil(k * s / 4) + 4 k is increasing in k; solve ignoring the padding, then look nearby
-    k = body // (itemsize + 4)
-    for cand in (k, k - 1, k + 1):
-        if cand >= 0 and topk_layout(cand, itemsize)[2] == nbytes:
-            return cand
-    return -1
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -123,7 +123,7 @@ def _store(out, i, value):  # pragma: no cover - idem
     raise NotImplementedError
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def _f16_to_f32(b):
     sign = (b & _U(0x8000)) << _U(16)
     e = (b >> _U(10)) & _U(0x1F)
@@ -135,7 +135,7 @@ def _f16_to_f32(b):
     return _as_f32(r | sign)
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def _f32_to_f16(value):
     u = _f32_bits(value)
     a = u & _U(0x7FFFFFFF)
@@ -151,7 +151,7 @@ def _f32_to_f16(value):
     return r | sign
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def _f32_to_bf16(value):
     u = _f32_bits(value)
     if (u & _U(0x7FFFFFFF)) > _U(0x7F800000):
@@ -204,7 +204,7 @@ def _widen_like_impl(bits, like):
     return None
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def _fmix32(h):
     h ^= h >> _U(16)
     h = (h * _M1) & _M32
@@ -213,7 +213,7 @@ def _fmix32(h):
     return h ^ (h >> _U(16))
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def _uniform(i, key):
     """u in [0, 1) for element ``i``: reference.hash_key's per-element draw."""
     iu = _U(i)
@@ -223,13 +223,13 @@ def _uniform(i, key):
     return np.float32(h >> _U(8)) * _TWO_M24
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def _draw(iu, k):
     """u in [0, 1) for element ``iu`` given its per-element key ``k``."""
     return np.float32(_fmix32((iu & _M32) ^ k) >> _U(8)) * _TWO_M24
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def _round(v, u, q, stochastic):
     f = np.floor(v + u) if stochastic else np.rint(v)
     f = q if f > q else f
@@ -237,7 +237,7 @@ def _round(v, u, q, stochastic):
     return np.int32(np.float32(0.0) if v != v else f)
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def _codes(xbits, lo, hi, scale, q, stochastic, key, int4, codes):
     """Codes of elements [lo, hi) of one block; one loop per case, so that each vectorises."""
     base = _U(lo)
@@ -284,7 +284,7 @@ def _codes(xbits, lo, hi, scale, q, stochastic, key, int4, codes):
 # wraparound check, which otherwise blocks vectorisation (a 10x difference on simple loops).
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, error_model="numpy")
 def _copy_segments(src, dst, nbytes, pad, chunk):
     nseg = src.shape[0]
     first = np.empty(nseg + 1, np.int64)
@@ -303,7 +303,7 @@ def _copy_segments(src, dst, nbytes, pad, chunk):
             _memzero(dst[s] + start, hi - start)
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, error_model="numpy")
 def _pack_signs(xbits, shift, out, chunk):
     n = xbits.shape[0]
     nw = out.shape[0]
@@ -321,7 +321,7 @@ def _pack_signs(xbits, shift, out, chunk):
             out[_U(w)] = acc
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, error_model="numpy")
 def _abs_mean(xbits, block, out):
     n = xbits.shape[0]
     for b in prange(out.shape[0]):
@@ -343,7 +343,7 @@ def _abs_mean(xbits, block, out):
         out[b] = np.float32(((s0 + s1) + (s2 + s3)) / (hi - lo))
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, error_model="numpy")
 def _unpack_signs(bits, scales, block, out, chunk):
     n = out.shape[0]
     for c in prange((n + chunk - 1) // chunk):
@@ -360,7 +360,7 @@ def _unpack_signs(bits, scales, block, out, chunk):
             lo = hi
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, error_model="numpy")
 def _quantize(xbits, absmask, block, qmax, stochastic, key, int4, codes, scales):
     n = xbits.shape[0]
     q = np.float32(qmax)
@@ -375,7 +375,7 @@ def _quantize(xbits, absmask, block, qmax, stochastic, key, int4, codes, scales)
         _codes(xbits, lo, hi, scale, q, stochastic, key, int4, codes)
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, error_model="numpy")
 def _dequantize(codes, scales, block, int4, out, chunk):
     n = out.shape[0]
     for c in prange((n + chunk - 1) // chunk):
@@ -397,7 +397,7 @@ def _dequantize(codes, scales, block, int4, out, chunk):
             lo = hi
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def _kth_bin(hist, k):
     """The bin holding the k-th largest key, and how many keys lie in higher bins."""
     above = 0
@@ -408,7 +408,7 @@ def _kth_bin(hist, k):
     return 0, above
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, error_model="numpy")
 def _topk_select(xbits, absmask, wide, k, ntask, values, indices):
     n = xbits.shape[0]
     per = (n + ntask - 1) // ntask
@@ -466,7 +466,7 @@ def _topk_select(xbits, absmask, wide, k, ntask, values, indices):
                 e += 1
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, error_model="numpy")
 def _scatter_add(vbits, indices, out):
     n = out.shape[0]
     bad = 0
@@ -481,6 +481,11 @@ def _scatter_add(vbits, indices, out):
 
 # ---------------------------------------------------------------------------------------------------
 # wrappers: numpy views, segment tables, fallbacks
+
+
+def _empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """Every output this module allocates; the tests poison it to prove every element is written."""
+    return torch.empty(numel, dtype=dtype)
 
 
 def _bits(t: torch.Tensor) -> np.ndarray:
@@ -552,12 +557,12 @@ def pack_signs(x: torch.Tensor, block: int | None) -> tuple[torch.Tensor, torch.
     if x.dtype not in _KIND:
         return reference.pack_signs(x, block)
     n = x.numel()
-    bits = torch.empty(-(-n // 32), dtype=torch.uint32)
+    bits = _empty(-(-n // 32), torch.uint32)
     _pack_signs(_raw(x), 8 * x.element_size() - 1, bits.view(torch.int32).numpy().view(np.uint32),
                 _ELEM_CHUNK // 32)
     if block is None:
         return bits, None
-    scales = torch.empty(-(-n // block), dtype=torch.float32)
+    scales = _empty(-(-n // block), torch.float32)
     _abs_mean(_bits(x), block, scales.numpy())
     return bits, scales
 
@@ -567,7 +572,7 @@ def unpack_signs(
 ) -> torch.Tensor:
     if dtype not in _KIND:
         return reference.unpack_signs(bits, numel, scales, block, dtype)
-    out = torch.empty(numel, dtype=dtype)
+    out = _empty(numel, dtype)
     if scales is None:
         s, block = np.ones(1, np.float32), max(numel, 1)
     else:
@@ -583,8 +588,8 @@ def quantize(
         return reference.quantize(x, bits, block, seed, step, stochastic)
     n = x.numel()
     int4 = bits == 4
-    codes = torch.empty(-(-n // 2) if int4 else n, dtype=torch.uint8 if int4 else torch.int8)
-    scales = torch.empty(-(-n // block), dtype=torch.float32)
+    codes = _empty(-(-n // 2) if int4 else n, torch.uint8 if int4 else torch.int8)
+    scales = _empty(-(-n // block), torch.float32)
     absmask = 0x7FFF if x.element_size() == 2 else 0x7FFFFFFF
     _quantize(_bits(x), _U(absmask), block, (1 << (bits - 1)) - 1, stochastic, _U(hash_key(seed, step)),
               int4, codes.view(torch.uint8).numpy(), scales.numpy())
@@ -596,7 +601,7 @@ def dequantize(
 ) -> torch.Tensor:
     if dtype not in _KIND:
         return reference.dequantize(codes, scales, numel, bits, block, dtype)
-    out = torch.empty(numel, dtype=dtype)
+    out = _empty(numel, dtype)
     _dequantize(codes.view(torch.uint8).numpy(), scales.numpy(), block, bits == 4, _bits(out), _ELEM_CHUNK)
     return out
 
@@ -607,8 +612,9 @@ def topk_pack(x: torch.Tensor, k: int) -> torch.Tensor:
     n = x.numel()
     size = x.element_size()
     values_at, indices_at, total = topk_layout(k, size)
-    payload = torch.zeros(total, dtype=torch.uint8)
+    payload = _empty(total, torch.uint8)
     payload[:8].view(torch.int32).copy_(torch.tensor([k, DTYPE_CODES[x.dtype]], dtype=torch.int32))
+    payload[values_at + k * size : indices_at] = 0
     if k:
         values = payload[values_at : values_at + k * size]
         indices = payload[indices_at:].view(torch.int32).numpy()

@@ -25,6 +25,7 @@ __all__ = [
     "hash_key",
     "flatten_offsets",
     "topk_layout",
+    "topk_k",
     "flatten",
     "unflatten",
     "pack_signs",
@@ -91,6 +92,19 @@ def topk_layout(k: int, itemsize: int) -> tuple[int, int, int]:
     values_at = TOPK_HEADER_BYTES
     indices_at = values_at + -(-k * itemsize // 4) * 4
     return values_at, indices_at, indices_at + 4 * k
+
+
+def topk_k(nbytes: int, itemsize: int) -> int:
+    """``k`` of a top-k payload of ``nbytes`` bytes holding ``itemsize``-byte values (-1 if none)."""
+    body = nbytes - TOPK_HEADER_BYTES
+    if body < 0:
+        return -1
+    # the size 4 * ceil(k * s / 4) + 4 k grows with k: solve without the padding, then look nearby
+    k = body // (itemsize + 4)
+    for cand in (k, k - 1, k + 1):
+        if cand >= 0 and topk_layout(cand, itemsize)[2] == nbytes:
+            return cand
+    return -1
 
 
 def _fmix32_t(h: torch.Tensor) -> torch.Tensor:
