@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
+from .. import kernels
 from . import cost
 from .engine import Phase, all_of, as_timedelta, chain, wait, wrap_error
 from .errors import CollectiveMismatchError, CommTimeoutError, TopologyError
@@ -199,7 +200,9 @@ class _Prepared:
 
 def _prepare(tensor: torch.Tensor, op: str, world: int) -> tuple[_Prepared, ReduceOp]:
     copy_back = not tensor.is_contiguous()
-    work = tensor.contiguous() if copy_back else tensor
+    # A strided tensor is reduced through one packed copy (kernels.flatten) and written back
+    # through its strides by kernels.unflatten in _finish.
+    work = kernels.flatten([tensor], align=1)[0] if copy_back else tensor
     flat = work.view(-1)
     if flat.dtype == torch.bool:
         # Sum of booleans is logical OR (as in NCCL); reduce their bytes with MAX / MIN.
@@ -220,7 +223,7 @@ def _finish(p: _Prepared) -> torch.Tensor:
     if p.scale_after is not None:
         p.flat.mul_(p.scale_after)
     if p.copy_back:
-        p.tensor.copy_(p.work)
+        kernels.unflatten(p.work, [p.tensor], [0])
     return p.tensor
 
 
@@ -360,15 +363,15 @@ def _pipelined(p: _Prepared, topo: Topology, multiple: int, make_phases, op_name
     for start, end in _chunk_bounds(flat.numel(), flat.element_size(), multiple, chunks):
         piece = flat[start:end]
         if piece.numel() % multiple:
-            padded = piece.new_zeros(math.ceil(piece.numel() / multiple) * multiple)
-            padded[: piece.numel()].copy_(piece)
+            # kernels.flatten zero-fills the tail up to the alignment: the padding every rank adds.
+            padded, _ = kernels.flatten([piece], align=multiple)
             copies.append((piece, padded))
             piece = padded
         fut_list.append(engine().submit(make_phases(piece), op=op_name, result=None, device=flat.device))
 
     def finish(_f):
         for dst, src in copies:
-            dst.copy_(src[: dst.numel()])
+            kernels.unflatten(src, [dst], [0])
         return _finish(p)
 
     return chain(all_of(fut_list, None), finish)
