@@ -276,11 +276,17 @@ def layers_from_model(module: nn.Module, example: torch.Tensor, *, repeats: int 
     order: list[nn.Module] = []
     starts: dict[nn.Module, float] = {}
     handles = []
+    def pre(mod: nn.Module, _args: object) -> None:
+        starts[mod] = time.perf_counter()
+
+    def post(mod: nn.Module, _args: object, _out: object) -> None:
+        fwd[mod].append(time.perf_counter() - starts[mod])
+        if mod not in order:
+            order.append(mod)
+
     for m in mods:
-        handles.append(m.register_forward_pre_hook(lambda mod, a: starts.__setitem__(mod, time.perf_counter())))
-        handles.append(m.register_forward_hook(
-            lambda mod, a, out: (fwd[mod].append(time.perf_counter() - starts[mod]),
-                                 order.append(mod) if mod not in order else None)))
+        handles.append(m.register_forward_pre_hook(pre))
+        handles.append(m.register_forward_hook(post))
         for p in m.parameters(recurse=False):
             if p.requires_grad:
                 handles.append(p.register_post_accumulate_grad_hook(

@@ -1,0 +1,216 @@
+"""Bucket and issue plans, the priority policy, the iteration simulator and the traffic matrix.
+
+No process groups: these are pure functions of shapes and timings. Oracles are closed forms:
+no overlap = compute + communication; DDP-style overlap with communication shorter than each
+layer's backward = compute + the last bucket; an overlapped schedule never beats max(compute,
+communication); the traffic matrix's totals equal the per-algorithm byte counts of ``comm.cost``.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from commopt.comm import Topology, cost
+from commopt.schedules import IssuePlan, build_buckets, fifo_plan, priority_plan
+from commopt.schedules.plan import partition
+from commopt.schedules.priority import shape_priority, simulate_issue
+from commopt.schedules.simulator import (
+    SCHEDULES,
+    Layer,
+    Schedule,
+    iteration_traffic,
+    layers_from_model,
+    link_service,
+    simulate,
+    traffic_matrix,
+    transformer_layers,
+)
+from torch import nn
+
+KB = 1024
+
+
+# ------------------------------------------------------------------------------------ plans
+def test_buckets_caps_alignment_and_dtypes():
+    shapes = [(100, torch.float32), (50, torch.float32), (10, torch.float64), (300, torch.float32), (7, torch.float32)]
+    plan = build_buckets(shapes, cap_bytes=1 * KB, first_cap_bytes=256, align=16)
+    seen = sorted(p for b in plan.buckets for p in b.params)
+    assert seen == list(range(len(shapes)))
+    for b in plan.buckets:
+        assert len({shapes[p][1] for p in b.params}) == 1
+        assert all(off % 16 == 0 for off in b.offsets)
+        assert b.numel % 16 == 0
+        for off, n, nxt in zip(b.offsets, b.numels, list(b.offsets[1:]) + [b.numel]):
+            assert off + n <= nxt  # no overlap
+    # Reverse registration order: the last parameter opens the first bucket, which respects its cap.
+    assert plan.buckets[0].params[0] == 4
+    assert plan.buckets[0].nbytes <= 256 or len(plan.buckets[0].params) == 1
+    with pytest.raises(ValueError):
+        build_buckets(shapes, order=[0, 1, 2])
+    with pytest.raises(ValueError):
+        build_buckets(shapes, cap_bytes=0)
+
+
+def test_partition_tiles_and_plan_roundtrip():
+    plan = build_buckets([(1000, torch.float32), (37, torch.float32), (4096, torch.float32)], cap_bytes=8 * KB,
+                         first_cap_bytes=1 * KB)
+    pieces = partition(plan, 1 * KB)
+    for b, chunks in zip(plan.buckets, pieces):
+        assert chunks[0].start == 0 and chunks[-1].stop == b.numel
+        assert all(a.stop == c.start for a, c in zip(chunks, chunks[1:]))
+        assert all(c.nbytes <= 1 * KB for c in chunks)
+    issue = fifo_plan(plan, partition_bytes=1 * KB, credit=2 * KB)
+    issue.check(plan)
+    again = IssuePlan.decode(issue.encode(), plan)
+    assert again == issue
+    broken = IssuePlan(issue.chunks[:-1], issue.partition, issue.credit, issue.priority)
+    with pytest.raises(ValueError):
+        broken.check(plan)
+
+
+def test_priority_overtakes_queued_chunks_and_credit_holds():
+    """With a credit, an urgent bucket that turns ready later overtakes queued chunks of earlier ones
+    (ByteScheduler), and the bytes in flight never exceed the credit."""
+    # Buckets in backward order: 0 is ready first but needed last by the next forward.
+    plan = build_buckets([(4 * KB, torch.uint8)] * 3, cap_bytes=4 * KB, first_cap_bytes=4 * KB, align=1)
+    ready = [0.0, 1.0, 2.0]
+    service = lambda n: n / KB  # noqa: E731 - 1 s per KiB
+    prio = shape_priority(plan)  # bucket 2 holds parameter 0: needed first
+    assert prio[2] == 0
+    issue = priority_plan(plan, ready_times=ready, service=service, partition_bytes=1 * KB, credit=2 * KB,
+                          priority=prio)
+    order = [c.bucket for c in issue.chunks]
+    fifo = sorted(order)
+    assert order != fifo
+    assert order.index(2) < max(i for i, b in enumerate(order) if b == 0)  # 2 jumps ahead of 0's tail
+    tl = simulate_issue(partition(plan, 1 * KB), ready, service, credit=2 * KB, order=list(issue.chunks))
+    assert tl.max_in_flight <= 2 * KB
+    # Unbounded credit: everything ready is issued at once and nothing can be overtaken later.
+    free = priority_plan(plan, ready_times=ready, service=service, partition_bytes=1 * KB, credit=0, priority=prio)
+    assert [c.bucket for c in free.chunks] == fifo
+
+
+# ------------------------------------------------------------------------------------ simulator
+def _layers(n: int, f: float, b: float, nbytes: int) -> list[Layer]:
+    return [Layer(f"l{i}", f, b, nbytes) for i in range(n)]
+
+
+def _one_bucket_per_layer(kind: str, nbytes: int, **kw) -> Schedule:
+    mb = nbytes / (1024 * 1024)
+    return Schedule(kind=kind, bucket_cap_mb=mb, first_bucket_cap_mb=mb, **kw)
+
+
+def test_no_overlap_is_compute_plus_communication():
+    layers = _layers(5, 1.0, 2.0, 1000)
+    for c in (0.1, 1.0, 7.0):
+        r = simulate(layers, lambda n, c=c: c * n / 1000, _one_bucket_per_layer("none", 1000))
+        assert r.iteration == pytest.approx(r.compute + r.communication, rel=1e-12)
+        assert r.communication == pytest.approx(5 * c, rel=1e-12)
+
+
+def test_ddp_compute_bound_is_compute_plus_last_bucket():
+    """Each bucket's reduction shorter than the next layer's backward: all but the last bucket hide."""
+    layers = _layers(6, 1.0, 2.0, 1000)
+    for c in (0.25, 1.0, 2.0):
+        r = simulate(layers, lambda n, c=c: c * n / 1000, _one_bucket_per_layer("ddp", 1000))
+        assert r.iteration == pytest.approx(r.compute + c, rel=1e-12)
+        assert r.exposed == pytest.approx(c, rel=1e-12)
+
+
+def test_overlap_bounds():
+    """max(compute, communication) <= iteration for every schedule; the overlapped schedules are never
+    slower than DDP's, which is never slower than no overlap."""
+    layers = _layers(6, 1.0, 2.0, 4000)
+    for c in (0.5, 2.0, 3.0, 6.0):
+        svc = lambda n, c=c: c * n / 4000  # noqa: E731
+        res = {k: simulate(layers, svc, _one_bucket_per_layer(k, 4000, partition_mb=1000 / 2**20,
+                                                              credit_mb=2000 / 2**20)) for k in SCHEDULES}
+        for r in res.values():
+            assert r.iteration >= max(r.compute, r.communication) - 1e-9
+        assert res["none"].iteration >= res["ddp"].iteration - 1e-9
+        assert res["ddp"].iteration >= res["fifo"].iteration - 1e-9
+        assert res["ddp"].iteration >= res["priority"].iteration - 1e-9
+    # Communication-bound: the next forward's overlap is what the priority plan buys.
+    svc = lambda n: 3.0 * n / 4000  # noqa: E731
+    ddp = simulate(layers, svc, _one_bucket_per_layer("ddp", 4000))
+    prio = simulate(layers, svc, _one_bucket_per_layer("priority", 4000, partition_mb=1000 / 2**20,
+                                                       credit_mb=2000 / 2**20))
+    assert prio.iteration < ddp.iteration
+
+
+@pytest.mark.parametrize("kind", SCHEDULES)
+def test_monotone_in_bandwidth_and_compute(kind):
+    topo = Topology(nodes=((0, 1), (2, 3)), rank=0, world_size=4)
+    layers = transformer_layers("gpt2-124m", tokens=2048, flops=2e12, grad_bytes_per_param=4)
+    sched = Schedule(kind=kind, bucket_cap_mb=25, first_bucket_cap_mb=1, partition_mb=4, credit_mb=16)
+    rates = [1e9, 4e9, 16e9, 64e9]
+    times = []
+    for rate in rates:
+        model = cost.CostModel(cost.DEFAULT_INTRA, cost.LinkModel(20e-6, 8 / rate))
+        times.append(simulate(layers, link_service("hierarchical", topo, model), sched).iteration)
+    assert all(a >= b - 1e-12 for a, b in zip(times, times[1:])), times
+    model = cost.CostModel(cost.DEFAULT_INTRA, cost.LinkModel(20e-6, 8 / 4e9))
+    svc = link_service("hierarchical", topo, model)
+    by_compute = [simulate(transformer_layers("gpt2-124m", tokens=2048, flops=f, grad_bytes_per_param=4), svc,
+                           sched).iteration for f in (8e12, 4e12, 2e12, 1e12)]
+    assert all(a <= b + 1e-12 for a, b in zip(by_compute, by_compute[1:])), by_compute
+
+
+def test_compression_shortens_communication():
+    topo = Topology(nodes=((0, 1), (2, 3)), rank=0, world_size=4)
+    model = cost.CostModel(cost.DEFAULT_INTRA, cost.LinkModel(20e-6, 8 / 1e9))
+    layers = transformer_layers("gpt2-124m", tokens=2048, flops=2e12)
+    plain = simulate(layers, link_service("hierarchical", topo, model), Schedule("ddp"))
+    half = simulate(layers, link_service("hierarchical", topo, model, ratio=0.5),
+                    Schedule("ddp", compression_ratio=0.5))
+    assert half.communication < plain.communication
+    assert half.iteration <= plain.iteration
+
+
+def test_layers_from_model_measures_every_parameterised_layer():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+    layers = layers_from_model(model, torch.randn(4, 16), repeats=2)
+    assert [layer.grad_bytes for layer in layers] == [(16 * 32 + 32) * 4, (32 * 8 + 8) * 4]
+    assert all(layer.forward >= 0 and layer.backward >= 0 for layer in layers)
+    assert all(p.grad is None for p in model.parameters())
+
+
+# ------------------------------------------------------------------------------------ traffic
+@pytest.mark.parametrize("spec", ["2x2", "4x8", "3x2"])
+def test_traffic_matrix_matches_cost_byte_counts(spec):
+    n, local = (int(v) for v in spec.split("x"))
+    p = n * local
+    topo = Topology(nodes=tuple(tuple(range(i * local, (i + 1) * local)) for i in range(n)), rank=0, world_size=p)
+    s = 1 << 20
+    node_of = {r: i for i, nd in enumerate(topo.nodes) for r in nd}
+
+    def off_node(m: torch.Tensor, node: int) -> float:
+        return float(sum(m[a, b] for a, b in itertools.product(range(p), range(p))
+                         if node_of[a] == node and node_of[b] != node))
+
+    flat = traffic_matrix("flat", s, topo)
+    assert torch.allclose(flat.sum(1), torch.full((p,), 2 * (p - 1) / p * s, dtype=torch.float64))
+    assert off_node(flat, 0) == pytest.approx(cost.link_bytes("flat", s, topo))
+    hier = traffic_matrix("hierarchical", s, topo)
+    assert off_node(hier, 0) == pytest.approx(cost.link_bytes("hierarchical", s, topo))
+    # Hierarchical traffic is rail-aligned: every inter-node byte stays on its local index.
+    for a, b in itertools.product(range(p), range(p)):
+        if hier[a, b] and node_of[a] != node_of[b]:
+            assert topo.nodes[node_of[a]].index(a) == topo.nodes[node_of[b]].index(b)
+    a2a = traffic_matrix("flat", s, topo, op="alltoall")
+    two_d = traffic_matrix("2d", s, topo, op="alltoall")
+    assert off_node(a2a, 0) == pytest.approx(off_node(two_d, 0))  # same inter-node bytes ...
+    assert int((two_d > 0).sum()) <= int((a2a > 0).sum())  # ... over fewer pairs
+    assert off_node(two_d, 0) == pytest.approx(cost.link_bytes("2d", s, topo, "alltoall"))
+
+
+def test_iteration_traffic_is_sparse_at_scale():
+    topo = Topology(nodes=tuple(tuple(range(i * 8, (i + 1) * 8)) for i in range(16)), rank=0, world_size=128)
+    layers = transformer_layers("gpt2-124m", tokens=1024, flops=1e14)
+    m = iteration_traffic(layers, "hierarchical", topo)
+    pairs = (m > 0).float().mean().item()
+    assert pairs < 0.1  # rails and nodes only: most pairs exchange nothing
+    assert m.sum().item() > 0
