@@ -2,7 +2,8 @@
 
 For each size, every requested algorithm is measured interleaved (iteration by iteration), so
 that the ratios printed side by side share the same machine state. Columns follow nccl-tests:
-``size count type redop algo time(us) algbw(GB/s) busbw(GB/s) #wrong``, then the alpha-beta bound
+``size count type redop algo time(us) algbw(GB/s) busbw(GB/s) #wrong`` (time: the median over the
+iterations, of the slowest rank), then the alpha-beta bound
 of ``commopt.comm.cost`` and, inside the emulated cluster, link-level figures: the bytes one node's
 link must carry, link busbw (those bytes / time) and the efficiency against the configured and the
 measured link rate. The correctness check (on by default) compares every element with a value
@@ -20,6 +21,7 @@ import json
 import math
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -331,8 +333,12 @@ def run_sweep(args, topo, log=print) -> list[dict]:
             iters = _agree_iters(first, args.iters)
             times = {k: [] for k in calls}
             engine().reset_stats()
-            for _ in range(iters):
-                for key, (call, _check) in calls.items():  # interleaved: same machine state for all
+            keys = list(calls)
+            for it in range(iters):
+                # Interleaved, and rotated every iteration so that no algorithm always follows the
+                # same one (a shaped link's token bucket and caches carry state between calls).
+                for key in keys[it % len(keys):] + keys[:it % len(keys)]:
+                    call = calls[key][0]
                     dist.barrier()
                     t0 = time.perf_counter()
                     call()
@@ -340,8 +346,10 @@ def run_sweep(args, topo, log=print) -> list[dict]:
             expected = _expected(op, args.redop, world, rank, count, dtype) if args.check else None
             for key, (call, check) in calls.items():
                 algo, val = key
-                mean = torch.tensor([sum(times[key]) / len(times[key])], dtype=torch.float64)
-                dist.all_reduce(mean, op=ReduceOp.MAX)  # the slowest rank defines the collective's time
+                # The median over iterations resists the noise of a shared machine; the slowest
+                # rank's median defines the collective's time.
+                mean = torch.tensor([statistics.median(times[key])], dtype=torch.float64)
+                dist.all_reduce(mean, op=ReduceOp.MAX)
                 wrong = torch.tensor([0], dtype=torch.int64)
                 if expected is not None:
                     call()
