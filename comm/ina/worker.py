@@ -369,6 +369,7 @@ class InaSession:
             h = headroom_bits(self.num_workers) if self.headroom is None else self.headroom
             dcode = _DTYPE_CODES[tensor.dtype]
             values: np.ndarray | None = None
+            result: torch.Tensor | None = None
             while True:
                 rnd = self._round
                 self._round += 1
@@ -383,8 +384,10 @@ class InaSession:
                 shift = block_shift(e_max, self.num_workers, h)
                 if values is None:
                     values = _as_float32_numpy(x)
-                out = np.empty(numel, dtype="<i4")
-                saturated = self._aggregate(rnd, values, out, dcode, shift, deadline)
+                if result is None:
+                    result = torch.empty(numel, dtype=tensor.dtype)
+                saturated = self._aggregate(rnd, values, result, dcode, shift,
+                                            self.num_workers if op == "avg" else 1, deadline)
                 if not saturated:
                     break
                 # Every worker saw the same saturation flags, so every worker redoes the round.
@@ -394,8 +397,7 @@ class InaSession:
                     raise CommError(f"{_OP} seq={rnd} job {self.job_id}: the switch saturated even with "
                                     f"{h} bits of headroom; a worker is sending out-of-range codes",
                                     op=_OP, seq=rnd, ranks=self._ranks())
-            result = dequantize(out, shift, tensor.dtype, self.num_workers if op == "avg" else 1)
-            tensor.copy_(result.view(tensor.shape))
+            tensor.copy_(result.view(tensor.shape))  # also scatters into non-contiguous / CUDA tensors
             return tensor
         except CommTimeoutError as e:
             self._broken = f"{type(e).__name__} at seq {e.seq}"
@@ -493,21 +495,38 @@ class InaSession:
         lanes[CTRL_HEADROOM], lanes[CTRL_NHEADROOM] = headroom, -headroom
         lanes[CTRL_LANES + self.worker_id] = int(nonfinite)
         out = np.empty_like(lanes)
-        self._exchange(PacketType.CTRL, rnd, len(lanes), lambda lo, hi: lanes.tobytes(), out, dcode, 0,
+
+        def deliver(lo: int, hi: int, payload: memoryview) -> None:
+            out[lo:hi] = np.frombuffer(payload, dtype="<i4")
+
+        self._exchange(PacketType.CTRL, rnd, len(lanes), lambda lo, hi: lanes.tobytes(), deliver, dcode, 0,
                        "agree", deadline)
         return out
 
-    def _aggregate(self, rnd: int, values: np.ndarray, out: np.ndarray, dcode: int, shift: int,
-                   deadline: float) -> bool:
+    def _aggregate(self, rnd: int, values: np.ndarray, result: torch.Tensor, dcode: int, shift: int,
+                   divisor: int, deadline: float) -> bool:
+        """Quantize chunks as they leave and dequantize results as they arrive, into ``result``.
+
+        Dequantizing per chunk overlaps it with waiting for the other chunks, and computes exactly
+        what :func:`dequantize` computes on the whole sum (float64, one rounding to the dtype).
+        """
         def payload(lo: int, hi: int) -> bytes:
             return _quantize_np(values[lo:hi], shift).data  # type: ignore[return-value]
 
-        return self._exchange(PacketType.DATA, rnd, len(values), payload, out, dcode, shift, "aggregate",
+        def deliver(lo: int, hi: int, data: memoryview) -> None:
+            f = np.frombuffer(data, dtype="<i4").astype(np.float64)
+            np.ldexp(f, -shift, out=f)
+            if divisor != 1:
+                f /= divisor
+            result[lo:hi].copy_(torch.from_numpy(f))
+
+        return self._exchange(PacketType.DATA, rnd, len(values), payload, deliver, dcode, shift, "aggregate",
                               deadline)
 
     def _exchange(self, ptype: int, rnd: int, total: int, payload_of: Callable[[int, int], bytes],
-                  dst: np.ndarray, dcode: int, exponent: int, phase: str, deadline: float) -> bool:
-        """Send ``total`` lanes through the switch and collect the aggregate into ``dst``.
+                  deliver: Callable[[int, int, memoryview], None], dcode: int, exponent: int, phase: str,
+                  deadline: float) -> bool:
+        """Send ``total`` lanes through the switch; hand each chunk's aggregate to ``deliver(lo, hi, data)``.
 
         ``payload_of(lo, hi)`` gives the little-endian int32 bytes of lanes ``lo:hi``; it is called once
         per chunk, as the chunk first leaves, and the packet is kept for retransmissions.
@@ -612,7 +631,7 @@ class InaSession:
             if h.count != hi - lo or (h.flags & FLAG_SHADOW) != p.shadow:
                 self.counters["stale_received"] += 1
                 continue
-            dst[lo:hi] = np.frombuffer(payload, dtype="<i4")
+            deliver(lo, hi, payload)
             if h.flags & FLAG_SATURATED:
                 saturated = True
             self.counters["results"] += 1
