@@ -1,14 +1,16 @@
 """commopt.comm: topology, the comm engine, collectives, compression, hooks, in-network aggregation.
 
 Re-exports the public entry points (DESIGN 10): ``Topology``, ``all_reduce``, ``reduce_scatter``,
-``all_gather``, ``destroy``, and the submodules ``hooks``, ``errors`` and ``cost``.
+``all_gather``, ``all_to_all``, ``destroy``, and the submodules ``hooks``, ``compression``, ``errors``
+and ``cost``.
 """
 
 from __future__ import annotations
 
-from . import cost, errors, hooks
+from . import compression, cost, errors, hooks
 from .alltoall import all_to_all
 from .collectives import all_gather, all_reduce, reduce_scatter
 from .topology import Topology, destroy
 
-__all__ = ["Topology", "all_reduce", "reduce_scatter", "all_gather", "all_to_all", "destroy", "hooks", "errors", "cost"]
+__all__ = ["Topology", "all_reduce", "reduce_scatter", "all_gather", "all_to_all", "destroy", "hooks", "compression",
+           "errors", "cost"]
