@@ -19,10 +19,13 @@ otherwise (FAULTS 29).
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import multiprocessing as mp
-import signal
+import os
 import sys
 import time
+import types
 from typing import Any
 
 __all__ = ["main"]
@@ -54,30 +57,23 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _serve(args: argparse.Namespace) -> int:
-    stop = {"flag": False}
+def _light_switch_module() -> types.ModuleType:
+    """``commopt.comm.ina.switch`` loaded without running ``commopt.comm``'s package imports.
 
-    def _on_signal(signum: int, frame: Any) -> None:
-        stop["flag"] = True
-
-    # Handlers first: importing the package (and torch, for the backend it registers) takes seconds,
-    # and a SIGTERM in that window must still end in a clean exit 0.
-    signal.signal(signal.SIGTERM, _on_signal)
-    signal.signal(signal.SIGINT, _on_signal)
-
-    from commopt.comm.ina.switch import Switch, format_stats
-
-    switch = Switch(args.host, args.port, pool_slots=args.pool_slots, partition_size=args.partition_size,
-                    job_idle_timeout=args.job_idle_timeout)
-    host, port = switch.address
-    print(f"commopt ina switch listening on {host}:{port} (pool {args.pool_slots} slots, "
-          f"{switch.num_partitions} partitions of {args.partition_size})", flush=True)
-    try:
-        switch.serve(lambda: stop["flag"])
-    finally:
-        print(f"commopt ina switch on {host}:{port} stopped: {format_stats(switch.stats())}", flush=True)
-        switch.close()
-    return 0
+    The switch needs only numpy; importing the package would load torch and all of commopt first,
+    seconds of start-up for nothing. ``find_spec`` of ``commopt.comm`` imports only the (namespace)
+    parent, so it locates the folder without executing it.
+    """
+    spec = importlib.util.find_spec("commopt.comm")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("commopt-bench ina-switch: commopt.comm is not installed (pip install -e .)")
+    folder = os.path.join(list(spec.submodule_search_locations)[0], "ina")
+    name = "_commopt_ina_switch_pkg"
+    if name not in sys.modules:
+        pkg = types.ModuleType(name)
+        pkg.__path__ = [folder]
+        sys.modules[name] = pkg
+    return importlib.import_module(f"{name}.switch")
 
 
 def _bench_worker(address: tuple[str, int], job_id: int, worker: int, n: int, numel: int, iters: int,
@@ -153,7 +149,9 @@ def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     if args.bench:
         return _bench(args)
-    return _serve(args)
+    serve_argv = ["--host", args.host, "--port", str(args.port), "--pool-slots", str(args.pool_slots),
+                  "--partition-size", str(args.partition_size), "--job-idle-timeout", str(args.job_idle_timeout)]
+    return int(_light_switch_module().serve_main(serve_argv))
 
 
 if __name__ == "__main__":

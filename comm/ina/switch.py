@@ -31,10 +31,13 @@ The switch binds to 127.0.0.1 unless told otherwise (FAULTS 29). It never import
 
 from __future__ import annotations
 
-import multiprocessing as mp
+import argparse
 import os
+import select
 import signal
 import socket
+import subprocess
+import sys
 import time
 from collections import deque
 from collections.abc import Callable
@@ -70,6 +73,8 @@ __all__ = [
     "SwitchProcess",
     "query_stats",
     "format_stats",
+    "serve_main",
+    "launch_command",
 ]
 
 DEFAULT_POOL_SLOTS = 1024
@@ -469,8 +474,12 @@ def query_stats(address: tuple[str, int], timeout: float = 2.0) -> dict[str, int
                        f"{timeout:.1f}s; is it running (commopt-bench ina-switch)?")
 
 
-def _child_main(host: str, port: int, options: dict[str, Any], conn: Any) -> None:
-    """Entry point of a switch started by :class:`SwitchProcess` (spawned, never forked)."""
+def serve_main(argv: list[str]) -> int:
+    """The switch's command line (``commopt-bench ina-switch`` without ``--bench``).
+
+    Prints ``commopt ina switch listening on HOST:PORT ...`` (flushed), serves until SIGTERM or
+    SIGINT, prints its counters, and returns 0.
+    """
     stop = {"flag": False}
 
     def _on_signal(signum: int, frame: Any) -> None:
@@ -478,67 +487,111 @@ def _child_main(host: str, port: int, options: dict[str, Any], conn: Any) -> Non
 
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
-    switch = Switch(host, port, **options)
-    conn.send(switch.address)
-    conn.close()
+    p = argparse.ArgumentParser(prog="commopt-bench ina-switch",
+                                description="Run the simulated in-network aggregation switch (UDP).")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    p.add_argument("--port", type=int, default=0, help="UDP port (0: pick a free one; printed)")
+    p.add_argument("--pool-slots", type=int, default=DEFAULT_POOL_SLOTS, help="slots in the pool")
+    p.add_argument("--partition-size", type=int, default=DEFAULT_PARTITION_SIZE,
+                   help="slots per job (slot 0 is the job's control slot)")
+    p.add_argument("--job-idle-timeout", type=float, default=300.0,
+                   help="seconds after which an idle job's partition is reclaimed")
+    args = p.parse_args(argv)
+    switch = Switch(args.host, args.port, pool_slots=args.pool_slots, partition_size=args.partition_size,
+                    job_idle_timeout=args.job_idle_timeout)
+    host, port = switch.address
+    print(f"commopt ina switch listening on {host}:{port} (pool {args.pool_slots} slots, "
+          f"{switch.num_partitions} partitions of {args.partition_size}, pid {os.getpid()})", flush=True)
     try:
         switch.serve(lambda: stop["flag"])
     finally:
+        print(f"commopt ina switch on {host}:{port} stopped: {format_stats(switch.stats())}", flush=True)
         switch.close()
+    return 0
+
+
+# Runs the switch without importing the commopt package: a bare package object over this folder
+# makes ``switch`` and ``protocol`` importable (they need only numpy), so the switch starts in a
+# fraction of a second instead of paying for torch and the rest of commopt, and carries no torch
+# state. argv: [this folder, switch arguments...].
+_LAUNCHER = (
+    "import importlib, sys, types\n"
+    "pkg = types.ModuleType('_commopt_ina_switch_pkg')\n"
+    "pkg.__path__ = [sys.argv[1]]\n"
+    "sys.modules[pkg.__name__] = pkg\n"
+    "sys.exit(importlib.import_module(pkg.__name__ + '.switch').serve_main(sys.argv[2:]))\n"
+)
+
+
+def launch_command(host: str = "127.0.0.1", port: int = 0, **options: Any) -> list[str]:
+    """The argv that starts a light switch process (see ``_LAUNCHER``)."""
+    cmd = [sys.executable, "-c", _LAUNCHER, os.path.dirname(os.path.abspath(__file__)), "--host", host,
+           "--port", str(port)]
+    for key, value in options.items():
+        cmd += [f"--{key.replace('_', '-')}", str(value)]
+    return cmd
 
 
 class SwitchProcess:
-    """A switch in a spawned child process, for tests, the backend's users and benchmarks.
+    """A switch in a child process, for tests, the backend's users and benchmarks.
 
-    Use as a context manager; ``stop()`` sends SIGTERM and, if the child does not exit, SIGKILL, so
-    nothing is left behind (FAULTS 30).
+    The child runs :func:`serve_main` through ``launch_command`` (exec'd, never a forked copy of
+    this interpreter). Use as a context manager; ``stop()`` sends SIGTERM and, if the child does not
+    exit, SIGKILL, so nothing is left behind (FAULTS 30).
 
     Args:
         host: bind address (loopback by default).
         port: 0 picks a free port.
-        start_timeout: seconds to wait for the child to report its address.
-        **options: forwarded to :class:`Switch`.
+        start_timeout: seconds to wait for the child to print its address.
+        **options: ``pool_slots``, ``partition_size``, ``job_idle_timeout`` (see :class:`Switch`).
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, start_timeout: float = 60.0,
                  **options: Any):
-        ctx = mp.get_context("spawn")
-        parent, child = ctx.Pipe(duplex=False)
-        self._proc = ctx.Process(target=_child_main, args=(host, port, options, child), daemon=True,
-                                 name="commopt-ina-switch")
-        self._proc.start()
-        child.close()
-        if not parent.poll(start_timeout):
+        unknown = set(options) - {"pool_slots", "partition_size", "job_idle_timeout"}
+        if unknown:
+            raise TypeError(f"SwitchProcess: unknown options {sorted(unknown)}")
+        self.final_line = ""
+        self._proc = subprocess.Popen(launch_command(host, port, **options), stdout=subprocess.PIPE,
+                                      stdin=subprocess.DEVNULL, text=True)
+        assert self._proc.stdout is not None
+        ready, _, _ = select.select([self._proc.stdout], [], [], start_timeout)
+        line = self._proc.stdout.readline() if ready else ""
+        marker = "listening on "
+        if marker not in line:
             self.stop()
-            raise RuntimeError(f"ina switch process did not start within {start_timeout:.0f}s "
-                               f"(exit code {self._proc.exitcode}); see its stderr")
-        addr = parent.recv()
-        parent.close()
-        self.address: tuple[str, int] = (addr[0], int(addr[1]))
+            raise RuntimeError(f"ina switch process did not start within {start_timeout:.0f}s (exit code "
+                               f"{self._proc.returncode}, said {line!r}); see its stderr")
+        addr = line.split(marker, 1)[1].split()[0]
+        host_part, _, port_part = addr.rpartition(":")
+        self.address: tuple[str, int] = (host_part, int(port_part))
 
     @property
-    def pid(self) -> int | None:
+    def pid(self) -> int:
         return self._proc.pid
 
     def is_alive(self) -> bool:
-        return self._proc.is_alive()
+        return self._proc.poll() is None
 
     def stats(self, timeout: float = 2.0) -> dict[str, int]:
         return query_stats(self.address, timeout)
 
     def stop(self, timeout: float = 5.0) -> int | None:
         """Stop the switch (SIGTERM, then SIGKILL after ``timeout``); returns its exit code."""
-        if self._proc.pid is not None and self._proc.is_alive():
-            os.kill(self._proc.pid, signal.SIGTERM)
-            self._proc.join(timeout)
-            if self._proc.is_alive():
+        if self._proc.poll() is None:
+            self._proc.send_signal(signal.SIGTERM)
+            try:
+                self._proc.wait(timeout)
+            except subprocess.TimeoutExpired:
                 self._proc.kill()
-                self._proc.join(timeout)
-        return self._proc.exitcode
+                self._proc.wait(timeout)
+        if self._proc.stdout is not None and not self._proc.stdout.closed:
+            self.final_line = self._proc.stdout.read().strip()
+            self._proc.stdout.close()
+        return self._proc.returncode
 
     def __enter__(self) -> SwitchProcess:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
