@@ -61,6 +61,8 @@ _KIND = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _COPY_CHUNK = 1 << 18
 # elements per task of the element-wise kernels whose blocks may be huge (one scale per tensor)
 _ELEM_CHUNK = 1 << 14
+# elements (or bytes, for copies: times 4) below which a kernel runs on the calling thread only
+_SERIAL_BELOW = 1 << 16
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -483,6 +485,24 @@ def _scatter_add(vbits, indices, out):
 # wrappers: numpy views, segment tables, fallbacks
 
 
+def _run(kernel, work: int, *args):
+    """Launch ``kernel``; below ``_SERIAL_BELOW`` units of work on the calling thread alone.
+
+    Waking the other threads costs tens of microseconds on an idle machine and milliseconds on an
+    oversubscribed one, far more than a small kernel's work.
+    """
+    if work >= _SERIAL_BELOW:
+        return kernel(*args)
+    previous = numba.get_num_threads()
+    if previous == 1:
+        return kernel(*args)
+    numba.set_num_threads(1)
+    try:
+        return kernel(*args)
+    finally:
+        numba.set_num_threads(previous)
+
+
 def _empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
     """Every output this module allocates; the tests poison it to prove every element is written."""
     return torch.empty(numel, dtype=dtype)
@@ -512,8 +532,8 @@ def _plain(t: torch.Tensor) -> bool:
 def _run_segments(segments: list[tuple[int, int, int, int]]) -> None:
     if segments:
         table = np.array(segments, dtype=np.int64).reshape(-1, 4)
-        _copy_segments(table[:, 0].copy(), table[:, 1].copy(), table[:, 2].copy(), table[:, 3].copy(),
-                       _COPY_CHUNK)
+        _run(_copy_segments, int(table[:, 2:].sum()) // 4, table[:, 0].copy(), table[:, 1].copy(),
+             table[:, 2].copy(), table[:, 3].copy(), _COPY_CHUNK)
 
 
 @torch.no_grad()
@@ -558,12 +578,12 @@ def pack_signs(x: torch.Tensor, block: int | None) -> tuple[torch.Tensor, torch.
         return reference.pack_signs(x, block)
     n = x.numel()
     bits = _empty(-(-n // 32), torch.uint32)
-    _pack_signs(_raw(x), 8 * x.element_size() - 1, bits.view(torch.int32).numpy().view(np.uint32),
-                _ELEM_CHUNK // 32)
+    _run(_pack_signs, n, _raw(x), 8 * x.element_size() - 1, bits.view(torch.int32).numpy().view(np.uint32),
+         _ELEM_CHUNK // 32)
     if block is None:
         return bits, None
     scales = _empty(-(-n // block), torch.float32)
-    _abs_mean(_bits(x), block, scales.numpy())
+    _run(_abs_mean, n, _bits(x), block, scales.numpy())
     return bits, scales
 
 
@@ -577,7 +597,7 @@ def unpack_signs(
         s, block = np.ones(1, np.float32), max(numel, 1)
     else:
         s = scales.numpy()
-    _unpack_signs(bits.view(torch.int32).numpy().view(np.uint32), s, block, _bits(out), _ELEM_CHUNK)
+    _run(_unpack_signs, numel, bits.view(torch.int32).numpy().view(np.uint32), s, block, _bits(out), _ELEM_CHUNK)
     return out
 
 
@@ -591,8 +611,8 @@ def quantize(
     codes = _empty(-(-n // 2) if int4 else n, torch.uint8 if int4 else torch.int8)
     scales = _empty(-(-n // block), torch.float32)
     absmask = 0x7FFF if x.element_size() == 2 else 0x7FFFFFFF
-    _quantize(_bits(x), _U(absmask), block, (1 << (bits - 1)) - 1, stochastic, _U(hash_key(seed, step)),
-              int4, codes.view(torch.uint8).numpy(), scales.numpy())
+    _run(_quantize, n, _bits(x), _U(absmask), block, (1 << (bits - 1)) - 1, stochastic, _U(hash_key(seed, step)),
+         int4, codes.view(torch.uint8).numpy(), scales.numpy())
     return codes, scales
 
 
@@ -602,7 +622,8 @@ def dequantize(
     if dtype not in _KIND:
         return reference.dequantize(codes, scales, numel, bits, block, dtype)
     out = _empty(numel, dtype)
-    _dequantize(codes.view(torch.uint8).numpy(), scales.numpy(), block, bits == 4, _bits(out), _ELEM_CHUNK)
+    _run(_dequantize, numel, codes.view(torch.uint8).numpy(), scales.numpy(), block, bits == 4, _bits(out),
+         _ELEM_CHUNK)
     return out
 
 
@@ -620,8 +641,8 @@ def topk_pack(x: torch.Tensor, k: int) -> torch.Tensor:
         indices = payload[indices_at:].view(torch.int32).numpy()
         ntask = max(1, min(numba.get_num_threads(), n >> 16))
         wide = size == 4
-        _topk_select(_raw(x), _U(0x7FFFFFFF if wide else 0x7FFF), wide, k, ntask,
-                     _raw(values.view(x.dtype)), indices)
+        _run(_topk_select, n, _raw(x), _U(0x7FFFFFFF if wide else 0x7FFF), wide, k, ntask,
+             _raw(values.view(x.dtype)), indices)
     return payload
 
 
@@ -639,7 +660,7 @@ def scatter_add_unpack(
         values_at, indices_at, _ = topk_layout(k, vdtype.itemsize)
         values = p[values_at : values_at + k * vdtype.itemsize].view(vdtype)
         indices = p[indices_at:].view(torch.int32).numpy()
-        if _scatter_add(_bits(values), indices, o):
+        if _run(_scatter_add, k, _bits(values), indices, o):
             raise ValueError(
                 f"payloads[{i}] has indices outside [0, {numel}); pass the numel of the tensor "
                 "topk_pack was called on"
