@@ -51,7 +51,7 @@ from .collectives import (
 )
 from .engine import Phase, all_of
 from .errors import CollectiveMismatchError, TopologyError
-from .topology import Topology
+from .topology import _REGISTRY, Topology
 
 __all__ = [
     "all_to_all",
@@ -60,6 +60,7 @@ __all__ = [
     "ALGORITHMS",
     "link_bytes",
     "choose_algorithm",
+    "calibrate",
     "predicted_ratio",
     "crossover_bytes",
 ]
@@ -252,8 +253,7 @@ def _choose(algorithm: str, input: torch.Tensor, topology: Topology | None, grou
         return "flat", topo, agreed_bytes
     if agreed_bytes is None:
         agreed_bytes = _mean_bytes(input, group, world)
-    algo = cost.choose(["flat", "2d"], agreed_bytes, topo, cost.model_for(topo), op="alltoall")
-    return algo, topo, agreed_bytes
+    return choose_algorithm(agreed_bytes, topo), topo, agreed_bytes
 
 
 def _flat(out_work: torch.Tensor, src: torch.Tensor, args: _Args, p: _Prepared, group, rank: int,
@@ -517,12 +517,70 @@ def link_bytes(algorithm: str, nbytes: float, topology: Topology) -> float:
 
 
 def choose_algorithm(nbytes: float, topology: Topology, model: cost.CostModel | None = None) -> str:
-    """What ``algorithm="auto"`` runs for an all-to-all of ``nbytes`` per rank on ``topology``
-    (``model`` None: the model ``auto`` itself uses, ``cost.model_for``; collective on first use)."""
+    """What ``algorithm="auto"`` runs for an all-to-all of ``nbytes`` per rank on ``topology``.
+
+    In order: ``flat`` on one-level or non-uniform topologies; with an explicit ``model``, its
+    prediction; the measured per-algorithm lines of :func:`calibrate` for this layout, when it ran;
+    the level model ``auto`` uses for every collective (``cost.model_for``: collective on first use).
+    """
     if topology.num_nodes in (1, topology.world_size) or not topology.is_uniform:
         return "flat"
-    model = model or cost.model_for(topology)
+    if model is None:
+        fitted = _REGISTRY.models.get(_calibration_key(topology))
+        if fitted is not None:
+            return min(ALGORITHMS, key=lambda a: (fitted[a].time(nbytes), ALGORITHMS.index(a)))
+        model = cost.model_for(topology)
     return cost.choose(["flat", "2d"], nbytes, topology, model, op="alltoall")
+
+
+def _calibration_key(topology: Topology) -> tuple:
+    return ("all_to_all", topology.layout, id(topology.group))
+
+
+def calibrate(topology: Topology, *, sizes: tuple[int, int] = (16 * 1024, 1 << 20), reps: int = 3,
+              chunks: int | None = None) -> dict[str, cost.LinkModel]:
+    """Time ``flat`` and ``2d`` on this machine and let ``auto`` choose from the measurements.
+
+    The level model predicts message counts and bytes; what it cannot see is this machine's cost of
+    each extra synchronising phase (thread hand-offs, the copies, a CPU shared by many ranks), which
+    decides small exchanges. So: at two per-rank sizes, each algorithm runs ``reps`` times (after a
+    warm-up); each time is the slowest rank's (an all-reduce MAX, so every rank fits the same
+    numbers); ``cost.fit`` gives each algorithm an effective ``alpha + S * beta`` line, rank 0's
+    broadcast. Stored in
+    commopt's one cache per layout (released by ``destroy()``); collective over the topology's group.
+
+    Returns:
+        ``{"flat": LinkModel, "2d": LinkModel}``, or ``{}`` where ``auto`` is always ``flat``.
+    """
+    if topology.world_size == 1 or topology.num_nodes in (1, topology.world_size) or not topology.is_uniform:
+        return {}
+    import time  # local: only calibration reads the clock
+
+    world, group = topology.world_size, topology.group
+    fits: dict[str, cost.LinkModel] = {}
+    for algo in ALGORITHMS:
+        times = []
+        for size in sizes:
+            rows = max(1, size // (4 * world))
+            x = torch.zeros(rows * world, dtype=torch.float32)
+            out = torch.empty_like(x)
+            all_to_all(out, x, topology=topology, algorithm=algo, chunks=chunks, group=group)  # warm-up
+            best = float("inf")
+            for _ in range(reps):
+                start = time.perf_counter()
+                all_to_all(out, x, topology=topology, algorithm=algo, chunks=chunks, group=group)
+                best = min(best, time.perf_counter() - start)
+            slowest = torch.tensor([best], dtype=torch.float64)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+            times.append(float(slowest))
+        fits[algo] = cost.fit([float(max(1, s // (4 * world)) * 4 * world) for s in sizes], times)
+    # lstsq may differ in the last bit between processes: rank 0's fit is the one every rank uses.
+    flat = torch.tensor([v for a in ALGORITHMS for v in (fits[a].alpha, fits[a].beta)], dtype=torch.float64)
+    dist.broadcast(flat, src=topology.group_rank_to_global(0), group=group)
+    values = flat.tolist()
+    fits = {a: cost.LinkModel(values[2 * i], values[2 * i + 1]) for i, a in enumerate(ALGORITHMS)}
+    _REGISTRY.models[_calibration_key(topology)] = fits
+    return fits
 
 
 def predicted_ratio(num_nodes: int, ranks_per_node: int, nbytes: float, model: cost.CostModel | None = None) -> float:

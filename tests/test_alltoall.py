@@ -19,6 +19,7 @@ from commopt.comm import Topology, cost
 from commopt.comm.alltoall import (
     all_to_all,
     all_to_all_autograd,
+    calibrate,
     choose_algorithm,
     crossover_bytes,
     exchange_splits,
@@ -269,6 +270,34 @@ def _autograd(spec) -> int:
 def test_autograd_gradients(ranks, spec):
     """Backward of the autograd all-to-all is the reverse exchange (float64, exact)."""
     assert len(set(ranks(4, _autograd, spec, timeout=90))) == 1
+
+
+def _calibrated() -> tuple:
+    from commopt.comm.alltoall import _calibration_key
+    from commopt.comm.topology import _REGISTRY
+
+    topo = Topology.from_spec("2x2")
+    fits = calibrate(topo, sizes=(4096, 65536), reps=1)
+    try:
+        assert set(fits) == {"flat", "2d"} and all(m.alpha >= 0 and m.beta > 0 for m in fits.values())
+        choices = tuple(choose_algorithm(s, topo) for s in (1024, 1 << 16, 1 << 24))
+        # The measured lines decide: each choice is the algorithm whose fitted time is lower.
+        for size, choice in zip((1024, 1 << 16, 1 << 24), choices):
+            assert fits[choice].time(size) <= min(m.time(size) for m in fits.values())
+        # auto runs (and is correct) with the calibration in place.
+        x = _data(8, (3,), torch.float32, dist.get_rank())
+        assert torch.equal(all_to_all(None, x, topology=topo), _oracle(x, [2] * 4, [2] * 4))
+        assert calibrate(Topology.from_spec("1x4")) == {}
+    finally:
+        _REGISTRY.models.pop(_calibration_key(topo), None)  # later tests use the level model
+    return choices, tuple((m.alpha, m.beta) for m in fits.values())
+
+
+def test_calibrate_is_rank_consistent(ranks):
+    """calibrate() fits per-algorithm lines from the slowest rank's times: identical on every rank,
+    so auto's choice is too (DESIGN 2, rule 2). No time is asserted."""
+    results = ranks(4, _calibrated, timeout=60)
+    assert len(set(results)) == 1, results
 
 
 def test_world_size_one():
