@@ -506,3 +506,34 @@ def test_quantize_matches_float64_reference():
             assert np.array_equal(got, ref.numpy()), (dtype, scale)
             if bool((x[:3] != 0).all()):  # the ties survived the cast to the dtype
                 assert got[:3].tolist() == [0, 2, -2]
+
+
+def test_backend_switch_address_from_options_or_environment(switch, tmp_path, monkeypatch):
+    """FAULTS row 29 (configuration): init_process_group("ina") takes the switch from InaOptions, or
+    from Topology.from_env() (COMMOPT_INA_SWITCH), and says what to do when neither names one."""
+    import torch.distributed as dist
+    from commopt.comm.errors import CommError
+    from commopt.comm.ina import InaOptions
+
+    if dist.is_initialized():
+        pytest.skip("this process already has a default process group")
+    for var in ("COMMOPT_INA_SWITCH", "COMMOPT_NODES", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(CommError, match="no switch address.*COMMOPT_INA_SWITCH"):
+        dist.init_process_group("ina", store=dist.FileStore(str(tmp_path / "a"), 1), rank=0, world_size=1)
+    address = f"{switch.address[0]}:{switch.address[1]}"
+    for i, options in enumerate((InaOptions(switch=address), None)):
+        if options is None:
+            monkeypatch.setenv("COMMOPT_INA_SWITCH", address)
+            monkeypatch.setenv("COMMOPT_NODES", "0")
+        dist.init_process_group("ina", store=dist.FileStore(str(tmp_path / f"s{i}"), 1), rank=0, world_size=1,
+                                pg_options=options)
+        try:
+            assert dist.get_backend() == "ina"
+            pg = dist.group.WORLD
+            assert pg.session.address == switch.address
+            t = torch.ones(3, dtype=torch.bfloat16)
+            dist.all_reduce(t)
+            assert torch.equal(t, torch.ones(3, dtype=torch.bfloat16))
+        finally:
+            dist.destroy_process_group()

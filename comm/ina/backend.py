@@ -82,18 +82,19 @@ class InaOptions:
     gloo_hostname: str | None = None
 
 
-def _switch_from_topology() -> str | None:
-    """The switch address from ``Topology.from_env()`` when that module exists and knows one."""
+def _switch_from_topology() -> tuple[str | None, str]:
+    """The switch address from ``Topology.from_env()`` when it knows one, and why not otherwise."""
     try:
         from ..topology import Topology  # written elsewhere; absent in minimal installs
-    except ImportError:
-        return None
+    except ImportError as e:
+        return None, f"commopt.comm.topology is unavailable ({e})"
     try:
         topo = Topology.from_env()
-    except (CommError, RuntimeError, ValueError, KeyError, TypeError):
-        return None
+    except (CommError, RuntimeError, ValueError, KeyError, TypeError) as e:
+        # from_env() needs a layout (COMMOPT_NODES, or torchrun's sizes and an initialised WORLD).
+        return None, f"Topology.from_env() failed: {type(e).__name__}: {e}"
     spec = getattr(topo, "ina_switch", None)
-    return str(spec) if spec else None
+    return (str(spec), "") if spec else (None, "Topology.from_env() found no COMMOPT_INA_SWITCH")
 
 
 def _completed(result: Any) -> Any:
@@ -117,11 +118,12 @@ class InaProcessGroup(dist.ProcessGroup):
                  options: InaOptions | None = None):
         super().__init__(rank, size)
         options = options or InaOptions()
-        spec = options.switch if options.switch is not None else _switch_from_topology()
+        spec, why = (options.switch, "") if options.switch is not None else _switch_from_topology()
         if spec is None:
-            raise CommError("init_process_group('ina'): no switch address; pass pg_options=InaOptions("
-                            "switch='host:port') or set COMMOPT_INA_SWITCH for Topology.from_env(), and start "
-                            "the switch with `commopt-bench ina-switch`", op="init/ina", ranks=[rank])
+            raise CommError(f"init_process_group('ina'): no switch address ({why}); pass pg_options="
+                            "InaOptions(switch='host:port'), or set COMMOPT_INA_SWITCH together with "
+                            "COMMOPT_NODES for Topology.from_env(); start the switch with `commopt-bench "
+                            "ina-switch`", op="init/ina", seq=0, ranks=[rank])
         address = parse_address(spec)
         if rank == 0:
             job_id = options.job_id if options.job_id is not None else 1 + secrets.randbelow(0xFFFF)
