@@ -361,6 +361,17 @@ def test_nonfinite_mismatch_and_bad_dtypes(switch):
 
     assert _run(n, body) == [["nonfinite", "mismatch", "ok"]] * n
 
+    # Sessions that would map chunks to slots differently are caught before any data moves.
+    job = next(_JOB)
+
+    def windows(w: int) -> str:
+        with _session(switch.address, job, w, n, window=4 + w) as s:
+            with pytest.raises(CollectiveMismatchError, match="window"):
+                s.all_reduce(torch.ones(10))
+        return "mismatch"
+
+    assert _run(n, windows) == ["mismatch"] * n
+
 
 def _malformed(rng: random.Random) -> list[tuple[str, bytes]]:
     ok = dict(dtype=1, job_id=1, num_workers=2, slot=1, count=4)

@@ -118,7 +118,9 @@ ERR_BAD_WORKERS = 2
 # Lanes CTRL_LANES.. hold one non-finite flag per worker.
 CTRL_EXP, CTRL_NUMEL_LO, CTRL_NUMEL_HI, CTRL_NNUMEL_LO, CTRL_NNUMEL_HI = 0, 1, 2, 3, 4
 CTRL_DTYPE, CTRL_NDTYPE, CTRL_OP, CTRL_NOP, CTRL_HEADROOM, CTRL_NHEADROOM = 5, 6, 7, 8, 9, 10
-CTRL_LANES = 11
+# Window and payload size must agree too: chunk c lives in slot 1 + c % window on every worker.
+CTRL_WINDOW, CTRL_NWINDOW, CTRL_PAYLOAD, CTRL_NPAYLOAD = 11, 12, 13, 14
+CTRL_LANES = 15
 
 STAT_NAMES = (
     "packets",

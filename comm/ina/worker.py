@@ -56,9 +56,13 @@ from .protocol import (
     CTRL_NNUMEL_HI,
     CTRL_NNUMEL_LO,
     CTRL_NOP,
+    CTRL_NPAYLOAD,
     CTRL_NUMEL_HI,
     CTRL_NUMEL_LO,
+    CTRL_NWINDOW,
     CTRL_OP,
+    CTRL_PAYLOAD,
+    CTRL_WINDOW,
     DEFAULT_PAYLOAD_ELEMS,
     DTYPE_BF16,
     DTYPE_FP16,
@@ -379,7 +383,8 @@ class InaSession:
                 if numel == 0:
                     return tensor
                 if e_max == ZERO_EXPONENT:
-                    tensor.zero_()
+                    with torch.no_grad():
+                        tensor.zero_()
                     return tensor
                 shift = block_shift(e_max, self.num_workers, h)
                 if values is None:
@@ -397,7 +402,8 @@ class InaSession:
                     raise CommError(f"{_OP} seq={rnd} job {self.job_id}: the switch saturated even with "
                                     f"{h} bits of headroom; a worker is sending out-of-range codes",
                                     op=_OP, seq=rnd, ranks=self._ranks())
-            tensor.copy_(result.view(tensor.shape))  # also scatters into non-contiguous / CUDA tensors
+            with torch.no_grad():  # like torch.distributed: the reduction is not part of the graph
+                tensor.copy_(result.view(tensor.shape))  # also scatters into non-contiguous / CUDA tensors
             return tensor
         except CommTimeoutError as e:
             self._broken = f"{type(e).__name__} at seq {e.seq}"
@@ -433,10 +439,13 @@ class InaSession:
                 f"numel={tensor.numel()}, shape {list(tensor.shape)}, {tensor.dtype}, op={op}); every rank "
                 "must all-reduce the same number of elements of the same dtype with the same op",
                 op=_OP, seq=rnd, ranks=self._ranks())
-        if int(agreed[CTRL_HEADROOM]) != -int(agreed[CTRL_NHEADROOM]):
+        settings = {"headroom": (CTRL_HEADROOM, CTRL_NHEADROOM), "window": (CTRL_WINDOW, CTRL_NWINDOW),
+                    "payload_elems": (CTRL_PAYLOAD, CTRL_NPAYLOAD)}
+        bad = [name for name, (a, b) in settings.items() if int(agreed[a]) != -int(agreed[b])]
+        if bad:
             raise CollectiveMismatchError(
-                f"{_OP} seq={rnd} job {self.job_id}: ranks use different headroom settings; create every "
-                "rank's session with the same headroom", op=_OP, seq=rnd, ranks=self._ranks())
+                f"{_OP} seq={rnd} job {self.job_id}: ranks use different {', '.join(bad)} settings; create "
+                "every rank's session with the same ones", op=_OP, seq=rnd, ranks=self._ranks())
         bad_ranks = [r for r in range(self.num_workers) if flags[r]]
         if bad_ranks:
             raise NonFiniteError(self._nonfinite_msg(bad_ranks, tensor), op=_OP, seq=rnd, ranks=bad_ranks)
@@ -493,6 +502,8 @@ class InaSession:
         lanes[CTRL_DTYPE], lanes[CTRL_NDTYPE] = dcode, -dcode
         lanes[CTRL_OP], lanes[CTRL_NOP] = opcode, -opcode
         lanes[CTRL_HEADROOM], lanes[CTRL_NHEADROOM] = headroom, -headroom
+        lanes[CTRL_WINDOW], lanes[CTRL_NWINDOW] = self.window, -self.window
+        lanes[CTRL_PAYLOAD], lanes[CTRL_NPAYLOAD] = self.payload_elems, -self.payload_elems
         lanes[CTRL_LANES + self.worker_id] = int(nonfinite)
         out = np.empty_like(lanes)
 
