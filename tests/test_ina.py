@@ -214,8 +214,11 @@ def test_lost_result_recovered_from_shadow_copy(switch):
 
     def body(w: int) -> torch.Tensor:
         drop = ((PacketType.RESULT, 0, 0),) if w == 0 else ()
+        # Worker 0 waits half a second before retransmitting, so its peer has long moved chunk 2
+        # into the slot's other copy: the answer must come from the kept (shadow) copy.
+        rto = 0.5 if w == 0 else 0.05
         with _session(switch.address, job, w, n, payload_elems=512, window=2,
-                      faults=FaultConfig(drop_once=drop), initial_rto=0.3) as s:
+                      faults=FaultConfig(drop_once=drop), initial_rto=rto, min_rto=rto) as s:
             t = xs[w].clone()
             s.all_reduce(t)
             return t

@@ -208,6 +208,8 @@ class InaSession:
         max_retries: retransmissions of one chunk that go unanswered before giving up.
         initial_rto: first retransmission timeout in seconds; adapts to the measured round trip.
         max_rto: cap of the exponential back-off.
+        min_rto: floor of the adaptive retransmission timeout (loopback round trips are far shorter,
+            but a descheduled peer or switch is not a lost packet).
         headroom: bits of headroom (default ``ceil(log2 n)``); fewer is allowed and is corrected by
             saturation detection and a redone round, which is what tests of FAULTS 27 use.
         faults: seeded fault injection (tests); None sends and receives untouched.
@@ -218,7 +220,7 @@ class InaSession:
     def __init__(self, address: tuple[str, int], *, job_id: int, worker_id: int, num_workers: int,
                  window: int = 16, payload_elems: int = DEFAULT_PAYLOAD_ELEMS, timeout: float = 60.0,
                  max_retries: int = 20, initial_rto: float = 0.2, max_rto: float = 1.0,
-                 headroom: int | None = None, faults: FaultConfig | None = None,
+                 min_rto: float = 0.05, headroom: int | None = None, faults: FaultConfig | None = None,
                  bind_host: str | None = None):
         if not 1 <= num_workers <= MAX_WORKERS:
             raise ValueError(f"{_OP}: num_workers={num_workers} must be in 1..{MAX_WORKERS}")
@@ -228,7 +230,8 @@ class InaSession:
             raise ValueError(f"{_OP}: job_id={job_id} must fit 16 bits")
         if not 1 <= payload_elems <= MAX_PAYLOAD_ELEMS:
             raise ValueError(f"{_OP}: payload_elems={payload_elems} must be in 1..{MAX_PAYLOAD_ELEMS}")
-        if window < 1 or max_retries < 0 or timeout <= 0 or not 0 < initial_rto <= max_rto:
+        if window < 1 or max_retries < 0 or timeout <= 0 or not 0 < min_rto <= max_rto or not (
+                0 < initial_rto <= max_rto):
             raise ValueError(f"{_OP}: need window >= 1, max_retries >= 0, timeout > 0 and "
                              f"0 < initial_rto <= max_rto (got {window}, {max_retries}, {timeout}, "
                              f"{initial_rto}, {max_rto})")
@@ -241,7 +244,7 @@ class InaSession:
         self.timeout = timeout
         self.max_retries = max_retries
         self.max_rto = max_rto
-        self.min_rto = min(0.05, initial_rto)
+        self.min_rto = min_rto
         self.headroom = headroom
         self._rto = initial_rto
         self._srtt: float | None = None
