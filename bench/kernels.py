@@ -104,6 +104,7 @@ def parity_failures(device: torch.device, sizes: Sequence[int] = (0, 1, 31, 33, 
 
 
 def _timer(device: torch.device) -> Callable[[Callable[[], object], int], float]:
+    """Best-of-``repeat`` wall time of a call: CUDA events on a GPU, perf_counter otherwise."""
     if device.type == "cuda":
 
         def cuda_best(fn: Callable[[], object], repeat: int) -> float:
@@ -167,29 +168,49 @@ def _cases(n: int, device: torch.device) -> list[tuple[str, int, Callable[[str |
     ]
 
 
-def _copy_rate(nbytes: int, device: torch.device, best: Callable, repeat: int) -> float:
-    """Bytes moved per second by a torch copy that moves ``nbytes`` (reads and writes nbytes / 2)."""
+def _copy_fn(nbytes: int, device: torch.device) -> Callable[[], object]:
+    """A torch copy that moves ``nbytes`` bytes: it reads and writes ``nbytes / 2`` each."""
     half = max(1, nbytes // 2)
     src = torch.ones(half, dtype=torch.uint8, device=device)
     dst = torch.zeros_like(src)
-    return 2 * half / best(lambda: dst.copy_(src), repeat)
+    return lambda: dst.copy_(src)
+
+
+def _interleaved(fns: dict[str, tuple[Callable[[], object], int]]) -> dict[str, float]:
+    """Best time of each function, timed in turn round after round (each with its own number of
+    rounds), so that a burst of load from elsewhere hits all of them alike."""
+    for fn, _ in fns.values():
+        fn()  # warm-up: compilation, first-touch page faults
+    best = {name: float("inf") for name in fns}
+    for r in range(max(rounds for _, rounds in fns.values())):
+        for name, (fn, rounds) in fns.items():
+            if r < rounds:
+                t = time.perf_counter()
+                fn()
+                best[name] = min(best[name], time.perf_counter() - t)
+    return best
 
 
 def _bench_cpu(n: int, threads: list[int], repeat: int) -> list[dict]:
     import numba
 
     rows = []
-    best = _timer(torch.device("cpu"))
     cases = _cases(n, torch.device("cpu"))
     for t in threads:
         numba.set_num_threads(t)
         torch.set_num_threads(t)
         for name, moved, run in cases:
-            copy = _copy_rate(moved, torch.device("cpu"), best, repeat)
-            for backend in ("cpu", "reference"):
-                rate = moved / best(lambda run=run, backend=backend: run(backend), repeat)
-                rows.append(dict(kernel=name, backend="numba" if backend == "cpu" else "reference", threads=t,
-                                 bytes=moved, gbps=rate / 1e9, copy_gbps=copy / 1e9, ratio=rate / copy))
+            best = _interleaved({
+                "copy": (_copy_fn(moved, torch.device("cpu")), repeat),
+                "numba": (lambda run=run: run("cpu"), repeat),
+                # the reference is up to 1000x slower: fewer rounds keep the run short
+                "reference": (lambda run=run: run("reference"), min(repeat, 3)),
+            })
+            copy = moved / best["copy"]
+            for backend in ("numba", "reference"):
+                rate = moved / best[backend]
+                rows.append(dict(kernel=name, backend=backend, threads=t, bytes=moved, gbps=rate / 1e9,
+                                 copy_gbps=copy / 1e9, ratio=rate / copy))
     return rows
 
 
@@ -198,7 +219,7 @@ def _bench_cuda(n: int, repeat: int) -> list[dict]:
     best = _timer(device)
     rows = []
     for name, moved, run in _cases(n, device):
-        copy = _copy_rate(moved, device, best, repeat)
+        copy = moved / best(_copy_fn(moved, device), repeat)
         rate = moved / best(lambda run=run: run(None), repeat)
         rows.append(dict(kernel=name, backend="cuda", threads=0, bytes=moved, gbps=rate / 1e9, copy_gbps=copy / 1e9,
                          ratio=rate / copy))
