@@ -551,3 +551,33 @@ def test_backend_switch_address_from_options_or_environment(switch, tmp_path, mo
             assert torch.equal(t, torch.ones(3, dtype=torch.bfloat16))
         finally:
             dist.destroy_process_group()
+
+
+def test_jobs_share_the_switch_through_partitions():
+    """FAULTS row 25: two jobs of different sizes aggregate concurrently on one switch, each exactly,
+    in their own partitions; a job beyond the pool's partitions is refused with a clear error, and
+    gets one once another job leaves."""
+    from commopt.comm.errors import CommError
+
+    with SwitchProcess(pool_slots=32, partition_size=16) as sw:  # two partitions
+        xa, xb = _inputs(2, 30000, torch.float32, seed=1), _inputs(3, 20000, torch.float16, seed=2)
+        members = [("a", 0), ("a", 1), ("b", 0), ("b", 1), ("b", 2)]
+        sessions = [_session(sw.address, 11 if j == "a" else 12, w, 2 if j == "a" else 3, payload_elems=2048,
+                             window=8) for j, w in members]
+        try:
+            out = _run(5, lambda i: sessions[i].all_reduce((xa if members[i][0] == "a" else xb)[members[i][1]]
+                                                           .clone()))
+            for i, (j, _) in enumerate(members):
+                _check(out[i], xa if j == "a" else xb, "sum")
+            with _session(sw.address, 13, 0, 2, timeout=5.0) as extra:  # refused at its JOIN
+                with pytest.raises(CommError, match="no free slot partition"):
+                    extra.all_reduce(torch.ones(4))
+        finally:
+            for s in sessions[:2]:
+                s.close()  # job 11 leaves: its partition is freed
+        for s in sessions[2:]:
+            s.close()
+        assert sw.stats()["jobs_refused"] == 1 and sw.stats()["jobs_released"] == 2
+        ys = _inputs(2, 100, torch.float32, seed=3)
+        for t in _run(2, lambda w: _session(sw.address, 13, w, 2).all_reduce(ys[w].clone())):
+            _check(t, ys, "sum")
