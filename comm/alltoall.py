@@ -12,7 +12,9 @@ Algorithms (:data:`ALGORITHMS`):
 - ``2d`` (Tutel-style hierarchical): (0) a local permute that groups the input by the destination's
   local index, (1) an intra-node exchange so that local rank j holds everything its node sends to the
   ranks of local index j (its rail), (1b) a local permute that groups that by destination node, (2)
-  one inter-node exchange along the rail, (3) a local permute into source-rank order. Every rank sends
+  one inter-node exchange along the rail, (3) a local permute into source-rank order (permutes by
+  ``kernels.permute_chunks``; when pipelined, (0) and (3) gather/scatter each chunk's rows so that
+  they overlap the other chunks' exchanges; skipped where they are the identity). Every rank sends
   L - 1 + N - 1 messages instead of N*L - 1, and the same bytes cross the node link as with ``flat``,
   so it wins where per-message cost dominates (many ranks per node, small messages). Phases (1)-(2)
   run through the comm engine (one role per phase, DESIGN 2) and are pipelined over chunks: chunk
@@ -235,12 +237,12 @@ def _mean_bytes(input: torch.Tensor, group, world: int) -> float:
 
 
 def _choose(algorithm: str, input: torch.Tensor, topology: Topology | None, group, world: int,
-            agreed_bytes: float | None) -> tuple[str, Topology | None, float | None]:
+            agreed_bytes: float | None, timeout: float | None) -> tuple[str, Topology | None, float | None]:
     if algorithm not in ALGORITHMS + ("auto",):
         raise ValueError(f"{_NAME}: unknown algorithm {algorithm!r}; choose one of {list(ALGORITHMS) + ['auto']}")
     if algorithm == "flat":
         return "flat", None, agreed_bytes
-    topo = resolve_topology(topology, group)
+    topo = resolve_topology(topology, group, timeout)
     if algorithm == "2d" and not topo.is_uniform:
         raise TopologyError(
             f"algorithm '2d' needs nodes of equal size, got node sizes {[len(n) for n in topo.nodes]} "
@@ -257,11 +259,11 @@ def _choose(algorithm: str, input: torch.Tensor, topology: Topology | None, grou
 
 
 def _flat(out_work: torch.Tensor, src: torch.Tensor, args: _Args, p: _Prepared, group, rank: int,
-          row_bytes: int) -> torch.futures.Future:
+          row_bytes: int, timeout: float | None) -> torch.futures.Future:
     engine().count(f"{_NAME}/flat", (sum(args.in_splits) - args.in_splits[rank]) * row_bytes)
     work = dist.all_to_all_single(_byte_rows(out_work), _byte_rows(src), args.out_splits, args.in_splits,
                                   group=group, async_op=True)
-    return _flat_future(work, p, f"{_NAME}/flat")
+    return _flat_future(work, p, f"{_NAME}/flat", timeout)
 
 
 def _part(rows: int, c: int, chunks: int) -> int:
@@ -296,20 +298,42 @@ def _two_d(out_work: torch.Tensor, src: torch.Tensor, args: _Args, p: _Prepared,
         m = recv.tolist()
 
     rb = _row_bytes(src)
-    src_b = _byte_rows(src)
-    # (0) group by (chunk, destination local index, rail position).
-    pieces = [_part(ins[d], c, chunks) for d in range(world) for c in range(chunks)]
-    order0 = [d * chunks + c for c in range(chunks) for j in range(local) for d in rails[j]]
-    staged = src_b if order0 == list(range(len(order0))) else permute_chunks(src_b, pieces, order0)
-    # (3)'s input: every chunk's region, each rail-position-major then source-local-index.
+    src_b, out_b = _byte_rows(src), _byte_rows(out_work)
+    in_off = [sum(ins[:d]) for d in range(world)]
+    out_off = [sum(outs[:i]) for i in range(world)]
+    # (0)'s order: destination local index j, then rail position; (3)'s: what lands from rail
+    # position q is from local index s of q's node.
+    dests = [d for j in range(local) for d in rails[j]]
     src_of = [nodes[node_of[my_rail[q]]][s] for q in range(n_nodes) for s in range(local)]
-    final_sizes = [_part(outs[src_of[k]], c, chunks) for c in range(chunks) for k in range(world)]
     pos_in_buf = {r: k for k, r in enumerate(src_of)}
-    order3 = [c * world + pos_in_buf[i] for i in range(world) for c in range(chunks)]
-    # One chunk and node-by-node placement: the rail exchange lands in rank order, straight into
-    # the output, and step (3) is the identity.
-    direct = order3 == list(range(len(order3)))
-    landing = _byte_rows(out_work) if direct else src_b.new_empty((sum(outs), src_b.shape[1]))
+    # Node-by-node placement: (0) and/or (3) are the identity for one chunk, and the data is sent
+    # from the input or lands in the output directly.
+    send_direct = chunks == 1 and dests == list(range(world))
+    recv_direct = chunks == 1 and src_of == list(range(world))
+    staged = src_b if send_direct else torch.empty_like(src_b)
+    landing = out_b if recv_direct else src_b.new_empty((sum(outs), rb))
+
+    def gather(a: torch.Tensor, c: int) -> None:
+        """(0) for chunk c: with one chunk a permute kernel; pipelined, chunk c's rows of every block
+        (one concatenation), so that chunk c+1's gather overlaps chunk c's exchanges."""
+        if chunks == 1:
+            permute_chunks(src_b, ins, dests, out=a)
+        else:
+            torch.cat([src_b.narrow(0, in_off[d] + ins[d] * c // chunks, _part(ins[d], c, chunks))
+                       for d in dests], out=a)
+
+    def scatter(r: torch.Tensor, c: int) -> None:
+        """(3) for chunk c: into source-rank order; pipelined, each block to its rows of the output
+        right after chunk c's rail exchange, overlapping the later chunks' intra-node exchange."""
+        if chunks == 1:
+            permute_chunks(r, [outs[i] for i in src_of], [pos_in_buf[i] for i in range(world)], out=out_b)
+            return
+        k = 0
+        for i in src_of:
+            n = _part(outs[i], c, chunks)
+            if n:
+                out_b.narrow(0, out_off[i] + outs[i] * c // chunks, n).copy_(r.narrow(0, k, n))
+            k += n
 
     order1 = [s * n_nodes + q for q in range(n_nodes) for s in range(local)]
     futures = []
@@ -324,8 +348,8 @@ def _two_d(out_work: torch.Tensor, src: torch.Tensor, args: _Args, p: _Prepared,
         r = landing[r_off:r_off + sum(recv2)]
         a_off += sum(send1)
         r_off += sum(recv2)
-        b = src_b.new_empty((sum(recv1), src_b.shape[1]))
-        mid = src_b.new_empty((sum(recv1), src_b.shape[1]))
+        b = src_b.new_empty((sum(recv1), rb))
+        mid = src_b.new_empty((sum(recv1), rb))
         sizes1 = [mc[s][q] for s in range(local) for q in range(n_nodes)]
 
         def intra(a=a, b=b, recv1=recv1, send1=send1):
@@ -337,15 +361,16 @@ def _two_d(out_work: torch.Tensor, src: torch.Tensor, args: _Args, p: _Prepared,
         def inter(mid=mid, r=r, recv2=recv2, send2=send2):
             _blocking(lambda: dist.all_to_all_single(r, mid, recv2, send2, group=inter_g, async_op=True), timeout)
 
-        phases = [
+        # Local phases run inline: "gather" on the submitting thread (chunk c+1's gather overlaps
+        # chunk c's exchanges), "regroup" on the intra-node worker, "scatter" on the rail worker.
+        phases = [] if send_direct else [Phase("gather", lambda a=a, c=c: gather(a, c))]
+        phases += [
             Phase("intra", intra, intra_g, (sum(send1) - send1[me_local]) * rb),
             Phase("regroup", regroup),
             Phase("inter", inter, inter_g, (sum(send2) - send2[me_q]) * rb),
         ]
-        if c == chunks - 1 and not direct:
-            # The rail queue is FIFO, so this runs after every chunk's inter-node phase.
-            phases.append(Phase("permute", lambda: permute_chunks(landing, final_sizes, order3,
-                                                                  out=_byte_rows(out_work))))
+        if not recv_direct:
+            phases.append(Phase("scatter", lambda r=r, c=c: scatter(r, c)))
         futures.append(engine().submit(phases, op=f"{_NAME}/2d", device=src.device))
     return _then_finish(all_of(futures, None), p)
 
@@ -373,7 +398,7 @@ def all_to_all(output: torch.Tensor | None, input: torch.Tensor, *, in_splits: S
             splits that disagree across ranks ``CollectiveMismatchError``, and a bad argument on any
             rank ``ValueError``, on every rank. Without it a bad argument raises on its own rank only.
             Splits must be passed on every rank or on none (``validate`` checks that too).
-        timeout: seconds each 2-D phase may take before ``CommTimeoutError``.
+        timeout: seconds the exchange (each 2-D phase) may take before ``CommTimeoutError``.
         chunks: pipelining depth of ``2d``, the same on every rank. None: chosen by the cost model
             from the mean per-rank size (known to all for even splits, read from the split exchange
             when there is one, else agreed by one 8-byte all-reduce).
@@ -399,7 +424,8 @@ def all_to_all(output: torch.Tensor | None, input: torch.Tensor, *, in_splits: S
     args = _normalise(output, input, in_splits, out_splits, world)
     agreed_bytes = None
     if validate and world > 1:
-        validate_same(_NAME, input[:0] if input.dim() else input, algorithm=algorithm, op="none", group=group)
+        validate_same(_NAME, input[:0] if input.dim() else input, algorithm=algorithm, op="none", group=group,
+                      timeout=timeout)
         args.out_splits, total_rows = _agree(args.problem, args.in_splits, args.out_splits,
                                              None if output is None else output.shape[0], args.even, group, world)
         agreed_bytes = total_rows * _row_bytes(input) / world
@@ -427,13 +453,14 @@ def all_to_all(output: torch.Tensor | None, input: torch.Tensor, *, in_splits: S
         if world == 1 and rows_out:
             output.copy_(input)
         return _done(output) if async_op else output
-    algo, topo, agreed_bytes = _choose(algorithm, input, topology, group, world, agreed_bytes)
+    algo, topo, agreed_bytes = _choose(algorithm, input, topology, group, world, agreed_bytes, timeout)
     copy_back = not output.is_contiguous()
     out_work = output.contiguous() if copy_back else output
-    p = _Prepared(output, out_work, out_work.view(-1), None, copy_back)
+    # _finish writes a copy back through the caller's strides from a 1-D work buffer.
+    p = _Prepared(output, out_work.view(-1), out_work.view(-1), None, copy_back)
     src = input.contiguous()
     if algo == "flat":
-        fut = _flat(out_work, src, args, p, group, dist.get_rank(group), _row_bytes(input))
+        fut = _flat(out_work, src, args, p, group, dist.get_rank(group), _row_bytes(input), timeout)
     else:
         if chunks is None:
             if agreed_bytes is None:
