@@ -12,8 +12,10 @@ Measure loopback throughput (not a test; numbers depend on the machine)::
 
 spawns a switch and N worker processes per entry, all-reduces ``--size`` bytes of fp32 ``--iters``
 times after one warm-up, and prints per-worker throughput (bytes of the tensor / time per all-reduce)
-with the switch's retransmission counters. The switch binds to loopback unless ``--host`` says
-otherwise (FAULTS 29).
+with the switch's retransmission counters. It first measures the switch's own work per datagram
+in-process (no scheduling noise): the bound a Python switch puts on throughput. ``local(ms)`` is the
+workers' own exponent + quantize + dequantize time for the tensor, for comparison. The switch
+binds to loopback unless ``--host`` says otherwise (FAULTS 29).
 """
 
 from __future__ import annotations
@@ -109,6 +111,45 @@ def s_quant(buf: Any, x: Any) -> Any:
     return buf.copy_(dequantize(quantize(x, shift), shift, x.dtype))
 
 
+def _switch_cost(n: int, payload: int, rounds: int = 256) -> float:
+    """Seconds the switch spends per DATA packet (parse, aggregate, and on completion n sends).
+
+    Measured in this process on pre-built packets, so it isolates the switch's own work from the
+    workers' and from scheduling: the bound a Python switch puts on throughput.
+    """
+    import socket
+
+    import numpy as np
+
+    mod = _light_switch_module()
+    proto = sys.modules[mod.__name__.rsplit(".", 1)[0] + ".protocol"]
+    sw = mod.Switch()
+    sinks = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(n)]
+    try:
+        for s in sinks:
+            s.bind(("127.0.0.1", 0))
+        addrs = [s.getsockname() for s in sinks]
+        for w in range(n):
+            join = bytearray(proto.pack_header(proto.PacketType.JOIN, job_id=1, worker_id=w, num_workers=n,
+                                               tag=w + 1))
+            sw.handle(join, len(join), addrs[w])
+        epoch = sw.jobs[1].epoch
+        body = np.arange(payload, dtype="<i4").tobytes()
+        width = sw.partition_size - 1
+        packets = [(bytearray(proto.pack_header(proto.PacketType.DATA, flags=(c // width) & 1, dtype=1, job_id=1,
+                                                worker_id=w, num_workers=n, slot=1 + c % width, epoch=epoch,
+                                                seq=c, count=payload, tag=w + 1) + body), addrs[w])
+                   for c in range(rounds) for w in range(n)]
+        t0 = time.perf_counter()
+        for pkt, addr in packets:
+            sw.handle(pkt, len(pkt), addr)
+        return (time.perf_counter() - t0) / len(packets)
+    finally:
+        for s in sinks:
+            s.close()
+        sw.close()
+
+
 def _bench(args: argparse.Namespace) -> int:
     from commopt.comm.ina.switch import SwitchProcess
 
@@ -118,9 +159,15 @@ def _bench(args: argparse.Namespace) -> int:
     print(f"# ina loopback benchmark: fp32 all-reduce of {nbytes / 2**20:.1f} MiB, {args.iters} iterations, "
           f"window {args.window} x {args.payload * 4 // 1024} KiB datagrams; one Python switch process",
           flush=True)
+    counts = [int(v) for v in args.bench.split(",") if v.strip()]
+    for n in counts:
+        cost = _switch_cost(n, args.payload)
+        print(f"# switch work per datagram with {n} workers: {cost * 1e6:.1f} us -> it can absorb "
+              f"{args.payload * 4 / cost / 1e6:.0f} MB/s in total, {args.payload * 4 / cost / 1e6 / n:.0f} MB/s "
+              "per worker", flush=True)
     print(f"{'workers':>7} {'time(ms)':>9} {'MB/s/worker':>12} {'local(ms)':>10} {'retx':>6} "
           f"{'sw_pkts':>8} {'sw_retx':>8}", flush=True)
-    for n in [int(v) for v in args.bench.split(",") if v.strip()]:
+    for n in counts:
         with SwitchProcess(args.host, 0, pool_slots=args.pool_slots, partition_size=args.partition_size) as sw:
             queue = ctx.Queue()
             procs = [ctx.Process(target=_bench_worker, args=(sw.address, 100 + n, w, n, numel, args.iters,
