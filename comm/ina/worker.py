@@ -331,16 +331,18 @@ class InaSession:
             CommTimeoutError: no result within ``timeout`` or the retry budget.
             CommError: the session is closed or broken by an earlier failure.
         """
+        where = f"{_OP} seq={self._round} job {self.job_id} rank {self.worker_id}/{self.num_workers}"
         if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"{_OP}: expected a torch.Tensor, got {type(tensor).__name__}")
+            raise TypeError(f"{where}: expected a torch.Tensor, got {type(tensor).__name__}")
         if tensor.dtype not in _DTYPE_CODES:
-            raise TypeError(f"{_OP} (job {self.job_id}, worker {self.worker_id}): dtype {tensor.dtype} is "
-                            "not supported; in-network aggregation sums float32, float16 or bfloat16 "
-                            "(reduce integer tensors with algorithm='flat')")
+            raise TypeError(f"{where}: dtype {tensor.dtype} (shape {list(tensor.shape)}) is not supported; "
+                            "in-network aggregation sums float32, float16 or bfloat16 (reduce integer "
+                            "tensors with algorithm='flat')")
         if tensor.is_sparse:
-            raise TypeError(f"{_OP}: sparse tensors are not supported; densify first")
+            raise TypeError(f"{where}: sparse tensors are not supported; densify first")
         if op not in _OP_CODES:
-            raise ValueError(f"{_OP}: op={op!r} is not supported; use 'sum' or 'avg'")
+            raise ValueError(f"{where}: op={op!r} is not supported; use 'sum' or 'avg' (others: "
+                             "algorithm='flat')")
         with self._lock:
             return self._all_reduce(tensor, op, self.timeout if timeout is None else timeout)
 
