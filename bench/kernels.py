@@ -151,17 +151,19 @@ def _cases(n: int, device: torch.device) -> list[tuple[str, int, Callable[[str |
     order = [3, 7, 0, 5, 1, 6, 2, 4]
     perm_out = torch.empty_like(x)
     s = n // 256 * 4
+    dense = torch.empty(n, device=device)  # outputs given with out=, so that page faults of fresh
+    # 64 MiB allocations (mmap'd by malloc) are not what is measured
     return [
         ("flatten (64 tensors)", 2 * n * f, lambda b: K.flatten(tensors, flat, backend=b)),
         ("unflatten (64 tensors)", 2 * n * f, lambda b: K.unflatten(flat, dests, backend=b)),
         ("pack_signs", n * f + n // 8, lambda b: K.pack_signs(x, backend=b)),
         ("pack_signs block=256", n * f + n // 8 + s, lambda b: K.pack_signs(x, block=256, backend=b)),
         ("unpack_signs block=256", n // 8 + s + n * f,
-         lambda b: K.unpack_signs(bits, n, signs_scales, block=256, backend=b)),
+         lambda b: K.unpack_signs(bits, n, signs_scales, block=256, out=dense, backend=b)),
         ("quantize int8 stochastic", n * f + n + s, lambda b: K.quantize(x, backend=b)),
         ("quantize int8 nearest", n * f + n + s, lambda b: K.quantize(x, stochastic=False, backend=b)),
         ("quantize int4 stochastic", n * f + n // 2 + s, lambda b: K.quantize(x, bits=4, backend=b)),
-        ("dequantize int8", n + s + n * f, lambda b: K.dequantize(codes, scales, n, backend=b)),
+        ("dequantize int8", n + s + n * f, lambda b: K.dequantize(codes, scales, n, out=dense, backend=b)),
         ("topk_pack k=n/100", n * f + 8 * k, lambda b: K.topk_pack(x, k, backend=b)),
         ("scatter_add_unpack 4 x k", n * f + 4 * 8 * k, lambda b: K.scatter_add_unpack(payloads, n, backend=b)),
         ("permute_chunks (8 uneven)", 2 * n * f, lambda b: K.permute_chunks(x, splits, order, out=perm_out, backend=b)),

@@ -143,6 +143,16 @@ def _buffer(op: str, name: str, t: object, dtype: torch.dtype, device: torch.dev
     return t
 
 
+def _output(op: str, out: object, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+    """Check a caller's ``out`` (None lets the backend allocate)."""
+    if out is None:
+        return None
+    out = _buffer(op, "out", out, dtype, device, numel)
+    if out.numel() != numel:
+        raise ValueError(f"{op}: out holds {out.numel()} elements; expected exactly {numel}")
+    return out
+
+
 # ---------------------------------------------------------------------------------------------------
 # flatten / unflatten
 
@@ -298,6 +308,7 @@ def unpack_signs(
     *,
     block: int | None = None,
     dtype: torch.dtype = torch.float32,
+    out: torch.Tensor | None = None,
     backend: str | None = None,
 ) -> torch.Tensor:
     """Expand packed sign bits back into +-1 (or +-scale) values.
@@ -313,10 +324,12 @@ def unpack_signs(
         block: the ``block`` given to :func:`pack_signs`; required when ``scales`` has more than one
             entry (it cannot be inferred: several block sizes give the same number of blocks).
         dtype: output dtype (fp32, fp16, bf16, fp64).
+        out: optional 1-D contiguous result of ``numel`` elements of ``dtype`` (e.g. the gradient
+            buffer itself, which also saves the page faults of a fresh allocation).
         backend: force a backend; None dispatches on the device.
 
     Returns:
-        1-D tensor of ``numel`` elements on ``bits``' device.
+        1-D tensor of ``numel`` elements on ``bits``' device (``out`` when given).
     """
     op = "unpack_signs"
     bits = _tensor(op, "bits", bits)
@@ -346,7 +359,8 @@ def unpack_signs(
                 f"{-(-numel // block)}; pass the block given to pack_signs"
             )
         scales = _flat(scales)
-    return _impl(op, bits.device, backend).unpack_signs(_flat(bits), numel, scales, block, dtype)
+    out = _output(op, out, numel, dtype, bits.device)
+    return _impl(op, bits.device, backend).unpack_signs(_flat(bits), numel, scales, block, dtype, out)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -421,6 +435,7 @@ def dequantize(
     bits: int = 8,
     block: int = 256,
     dtype: torch.dtype = torch.float32,
+    out: torch.Tensor | None = None,
     backend: str | None = None,
 ) -> torch.Tensor:
     """Inverse of :func:`quantize`: ``code * scale`` in fp32, rounded once to ``dtype``.
@@ -432,10 +447,12 @@ def dequantize(
         bits: 8 or 4, as given to :func:`quantize`.
         block: as given to :func:`quantize`.
         dtype: output dtype (fp32, fp16, bf16, fp64).
+        out: optional 1-D contiguous result of ``numel`` elements of ``dtype``.
         backend: force a backend; None dispatches on the device.
 
     Returns:
-        1-D tensor of ``numel`` elements. NaN/Inf scales give NaN (code 0) or +-Inf for their block.
+        1-D tensor of ``numel`` elements (``out`` when given). NaN/Inf scales give NaN (code 0) or
+        +-Inf for their block.
     """
     op = "dequantize"
     codes = _tensor(op, "codes", codes)
@@ -454,7 +471,9 @@ def dequantize(
             f"{op}: scales is {scales.numel()} x {scales.dtype} on {scales.device}; numel={numel} with "
             f"block={block} needs {nblocks} x float32 on {codes.device} (pass the block given to quantize)"
         )
-    return _impl(op, codes.device, backend).dequantize(_flat(codes), _flat(scales), numel, bits, block, dtype)
+    out = _output(op, out, numel, dtype, codes.device)
+    return _impl(op, codes.device, backend).dequantize(_flat(codes), _flat(scales), numel, bits, block, dtype,
+                                                       out)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -510,6 +510,7 @@ def _empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
 
 def _bits(t: torch.Tensor) -> np.ndarray:
     """The view that carries ``t``'s format: uint32 (fp32), uint16 (fp16) or int16 (bf16) bits."""
+    t = t.detach()  # .numpy() refuses tensors that require grad; the kernels never differentiate
     if t.dtype == torch.float16:
         return t.view(torch.int16).numpy().view(np.uint16)
     if t.dtype == torch.bfloat16:
@@ -519,6 +520,7 @@ def _bits(t: torch.Tensor) -> np.ndarray:
 
 def _raw(t: torch.Tensor) -> np.ndarray:
     """Unsigned bits of a 16- or 32-bit tensor, for kernels that only move or compare bits."""
+    t = t.detach()
     if t.element_size() == 2:
         return t.view(torch.int16).numpy().view(np.uint16)
     return t.view(torch.int32).numpy().view(np.uint32)
@@ -530,6 +532,10 @@ def _plain(t: torch.Tensor) -> bool:
 
 
 def _run_segments(segments: list[tuple[int, int, int, int]]) -> None:
+    # a tensor that already is a view at its place in the buffer (DDP's gradient_as_bucket_view)
+    # needs no copy, only its padding
+    segments = [(0, d + n, 0, p) if s == d else (s, d, n, p) for s, d, n, p in segments]
+    segments = [seg for seg in segments if seg[2] + seg[3] > 0]
     if segments:
         table = np.array(segments, dtype=np.int64).reshape(-1, 4)
         _run(_copy_segments, int(table[:, 2:].sum()) // 4, table[:, 0].copy(), table[:, 1].copy(),
@@ -588,11 +594,16 @@ def pack_signs(x: torch.Tensor, block: int | None) -> tuple[torch.Tensor, torch.
 
 
 def unpack_signs(
-    bits: torch.Tensor, numel: int, scales: torch.Tensor | None, block: int | None, dtype: torch.dtype
+    bits: torch.Tensor,
+    numel: int,
+    scales: torch.Tensor | None,
+    block: int | None,
+    dtype: torch.dtype,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     if dtype not in _KIND:
-        return reference.unpack_signs(bits, numel, scales, block, dtype)
-    out = _empty(numel, dtype)
+        return reference.unpack_signs(bits, numel, scales, block, dtype, out)
+    out = _empty(numel, dtype) if out is None else out
     if scales is None:
         s, block = np.ones(1, np.float32), max(numel, 1)
     else:
@@ -620,11 +631,17 @@ def quantize(
 
 
 def dequantize(
-    codes: torch.Tensor, scales: torch.Tensor, numel: int, bits: int, block: int, dtype: torch.dtype
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    numel: int,
+    bits: int,
+    block: int,
+    dtype: torch.dtype,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     if dtype not in _KIND:
-        return reference.dequantize(codes, scales, numel, bits, block, dtype)
-    out = _empty(numel, dtype)
+        return reference.dequantize(codes, scales, numel, bits, block, dtype, out)
+    out = _empty(numel, dtype) if out is None else out
     _run(_dequantize, numel, codes.view(torch.uint8).numpy(), scales.numpy(), block, bits == 4, _bits(out),
          _ELEM_CHUNK)
     return out

@@ -100,8 +100,8 @@ def _launch(device: torch.device, name: str, blocks: int, args: tuple) -> None:
         return
     cupy = CUPY.module
     index = _index(device)
-    kernel = _module(index).get_function(name)
     with cupy.cuda.Device(index):
+        kernel = _module(index).get_function(name)
         stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(device).cuda_stream)
         with stream:
             kernel((blocks,), (_THREADS,), tuple(_dl(a) if isinstance(a, torch.Tensor) else a for a in args))
@@ -120,7 +120,10 @@ def _i64(v: int) -> np.int64:
 
 
 def _run_segments(device: torch.device, segments: list[tuple[int, int, int, int]]) -> None:
-    segments = [s for s in segments if s[2] + s[3] > 0]
+    # a tensor that already is a view at its place in the buffer (DDP's gradient_as_bucket_view)
+    # needs no copy, only its padding
+    segments = [(0, d + n, 0, p) if s == d else (s, d, n, p) for s, d, n, p in segments]
+    segments = [seg for seg in segments if seg[2] + seg[3] > 0]
     if not segments:
         return
     table = np.zeros((len(segments), 5), dtype=np.int64)
@@ -211,11 +214,16 @@ def pack_signs(x: torch.Tensor, block: int | None) -> tuple[torch.Tensor, torch.
 
 
 def unpack_signs(
-    bits: torch.Tensor, numel: int, scales: torch.Tensor | None, block: int | None, dtype: torch.dtype
+    bits: torch.Tensor,
+    numel: int,
+    scales: torch.Tensor | None,
+    block: int | None,
+    dtype: torch.dtype,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     if dtype not in _SUFFIX:
-        return reference.unpack_signs(bits, numel, scales, block, dtype)
-    out = torch.empty(numel, dtype=dtype, device=bits.device)
+        return reference.unpack_signs(bits, numel, scales, block, dtype, out)
+    out = torch.empty(numel, dtype=dtype, device=bits.device) if out is None else out
     has = scales is not None
     s = scales if has else torch.ones(1, dtype=torch.float32, device=bits.device)
     _launch(bits.device, f"commopt_unpack_signs_{_SUFFIX[dtype]}", _grid(numel),
@@ -239,11 +247,17 @@ def quantize(
 
 
 def dequantize(
-    codes: torch.Tensor, scales: torch.Tensor, numel: int, bits: int, block: int, dtype: torch.dtype
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    numel: int,
+    bits: int,
+    block: int,
+    dtype: torch.dtype,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     if dtype not in _SUFFIX:
-        return reference.dequantize(codes, scales, numel, bits, block, dtype)
-    out = torch.empty(numel, dtype=dtype, device=codes.device)
+        return reference.dequantize(codes, scales, numel, bits, block, dtype, out)
+    out = torch.empty(numel, dtype=dtype, device=codes.device) if out is None else out
     _launch(codes.device, f"commopt_dequantize_{_SUFFIX[dtype]}", _grid(numel),
             (codes, scales, _i64(numel), _i64(block), np.int32(bits == 4), out))
     return out

@@ -139,6 +139,12 @@ def _uniform(n: int, seed: int, step: int, device: torch.device) -> torch.Tensor
     return (h >> 8).to(torch.float32) * (2.0**-24)
 
 
+def _into(result: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    if out is None:
+        return result
+    return out.copy_(result)
+
+
 def _abs_bits(x: torch.Tensor) -> torch.Tensor:
     """|x| as ordered integer keys: IEEE magnitudes sort like their bit patterns, NaN above inf."""
     size = x.element_size()
@@ -192,7 +198,12 @@ def pack_signs(x: torch.Tensor, block: int | None) -> tuple[torch.Tensor, torch.
 
 
 def unpack_signs(
-    bits: torch.Tensor, numel: int, scales: torch.Tensor | None, block: int | None, dtype: torch.dtype
+    bits: torch.Tensor,
+    numel: int,
+    scales: torch.Tensor | None,
+    block: int | None,
+    dtype: torch.dtype,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """+1 / -1 (times the block's scale) per bit, computed in fp32 and rounded once to ``dtype``."""
     i = torch.arange(numel, dtype=torch.int64, device=bits.device)
@@ -202,7 +213,7 @@ def unpack_signs(
     v = torch.where(bit == 1, one, -one)
     if scales is not None:
         v = v * scales[i // block]
-    return v.to(dtype)
+    return _into(v.to(dtype), out)
 
 
 def quantize(
@@ -233,7 +244,13 @@ def quantize(
 
 
 def dequantize(
-    codes: torch.Tensor, scales: torch.Tensor, numel: int, bits: int, block: int, dtype: torch.dtype
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    numel: int,
+    bits: int,
+    block: int,
+    dtype: torch.dtype,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """code * scale in fp32, rounded once to ``dtype``."""
     if bits == 8:
@@ -243,7 +260,7 @@ def dequantize(
         nib = torch.stack([b & 0xF, b >> 4], dim=1).reshape(-1)[:numel]
         c = torch.where(nib >= 8, nib - 16, nib).to(torch.float32)
     i = torch.arange(numel, dtype=torch.int64, device=codes.device)
-    return (c * scales[i // block]).to(dtype)
+    return _into((c * scales[i // block]).to(dtype), out)
 
 
 def topk_pack(x: torch.Tensor, k: int) -> torch.Tensor:

@@ -208,6 +208,24 @@ def test_flatten_roundtrip_offsets_and_zero_padding(backend):
             assert all(torch.equal(t, d) for t, d in zip(ts, dests2))
 
 
+@pytest.mark.parametrize("backend", ["reference", pytest.param("cpu", marks=needs_numba)])
+def test_flatten_of_views_already_in_place_and_of_tensors_that_require_grad(backend):
+    # DDP's gradient_as_bucket_view: the tensors already live at their offsets in the buffer
+    buf = torch.randn(64)
+    ts = [buf[0:5], buf[16:36].view(4, 5)]
+    want = [t.clone() for t in ts]
+    out, offsets = K.flatten(ts, buf, backend=backend)
+    assert offsets == [0, 16, 48] and out is buf
+    assert torch.equal(buf[0:5], want[0]) and torch.equal(buf[16:36], want[1].reshape(-1))
+    assert not buf[5:16].any() and not buf[36:].any()
+    K.unflatten(buf, ts, offsets, backend=backend)
+    assert torch.equal(ts[1], want[1])
+    w = torch.randn(3, 3, requires_grad=True)
+    flat, _ = K.flatten([w], backend=backend)
+    assert torch.equal(flat[:9], w.detach().reshape(-1)) and not flat.requires_grad
+    assert K.quantize(w, backend=backend)[0].numel() == 9
+
+
 def test_flatten_rejects_bad_arguments():
     a, b = torch.ones(3), torch.ones(3, dtype=torch.float16)
     with pytest.raises(ValueError, match="mix dtypes"):
@@ -300,6 +318,16 @@ def test_every_output_element_is_written(monkeypatch):
                 _bitwise_equal(scales, want[1], "scales poisoned")
                 y = K.dequantize(codes, scales, n, bits=bits, block=6, dtype=dtype, backend="cpu")
                 assert not torch.isnan(y).any()
+                for b in ("cpu", "reference"):  # a caller's out, poisoned too
+                    out = poisoned(n, dtype)
+                    got = K.dequantize(codes, scales, n, bits=bits, block=6, dtype=dtype, out=out, backend=b)
+                    assert got is out
+                    _bitwise_equal(got, y, f"dequantize out= {b}")
+                    out = poisoned(n, dtype)
+                    bits_, sc = K.pack_signs(x, block=6, backend="reference")
+                    got = K.unpack_signs(bits_, n, sc, block=6, dtype=dtype, out=out, backend=b)
+                    _bitwise_equal(got, K.unpack_signs(bits_, n, sc, block=6, dtype=dtype, backend="reference"),
+                                   f"unpack_signs out= {b}")
             for k in (1, n // 2, n):
                 _bitwise_equal(K.topk_pack(x, k, backend="cpu"), K.topk_pack(x, k, backend="reference"), "topk")
 
@@ -489,6 +517,8 @@ def test_bad_arguments_raise_value_or_type_errors():
         (ValueError, lambda: K.scatter_add_unpack(torch.zeros(8, dtype=torch.uint8), 4)),
         (ValueError, lambda: K.scatter_add_unpack([torch.zeros(8)], 4)),
         (TypeError, lambda: K.scatter_add_unpack("payload", 4)),
+        (ValueError, lambda: K.dequantize(codes, scales, 100, block=10, out=torch.empty(99))),
+        (ValueError, lambda: K.unpack_signs(b, 100, s, block=10, out=torch.empty(100, dtype=torch.float16))),
     ]
     for exc, call in cases:
         with pytest.raises(exc):
