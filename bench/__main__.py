@@ -18,6 +18,9 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "cluster": ("cluster", "emulated multi-node cluster (network namespaces + tc) around a command"),
     "kernels": ("kernels", "throughput of the packing kernels against a plain copy"),
     "ina-switch": ("ina_switch", "run the simulated in-network aggregation switch"),
+    "overlap": ("overlap", "OverlapDataParallel vs DDP interleaved, with the simulator's prediction"),
+    "simulate": ("simulate", "iteration simulator: step time and exposed communication per schedule"),
+    "traffic": ("traffic", "traffic matrix (bytes between rank pairs) per algorithm, as heatmaps"),
 }
 
 _MAIN_JOB = ["collectives", "--spawn", "4", "--topology", "2x2", "--op", "allreduce",

@@ -1,0 +1,321 @@
+"""``commopt-bench overlap``: OverlapDataParallel against DDP's default, interleaved in one run.
+
+Run it inside the emulated cluster with the link rate chosen so that reducing the gradients takes
+about as long as computing them::
+
+    commopt-bench cluster --nodes 2 --ranks-per-node 1 --link-rate 150mbit -- commopt-bench overlap
+
+Each rank (1) times T_compute, forward + backward of one step with no communication; (2) fits the
+link (alpha, beta) from all-reduces of a few sizes with ``comm.cost.fit`` and times T_comm, the
+step's gradient reduction alone (the whole gradient in DDP's 25 MiB buckets, back to back); (3) runs
+rounds of K steps of DDP (default hook, one optimizer) and K steps of ``OverlapDataParallel``,
+alternating which goes first, and takes the median per-step time of each; (4) measures the model's
+layers (:func:`commopt.schedules.simulator.layers_from_model`) and predicts both step times with
+the simulator from those layers and the fitted link. Times are the slowest rank's (all-reduce MAX).
+
+``--spawn N`` runs N local ranks instead (a smoke run; loopback has no link to hide).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["main", "TinyGPT"]
+
+
+class _Block(nn.Module):
+    def __init__(self, d: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d)
+        x = x + self.proj(a)
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class TinyGPT(nn.Module):
+    """A GPT-style decoder small enough for one CPU core: embeddings, ``layers`` blocks, tied head."""
+
+    def __init__(self, vocab: int = 512, d: int = 256, layers: int = 6, heads: int = 4, seq: int = 64):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(seq, d)
+        self.blocks = nn.ModuleList(_Block(d, heads) for _ in range(layers))
+        self.ln = nn.LayerNorm(d)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
+        for blk in self.blocks:
+            x = blk(x)
+        return self.ln(x) @ self.tok.weight.t()
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="commopt-bench overlap", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--d-model", type=int, default=256)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=512)
+    p.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd")
+    p.add_argument("--algorithm", default="flat")
+    p.add_argument("--plan", choices=["priority", "fifo"], default="priority")
+    p.add_argument("--bucket-cap-mb", type=float, default=1.0)
+    p.add_argument("--first-bucket-cap-mb", type=float, default=0.5)
+    p.add_argument("--partition-mb", type=float, default=0.5)
+    p.add_argument("--credit-mb", type=float, default=1.0)
+    p.add_argument("--steps", type=int, default=5, help="steps per timed block")
+    p.add_argument("--rounds", type=int, default=6, help="interleaved DDP/overlap rounds")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--json", default=None, help="write the results here (rank 0)")
+    p.add_argument("--spawn", type=int, default=0, metavar="N", help="spawn N local ranks (smoke run)")
+    p.add_argument("--timeout", type=float, default=300.0)
+    p.add_argument("--switch-interval", type=float, default=None, metavar="S",
+                   help="sys.setswitchinterval for the ranks (Python's GIL hand-over period, default 0.005)")
+    p.add_argument("--trace", default=None, help="write rank 0's per-step issue/ready/done times here (JSON)")
+    return p
+
+
+def _optimizer(name: str):
+    if name == "sgd":
+        return lambda params: torch.optim.SGD(params, lr=1e-3, momentum=0.9)
+    return lambda params: torch.optim.AdamW(params, lr=1e-4)
+
+
+def _median(v: list[float]) -> float:
+    return statistics.median(v) if v else math.nan
+
+
+def _agreed_max(value: float) -> float:
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def _loss(model: nn.Module, idx: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+    logits = model(idx)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1))
+
+
+def _run(args) -> int:
+    if args.switch_interval:
+        sys.setswitchinterval(args.switch_interval)
+    from commopt.comm import Topology, all_reduce, cost
+    from commopt.schedules import Layer, OverlapDataParallel, Schedule, simulate
+    from commopt.schedules.simulator import layers_from_model
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    log = print if rank == 0 else (lambda *a, **k: None)
+    torch.manual_seed(0)
+    base = TinyGPT(args.vocab, args.d_model, args.layers, seq=args.seq)
+    g = torch.Generator().manual_seed(1 + rank)
+    idx = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g)
+    tgt = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g)
+    nbytes = sum(p.numel() * p.element_size() for p in base.parameters())
+    topo = Topology.detect() if os.environ.get("COMMOPT_NODES") else Topology.from_spec(f"{world}x1")
+    log(f"# overlap benchmark: {world} ranks ({topo.layout}), TinyGPT {args.layers}x{args.d_model}, "
+        f"{nbytes / 2**20:.1f} MiB of gradients, batch {args.batch}x{args.seq}, {args.optimizer}, "
+        f"algorithm {args.algorithm}, link rate {os.environ.get('COMMOPT_LINK_RATE_BPS', 'loopback')}")
+
+    # (1) the link, fitted from all-reduces of a few sizes (comm.cost.fit).
+    sizes = [1 << 18, 1 << 20, 1 << 22, 1 << 24]
+    times = []
+    for s in sizes:
+        buf = torch.zeros(s // 4)
+        all_reduce(buf, algorithm=args.algorithm, topology=topo)
+        reps = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            all_reduce(buf, algorithm=args.algorithm, topology=topo)
+            reps.append(time.perf_counter() - t0)
+        times.append(_agreed_max(_median(reps)))
+    p = world
+    link = cost.fit([float(s) for s in sizes], times, messages=2 * (p - 1), bytes_factor=2 * (p - 1) / p)
+    model = cost.CostModel(cost.DEFAULT_INTRA, link, chunks=1)
+    log(f"# link fit: alpha {link.alpha * 1e6:.0f} us, {8 / link.beta / 1e6:.0f} Mbit/s")
+
+    # (2) four kinds of block, interleaved round by round (the order rotates) because the machine is
+    # shared: compute only (T_compute: forward + backward; the optimizer timed apart), the gradient
+    # reduction only (T_comm: DDP's 25 MiB buckets back to back), DDP default, OverlapDataParallel.
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    plain = copy.deepcopy(base)
+    plain_opt = _optimizer(args.optimizer)(list(plain.parameters()))
+    grads = [torch.zeros(max(1, min(nbytes, 25 << 20) // 4)) for _ in range(max(1, math.ceil(nbytes / (25 << 20))))]
+    ddp_model = copy.deepcopy(base)
+    ddp = DDP(ddp_model)
+    ddp_opt = _optimizer(args.optimizer)(list(ddp_model.parameters()))
+    odp = OverlapDataParallel(copy.deepcopy(base), _optimizer(args.optimizer), topology=topo,
+                              algorithm=args.algorithm, bucket_cap_mb=args.bucket_cap_mb,
+                              first_bucket_cap_mb=args.first_bucket_cap_mb, plan=args.plan,
+                              partition_mb=args.partition_mb, credit_mb=args.credit_mb, replan_every=10)
+    opt_t: list[float] = []
+
+    def compute_block(n: int) -> float:
+        dist.barrier()
+        total = 0.0
+        for _ in range(n):
+            t0 = time.perf_counter()
+            _loss(plain, idx, tgt).backward()
+            t1 = time.perf_counter()
+            plain_opt.step()
+            plain_opt.zero_grad(set_to_none=True)
+            opt_t.append(time.perf_counter() - t1)
+            total += t1 - t0
+        return total / n
+
+    def comm_block(n: int) -> float:
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            for gbuf in grads:
+                all_reduce(gbuf, algorithm=args.algorithm, topology=topo)
+        return (time.perf_counter() - t0) / n
+
+    def ddp_block(n: int) -> float:
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            _loss(ddp, idx, tgt).backward()
+            ddp_opt.step()
+            ddp_opt.zero_grad(set_to_none=True)
+        return (time.perf_counter() - t0) / n
+
+    def odp_block(n: int) -> float:
+        odp.synchronize()
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            _loss(odp, idx, tgt).backward()
+        odp.synchronize()
+        return (time.perf_counter() - t0) / n
+
+    blocks = {"compute": compute_block, "comm": comm_block, "ddp": ddp_block, "overlap": odp_block}
+    for fn in blocks.values():
+        fn(args.warmup)
+    opt_t.clear()
+    res: dict[str, list[float]] = {k: [] for k in blocks}
+    names = list(blocks)
+    for r in range(args.rounds):
+        for k in names[r % 4:] + names[: r % 4]:
+            res[k].append(_agreed_max(blocks[k](args.steps)))
+    stats = odp.stats()
+    if rank == 0 and args.trace:
+        with open(args.trace, "w") as f:
+            json.dump([{"step": i, "forward_end": p.forward_end, "ready": p.ready, "issued": p.issued, "done": p.done,
+                        "nbytes": p.nbytes} for i, p in odp.profiles], f)
+    odp.close()
+    t_compute, t_comm = _median(res["compute"]), _median(res["comm"])
+    t_opt = _agreed_max(_median(opt_t))
+    m_ddp, m_odp = _median(res["ddp"]), _median(res["overlap"])
+    per_round_bound = [o / max(c, m) for o, c, m in zip(res["overlap"], res["compute"], res["comm"])]
+    per_round_speedup = [d / o for d, o in zip(res["ddp"], res["overlap"])]
+
+    # (4) the simulator's predictions from measured layers and the fitted link.
+    measured = layers_from_model(copy.deepcopy(base), idx, repeats=5,
+                                 loss=lambda y: F.cross_entropy(y.reshape(-1, y.shape[-1]), tgt.reshape(-1)))
+    # The per-layer profile is taken once, at one moment of a shared machine: keep its shape, scale
+    # it to this run's interleaved T_compute.
+    scale = t_compute / max(1e-9, sum(x.forward + x.backward for x in measured))
+    layers = [Layer(x.name, x.forward * scale, x.backward * scale, x.grad_bytes) for x in measured]
+    opt_per_byte = t_opt / max(1, nbytes)
+
+    def service(n: int) -> float:
+        return cost.predict(args.algorithm if args.algorithm != "auto" else "flat", n, topo, model) if n else 0.0
+
+    pred_ddp = simulate(layers, service, Schedule("ddp", bucket_cap_mb=25, first_bucket_cap_mb=1,
+                                                  optimizer_seconds_per_byte=opt_per_byte))
+    pred_odp = simulate(layers, service, Schedule(args.plan, bucket_cap_mb=args.bucket_cap_mb,
+                                                  first_bucket_cap_mb=args.first_bucket_cap_mb,
+                                                  partition_mb=args.partition_mb, credit_mb=args.credit_mb,
+                                                  optimizer_seconds_per_byte=opt_per_byte))
+    pred_none = simulate(layers, service, Schedule("none", optimizer_seconds_per_byte=opt_per_byte))
+    bound = max(t_compute, t_comm)
+    rows = [("DDP default", m_ddp, pred_ddp.iteration), (f"OverlapDataParallel ({args.plan})", m_odp,
+                                                          pred_odp.iteration),
+            ("no overlap (predicted only)", math.nan, pred_none.iteration)]
+    log(f"{'schedule':<34}{'measured ms':>12}{'predicted ms':>14}{'pred/meas':>11}")
+    for name, meas, pred in rows:
+        ratio = pred / meas if meas == meas else math.nan
+        log(f"{name:<34}{meas * 1e3:>12.1f}{pred * 1e3:>14.1f}{ratio:>11.3f}")
+    for k, v in res.items():
+        log(f"# per-round {k} ms: {[round(t * 1e3, 1) for t in v]}")
+    log(f"# T_compute {t_compute * 1e3:.1f} ms, T_comm {t_comm * 1e3:.1f} ms (ratio {t_comm / t_compute:.2f}), "
+        f"optimizer {t_opt * 1e3:.1f} ms; layer profile scaled by {scale:.2f}; plan {stats}")
+    log(f"# overlap / max(T_compute, T_comm) = {m_odp / bound:.3f} (target <= 1.15; per round "
+        f"{[round(x, 3) for x in per_round_bound]})")
+    log(f"# DDP / overlap = {m_ddp / m_odp:.3f} (target >= 1.15; per round {[round(x, 3) for x in per_round_speedup]})")
+    log(f"# prediction error: DDP {pred_ddp.iteration / m_ddp - 1:+.1%}, overlap {pred_odp.iteration / m_odp - 1:+.1%}")
+    if rank == 0 and args.json:
+        with open(args.json, "w") as f:
+            json.dump({"t_compute": t_compute, "t_comm": t_comm, "t_opt": t_opt, "rounds": res,
+                       "pred_ddp": pred_ddp.iteration, "pred_overlap": pred_odp.iteration,
+                       "pred_none": pred_none.iteration, "link": [link.alpha, link.beta], "args": vars(args)}, f,
+                      indent=1)
+    return 0
+
+
+def _rank_main(rank: int, world: int, store: str, args) -> None:
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world,
+                            timeout=timedelta(seconds=args.timeout))
+    try:
+        code = _run(args)
+    finally:
+        _shutdown()
+    sys.exit(code)
+
+
+def _shutdown() -> None:
+    from commopt.comm import destroy
+
+    destroy()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.spawn:
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        with tempfile.TemporaryDirectory(prefix="commopt-overlap-") as d:
+            procs = [ctx.Process(target=_rank_main, args=(r, args.spawn, os.path.join(d, "store"), args))
+                     for r in range(args.spawn)]
+            for proc in procs:
+                proc.start()
+            for proc in procs:
+                proc.join()
+            return max(proc.exitcode or 0 for proc in procs)
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        print("commopt-bench overlap: run under `commopt-bench cluster ... --` (or torchrun), or pass --spawn N",
+              file=sys.stderr)
+        return 2
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))
+    try:
+        return _run(args)
+    finally:
+        _shutdown()

@@ -1,0 +1,137 @@
+"""``commopt-bench simulate``: predicted iteration time and exposed communication per schedule.
+
+For a GPT-style model (``--model``, see ``commopt.schedules.simulator.TRANSFORMERS``) on
+``--nodes`` x ``--ranks-per-node`` ranks, data parallel, with links given by their rate and
+latency, it prints one row per schedule (no overlap, DDP, OverlapDataParallel in ready order,
+OverlapDataParallel with the priority plan, and the priority plan with compression when
+``--compression-ratio`` < 1) and writes the timeline of two iterations as a PNG (matplotlib, if
+installed)::
+
+    commopt-bench simulate --model gpt-1.3b --nodes 128 --ranks-per-node 8 --link-rate 400gbit
+
+Compute comes from FLOPs: ``--tflops`` peak per rank times ``--mfu``; the link model is
+``commopt.comm.cost`` (``--algorithm``; the inter-node level is the node's NIC shared by its ranks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+__all__ = ["main"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    from commopt.schedules.simulator import TRANSFORMERS
+
+    p = argparse.ArgumentParser(prog="commopt-bench simulate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="gpt-1.3b", choices=sorted(TRANSFORMERS))
+    p.add_argument("--nodes", type=int, default=128)
+    p.add_argument("--ranks-per-node", type=int, default=8)
+    p.add_argument("--link-rate", default="400gbit", help="inter-node rate per node, tc units (400gbit)")
+    p.add_argument("--link-latency-us", type=float, default=5.0)
+    p.add_argument("--intra-rate", default="3600gbit", help="intra-node rate per rank (NVLink: 3600gbit)")
+    p.add_argument("--intra-latency-us", type=float, default=2.0)
+    p.add_argument("--algorithm", default="hierarchical", choices=["flat", "hierarchical", "leader"])
+    p.add_argument("--tokens", type=int, default=16384, help="tokens per rank per iteration")
+    p.add_argument("--tflops", type=float, default=989.0, help="peak TFLOP/s per rank (H100 bf16 dense: 989)")
+    p.add_argument("--mfu", type=float, default=0.4, help="achieved fraction of peak")
+    p.add_argument("--grad-bytes", type=int, default=2, help="bytes per gradient element (2: bf16)")
+    p.add_argument("--bucket-cap-mb", type=float, default=25.0)
+    p.add_argument("--first-bucket-cap-mb", type=float, default=1.0)
+    p.add_argument("--partition-mb", default="auto", help="chunk size of the priority plan in MiB, or 'auto': "
+                   "the best of 1..256 MiB by simulation (at scale each chunk pays the ring's latency)")
+    p.add_argument("--credit-mb", type=float, default=0.0, help="MiB in flight (0: 2 x the partition)")
+    p.add_argument("--optimizer-gbps", type=float, default=0.0,
+                   help="optimizer throughput in GB of gradient per second (0: free)")
+    p.add_argument("--compression-ratio", type=float, default=1.0, help="wire bytes / gradient bytes for the "
+                   "compressed row (e.g. 0.5 for fp16 of fp32 gradients, 0.03 for 1-bit)")
+    p.add_argument("--compress-gbps", type=float, default=0.0, help="compression throughput, GB/s (0: free)")
+    p.add_argument("--png", default="simulate-timeline.png", help="timeline PNG ('' to skip)")
+    p.add_argument("--json", default=None)
+    return p
+
+
+def run(args) -> list[dict]:
+    """Simulate every schedule; return one row per schedule (also printed)."""
+    from commopt.comm import Topology, cost
+    from commopt.comm.topology import parse_rate
+    from commopt.schedules.simulator import SCHEDULES, Schedule, link_service, simulate, transformer_layers
+
+    n, local = args.nodes, args.ranks_per_node
+    topo = Topology(nodes=tuple(tuple(range(i * local, (i + 1) * local)) for i in range(n)), rank=0,
+                    world_size=n * local)
+    model = cost.CostModel(cost.LinkModel(args.intra_latency_us * 1e-6, 8 / parse_rate(args.intra_rate)),
+                           cost.LinkModel(args.link_latency_us * 1e-6, 8 / parse_rate(args.link_rate)))
+    layers = transformer_layers(args.model, tokens=args.tokens, flops=args.tflops * 1e12 * args.mfu,
+                                grad_bytes_per_param=args.grad_bytes)
+    opt = 1 / (args.optimizer_gbps * 1e9) if args.optimizer_gbps else 0.0
+    service = link_service(args.algorithm, topo, model)
+
+    def sched(kind: str, part: float, **extra) -> Schedule:
+        return Schedule(kind, bucket_cap_mb=args.bucket_cap_mb, first_bucket_cap_mb=args.first_bucket_cap_mb,
+                        partition_mb=part, credit_mb=args.credit_mb or 2 * part, optimizer_seconds_per_byte=opt,
+                        **extra)
+
+    if args.partition_mb == "auto":
+        part = min((1, 4, 16, 64, 256), key=lambda m: simulate(layers, service, sched("priority", m)).iteration)
+        print(f"# partition chosen by simulation: {part} MiB, credit {args.credit_mb or 2 * part:g} MiB")
+    else:
+        part = float(args.partition_mb)
+    runs = [(kind, sched(kind, part), 1.0) for kind in SCHEDULES]
+    if args.compression_ratio < 1:
+        squeeze = 1 / (args.compress_gbps * 1e9) if args.compress_gbps else 0.0
+        runs.append((f"priority+compression x{args.compression_ratio:g}",
+                     sched("priority", part, compression_ratio=args.compression_ratio,
+                           compress_seconds_per_byte=squeeze), args.compression_ratio))
+    grad = sum(x.grad_bytes for x in layers)
+    print(f"# {args.model}: {grad / 2**30:.2f} GiB of gradients over {len(layers)} layers; {n} nodes x {local} "
+          f"ranks = {n * local}; inter {args.link_rate}, intra {args.intra_rate}; {args.algorithm}; "
+          f"{args.tokens} tokens/rank at {args.tflops * args.mfu:.0f} TFLOP/s")
+    print(f"{'schedule':<34}{'iter ms':>10}{'compute ms':>12}{'comm ms':>10}{'exposed ms':>12}{'hidden':>8}")
+    rows, results = [], {}
+    for name, sched, ratio in runs:
+        r = simulate(layers, link_service(args.algorithm, topo, model, ratio), sched)
+        results[name] = r
+        rows.append({"schedule": name, "iteration": r.iteration, "compute": r.compute, "communication": r.communication,
+                     "exposed": r.exposed, "hidden": r.overlap})
+        print(f"{name:<34}{r.iteration * 1e3:>10.1f}{r.compute * 1e3:>12.1f}{r.communication * 1e3:>10.1f}"
+              f"{r.exposed * 1e3:>12.1f}{r.overlap:>8.0%}")
+    if args.png:
+        _plot(results, args.png)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "rows": rows}, f, indent=1)
+    return rows
+
+
+def _plot(results: dict, path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("# matplotlib is not installed (pip install commopt[plot]); no timeline written", file=sys.stderr)
+        return
+    fig, axes = plt.subplots(len(results), 1, figsize=(12, 1.4 * len(results) + 1), sharex=True, squeeze=False)
+    colors = {"F": "tab:blue", "B": "tab:orange", "b": "tab:green"}
+    for ax, (name, r) in zip(axes[:, 0], results.items()):
+        for lane, y in (("compute", 1), ("link", 0)):
+            bars = [(s * 1e3, (e - s) * 1e3) for ln, _, s, e in r.timeline if ln == lane]
+            cols = [colors[label[0]] for ln, label, _, _ in r.timeline if ln == lane]
+            ax.broken_barh(bars, (y - 0.4, 0.8), facecolors=cols, edgecolor="white", linewidth=0.3)
+        ax.set_yticks([0, 1], ["link", "compute"])
+        ax.set_title(f"{name}: {r.iteration * 1e3:.1f} ms/iteration, {r.exposed * 1e3:.1f} ms exposed", fontsize=9)
+    axes[-1, 0].set_xlabel("ms (two iterations; blue forward, orange backward, green reductions)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"# timeline written to {path}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    run(_parser().parse_args(argv))
+    return 0
