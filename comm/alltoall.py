@@ -53,7 +53,7 @@ from .collectives import (
 )
 from .engine import Phase, all_of
 from .errors import CollectiveMismatchError, TopologyError
-from .topology import _REGISTRY, Topology
+from .topology import _REGISTRY, Topology, setup_wait
 
 __all__ = [
     "all_to_all",
@@ -154,28 +154,30 @@ def _byte_rows(t: torch.Tensor) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------------- split exchange
-def exchange_splits(in_splits: Splits, *, group=None, validate: bool = False) -> list[int]:
+def exchange_splits(in_splits: Splits, *, group=None, validate: bool = False,
+                    timeout: float | None = None) -> list[int]:
     """Every rank's ``in_splits[rank]``: the rows this rank will receive from each peer.
 
-    One all-to-all of ``world_size`` int64 on ``group``, on the caller's thread. Collective.
+    One all-to-all of ``world_size`` int64 on ``group``, on the caller's thread (``CommTimeoutError``
+    after ``timeout`` seconds). Collective.
     """
     world = dist.get_world_size(group) if dist.is_initialized() else 1
     ins = _as_list("in_splits", in_splits)
     problem = _check_splits("in_splits", ins, world, None, "input")
     if validate and world > 1:
-        return _agree(problem, ins, None, None, False, group, world)[0]
+        return _agree(problem, ins, None, None, False, group, world, timeout)[0]
     if problem:
         raise ValueError(f"{_NAME}: {problem}")
     if world == 1:
         return list(ins)
     send = torch.tensor(ins, dtype=torch.int64)
     recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
+    setup_wait(dist.all_to_all_single(recv, send, group=group, async_op=True), timeout, f"{_NAME}/splits")
     return recv.tolist()
 
 
 def _agree(problem: str | None, ins: list[int], outs: list[int] | None, out_rows: int | None, even: bool,
-           group, world: int) -> tuple[list[int], int]:
+           group, world: int, timeout: float | None) -> tuple[list[int], int]:
     """The ``validate=True`` check of the splits: one all-gather of every rank's splits.
 
     Every rank learns every rank's in/out splits and argument status, so every rank raises the same
@@ -189,7 +191,7 @@ def _agree(problem: str | None, ins: list[int], outs: list[int] | None, out_rows
     row += outs if outs is not None and len(outs) == world and not problem else [-1] * world
     mine = torch.tensor(row, dtype=torch.int64)
     gathered = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(gathered, mine, group=group)
+    setup_wait(dist.all_gather(gathered, mine, group=group, async_op=True), timeout, f"{_NAME}/validate")
     rows = [g.tolist() for g in gathered]
     bad = [r for r in range(world) if rows[r][0]]
     if bad:
@@ -227,12 +229,12 @@ def _agree(problem: str | None, ins: list[int], outs: list[int] | None, out_rows
 
 
 # --------------------------------------------------------------------------------- algorithms
-def _mean_bytes(input: torch.Tensor, group, world: int) -> float:
+def _mean_bytes(input: torch.Tensor, group, world: int, timeout: float | None) -> float:
     """The mean per-rank input size, agreed by every rank through one 8-byte all-reduce: uneven
     splits make local sizes differ, and a choice made from a local size would differ across ranks."""
     total = torch.tensor([input.shape[0] * _row_bytes(input)], dtype=torch.int64)
     engine().count(f"{_NAME}/agree", 8)
-    dist.all_reduce(total, group=group)
+    setup_wait(dist.all_reduce(total, group=group, async_op=True), timeout, f"{_NAME}/agree")
     return float(total.item()) / world
 
 
@@ -254,7 +256,7 @@ def _choose(algorithm: str, input: torch.Tensor, topology: Topology | None, grou
     if not topo.is_uniform:
         return "flat", topo, agreed_bytes
     if agreed_bytes is None:
-        agreed_bytes = _mean_bytes(input, group, world)
+        agreed_bytes = _mean_bytes(input, group, world, timeout)
     return choose_algorithm(agreed_bytes, topo), topo, agreed_bytes
 
 
@@ -284,8 +286,8 @@ def _two_d(out_work: torch.Tensor, src: torch.Tensor, args: _Args, p: _Prepared,
     my_rail = rails[me_local]
     # One role per phase (the engine refuses a queue with two feeders); created in this order on
     # every rank, whatever the splits, so group creation never diverges.
-    intra_g, inter_g = topo.groups("a2a-intra").intra, topo.groups("a2a-inter").rail
-    meta_g = topo.groups("a2a-meta").intra  # used on the caller's thread only
+    intra_g, inter_g = topo.groups("a2a-intra", timeout).intra, topo.groups("a2a-inter", timeout).rail
+    meta_g = topo.groups("a2a-meta", timeout).intra  # used on the caller's thread only
     me_q = my_rail.index(topo.rank)
 
     # m[s][q]: rows local peer s sends to my_rail[q]; known locally for even splits.
@@ -294,7 +296,7 @@ def _two_d(out_work: torch.Tensor, src: torch.Tensor, args: _Args, p: _Prepared,
     else:
         send = torch.tensor([[ins[d] for d in rails[j]] for j in range(local)], dtype=torch.int64)
         recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send, group=meta_g)
+        setup_wait(dist.all_to_all_single(recv, send, group=meta_g, async_op=True), timeout, f"{_NAME}/2d/meta")
         m = recv.tolist()
 
     rb = _row_bytes(src)
@@ -427,7 +429,8 @@ def all_to_all(output: torch.Tensor | None, input: torch.Tensor, *, in_splits: S
         validate_same(_NAME, input[:0] if input.dim() else input, algorithm=algorithm, op="none", group=group,
                       timeout=timeout)
         args.out_splits, total_rows = _agree(args.problem, args.in_splits, args.out_splits,
-                                             None if output is None else output.shape[0], args.even, group, world)
+                                             None if output is None else output.shape[0], args.even, group, world,
+                                             timeout)
         agreed_bytes = total_rows * _row_bytes(input) / world
     elif args.problem:
         raise ValueError(f"{_NAME}: {args.problem}")
@@ -435,7 +438,7 @@ def all_to_all(output: torch.Tensor | None, input: torch.Tensor, *, in_splits: S
         # Rows from each peer, plus each peer's total, which gives every rank the same mean size.
         send = torch.tensor([[s, input.shape[0]] for s in args.in_splits], dtype=torch.int64)
         recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send, group=group)
+        setup_wait(dist.all_to_all_single(recv, send, group=group, async_op=True), timeout, f"{_NAME}/splits")
         args.out_splits = recv[:, 0].tolist()
         agreed_bytes = float(recv[:, 1].sum()) * _row_bytes(input) / world
     if args.out_splits is None:  # world_size 1
@@ -464,7 +467,7 @@ def all_to_all(output: torch.Tensor | None, input: torch.Tensor, *, in_splits: S
     else:
         if chunks is None:
             if agreed_bytes is None:
-                agreed_bytes = _mean_bytes(input, group, world)
+                agreed_bytes = _mean_bytes(input, group, world, timeout)
             chunks = cost.alltoall_chunks(agreed_bytes, topo, cost.model_for(topo))
         fut = _two_d(out_work, src, args, p, topo, chunks, timeout)
     return _deliver(fut, async_op, timeout, f"{_NAME}/{algo}")

@@ -332,3 +332,51 @@ def test_cost_figures():
     tiny, big = choose_algorithm(4 * 64, topo, model), choose_algorithm(1 << 30, topo, model)
     assert tiny == ("2d" if predicted_ratio(2, 2, 4 * 64) < 1 else "flat")
     assert big == ("2d" if predicted_ratio(2, 2, 1 << 30) < 1 else "flat")
+
+
+def _a2a_never_enters(timeout: float):
+    import time
+
+    from commopt.comm.errors import CommTimeoutError
+
+    rank = dist.get_rank()
+    topo = Topology.from_spec("2x2")
+    x = torch.ones(8, 2)
+    cases = {"flat": {"algorithm": "flat"}, "2d": {"algorithm": "2d"},  # engine phases time out
+             "2d exchanged": {"algorithm": "2d", "in_splits": [2, 2, 2, 2]}}  # the split exchange does
+    for kw in cases.values():
+        all_to_all(None, x, topology=topo, timeout=timeout, **kw)  # groups made, in step
+    if rank == 1:
+        time.sleep(len(cases) * timeout + 3)
+        return None
+    out = {}
+    for name, kw in cases.items():
+        start = time.monotonic()
+        try:
+            all_to_all(None, x, topology=topo, timeout=timeout, **kw)
+            out[name] = "completed"
+        except CommTimeoutError as exc:
+            out[name] = (time.monotonic() - start, str(exc))
+    return out
+
+
+def test_rank_never_enters_all_to_all():
+    """FAULTS row 4 for the all-to-all (flat; 2d in its engine phases; 2d in its split exchange): the
+    others raise CommTimeoutError after the timeout, before timeout + slack, naming the operation.
+    Fresh processes: the group is left out of step."""
+    from _pool import RankPool
+
+    timeout, slack = 3.0, 10.0
+    pool = RankPool(4)
+    try:
+        res = pool.run(_a2a_never_enters, timeout, timeout=3 * (timeout + slack) + 60)  # + cold start
+    finally:
+        pool.close(graceful=False)
+    for rank, per_case in enumerate(res):
+        if rank == 1:
+            continue
+        for name, r in per_case.items():
+            assert r != "completed", (rank, name)
+            elapsed, msg = r
+            assert timeout - 0.5 <= elapsed <= timeout + slack, (rank, name, elapsed)
+            assert "all_to_all" in msg, msg
