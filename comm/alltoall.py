@@ -61,6 +61,7 @@ __all__ = [
     "exchange_splits",
     "ALGORITHMS",
     "link_bytes",
+    "predict",
     "choose_algorithm",
     "calibrate",
     "predicted_ratio",
@@ -546,6 +547,20 @@ def link_bytes(algorithm: str, nbytes: float, topology: Topology) -> float:
     return cost.link_bytes("flat" if algorithm == "auto" else algorithm, nbytes, topology, "alltoall")
 
 
+def predict(algorithm: str, nbytes: float, topology: Topology, model: cost.CostModel | None = None) -> float:
+    """Predicted seconds of an even all-to-all of ``nbytes`` per rank (the whole input buffer, p
+    blocks) with ``algorithm`` (``"auto"``: what :func:`choose_algorithm` picks) under the level
+    model (``model`` None: the documented defaults). ``2d`` on a one-level topology runs ``flat``."""
+    model = model or cost.CostModel(cost.DEFAULT_INTRA, cost.DEFAULT_INTER)
+    if algorithm == "auto":
+        algorithm = choose_algorithm(nbytes, topology, model)
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"{_NAME}: unknown algorithm {algorithm!r}; choose one of {list(ALGORITHMS) + ['auto']}")
+    if algorithm == "2d" and topology.num_nodes in (1, topology.world_size):
+        algorithm = "flat"
+    return cost.predict(algorithm, nbytes, topology, model, op="alltoall")
+
+
 def choose_algorithm(nbytes: float, topology: Topology, model: cost.CostModel | None = None) -> str:
     """What ``algorithm="auto"`` runs for an all-to-all of ``nbytes`` per rank on ``topology``.
 
@@ -618,8 +633,7 @@ def predicted_ratio(num_nodes: int, ranks_per_node: int, nbytes: float, model: c
     ``num_nodes`` x ``ranks_per_node`` ranks, under ``model`` (default: the documented defaults)."""
     model = model or cost.CostModel(cost.DEFAULT_INTRA, cost.DEFAULT_INTER)
     topo = _grid_topology(num_nodes, ranks_per_node)
-    return (cost.predict("2d", nbytes, topo, model, op="alltoall")
-            / cost.predict("flat", nbytes, topo, model, op="alltoall"))
+    return predict("2d", nbytes, topo, model) / predict("flat", nbytes, topo, model)
 
 
 def crossover_bytes(num_nodes: int, ranks_per_node: int, model: cost.CostModel | None = None,

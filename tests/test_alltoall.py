@@ -24,6 +24,7 @@ from commopt.comm.alltoall import (
     crossover_bytes,
     exchange_splits,
     link_bytes,
+    predict,
     predicted_ratio,
 )
 from commopt.comm.errors import CollectiveMismatchError, TopologyError
@@ -332,6 +333,10 @@ def test_cost_figures():
     tiny, big = choose_algorithm(4 * 64, topo, model), choose_algorithm(1 << 30, topo, model)
     assert tiny == ("2d" if predicted_ratio(2, 2, 4 * 64) < 1 else "flat")
     assert big == ("2d" if predicted_ratio(2, 2, 1 << 30) < 1 else "flat")
+    for size in (256, 1 << 20, 1 << 30):
+        assert predict("auto", size, topo, model) == min(predict(a, size, topo, model) for a in ("flat", "2d"))
+    with pytest.raises(ValueError, match="unknown algorithm"):
+        predict("ring", 1, topo)
 
 
 def _a2a_never_enters(timeout: float):
