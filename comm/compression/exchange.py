@@ -258,7 +258,12 @@ def reduce_tensors(compressor: Compressor, tensors: list[torch.Tensor], keys: li
 
     def later_round(i: int):
         def fn(group) -> int:
-            return 0 if ctx.exact else rounds[i].fn(ctx.job)
+            if ctx.exact:
+                return 0
+            # Each round issues its collective on its own group (same members, another role): two
+            # buckets in flight must never share a queue between two rounds (DESIGN 2, rule 1).
+            ctx.job.group = group
+            return rounds[i].fn(ctx.job)
         return fn
 
     def keep_residuals() -> None:
