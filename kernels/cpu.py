@@ -207,6 +207,22 @@ def _widen_like_impl(bits, like):
     return None
 
 
+def _narrow_like(value, like):  # pragma: no cover - idem
+    raise NotImplementedError
+
+
+@overload(_narrow_like)
+def _narrow_like_impl(value, like):
+    """The bits of float32 ``value`` in the format of the array ``like`` (uint64)."""
+    if like.dtype == types.uint32:
+        return lambda value, like: _f32_bits(value)
+    if like.dtype == types.uint16:
+        return lambda value, like: _f32_to_f16(value)
+    if like.dtype == types.int16:
+        return lambda value, like: _f32_to_bf16(value)
+    return None
+
+
 @njit(cache=True, error_model="numpy")
 def _fmix32(h):
     # uint32 arithmetic with explicit truncation: LLVM then vectorises 16 lanes of 32-bit
@@ -330,19 +346,35 @@ def _abs_mean(xbits, block, out):
 
 @njit(parallel=True, cache=True, error_model="numpy")
 def _unpack_signs(bits, scales, block, out, chunk):
+    # word by word (chunk is a multiple of 32): +s is narrowed once per scale block and -s is the
+    # same bits with the sign bit set (narrowing is symmetric), so a word inside one block is a
+    # fixed 32-iteration loop of integer operations that vectorises
     n = out.shape[0]
+    sign = _U(8 * out.itemsize - 1)
     for c in prange((n + chunk - 1) // chunk):
         lo = c * chunk
         end = min(lo + chunk, n)
-        while lo < end:
-            b = lo // block
-            hi = min(end, (b + 1) * block)
-            s = scales[b]
-            for j in range(hi - lo):
-                iu = _U(lo) + _U(j)
-                bit = (_U(bits[iu >> _U(5)]) >> (iu & _U(31))) & _U(1)
-                _store(out, iu, s if bit == _U(1) else -s)
-            lo = hi
+        b = lo // block
+        bound = (b + 1) * block
+        pos = _narrow_like(scales[b], out)
+        for w in range(lo // 32, (end + 31) // 32):
+            base = w * 32
+            m = min(32, end - base)
+            word = _U(bits[_U(w)]) ^ _U(0xFFFFFFFF)  # set bit = negative
+            if base >= bound:
+                b = base // block
+                bound = (b + 1) * block
+                pos = _narrow_like(scales[b], out)
+            if m == 32 and base + 32 <= bound:
+                for j in range(32):
+                    out[_U(base) + _U(j)] = pos ^ (((word >> _U(j)) & _U(1)) << sign)
+            else:
+                for j in range(m):
+                    if base + j >= bound:
+                        b += 1
+                        bound += block
+                        pos = _narrow_like(scales[b], out)
+                    out[_U(base) + _U(j)] = pos ^ (((word >> _U(j)) & _U(1)) << sign)
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
