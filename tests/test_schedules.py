@@ -225,6 +225,32 @@ def _body_unused(steps: int) -> dict:
     return {"diff": _maxdiff(ref, got)}
 
 
+def _body_timeout(timeout: float) -> dict:
+    from commopt.comm.errors import CommTimeoutError
+
+    rank = dist.get_rank()
+    x = _data(rank, 1)[0][0]
+    odp = OverlapDataParallel(_mlp(), _opt("sgd"), algorithm="flat", timeout=timeout)
+    out = {"raised": None, "elapsed": None}
+    try:
+        _loss(odp(x)).backward()  # step 0 on both ranks
+        if rank == 0:
+            _loss(odp(x)).backward()  # step 1: rank 1 never enters its reduction (yet)
+            start = time.perf_counter()
+            try:
+                odp(x)
+            except CommTimeoutError as exc:
+                out["raised"] = str(exc)
+            out["elapsed"] = time.perf_counter() - start
+        dist.barrier()
+        if rank == 1:
+            _loss(odp(x)).backward()  # now it does: the pending reduction completes on both ranks
+        odp.synchronize()
+    finally:
+        odp.close()
+    return out
+
+
 def _body_autotune() -> dict:
     rank = dist.get_rank()
     x = _data(rank, 1)[0][0]
@@ -307,6 +333,17 @@ def test_unused_parameters(ranks):
     out = ranks(2, _body_unused, 3, timeout=60)
     for r in out:
         assert r["diff"] <= EXACT
+
+
+def test_timeout_when_a_rank_does_not_reduce(ranks):
+    """A rank that never enters a step's reduction: the other's next forward raises CommTimeoutError
+    after the timeout, naming the op and step, instead of hanging (FAULTS row 4); once the late
+    rank catches up, both finish cleanly."""
+    out = ranks(2, _body_timeout, 1.0, timeout=120)
+    assert out[0]["raised"] is not None and "overlap/wait" in out[0]["raised"], out[0]
+    assert "step 1" in out[0]["raised"]
+    assert out[0]["elapsed"] >= 1.0
+    assert out[1]["raised"] is None
 
 
 def test_autotune_agrees_across_ranks(ranks):
