@@ -178,6 +178,11 @@ def reduce_tensors(compressor: Compressor, tensors: list[torch.Tensor], keys: li
     if len(dtypes) != 1 or not tensors[0].is_floating_point():
         raise TypeError(f"compress/{compressor.name}: tensors must share one floating dtype, got "
                         f"{sorted(map(str, dtypes))}")
+    # Stage tensors in the order of their keys, not DDP's bucket order: the layout (chunk owners,
+    # sampling, rounding streams) then depends only on which parameters share the bucket, so the
+    # first iteration after a restart (DDP's initial buckets) matches the rebuilt buckets it replaces.
+    order = sorted(range(len(keys)), key=lambda i: keys[i])
+    tensors, keys = [tensors[i] for i in order], [keys[i] for i in order]
     world = dist.get_world_size(group)
     topo = _resolve(algorithm, group, topology)
     flat_topo = Topology.from_spec(f"1x{world}", group=group)
