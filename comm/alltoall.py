@@ -287,7 +287,10 @@ def _two_d(out_work: torch.Tensor, src: torch.Tensor, args: _Args, p: _Prepared,
     my_rail = rails[me_local]
     # One role per phase (the engine refuses a queue with two feeders); created in this order on
     # every rank, whatever the splits, so group creation never diverges.
-    intra_g, inter_g = topo.groups("a2a-intra", timeout).intra, topo.groups("a2a-inter", timeout).rail
+    intra_g = topo.groups("a2a-intra", timeout).intra
+    # Two rail streams, alternating chunks: while one synchronises with its rail peer (or scatters
+    # its chunk), the other keeps the node link busy (NCCL runs several channels for the same reason).
+    inter_gs = [topo.groups(role, timeout).rail for role in ("a2a-inter", "a2a-inter-b")]
     meta_g = topo.groups("a2a-meta", timeout).intra  # used on the caller's thread only
     me_q = my_rail.index(topo.rank)
 
@@ -361,7 +364,9 @@ def _two_d(out_work: torch.Tensor, src: torch.Tensor, args: _Args, p: _Prepared,
         def regroup(b=b, mid=mid, sizes1=sizes1):
             permute_chunks(b, sizes1, order1, out=mid)
 
-        def inter(mid=mid, r=r, recv2=recv2, send2=send2):
+        inter_g = inter_gs[c % 2]
+
+        def inter(mid=mid, r=r, recv2=recv2, send2=send2, inter_g=inter_g):
             _blocking(lambda: dist.all_to_all_single(r, mid, recv2, send2, group=inter_g, async_op=True), timeout)
 
         # Local phases run inline: "gather" on the submitting thread (chunk c+1's gather overlaps
