@@ -17,14 +17,22 @@ Algorithms (:data:`ALGORITHMS`):
   they overlap the other chunks' exchanges; skipped where they are the identity). Every rank sends
   L - 1 + N - 1 messages instead of N*L - 1, and the same bytes cross the node link as with ``flat``,
   so it wins where per-message cost dominates (many ranks per node, small messages). Phases (1)-(2)
-  run through the comm engine (one role per phase, DESIGN 2) and are pipelined over chunks: chunk
-  2's intra-node exchange overlaps chunk 1's inter-node one. Needs nodes of equal size;
-- ``auto``: ``flat`` on one-level or non-uniform topologies, else the cheaper by the cost model, from
-  a size all ranks agree on (DESIGN 2, rule 2).
+  run through the comm engine (one role per phase, DESIGN 2) and are pipelined over chunks (depth
+  from the cost model): chunk 2's intra-node exchange overlaps chunk 1's inter-node one, and
+  alternate chunks use two rail streams so the node link stays busy while one synchronises. Needs
+  nodes of equal size;
+- ``auto``: ``flat`` on one-level or non-uniform topologies, else the cheaper by the measured lines
+  of :func:`calibrate` when it ran for the layout, else by the level cost model; always from a size
+  all ranks agree on (DESIGN 2, rule 2).
+
+Uneven splits (MoE routing): when only ``in_splits`` is given, the output splits are exchanged
+first; ``validate=True`` checks that every rank's splits agree before any payload moves. Setup
+exchanges and phases honour ``timeout`` (``CommTimeoutError`` instead of a hang).
 
 Also here: :func:`all_to_all_autograd`, whose backward is the reverse all-to-all (for MoE layers),
-and the figures the benchmark prints (:func:`link_bytes`, :func:`predicted_ratio`,
-:func:`crossover_bytes`).
+and what the benchmark prints: :func:`link_bytes` (bytes crossing a node link, equal for both),
+:func:`predict`, :func:`choose_algorithm`, :func:`predicted_ratio` and :func:`crossover_bytes` (the
+level model's 2-D/flat ratio and crossover for N nodes x L ranks), :func:`calibrate`.
 """
 
 from __future__ import annotations
