@@ -86,6 +86,8 @@ def _dl(t: torch.Tensor) -> object:
     16- and 32-bit integers): the kernels read raw bits anyway.
     """
     cupy = CUPY.module
+    if t.numel() == 0:
+        return np.uint64(0)  # a null pointer: kernels never dereference an empty argument
     if t.dtype in (torch.bfloat16, torch.float16):
         t = t.view(torch.int16)
     elif t.dtype in (torch.uint32, torch.float32):
