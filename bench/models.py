@@ -14,7 +14,7 @@ from commopt.comm.alltoall import all_to_all
 from commopt.schedules.pipeline import exchange_compute, permute_rows
 from torch import nn
 
-__all__ = ["MoE"]
+__all__ = ["MoE", "GPT", "synthetic_tokens"]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -130,3 +130,84 @@ class MoE(nn.Module):
                                 degree=self.overlap_degree, **self.comm)
         out = torch.zeros_like(tokens).index_add(0, token_ids, back * weights[:, None])
         return out.reshape(shape)
+
+
+# ---------------------------------------------------------------------------------------------------
+# GPT: a small decoder-only transformer, the model of ``commopt-bench ddp``.
+
+
+class _Block(nn.Module):
+    def __init__(self, d_model: int, n_heads: int) -> None:
+        super().__init__()
+        self.n_heads = n_heads
+        self.ln1, self.ln2 = nn.LayerNorm(d_model), nn.LayerNorm(d_model)
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.proj = nn.Linear(d_model, d_model)
+        self.fc1, self.fc2 = nn.Linear(d_model, 4 * d_model), nn.Linear(4 * d_model, d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
+        heads = lambda z: z.view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2)
+        att = torch.nn.functional.scaled_dot_product_attention(heads(q), heads(k), heads(v), is_causal=True)
+        x = x + self.proj(att.transpose(1, 2).reshape(b, t, d))
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    """A small GPT-style language model: token and position embeddings, ``n_layers`` pre-norm blocks
+    (causal self-attention, GELU MLP), a final norm and an untied output head.
+
+    Its gradients are mostly large matrices (attention, MLP, embeddings, head) plus a few vectors
+    (biases, norms): the mix that gradient compressors meet in practice.
+
+    Args:
+        vocab: vocabulary size.
+        d_model: width (a multiple of ``n_heads``).
+        n_layers: transformer blocks.
+        n_heads: attention heads.
+        seq_len: longest sequence (position embeddings).
+        seed: parameters are drawn from this seed (a private generator), identical on every rank.
+    """
+
+    def __init__(self, vocab: int = 256, d_model: int = 128, n_layers: int = 2, n_heads: int = 4,
+                 seq_len: int = 64, *, seed: int = 0) -> None:
+        super().__init__()
+        if d_model % n_heads:
+            raise ValueError(f"GPT: d_model={d_model} must be a multiple of n_heads={n_heads}")
+        self.tok = nn.Embedding(vocab, d_model)
+        self.pos = nn.Embedding(seq_len, d_model)
+        self.blocks = nn.ModuleList(_Block(d_model, n_heads) for _ in range(n_layers))
+        self.ln = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, vocab, bias=False)
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if p.dim() >= 2:
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+                elif name.endswith("weight"):
+                    p.fill_(1.0)
+                else:
+                    p.zero_()
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """``tokens`` (batch, time) int64 -> logits (batch, time, vocab)."""
+        pos = torch.arange(tokens.shape[1], device=tokens.device)
+        x = self.tok(tokens) + self.pos(pos)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln(x))
+
+
+def synthetic_tokens(batch: int, seq_len: int, vocab: int, *, seed: int) -> torch.Tensor:
+    """A learnable synthetic language: each token is (7 x previous + 3) mod vocab with probability
+    0.9, else uniform. Returns ``(batch, seq_len + 1)`` int64 tokens (inputs and shifted targets)."""
+    g = torch.Generator().manual_seed(seed)
+    out = torch.empty(batch, seq_len + 1, dtype=torch.int64)
+    out[:, 0] = torch.randint(vocab, (batch,), generator=g)
+    noise = torch.rand(batch, seq_len, generator=g) < 0.1
+    rand = torch.randint(vocab, (batch, seq_len), generator=g)
+    for t in range(seq_len):
+        nxt = (out[:, t] * 7 + 3) % vocab
+        out[:, t + 1] = torch.where(noise[:, t], rand[:, t], nxt)
+    return out
