@@ -3,7 +3,7 @@
 Run it inside the emulated cluster with the link rate chosen so that reducing the gradients takes
 about as long as computing them::
 
-    commopt-bench cluster --nodes 2 --ranks-per-node 1 --link-rate 150mbit -- commopt-bench overlap
+    commopt-bench cluster --nodes 2 --ranks-per-node 1 --link-rate 250mbit -- commopt-bench overlap
 
 Each rank (1) times T_compute, forward + backward of one step with no communication; (2) fits the
 link (alpha, beta) from all-reduces of a few sizes with ``comm.cost.fit`` and times T_comm, the
@@ -72,20 +72,20 @@ class TinyGPT(nn.Module):
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="commopt-bench overlap", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layers", type=int, default=6)
-    p.add_argument("--d-model", type=int, default=256)
+    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--d-model", type=int, default=192)
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--vocab", type=int, default=512)
     p.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd")
     p.add_argument("--algorithm", default="flat")
     p.add_argument("--plan", choices=["priority", "fifo"], default="priority")
-    p.add_argument("--bucket-cap-mb", type=float, default=1.0)
-    p.add_argument("--first-bucket-cap-mb", type=float, default=0.5)
-    p.add_argument("--partition-mb", type=float, default=0.5)
+    p.add_argument("--bucket-cap-mb", type=float, default=2.0)
+    p.add_argument("--first-bucket-cap-mb", type=float, default=1.0)
+    p.add_argument("--partition-mb", type=float, default=1.0)
     p.add_argument("--credit-mb", type=float, default=1.0)
     p.add_argument("--steps", type=int, default=5, help="steps per timed block")
-    p.add_argument("--rounds", type=int, default=6, help="interleaved DDP/overlap rounds")
+    p.add_argument("--rounds", type=int, default=10, help="interleaved DDP/overlap rounds")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--json", default=None, help="write the results here (rank 0)")
     p.add_argument("--spawn", type=int, default=0, metavar="N", help="spawn N local ranks (smoke run)")
