@@ -493,25 +493,25 @@ class _AllToAll(torch.autograd.Function):
     gradient with the splits swapped (rank j's gradient rows for what rank i sent go back to i)."""
 
     @staticmethod
-    def forward(ctx, input, in_splits, out_splits, group, topology, algorithm, chunks):
+    def forward(ctx, input, in_splits, out_splits, group, topology, algorithm, chunks, timeout):
         out = all_to_all(None, input, in_splits=in_splits, out_splits=out_splits, group=group,
-                         topology=topology, algorithm=algorithm, chunks=chunks)
+                         topology=topology, algorithm=algorithm, chunks=chunks, timeout=timeout)
         ctx.splits = (in_splits, out_splits)
-        ctx.comm = (group, topology, algorithm, chunks)
+        ctx.comm = (group, topology, algorithm, chunks, timeout)
         return out
 
     @staticmethod
     def backward(ctx, grad):
         in_splits, out_splits = ctx.splits
-        group, topology, algorithm, chunks = ctx.comm
+        group, topology, algorithm, chunks, timeout = ctx.comm
         g = all_to_all(None, grad.contiguous(), in_splits=out_splits, out_splits=in_splits, group=group,
-                       topology=topology, algorithm=algorithm, chunks=chunks)
-        return g, None, None, None, None, None, None
+                       topology=topology, algorithm=algorithm, chunks=chunks, timeout=timeout)
+        return g, None, None, None, None, None, None, None
 
 
 def all_to_all_autograd(input: torch.Tensor, in_splits: Splits = None, out_splits: Splits = None, *,
                         group=None, topology: Topology | None = None, algorithm: str = "auto",
-                        chunks: int | None = None) -> torch.Tensor:
+                        chunks: int | None = None, timeout: float | None = None) -> torch.Tensor:
     """A differentiable :func:`all_to_all` that allocates its output (for MoE dispatch and combine).
 
     The backward pass is the reverse all-to-all: splits swapped, same algorithm. When only
@@ -520,7 +520,7 @@ def all_to_all_autograd(input: torch.Tensor, in_splits: Splits = None, out_split
     Args:
         input: rows to send (dim 0), any floating dtype for gradients.
         in_splits, out_splits: as in :func:`all_to_all`.
-        group, topology, algorithm, chunks: as in :func:`all_to_all`.
+        group, topology, algorithm, chunks, timeout: as in :func:`all_to_all`.
 
     Returns:
         The received rows, ``sum(out_splits)`` of them.
@@ -534,12 +534,12 @@ def all_to_all_autograd(input: torch.Tensor, in_splits: Splits = None, out_split
             raise ValueError(f"{_NAME}: {problem}")
         outs = list(ins)
     elif outs is None:
-        outs = exchange_splits(ins, group=group)
+        outs = exchange_splits(ins, group=group, timeout=timeout)
     elif ins is None:
         ins, problem = _even(input.shape[0] if input.dim() else 0, world, "input")
         if problem:
             raise ValueError(f"{_NAME}: {problem}")
-    return _AllToAll.apply(input, ins, outs, group, topology, algorithm, chunks)
+    return _AllToAll.apply(input, ins, outs, group, topology, algorithm, chunks, timeout)
 
 
 # --------------------------------------------------------------------------------- figures

@@ -47,10 +47,7 @@ class _PermuteRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         splits, order = ctx.splits, ctx.order
-        inverse = [0] * len(order)
-        for i, o in enumerate(order):
-            inverse[o] = i
-        return permute_chunks(grad.contiguous(), [splits[o] for o in order], inverse), None, None
+        return permute_chunks(grad.contiguous(), [splits[o] for o in order], _inverse(order)), None, None
 
 
 def permute_rows(x: torch.Tensor, splits: Sequence[int], order: Sequence[int]) -> torch.Tensor:
@@ -100,7 +97,7 @@ class _Pipelined(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, in_segments, out_segments, compute, degree, comm):
+    def forward(ctx, x, in_segments, out_segments, compute, degree, comm, build_graph):
         in_sizes, in_order, in_chunks = chunk_layout(in_segments, degree)
         out_sizes, out_order, out_chunks = chunk_layout(out_segments, degree)
         staged = permute_chunks(x.contiguous(), in_sizes, in_order)
@@ -112,13 +109,15 @@ class _Pipelined(torch.autograd.Function):
         graphs, combine = [], []
         for c in range(degree):
             recv = dispatch[c].wait()
-            with torch.enable_grad():
-                xc = recv.detach().requires_grad_()
+            # The experts' graph is built only when the caller records one (not under no_grad).
+            with torch.set_grad_enabled(build_graph):
+                xc = recv.detach().requires_grad_(build_graph)
                 yc = compute(xc, out_chunks[c])
             if yc.shape[0] != xc.shape[0]:
                 raise ValueError(f"exchange_compute: compute returned {yc.shape[0]} rows for {xc.shape[0]}; it "
                                  f"must return one row per input row")
-            graphs.append((xc, yc))
+            if build_graph:
+                graphs.append((xc, yc))
             # (3) this chunk's combine overlaps the next chunk's experts.
             combine.append(all_to_all(None, yc.detach(), in_splits=outs[c], out_splits=ins[c], async_op=True,
                                       **comm))
@@ -145,7 +144,8 @@ class _Pipelined(torch.autograd.Function):
             back.append(all_to_all(None, gx, in_splits=outs[c], out_splits=ins[c], async_op=True, **comm))
         ctx.graphs = None  # free the experts' graphs
         g = torch.cat([f.wait() for f in back])
-        return permute_chunks(g, [in_sizes[o] for o in in_order], _inverse(in_order)), None, None, None, None, None
+        return (permute_chunks(g, [in_sizes[o] for o in in_order], _inverse(in_order)),
+                None, None, None, None, None, None)
 
 
 def exchange_compute(x: torch.Tensor, in_segments: Segments, out_segments: Segments, compute: Compute, *,
@@ -182,4 +182,4 @@ def exchange_compute(x: torch.Tensor, in_segments: Segments, out_segments: Segme
         outs = [sum(row) for row in out_segments]
         recv = all_to_all_autograd(x, ins, outs, **comm)
         return all_to_all_autograd(compute(recv, out_segments), outs, ins, **comm)
-    return _Pipelined.apply(x, in_segments, out_segments, compute, degree, comm)
+    return _Pipelined.apply(x, in_segments, out_segments, compute, degree, comm, torch.is_grad_enabled())

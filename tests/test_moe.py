@@ -174,6 +174,9 @@ def _generic_pipeline() -> bool:
     for y, gx, gs in outs[1:]:
         assert torch.equal(y, outs[0][0]) and torch.equal(gx, outs[0][1])
         assert torch.allclose(gs, outs[0][2], rtol=1e-13)
+    with torch.no_grad():  # inference: no graph is built, same values
+        y = exchange_compute(x, seg, recv, compute, degree=3, algorithm="flat")
+    assert not y.requires_grad and torch.equal(y, outs[0][0])
     # The oracle: my rows to rank d segment j come back times (scale[j] + rank).
     want = torch.cat([x[sum(map(sum, seg[:d])) + sum(seg[d][:j]):][: seg[d][j]] * (scale[j].item() + rank)
                       for d in range(world) for j in range(2)])
