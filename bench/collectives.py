@@ -83,7 +83,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", choices=list(_DTYPES))
     p.add_argument("--redop", default="sum", choices=list(_REDOPS))
     p.add_argument("--iters", type=int, default=0, help="timed iterations per size and algorithm "
-                   "(0: enough for about 0.3 s, between 3 and 50)")
+                   "(0: enough for about 1 s, between 5 and 50)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--no-check", dest="check", action="store_false", help="skip the correctness check")
     p.add_argument("--topology", default=None, help="impose logical nodes, e.g. 2x2 (default: detect)")
@@ -292,7 +292,7 @@ def _agree_iters(seconds: float, requested: int) -> int:
         return requested
     t = torch.tensor([seconds], dtype=torch.float64)
     dist.all_reduce(t, op=ReduceOp.MAX)  # every rank must run the same number of iterations
-    return int(min(50, max(3, math.ceil(0.3 / max(float(t), 1e-6)))))
+    return int(min(50, max(5, math.ceil(1.0 / max(float(t), 1e-6)))))
 
 
 def run_sweep(args, topo, log=print) -> list[dict]:
