@@ -246,19 +246,28 @@ def _cache_path(topo: Topology, cache_dir: str | os.PathLike | None) -> Path:
     return root / f"calibration-{topo.layout.replace(';', '_').replace(',', '.')}{rate}.json"
 
 
-def _time_allreduce(group, nbytes: int, reps: int) -> float:
+def _time_allreduce(group, nbytes: int, reps: int, sync_group) -> float | None:
+    """Median time of an all-reduce of ``nbytes`` on ``group`` (None: this rank only keeps step).
+
+    A barrier on the topology's whole group precedes every repetition, so that every rail (or every
+    node) runs at the same time, as in a real hierarchical phase.
+    """
     t = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
-    dist.all_reduce(t, group=group)  # warm-up: connections, allocation
-    best = float("inf")
+    if group is not None:
+        dist.all_reduce(t, group=group)  # warm-up: connections, allocation
+    times = []
     for _ in range(reps):
+        dist.barrier(group=sync_group)
+        if group is None:
+            continue
         start = time.perf_counter()
         dist.all_reduce(t, group=group)
-        best = min(best, time.perf_counter() - start)
-    return best
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2] if times else None
 
 
 def calibrate(topology: Topology, *, cache_dir: str | os.PathLike | None = None,
-              sizes: tuple[int, int] = (64 << 10, 4 << 20), reps: int = 3) -> CostModel:
+              sizes: tuple[int, int] = (64 << 10, 4 << 20), reps: int = 5) -> CostModel:
     """Measure this machine's two levels (about a second) and cache the result per layout.
 
     The large size (4 MiB) is well past a shaped link's burst allowance, so the fit sees the
@@ -272,10 +281,12 @@ def calibrate(topology: Topology, *, cache_dir: str | os.PathLike | None = None,
     levels = {}
     for name, group, size in (("intra", groups.intra, topology.local_size),
                               ("inter", groups.rail, len(groups.rail_ranks))):
-        if group is None or size < 2:
+        if size < 2:
+            group = None  # still keeps step with the barriers of the ranks that measure
+        times = [_time_allreduce(group, s, reps, topology.group) for s in sizes]
+        if group is None:
             levels[name] = None
             continue
-        times = [_time_allreduce(group, s, reps) for s in sizes]
         # Every rail is timed at the same time, as in a real hierarchical phase, so one rail's
         # bytes/s is the node link's share: the node link carries local_size times that.
         share = topology.local_size if name == "inter" else 1
