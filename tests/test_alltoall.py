@@ -2,10 +2,11 @@
 
 Each topology runs its whole matrix (algorithms x dtypes x split patterns) in one pool call; the
 oracle is ``dist.all_to_all_single`` on the same data, computed in the ranks. FAULTS rows covered:
-1 (row shapes that differ across ranks, validate=True), 3 (dtype mismatch across ranks), 7 (world
-size 1), 8 (zero-sized splits, empty input, zero-width rows), 9 (non-contiguous input and output),
-11 (each dtype through each algorithm), 23 (2+1: auto falls back, explicit 2d raises; interleaved
-placement: correct).
+1 (row shapes that differ across ranks, validate=True), 3 (dtype mismatch across ranks), 4 (a rank
+never enters: flat, 2-D phases, split exchange), 7 (world size 1), 8 (zero-sized splits, empty
+input, zero-width rows), 9 (non-contiguous input and output), 11 (each dtype through each
+algorithm), 23 (2+1: auto falls back, explicit 2d raises; interleaved placement: correct). Row 5
+for the 2-D all-to-all is in test_faults.py.
 """
 
 from __future__ import annotations
