@@ -266,7 +266,7 @@ def _choose(algorithm: str, input: torch.Tensor, topology: Topology | None, grou
         return "flat", topo, agreed_bytes
     if agreed_bytes is None:
         agreed_bytes = _mean_bytes(input, group, world, timeout)
-    return choose_algorithm(agreed_bytes, topo), topo, agreed_bytes
+    return choose_algorithm(agreed_bytes, topo, timeout=timeout), topo, agreed_bytes
 
 
 def _flat(out_work: torch.Tensor, src: torch.Tensor, args: _Args, p: _Prepared, group, rank: int,
@@ -482,7 +482,7 @@ def all_to_all(output: torch.Tensor | None, input: torch.Tensor, *, in_splits: S
         if chunks is None:
             if agreed_bytes is None:
                 agreed_bytes = _mean_bytes(input, group, world, timeout)
-            chunks = cost.alltoall_chunks(agreed_bytes, topo, cost.model_for(topo))
+            chunks = cost.alltoall_chunks(agreed_bytes, topo, cost.model_for(topo, timeout=timeout))
         fut = _two_d(out_work, src, args, p, topo, chunks, timeout)
     return _deliver(fut, async_op, timeout, f"{_NAME}/{algo}")
 
@@ -574,7 +574,8 @@ def predict(algorithm: str, nbytes: float, topology: Topology, model: cost.CostM
     return cost.predict(algorithm, nbytes, topology, model, op="alltoall")
 
 
-def choose_algorithm(nbytes: float, topology: Topology, model: cost.CostModel | None = None) -> str:
+def choose_algorithm(nbytes: float, topology: Topology, model: cost.CostModel | None = None, *,
+                     timeout: float | None = None) -> str:
     """What ``algorithm="auto"`` runs for an all-to-all of ``nbytes`` per rank on ``topology``.
 
     In order: ``flat`` on one-level or non-uniform topologies; with an explicit ``model``, its
@@ -587,7 +588,7 @@ def choose_algorithm(nbytes: float, topology: Topology, model: cost.CostModel | 
         fitted = _REGISTRY.models.get(_calibration_key(topology))
         if fitted is not None:
             return min(ALGORITHMS, key=lambda a: (fitted[a].time(nbytes), ALGORITHMS.index(a)))
-        model = cost.model_for(topology)
+        model = cost.model_for(topology, timeout=timeout)
     return cost.choose(["flat", "2d"], nbytes, topology, model, op="alltoall")
 
 
