@@ -17,6 +17,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "collectives": ("collectives", "all-reduce / reduce-scatter / all-gather / all-to-all sweep"),
     "cluster": ("cluster", "emulated multi-node cluster (network namespaces + tc) around a command"),
     "kernels": ("kernels", "throughput of the packing kernels against a plain copy"),
+    "ddp": ("ddp", "a small GPT trained with DDP under each comm hook: step time, bytes, loss"),
     "ina-switch": ("ina_switch", "run the simulated in-network aggregation switch"),
     "overlap": ("overlap", "OverlapDataParallel vs DDP interleaved, with the simulator's prediction"),
     "simulate": ("simulate", "iteration simulator: step time and exposed communication per schedule"),

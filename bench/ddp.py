@@ -1,0 +1,280 @@
+"""``commopt-bench ddp``: a small GPT trained with DDP under each comm hook, side by side.
+
+For every hook (ours: exact, fp16, bf16, PowerSGD flat and hierarchical, top-k, random-k, sign,
+1-bit, int8, int4; torch's: the default all-reduce, ``fp16_compress_hook``, ``powerSGD_hook`` at our
+PowerSGD's settings) the same model is trained from the same seed on the same data and the run
+prints: median step time, bytes each rank sends per step (from the comm engine's counters for our
+hooks; from the payload sizes for torch's, marked ``*``, since torch's hooks bypass our engine),
+the ratio against an fp32 ring all-reduce of every gradient, and the final loss next to the
+uncompressed run's. Hooks run one after another in one job, each from the same initial state.
+
+Buckets: every hook gets the same DDP buckets (``--bucket-cap-mb``, default 64: one bucket for the
+default GPT after DDP's first-iteration rebuild). torch's ``powerSGD_hook`` chains its second
+all-reduce from a future callback, so with two buckets in flight on gloo its collectives can cross
+(seen here as gloo's "Received data size doesn't match expected size" abort); commopt's hook issues
+every round through the comm engine and is safe with any number of buckets.
+
+Launch: ``--spawn N`` local ranks (FileStore in a temporary directory, gloo on loopback), or under
+``torchrun`` / ``commopt-bench cluster`` (``RANK``/``WORLD_SIZE``/``MASTER_ADDR`` from the
+environment; the topology from ``COMMOPT_NODES``)::
+
+    commopt-bench ddp --spawn 4 --topology 2x2
+    commopt-bench cluster --nodes 2 --ranks-per-node 2 --link-rate 200mbit -- commopt-bench ddp
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+__all__ = ["main", "HOOKS"]
+
+#: name -> what it is (the order of the table).
+HOOKS = {
+    "ddp": "torch: DDP's default fp32 all-reduce",
+    "torch-fp16": "torch: fp16_compress_hook",
+    "torch-powersgd": "torch: powerSGD_hook (rank, start as ours)",
+    "exact": "commopt: allreduce_hook, no compressor",
+    "fp16": "commopt: FP16Compressor",
+    "bf16": "commopt: BF16Compressor",
+    "powersgd": "commopt: PowerSGDCompressor, flat",
+    "powersgd-hier": "commopt: PowerSGDCompressor, hierarchical (inter-node only)",
+    "topk": "commopt: TopKCompressor(1%)",
+    "randomk": "commopt: RandomKCompressor(1%)",
+    "sign": "commopt: SignCompressor",
+    "onebit": "commopt: OneBitCompressor",
+    "int8": "commopt: QuantizeCompressor(8)",
+    "int4": "commopt: QuantizeCompressor(4)",
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="commopt-bench ddp", description=__doc__.split("\n\n")[0])
+    p.add_argument("--spawn", type=int, default=0, metavar="N", help="spawn N local ranks")
+    p.add_argument("--hooks", default=",".join(HOOKS), help=f"comma-separated subset of {','.join(HOOKS)}")
+    p.add_argument("--topology", default=None, help="layout such as 2x2 (default: COMMOPT_NODES or detected)")
+    p.add_argument("--steps", type=int, default=30, help="training steps per hook")
+    p.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate")
+    p.add_argument("--rank", type=int, default=4, help="PowerSGD rank (ours and torch's)")
+    p.add_argument("--start-iter", type=int, default=2, help="PowerSGD start iteration (ours and torch's)")
+    p.add_argument("--algorithm", default="flat", choices=["flat", "hierarchical", "auto"],
+                   help="algorithm of our compressed hooks (powersgd-hier is always hierarchical)")
+    p.add_argument("--bucket-cap-mb", type=float, default=64.0, help="DDP bucket size cap (every hook)")
+    p.add_argument("--timeout", type=float, default=300.0, help="collective timeout in seconds")
+    p.add_argument("--json", default=None, help="write the results as JSON to this file (rank 0)")
+    return p
+
+
+# ------------------------------------------------------------------------------------ launching
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    unknown = [h for h in args.hooks.split(",") if h not in HOOKS]
+    if unknown:
+        print(f"commopt-bench ddp: unknown hooks {unknown}; choose from {','.join(HOOKS)}", file=sys.stderr)
+        return 2
+    if args.spawn:
+        return _spawn(args)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))
+        return _run_and_shutdown(args)
+    print("commopt-bench ddp: needs several ranks: use --spawn N, torchrun, or commopt-bench cluster",
+          file=sys.stderr)
+    return 2
+
+
+def _run_and_shutdown(args) -> int:
+    from commopt.comm import destroy
+
+    try:
+        return _rank_body(args)
+    finally:
+        destroy()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _spawn_main(rank: int, world: int, store_path: str, args) -> None:
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # commopt's own ranks stay on loopback (DESIGN 9)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
+                            timeout=timedelta(seconds=args.timeout))
+    sys.exit(_run_and_shutdown(args))
+
+
+def _spawn(args) -> int:
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    world, args.spawn = args.spawn, 0
+    with tempfile.TemporaryDirectory(prefix="commopt-bench-ddp-") as d:
+        procs = [ctx.Process(target=_spawn_main, args=(r, world, os.path.join(d, "store"), args), name=f"rank{r}")
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        code = 0
+        try:
+            while any(p.is_alive() for p in procs):
+                for p in procs:
+                    p.join(0.2)
+                    if p.exitcode not in (None, 0):
+                        code = code or p.exitcode
+                if code:
+                    break
+        except KeyboardInterrupt:
+            code = 130
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.terminate()
+                p.join(5)
+                if p.is_alive():
+                    p.kill()
+        return code or max(p.exitcode or 0 for p in procs)
+
+
+# ------------------------------------------------------------------------------------ measuring
+def _topology(args):
+    from commopt.comm import Topology
+    from commopt.comm.collectives import resolve_topology
+
+    if args.topology:
+        return Topology.from_spec(args.topology)
+    return resolve_topology(None, None)
+
+
+def _make_hook(name: str, args, topo, model: nn.Module):
+    """(state, hook function, bytes-per-step model or None when the engine counts them)."""
+    from commopt.comm import compression as C
+    from commopt.comm.hooks import AllReduceState, allreduce_hook
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as tps
+
+    world = dist.get_world_size()
+    shapes = [tuple(p.shape) for p in model.parameters()]
+    numel = sum(p.numel() for p in model.parameters())
+    fp32 = 2 * (world - 1) / world * numel * 4
+    if name == "ddp":
+        return None, None, fp32
+    if name == "torch-fp16":
+        return None, default_hooks.fp16_compress_hook, fp32 / 2
+    if name == "torch-powersgd":
+        state = tps.PowerSGDState(process_group=None, matrix_approximation_rank=args.rank,
+                                  start_powerSGD_iter=args.start_iter, min_compression_rate=2,
+                                  use_error_feedback=True, warm_start=True, orthogonalization_epsilon=1e-8)
+        return state, tps.powerSGD_hook, C.PowerSGDCompressor(rank=args.rank).shapes_bytes(shapes, world)
+    compressors = {
+        "exact": None, "fp16": C.FP16Compressor(), "bf16": C.BF16Compressor(),
+        "powersgd": C.PowerSGDCompressor(rank=args.rank, start_iter=args.start_iter),
+        "powersgd-hier": C.PowerSGDCompressor(rank=args.rank, start_iter=args.start_iter),
+        "topk": C.TopKCompressor(0.01), "randomk": C.RandomKCompressor(0.01), "sign": C.SignCompressor(),
+        "onebit": C.OneBitCompressor(), "int8": C.QuantizeCompressor(8), "int4": C.QuantizeCompressor(4),
+    }
+    two_level = topo.is_uniform and topo.num_nodes > 1 and topo.local_size > 1
+    algorithm = "hierarchical" if name == "powersgd-hier" and two_level else args.algorithm
+    if name == "exact":
+        algorithm = "auto"
+    return AllReduceState(topo, algorithm, compressors[name]), allreduce_hook, None
+
+
+def _train(name: str, args, topo) -> dict:
+    from commopt.bench.models import GPT, synthetic_tokens
+    from commopt.comm.collectives import engine
+    from commopt.comm.hooks import AllReduceState, register
+
+    rank = dist.get_rank()
+    vocab = 256
+    model = GPT(vocab, args.d_model, args.layers, 4, args.seq_len, seed=0)
+    ddp = DDP(model, bucket_cap_mb=args.bucket_cap_mb)
+    state, hook, modelled = _make_hook(name, args, topo, model)
+    if isinstance(state, AllReduceState):
+        register(ddp, state)
+    elif hook is not None:
+        ddp.register_comm_hook(state, hook)
+    opt = torch.optim.Adam(ddp.parameters(), lr=args.lr)
+    times, sent, losses = [], [], []
+    for step in range(args.steps):
+        data = synthetic_tokens(args.batch, args.seq_len, vocab, seed=10_000 * step + rank)
+        before = sum(engine().bytes_sent().values())
+        dist.barrier()
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        logits = ddp(data[:, :-1])
+        loss = nn.functional.cross_entropy(logits.reshape(-1, vocab), data[:, 1:].reshape(-1))
+        loss.backward()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+        sent.append(sum(engine().bytes_sent().values()) - before)
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(float(mean) / dist.get_world_size())
+    steady = slice(max(args.start_iter, args.steps // 3), None)
+    counted = modelled if modelled is not None else statistics.median(sent[steady])
+    worst = torch.tensor([counted], dtype=torch.float64)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)  # ranks of a hierarchy send different amounts
+    numel = sum(p.numel() for p in model.parameters())
+    world = dist.get_world_size()
+    matrices = [tuple(p.shape) for p in model.parameters() if p.dim() >= 2]
+    matrix_ratio = None
+    if "powersgd" in name:
+        from commopt.comm.compression import PowerSGDCompressor
+
+        full = 2 * (world - 1) / world * sum(math.prod(s) for s in matrices) * 4
+        matrix_ratio = full / PowerSGDCompressor(rank=args.rank).shapes_bytes(matrices, world)
+    return {"hook": name, "step_ms": 1e3 * statistics.median(times[steady]), "bytes_per_step": float(worst),
+            "matrix_ratio": matrix_ratio,
+            "bytes_modelled": modelled is not None, "fp32_bytes": 2 * (world - 1) / world * numel * 4,
+            "losses": losses}
+
+
+def _rank_body(args) -> int:
+    topo = _topology(args)
+    names = args.hooks.split(",")
+    results = [_train(name, args, topo) for name in names]
+    if dist.get_rank() == 0:
+        _report(results, args, topo)
+    return 0
+
+
+def _report(results: list[dict], args, topo) -> None:
+    base = next((r for r in results if r["hook"] == "ddp"), results[0])
+    link = f", link {topo.link_rate_bps / 1e6:.0f} Mbit/s" if topo.link_rate_bps else ""
+    print(f"# commopt-bench ddp: GPT d={args.d_model} L={args.layers} seq={args.seq_len} batch={args.batch}/rank, "
+          f"{args.steps} steps, world {dist.get_world_size()} ({topo.layout}{link})")
+    print("# bytes: per rank per step (max over ranks); * = from payload sizes (torch's hooks bypass the engine); "
+          "ratio = fp32 ring all-reduce / bytes")
+    print(f"{'hook':<16}{'step(ms)':>10}{'vs ddp':>8}{'bytes/step':>14}{'ratio':>8}{'final loss':>12}"
+          f"{'vs ddp':>9}   description")
+    for r in results:
+        ratio = r["fp32_bytes"] / r["bytes_per_step"] if r["bytes_per_step"] else math.inf
+        mark = "*" if r["bytes_modelled"] else " "
+        print(f"{r['hook']:<16}{r['step_ms']:>10.1f}{r['step_ms'] / base['step_ms']:>7.2f}x"
+              f"{r['bytes_per_step']:>13.0f}{mark}{ratio:>7.1f}x{r['losses'][-1]:>12.4f}"
+              f"{r['losses'][-1] - base['losses'][-1]:>+9.4f}   {HOOKS[r['hook']]}")
+    for r in results:
+        if r.get("matrix_ratio"):
+            print(f"# {r['hook']}: rank-{args.rank} factors of the GPT's matrices alone: {r['matrix_ratio']:.1f}x "
+                  f"fewer bytes than fp32")
+    marks = sorted({0, len(base["losses"]) // 4, len(base["losses"]) // 2, 3 * len(base["losses"]) // 4,
+                    len(base["losses"]) - 1})
+    print("# loss curve at steps " + ", ".join(str(m) for m in marks))
+    for r in results:
+        print(f"{r['hook']:<16}" + "".join(f"{r['losses'][m]:>9.4f}" for m in marks))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump({"args": vars(args), "layout": topo.layout, "results": results}, f, indent=1)
