@@ -165,7 +165,8 @@ def _cases(n: int, device: torch.device) -> list[tuple[str, int, Callable[[str |
         ("quantize int4 stochastic", n * f + n // 2 + s, lambda b: K.quantize(x, bits=4, backend=b)),
         ("dequantize int8", n + s + n * f, lambda b: K.dequantize(codes, scales, n, out=dense, backend=b)),
         ("topk_pack k=n/100", n * f + 8 * k, lambda b: K.topk_pack(x, k, backend=b)),
-        ("scatter_add_unpack 4 x k", n * f + 4 * 8 * k, lambda b: K.scatter_add_unpack(payloads, n, backend=b)),
+        ("scatter_add_unpack 4 x k", n * f + 4 * 8 * k,
+         lambda b: K.scatter_add_unpack(payloads, n, out=dense, backend=b)),
         ("permute_chunks (8 uneven)", 2 * n * f, lambda b: K.permute_chunks(x, splits, order, out=perm_out, backend=b)),
     ]
 

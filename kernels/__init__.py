@@ -518,6 +518,7 @@ def scatter_add_unpack(
     *,
     dtype: torch.dtype = torch.float32,
     value_dtype: torch.dtype | None = None,
+    out: torch.Tensor | None = None,
     backend: str | None = None,
 ) -> torch.Tensor:
     """Accumulate many top-k payloads (e.g. all-gathered from every rank) into one dense tensor.
@@ -535,6 +536,8 @@ def scatter_add_unpack(
             CUDA backend cannot read headers without a host synchronisation, so it derives ``k`` from
             the payload length and, on device, adds NaN at the indices of a payload whose header
             disagrees and skips indices out of range.
+        out: optional 1-D contiguous result of ``numel`` elements of ``dtype``; it is overwritten
+            (zeroed, then accumulated into), which spares a fresh allocation per call.
         backend: force a backend; None dispatches on the device.
 
     Returns:
@@ -553,8 +556,11 @@ def scatter_add_unpack(
         raise TypeError(f"{op}: payloads must be a list of uint8 tensors or a 2-D uint8 tensor")
     payloads = [_tensor(op, f"payloads[{i}]", p) for i, p in enumerate(payloads)]
     if not payloads:
+        if out is not None:
+            return _output(op, out, numel, dtype, out.device).zero_()
         return torch.zeros(numel, dtype=dtype)
     device = payloads[0].device
+    out = _output(op, out, numel, dtype, device)
     for i, p in enumerate(payloads):
         if p.dtype != torch.uint8 or p.dim() != 1 or p.device != device:
             raise ValueError(
@@ -567,7 +573,7 @@ def scatter_add_unpack(
                 "pass the buffers topk_pack returned and the dtype they were packed in (value_dtype=)"
             )
     return _impl(op, device, backend).scatter_add_unpack(
-        [p.contiguous() for p in payloads], numel, dtype, value_dtype
+        [p.contiguous() for p in payloads], numel, dtype, value_dtype, out
     )
 
 

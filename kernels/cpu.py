@@ -699,11 +699,19 @@ def topk_pack(x: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def scatter_add_unpack(
-    payloads: Sequence[torch.Tensor], numel: int, dtype: torch.dtype, value_dtype: torch.dtype
+    payloads: Sequence[torch.Tensor],
+    numel: int,
+    dtype: torch.dtype,
+    value_dtype: torch.dtype,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     if value_dtype not in _KIND or dtype == torch.float64:
-        return reference.scatter_add_unpack(payloads, numel, dtype, value_dtype)
-    out = torch.zeros(numel, dtype=torch.float32)
+        return reference.scatter_add_unpack(payloads, numel, dtype, value_dtype, out)
+    result = out
+    if out is not None and dtype == torch.float32:
+        out.zero_()  # accumulate straight into the caller's fp32 buffer
+    else:
+        out = torch.zeros(numel, dtype=torch.float32)
     o = out.numpy()
     for i, p in enumerate(payloads):
         k, vdtype = reference.parse_topk(p, value_dtype, i)
@@ -717,7 +725,9 @@ def scatter_add_unpack(
                 f"payloads[{i}] has indices outside [0, {numel}); pass the numel of the tensor "
                 "topk_pack was called on"
             )
-    return out if dtype == torch.float32 else out.to(dtype)
+    if result is None:
+        return out if dtype == torch.float32 else out.to(dtype)
+    return result if result is out else result.copy_(out)
 
 
 def permute_chunks(

@@ -295,12 +295,20 @@ def topk_pack(x: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def scatter_add_unpack(
-    payloads: Sequence[torch.Tensor], numel: int, dtype: torch.dtype, value_dtype: torch.dtype
+    payloads: Sequence[torch.Tensor],
+    numel: int,
+    dtype: torch.dtype,
+    value_dtype: torch.dtype,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     if value_dtype not in _SUFFIX or dtype == torch.float64:
-        return reference.scatter_add_unpack(payloads, numel, dtype, value_dtype)
+        return reference.scatter_add_unpack(payloads, numel, dtype, value_dtype, out)
     device = payloads[0].device
-    out = torch.zeros(numel, dtype=torch.float32, device=device)
+    result = out
+    if out is not None and dtype == torch.float32:
+        out.zero_()
+    else:
+        out = torch.zeros(numel, dtype=torch.float32, device=device)
     size = value_dtype.itemsize
     for p in payloads:
         k = topk_k(p.numel(), size)
@@ -310,4 +318,6 @@ def scatter_add_unpack(
         _launch(device, f"commopt_scatter_add_{_SUFFIX[value_dtype]}", _grid(k),
                 (p, _i64(k), np.uint32(DTYPE_CODES[value_dtype]), _i64(values_at), _i64(indices_at), out,
                  _i64(numel)))
-    return out if dtype == torch.float32 else out.to(dtype)
+    if result is None:
+        return out if dtype == torch.float32 else out.to(dtype)
+    return result if result is out else result.copy_(out)

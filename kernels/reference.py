@@ -315,10 +315,15 @@ def parse_topk(payload: torch.Tensor, value_dtype: torch.dtype, i: int = 0) -> t
 
 
 def scatter_add_unpack(
-    payloads: Sequence[torch.Tensor], numel: int, dtype: torch.dtype, value_dtype: torch.dtype
+    payloads: Sequence[torch.Tensor],
+    numel: int,
+    dtype: torch.dtype,
+    value_dtype: torch.dtype,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Sum of all payloads' values at their indices, accumulated in payload order."""
     acc = torch.float64 if dtype == torch.float64 else torch.float32
+    result = out
     out = torch.zeros(numel, dtype=acc, device=payloads[0].device)
     for i, p in enumerate(payloads):
         k, vdtype = parse_topk(p, value_dtype, i)
@@ -330,7 +335,7 @@ def scatter_add_unpack(
                 f"[0, {numel}); pass the numel of the tensor topk_pack was called on"
             )
         out.index_add_(0, idx, p[values_at : values_at + k * vdtype.itemsize].view(vdtype).to(acc))
-    return out.to(dtype)
+    return _into(out.to(dtype), result)
 
 
 def permute_chunks(

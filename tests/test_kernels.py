@@ -469,6 +469,10 @@ def test_topk_selection_ties_layout_and_payload_checks(backend):
     assert p[values_at : values_at + 8].view(torch.float16).tolist() == [-3.0, 2.0, 3.0, 3.0]
     dense = K.scatter_add_unpack(torch.stack([p, p]), 7, dtype=torch.float16, backend=backend)
     assert dense.tolist() == [0.0, -6.0, 4.0, 6.0, 0.0, 6.0, 0.0]
+    for out_dtype in (torch.float16, torch.float32):
+        out = torch.full((7,), float("nan"), dtype=out_dtype)
+        got = K.scatter_add_unpack([p, p], 7, dtype=out_dtype, value_dtype=torch.float16, out=out, backend=backend)
+        assert got is out and out.tolist() == [0.0, -6.0, 4.0, 6.0, 0.0, 6.0, 0.0]
     assert K.topk_pack(x, 0, backend=backend).tolist() == [0, 0, 0, 0, 1, 0, 0, 0]
     assert K.scatter_add_unpack([K.topk_pack(x, 0, backend=backend)], 3, dtype=torch.float16,
                                 backend=backend).tolist() == [0, 0, 0]
