@@ -430,6 +430,12 @@ def _print_ratios(rows: list[dict], log=print) -> None:
     for (op, size), times in by.items():
         parts = [f"{a}{'+v' if v else ''}={times[ref] / t:.3f}x" for (a, v), t in times.items() if (a, v) != ref]
         log(f"#   {op:>14} {_fmt_size(size):>6}: " + "  ".join(parts))
+    if any(v for (_a, v) in keys) and any(not v for (_a, v) in keys):
+        log("# cost of validate=True (time with / time without), measured interleaved in this run")
+        for (op, size), times in by.items():
+            parts = [f"{a}={times[(a, True)] / times[(a, False)]:.3f}x" for (a, v) in times
+                     if not v and (a, True) in times]
+            log(f"#   {op:>14} {_fmt_size(size):>6}: " + "  ".join(parts))
 
 
 def _print_fit(rows: list[dict], topo, log=print) -> None:
