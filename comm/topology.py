@@ -321,6 +321,9 @@ class _Registry:
         self.detected: dict[int | None, Topology] = {}
         # Per-group sequence numbers of validated collectives (validate=True fingerprints).
         self.validate_seq: dict[int | None, object] = {}
+        # Long-lived in-network aggregation sessions of all_reduce(algorithm="ina"), one per
+        # (group, switch) (see comm/ina/worker.py); closed here, by destroy().
+        self.ina_sessions: dict[tuple, object] = {}
 
     def groups(self, topo: Topology, role: str, timeout: float | None = None) -> Groups:
         parent_key = id(topo.group) if topo.group is not None else None
@@ -374,6 +377,9 @@ class _Registry:
             self.models = {}
             self.detected = {}
             self.validate_seq = {}
+            sessions, self.ina_sessions = self.ina_sessions, {}
+        for session in sessions.values():
+            session.close()  # type: ignore[attr-defined]
         if engine is not None:
             engine.shutdown()
         if dist.is_initialized():

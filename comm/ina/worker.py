@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 import secrets
+import select
 import socket
 import threading
 import time
@@ -269,9 +270,12 @@ class InaSession:
             if bind_host is not None:
                 self._sock.bind((bind_host, 0))
             self._sock.connect(self.address)
+            self._sock.setblocking(False)
         except OSError:
             self._sock.close()
             raise
+        self._poller = select.poll()
+        self._poller.register(self._sock, select.POLLIN)
 
     # -- public ----------------------------------------------------------------------------------
 
@@ -529,12 +533,23 @@ class InaSession:
         def payload(lo: int, hi: int) -> bytes:
             return _quantize_np(values[lo:hi], shift).data  # type: ignore[return-value]
 
+        # sum * 2**-shift in float64 is exact (|sum| <= 2**31, and the shifts of fp32/fp16/bf16 inputs
+        # keep the product far inside float64's normal range), so multiplying by the power of two is
+        # ldexp; the float64 scratch is reused across chunks, and a float32 result is written through
+        # a numpy view (one float64 -> float32 rounding, to nearest even, as torch's cast).
+        scale = math.ldexp(1.0, -shift)
+        scratch = np.empty(min(self.payload_elems, len(values)), dtype=np.float64)
+        out32 = result.numpy() if result.dtype == torch.float32 else None
+
         def deliver(lo: int, hi: int, data: memoryview) -> None:
-            f = np.frombuffer(data, dtype="<i4").astype(np.float64)
-            np.ldexp(f, -shift, out=f)
+            f = scratch[: hi - lo]
+            np.multiply(np.frombuffer(data, dtype="<i4"), scale, out=f)
             if divisor != 1:
                 f /= divisor
-            result[lo:hi].copy_(torch.from_numpy(f))
+            if out32 is not None:
+                out32[lo:hi] = f
+            else:
+                result[lo:hi].copy_(torch.from_numpy(f))
 
         return self._exchange(PacketType.DATA, rnd, len(values), payload, deliver, dcode, shift, "aggregate",
                               deadline)
@@ -707,22 +722,41 @@ class InaSession:
             self._srtt = 0.875 * self._srtt + 0.125 * rtt
         self._rto = min(self.max_rto, max(self.min_rto, self._srtt + 4 * self._rttvar))
 
+    def _send(self, packet: bytes | bytearray) -> None:
+        # The socket is non-blocking (see _rx); a full send buffer waits for room, as a blocking send
+        # would, for at most a second, then raises (the caller reports the socket error).
+        try:
+            self._sock.send(packet)
+        except BlockingIOError:
+            if not select.select([], [self._sock], [], 1.0)[1]:
+                raise
+            self._sock.send(packet)
+
     def _tx(self, packet: bytes) -> None:
         if self._faults is None:
-            self._sock.send(packet)
+            self._send(packet)
             self.counters["packets_sent"] += 1
             return
         for pkt in self._faults.on_send(bytes(packet)):  # a copy: held packets must not see later edits
-            self._sock.send(pkt)
+            self._send(pkt)
             self.counters["packets_sent"] += 1
 
     def _rx(self, wait: float) -> tuple[Header, memoryview] | None:
-        """One validated packet, or None after ``wait`` seconds (faults applied on the way in)."""
+        """One validated packet, or None after ``wait`` seconds (faults applied on the way in).
+
+        The socket stays non-blocking: a packet already queued (the common case while a window is in
+        flight) costs one ``recv`` system call; only an empty queue waits in ``poll``. (A socket
+        timeout would cost three per packet: the mode switch, a poll and the recv.)
+        """
         if not self._inbox:
-            self._sock.settimeout(wait if wait > 0 else 0.0)  # 0: a non-blocking poll
             try:
-                nbytes = self._sock.recv_into(self._buf)
-            except (socket.timeout, BlockingIOError):
+                try:
+                    nbytes = self._sock.recv_into(self._buf)
+                except BlockingIOError:
+                    if wait <= 0 or not self._poller.poll(max(1, math.ceil(wait * 1000))):
+                        return None
+                    nbytes = self._sock.recv_into(self._buf)
+            except BlockingIOError:
                 return None
             except ConnectionRefusedError:
                 return None  # ICMP port unreachable: the switch is not (yet) there; retransmit later
@@ -793,6 +827,63 @@ def _job_id_for(group: Any) -> int:
     return 1 + zlib.crc32(f"commopt-ina-collective:{name}".encode()) % 0xFFFF
 
 
+_SESSIONS_LOCK = threading.Lock()
+
+
+def _session_key(pg: Any, address: tuple[str, int], rank: int, size: int) -> tuple:
+    return (id(pg), str(getattr(pg, "group_name", "") or "WORLD"), address, rank, size)
+
+
+def _session_for(pg: Any, address: tuple[str, int], rank: int, size: int) -> InaSession:
+    """The cached session of ``pg`` on the switch at ``address`` (joined on first use).
+
+    Reusing one session saves the JOIN round trip and the socket set-up on every call. The entry
+    holds a weak reference to the group: a destroyed group whose id() is reused by a new one does not
+    inherit its session.
+    """
+    import weakref
+
+    from ..topology import _REGISTRY
+
+    key = _session_key(pg, address, rank, size)
+    with _SESSIONS_LOCK:
+        entry = _REGISTRY.ina_sessions.get(key)
+        if entry is not None:
+            ref, session = entry  # type: ignore[misc]
+            if ref() is pg and not session.closed and session._broken is None:
+                return session
+            del _REGISTRY.ina_sessions[key]
+            session.close()
+        session = InaSession(address, job_id=_job_id_for(pg), worker_id=rank, num_workers=size)
+        try:
+            ref = weakref.ref(pg)
+        except TypeError:
+            ref = (lambda: pg)  # noqa: E731 - not weakly referenceable: keep the group alive with it
+        _REGISTRY.ina_sessions[key] = _CachedSession(ref, session)
+        return session
+
+
+class _CachedSession(tuple):
+    """(weak reference to the group, session); ``close()`` closes the session (for destroy())."""
+
+    def __new__(cls, ref: Any, session: InaSession) -> _CachedSession:
+        return super().__new__(cls, (ref, session))
+
+    def close(self) -> None:
+        self[1].close()
+
+
+def _drop_session(pg: Any, address: tuple[str, int], rank: int, size: int, session: InaSession) -> None:
+    from ..topology import _REGISTRY
+
+    key = _session_key(pg, address, rank, size)
+    with _SESSIONS_LOCK:
+        entry = _REGISTRY.ina_sessions.get(key)
+        if entry is not None and entry[1] is session:  # type: ignore[index]
+            del _REGISTRY.ina_sessions[key]
+    session.close()
+
+
 def ina_all_reduce_for(prepared: Any, red: Any, group: Any, topology: Any, timeout: float | None, *,
                        finish: Callable[[Any], torch.Tensor]) -> torch.futures.Future:
     """``all_reduce(..., algorithm="ina")``: the adapter the collective layer's registry calls.
@@ -800,8 +891,10 @@ def ina_all_reduce_for(prepared: Any, red: Any, group: Any, topology: Any, timeo
     Sums ``prepared.flat`` (contiguous, AVG already turned into SUM plus a scale by the caller)
     through the switch named by ``topology.ina_switch`` ("host:port", from ``Topology.from_env()``
     reading ``COMMOPT_INA_SWITCH``), then runs ``finish(prepared)``. When ``group`` is an ``"ina"``
-    process group, its long-lived session is used; otherwise a session is joined for the call (one
-    extra round trip) under a job id derived from the group's name.
+    process group, its long-lived session is used; otherwise a long-lived session per (group, switch,
+    rank) is joined on first use under a job id derived from the group's name, kept in commopt's one
+    process-wide cache (``topology._REGISTRY.ina_sessions``) and closed by ``commopt.comm.destroy()``.
+    A session broken by a failure (a timeout) is dropped, so the next call joins a new epoch.
 
     Returns:
         A completed future holding the result, or holding the error (so hooks see it on ``wait()``).
@@ -825,9 +918,14 @@ def ina_all_reduce_for(prepared: Any, red: Any, group: Any, topology: Any, timeo
                                 "Topology.from_env()) or pass a Topology with ina_switch, and run "
                                 "`commopt-bench ina-switch`", op=_OP, ranks=[rank])
             host, _, port = str(spec).rpartition(":")
-            ina_all_reduce(prepared.flat, address=(host.strip("[]"), int(port)), job_id=_job_id_for(pg),
-                           worker_id=rank, num_workers=size, op="sum",
-                           timeout=timeout if timeout is not None else 60.0)
+            address = (host.strip("[]"), int(port))
+            session = _session_for(pg, address, rank, size)
+            try:
+                session.all_reduce(prepared.flat, "sum", timeout=timeout if timeout is not None else 60.0)
+            except BaseException:
+                if session._broken is not None or session.closed:
+                    _drop_session(pg, address, rank, size, session)
+                raise
         fut.set_result(finish(prepared))
     except (CommError, ValueError, TypeError, OSError) as e:
         fut.set_exception(e)
