@@ -72,12 +72,16 @@ def run(args) -> list[dict]:
 
     def sched(kind: str, part: float, **extra) -> Schedule:
         return Schedule(kind, bucket_cap_mb=args.bucket_cap_mb, first_bucket_cap_mb=args.first_bucket_cap_mb,
-                        partition_mb=part, credit_mb=args.credit_mb or 2 * part, optimizer_seconds_per_byte=opt,
+                        partition_mb=part, credit_mb=args.credit_mb or 2 * (part or args.bucket_cap_mb),
+                        optimizer_seconds_per_byte=opt,
                         **extra)
 
     if args.partition_mb == "auto":
-        part = min((1, 4, 16, 64, 256), key=lambda m: simulate(layers, service, sched("priority", m)).iteration)
-        print(f"# partition chosen by simulation: {part} MiB, credit {args.credit_mb or 2 * part:g} MiB")
+        # 0 keeps buckets whole (then the credit is two bucket caps).
+        part = min((0, 1, 4, 16, 64, 256), key=lambda m: (simulate(layers, service, sched("priority", m)).iteration, m))
+        label = f"{part} MiB" if part else "whole buckets"
+        credit = args.credit_mb or 2 * (part or args.bucket_cap_mb)
+        print(f"# partition chosen by simulation: {label}, credit {credit:g} MiB")
     else:
         part = float(args.partition_mb)
     runs = [(kind, sched(kind, part), 1.0) for kind in SCHEDULES]
