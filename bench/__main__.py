@@ -16,6 +16,7 @@ __all__ = ["main", "SUBCOMMANDS"]
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "collectives": ("collectives", "all-reduce / reduce-scatter / all-gather / all-to-all sweep"),
     "cluster": ("cluster", "emulated multi-node cluster (network namespaces + tc) around a command"),
+    "moe": ("moe", "MoE layer forward+backward with and without all-to-all / expert overlap"),
     "kernels": ("kernels", "throughput of the packing kernels against a plain copy"),
     "ddp": ("ddp", "a small GPT trained with DDP under each comm hook: step time, bytes, loss"),
     "ina-switch": ("ina_switch", "run the simulated in-network aggregation switch"),

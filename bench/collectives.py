@@ -20,17 +20,15 @@ import argparse
 import json
 import math
 import os
-import shutil
 import statistics
 import sys
-import tempfile
 import time
-import traceback
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
+
+from ._launch import launch
 
 __all__ = ["main", "parse_sizes", "run_sweep"]
 
@@ -103,111 +101,8 @@ def _parser() -> argparse.ArgumentParser:
 # ------------------------------------------------------------------------------------ launching
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    if args.spawn:
-        return _spawn(args)
-    mpi = _mpi_world()
-    if mpi is not None:
-        return _run_mpi(args, *mpi)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))
-        try:
-            return _rank_body(args)
-        finally:
-            _shutdown()
-    # A single process: world size 1.
-    with tempfile.TemporaryDirectory(prefix="commopt-bench-") as d:
-        dist.init_process_group("gloo", store=dist.FileStore(os.path.join(d, "store"), 1), rank=0, world_size=1)
-        try:
-            return _rank_body(args)
-        finally:
-            _shutdown()
-
-
-def _shutdown() -> None:
-    from commopt.comm import destroy
-
-    destroy()
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
-def _mpi_world() -> tuple[int, int] | None:
-    for rank_var, size_var in (("PMI_RANK", "PMI_SIZE"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
-                               ("PMIX_RANK", "PMIX_SIZE")):
-        if rank_var in os.environ and size_var in os.environ:
-            return int(os.environ[rank_var]), int(os.environ[size_var])
-    return None
-
-
-def _run_mpi(args, rank: int, size: int) -> int:
-    try:
-        from mpi4py import MPI
-    except ImportError:
-        print("commopt-bench: running under mpirun needs mpi4py: pip install 'commopt[mpi]'", file=sys.stderr)
-        return 2
-    comm = MPI.COMM_WORLD
-    path = tempfile.mkdtemp(prefix="commopt-mpi-") if rank == 0 else None
-    path = comm.bcast(path, root=0)
-    code = 1
-    try:
-        store = dist.FileStore(os.path.join(path, "store"), size)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=size,
-                                timeout=timedelta(seconds=args.timeout))
-        code = _rank_body(args)
-        _shutdown()
-    except BaseException:  # noqa: BLE001 - any failure must end the whole job (FAULTS row 31)
-        traceback.print_exc()
-        sys.stderr.flush()
-        comm.Abort(1)
-    codes = comm.allgather(code)
-    if rank == 0:
-        shutil.rmtree(path, ignore_errors=True)
-    return max(codes)
-
-
-def _spawn_main(rank: int, world: int, store_path: str, argv_args) -> None:
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # commopt's own ranks stay on loopback (DESIGN 9)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
-                            timeout=timedelta(seconds=argv_args.timeout))
-    try:
-        code = _rank_body(argv_args)
-    finally:
-        _shutdown()
-    sys.exit(code)
-
-
-def _spawn(args) -> int:
-    import multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    world = args.spawn
-    args.spawn = 0
-    with tempfile.TemporaryDirectory(prefix="commopt-bench-") as d:
-        store = os.path.join(d, "store")
-        procs = [ctx.Process(target=_spawn_main, args=(r, world, store, args), name=f"rank{r}")
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-        code = 0
-        try:
-            while any(p.is_alive() for p in procs):
-                for p in procs:
-                    p.join(0.2)
-                    if p.exitcode not in (None, 0):
-                        code = code or p.exitcode
-                if code:
-                    break
-        except KeyboardInterrupt:
-            code = 130
-        finally:
-            for p in procs:
-                if p.is_alive():
-                    p.terminate()
-                p.join(5)
-                if p.is_alive():
-                    p.kill()
-        return code or max(p.exitcode or 0 for p in procs)
+    spawn, args.spawn = args.spawn, 0
+    return launch(_rank_body, args, spawn=spawn, timeout=args.timeout)
 
 
 # ------------------------------------------------------------------------------------ measuring
@@ -383,7 +278,9 @@ def _row(op, algo, val, size, count, dtype, redop, seconds, wrong, world, topo, 
             if op == "alltoall":
                 from commopt.comm import alltoall as a2a
 
-                row["bound_us"] = a2a.predict(chosen, nbytes, topo, model) * 1e6
+                if algo == "auto":  # what the call itself chose (the calibrated lines, when measured)
+                    row["chosen"] = chosen = a2a.choose_algorithm(total, topo)
+                row["bound_us"] = a2a.predict(chosen, total, topo, model) * 1e6
                 link = a2a.link_bytes(chosen, total, topo)
             else:
                 row["bound_us"] = cost.predict(chosen, total, topo, model, op=kind) * 1e6
@@ -452,6 +349,24 @@ def _print_fit(rows: list[dict], topo, log=print) -> None:
             f"(link {8 / lm.beta / 1e6:.1f} Mbit/s)")
 
 
+def _print_alltoall_scale(log=print) -> None:
+    """The cost model's 2-D / flat all-to-all time ratio at scale, with this run's fitted model."""
+    from commopt.comm import alltoall as a2a
+    from commopt.comm import cost
+    from commopt.comm.topology import _REGISTRY
+
+    fitted = next(iter(v for v in _REGISTRY.models.values() if isinstance(v, cost.CostModel)), None)
+    for label, model in (("defaults", None), ("this run's model", fitted)):
+        if label != "defaults" and model is None:
+            continue
+        for nodes, local in ((16, 8), (128, 8)):
+            ratios = "  ".join(f"{_fmt_size(b)}/peer={a2a.predicted_ratio(nodes, local, b * nodes * local, model):.3f}"
+                               for b in (1 << 10, 16 << 10, 256 << 10, 4 << 20))
+            cross = a2a.crossover_bytes(nodes, local, model)  # per-rank buffer; per peer is / (N * L)
+            where = "none in range" if cross is None else f"{cross / (nodes * local) / 1024:.0f} KiB/peer"
+            log(f"# predicted 2d/flat all-to-all time at {nodes}x{local} ({label}): {ratios}; crossover {where}")
+
+
 def _rank_body(args) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     if args.fail_rank == rank:
@@ -470,11 +385,17 @@ def _rank_body(args) -> int:
         m = cost.calibrate(topo)
         log(f"# calibrated: intra alpha={m.intra.alpha * 1e6:.1f} us, {m.intra.bandwidth / 1e9:.3f} GB/s; "
             f"inter alpha={m.inter.alpha * 1e6:.1f} us, {m.inter.bandwidth / 1e9:.3f} GB/s")
+    if "alltoall" in args.op and args.calibrate and world > 1 and topo.num_nodes > 1:
+        from commopt.comm import alltoall as a2a
+
+        a2a.calibrate(topo)  # measured flat / 2-D lines for this layout, which auto then prefers
     rows = run_sweep(args, topo, log)
     _print_table(rows, measured, log)
     _print_ratios(rows, log)
     if topo.link_rate_bps:
         _print_fit(rows, topo, log)
+    if "alltoall" in args.op and world > 1 and topo.num_nodes > 1:
+        _print_alltoall_scale(log)
     wrong = sum(r["wrong"] for r in rows)
     log(f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}")
     if rank == 0 and args.json:
