@@ -314,21 +314,23 @@ def _body_engine_bytes() -> dict:
         engine().reset_stats()
         c.all_reduce(torch.randn(1 << 16, generator=torch.Generator().manual_seed(dist.get_rank())),
                      topology=topo, algorithm="hierarchical", error_feedback=ErrorFeedback())
-        out[c.name] = engine().bytes_sent()[f"compress/{c.name}"]
+        sent = engine().bytes_sent()
+        out[c.name] = (sent[f"compress/{c.name}"], sent[f"compress/{c.name}/intra"])
     return out
 
 
 def test_engine_counts_compressed_bytes(ranks):
-    """Bytes on the wire come from the engine's counters: intra-node phases exact (fp32), the
-    inter-node phase compressed, the agreed check a few bytes."""
+    """Bytes on the wire come from the engine's counters: intra-node phases exact (fp32, counted
+    under "compress/<name>/intra"), the inter-node phase compressed, the agreed check a few bytes."""
     res = ranks(4, _body_engine_bytes)[0]
     d, local = 1 << 16, 2
     intra = 2 * (local - 1) * (d // local) * 4  # reduce-scatter + all-gather, exact fp32
     check = int(2 * 3 / 4 * 16)
     rail = {"fp16": 2 * 1 / 2 * (d // 2) * 2, "quantize": 2 * 1 * (d // 4 + d // 4 // 256 * 4),
             "onebit": 2 * 1 * (d // 4 // 8 + d // 4 // 256 * 4)}
-    for name, nbytes in res.items():
-        assert nbytes == intra + check + rail[name], (name, nbytes, intra + check + rail[name])
+    for name, (inter_bytes, intra_bytes) in res.items():
+        assert intra_bytes == intra, (name, intra_bytes, intra)
+        assert inter_bytes == check + rail[name], (name, inter_bytes, check + rail[name])
 
 
 def _body_in_flight() -> None:

@@ -230,7 +230,10 @@ def reduce_tensors(compressor: Compressor, tensors: list[torch.Tensor], keys: li
         ctx.shard = staged.new_empty(layout.hi - layout.lo)
         wait_work(reduce_scatter_single(ctx.shard, staged, op=ReduceOp.SUM, group=rs_group, async_op=True),
                   timeout)
-        return (local - 1) * ctx.shard.numel() * esize
+        # Counted apart (op "compress/<name>/intra"): these bytes cross the fast intra-node links,
+        # the op's own count is what crosses the scarce inter-node ones.
+        engine().count(f"compress/{name}/intra", (local - 1) * ctx.shard.numel() * esize)
+        return 0
 
     def first_round(group) -> int:
         shard = ctx.shard if ctx.shard is not None else staged[layout.lo: layout.hi]
@@ -290,7 +293,8 @@ def reduce_tensors(compressor: Compressor, tensors: list[torch.Tensor], keys: li
         out = ctx.job.out
         ctx.job.out = staged  # the shard's result is gathered into the staged vector (no longer needed)
         wait_work(all_gather_single(staged, out.contiguous(), group=ag_group, async_op=True), timeout)
-        return (local - 1) * out.numel() * esize
+        engine().count(f"compress/{name}/intra", (local - 1) * out.numel() * esize)
+        return 0
 
     def finish() -> None:
         out = ctx.job.out
