@@ -32,6 +32,7 @@ The switch binds to 127.0.0.1 unless told otherwise (FAULTS 29). It never import
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import queue
 import select
@@ -53,11 +54,14 @@ from .protocol import (
     ERR_NO_PARTITION,
     FLAG_RETX,
     FLAG_SATURATED,
+    FLAG_SEGMENTED,
     FLAG_SHADOW,
     HEADER,
     HEADER_SIZE,
     MAGIC,
     PROTOCOL_VERSION,
+    SEGMENT_BYTES,
+    SEGMENT_LANES,
     STAT_NAMES,
     Header,
     PacketType,
@@ -88,6 +92,9 @@ _INT32_MAX = 2**31 - 1
 _SOCKET_BUFFER = 4 << 20  # the kernel caps this at net.core.rmem_max / wmem_max
 _RETIRED_TAGS = 256
 _GRAVES = 4096  # released jobs whose epoch and retired tags are remembered
+_UDP_SEGMENT = getattr(socket, "UDP_SEGMENT", 103)  # linux/udp.h; Python 3.11 lacks the constant
+_GSO_SEGMENTS = 40  # segments per GSO super-packet: 40 x 1472 B stays below the 65,507-byte limit
+_GSO_CMSG = [(socket.IPPROTO_UDP, _UDP_SEGMENT, SEGMENT_BYTES.to_bytes(2, sys.byteorder))]
 
 
 def _newer(a: tuple[int, int], b: tuple[int, int]) -> bool:
@@ -105,10 +112,32 @@ def _status(job: _Job, h: Header, bitmap: int) -> bytes:
                        exponent=hi - (1 << 32) if hi >> 31 else hi)
 
 
+def _segment(result: bytearray, count: int) -> bytearray:
+    """``result`` (header + ``count`` lanes) as consecutive SEGMENT_BYTES datagrams (FLAG_SEGMENTED).
+
+    Segment i repeats the header with ``count`` = its lanes and ``tag`` = its first lane in the chunk.
+    """
+    fields = list(HEADER.unpack_from(result, 0))
+    fields[3] |= FLAG_SEGMENTED
+    nseg = -(-count // SEGMENT_LANES)
+    out = bytearray(nseg * HEADER_SIZE + 4 * count)
+    lanes = memoryview(result)[HEADER_SIZE:]
+    pos = 0
+    for i in range(nseg):
+        lo = i * SEGMENT_LANES
+        k = min(SEGMENT_LANES, count - lo)
+        fields[12], fields[14] = k, lo
+        HEADER.pack_into(out, pos, *fields)
+        out[pos + HEADER_SIZE:pos + HEADER_SIZE + 4 * k] = lanes[4 * lo:4 * (lo + k)]
+        pos += HEADER_SIZE + 4 * k
+    return out
+
+
 class _Slot:
     """One copy of one slot: the current use's identity, bitmap, accumulator and kept result."""
 
-    __slots__ = ("ident", "bitmap", "nseen", "count", "exponent", "dtype", "acc", "complete", "result")
+    __slots__ = ("ident", "bitmap", "nseen", "count", "exponent", "dtype", "acc", "complete", "result",
+                 "segmented")
 
     def __init__(self) -> None:
         self.ident: tuple[int, int] | None = None
@@ -120,6 +149,7 @@ class _Slot:
         self.acc: np.ndarray | None = None
         self.complete = False
         self.result: bytearray | None = None
+        self.segmented: bytearray | None = None  # the result as SEGMENT_BYTES datagrams, when asked for
 
     def free(self) -> None:
         self.ident = None
@@ -127,6 +157,7 @@ class _Slot:
         self.nseen = 0
         self.complete = False
         self.result = None
+        self.segmented = None
 
 
 class _Job:
@@ -139,6 +170,7 @@ class _Job:
         self.epoch = 0
         self.tags: list[int | None] = [None] * num_workers
         self.addrs: list[Any] = [None] * num_workers
+        self.segmented = [False] * num_workers  # whose last DATA packet asked for segmented results
         self.pending: dict[int, int] = {}
         self.pending_n = num_workers
         self.pending_addrs: dict[int, Any] = {}
@@ -151,6 +183,7 @@ class _Job:
         self.n = num_workers
         self.left = 0
         self.addrs = [None] * num_workers
+        self.segmented = [False] * num_workers
         for copy in self.slots:
             for st in copy:
                 st.free()
@@ -186,6 +219,7 @@ class Switch:
         self.address: tuple[str, int] = self.sock.getsockname()[:2]
         self._buf = bytearray(65536)  # larger than MAX_DATAGRAM, so oversized datagrams show their size
         self._sendq: queue.SimpleQueue | None = None  # set while serve() runs sender threads
+        self._gso = True  # cleared when the kernel refuses UDP_SEGMENT: segments then go one by one
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -250,15 +284,34 @@ class Switch:
             t.join(5.0)
 
     def _sender(self, q: queue.SimpleQueue) -> None:
-        sendto = self.sock.sendto
         while True:
             item = q.get()
             if item is None:
                 return
-            try:
-                sendto(*item)
-            except OSError:
-                pass  # a worker that vanished; its peers will time out and say so
+            self._transmit(*item)
+
+    def _transmit(self, data: bytes | bytearray, addr: Any, segmented: bool = False) -> None:
+        try:
+            if not segmented or len(data) <= SEGMENT_BYTES:
+                self.sock.sendto(data, addr)
+                return
+            view = memoryview(data)
+            if self._gso:
+                # One GSO super-packet per at most _GSO_SEGMENTS segments (the kernel caps a UDP
+                # datagram, super-packets included, below 64 KiB).
+                step = _GSO_SEGMENTS * SEGMENT_BYTES
+                try:
+                    for off in range(0, len(data), step):
+                        self.sock.sendmsg([view[off:off + step]], _GSO_CMSG, 0, addr)
+                    return
+                except OSError as e:
+                    if e.errno not in (errno.EINVAL, errno.EIO, errno.ENOPROTOOPT, errno.EOPNOTSUPP):
+                        raise
+                    self._gso = False  # no UDP GSO here (or an MTU below 1500): one datagram each
+            for off in range(0, len(data), SEGMENT_BYTES):
+                self.sock.sendto(view[off:off + SEGMENT_BYTES], addr)
+        except OSError:
+            pass  # a worker that vanished; its peers will time out and say so
 
     def stats(self) -> dict[str, int]:
         out = dict(self.counters)
@@ -288,17 +341,14 @@ class Switch:
             payload = encode_stats(self.stats())
             self._send(pack_header(PacketType.STATS_REPLY, count=len(STAT_NAMES)) + payload, addr)
 
-    def _send(self, data: bytes | bytearray, addr: Any) -> None:
+    def _send(self, data: bytes | bytearray, addr: Any, segmented: bool = False) -> None:
         # ``data`` is never modified once handed here (a completed slot's result is a new bytearray
         # per use), so a sender thread may read it later.
         q = self._sendq
         if q is not None:
-            q.put((data, addr))
-            return
-        try:
-            self.sock.sendto(data, addr)
-        except OSError:
-            pass  # a worker that vanished; its peers will time out and say so
+            q.put((data, addr, segmented))
+        else:
+            self._transmit(data, addr, segmented)
 
     def _on_join(self, h: Header, addr: Any) -> None:
         c = self.counters
@@ -412,6 +462,7 @@ class Switch:
             return
         job.last_active = time.monotonic()
         job.addrs[w] = addr
+        job.segmented[w] = bool(h.flags & FLAG_SEGMENTED)
         shadow = h.flags & FLAG_SHADOW
         st = job.slots[shadow][h.slot]
         ident = (h.round, h.seq)
@@ -425,7 +476,10 @@ class Switch:
                     c["duplicates_ignored"] += 1
                 if st.complete:
                     assert st.result is not None
-                    self._send(st.result, addr)
+                    if st.segmented is not None and job.segmented[w]:
+                        self._send(st.segmented, addr, True)
+                    else:
+                        self._send(st.result, addr)
                     c["results_resent"] += 1
                     other = job.slots[1 - shadow][h.slot].ident
                     if other is not None and _newer(other, ident):
@@ -480,11 +534,17 @@ class Switch:
                          h.slot, job.epoch, h.round, h.seq, st.count, st.exponent, 0)
         np.frombuffer(result, dtype="<i4", offset=HEADER_SIZE)[:] = view
         st.result = result
+        st.segmented = None
+        if not is_ctrl and st.count > SEGMENT_LANES and any(job.segmented):
+            st.segmented = _segment(result, st.count)
         st.complete = True
         self.counters["results_sent"] += 1
-        for a in job.addrs:
+        for a, seg in zip(job.addrs, job.segmented):
             if a is not None:
-                self._send(result, a)
+                if seg and st.segmented is not None:
+                    self._send(st.segmented, a, True)
+                else:
+                    self._send(result, a)
 
     # -- partitions ------------------------------------------------------------------------------
 

@@ -72,6 +72,7 @@ from .protocol import (
     ERR_NO_PARTITION,
     FLAG_RETX,
     FLAG_SATURATED,
+    FLAG_SEGMENTED,
     FLAG_SHADOW,
     HEADER,
     HEADER_SIZE,
@@ -79,6 +80,7 @@ from .protocol import (
     MAX_PAYLOAD_ELEMS,
     MAX_WORKERS,
     PROTOCOL_VERSION,
+    SEGMENT_LANES,
     Header,
     PacketType,
     ProtocolError,
@@ -104,6 +106,8 @@ _OP_CODES = {"sum": 1, "avg": 2}
 _SOCKET_BUFFER = 4 << 20
 _OP = "ina/all_reduce"
 _FLAGS_OFFSET = 6  # byte offset of ``flags`` in the header (magic 4, version 1, ptype 1)
+_COUNT_OFFSET = 28  # byte offset of ``count`` (big-endian uint32)
+_UDP_GRO = getattr(socket, "UDP_GRO", 104)  # linux/udp.h; Python 3.11 lacks the constant
 
 
 def _scan(x: torch.Tensor) -> tuple[int, bool]:
@@ -178,7 +182,8 @@ def error_bound(shift: int, num_workers: int) -> float:
 
 
 class _Pending:
-    __slots__ = ("chunk", "shadow", "deadline", "backoff", "unanswered", "sent_at", "retransmitted", "packet")
+    __slots__ = ("chunk", "shadow", "deadline", "backoff", "unanswered", "sent_at", "retransmitted", "packet",
+                 "parts", "got")
 
     def __init__(self, chunk: int, shadow: int, now: float, rto: float):
         self.chunk = chunk
@@ -189,6 +194,8 @@ class _Pending:
         self.sent_at = now
         self.retransmitted = False
         self.packet: bytearray | None = None
+        self.parts: set[int] | None = None  # first lanes of the result segments received so far
+        self.got = 0  # result lanes received so far
 
 
 class InaSession:
@@ -216,13 +223,16 @@ class InaSession:
         faults: seeded fault injection (tests); None sends and receives untouched.
         bind_host: local address; by default the kernel picks the interface that reaches the switch
             (loopback for a loopback switch).
+        segmented_results: ask the switch for results as MTU-sized segments sent as UDP GSO
+            super-packets, received whole through ``UDP_GRO`` (see ``protocol``: a fragmented 32 KiB
+            datagram costs the kernel 5-6x more CPU); segments that arrive one by one work too.
     """
 
     def __init__(self, address: tuple[str, int], *, job_id: int, worker_id: int, num_workers: int,
                  window: int = 16, payload_elems: int = DEFAULT_PAYLOAD_ELEMS, timeout: float = 60.0,
                  max_retries: int = 20, initial_rto: float = 0.2, max_rto: float = 1.0,
                  min_rto: float = 0.05, headroom: int | None = None, faults: FaultConfig | None = None,
-                 bind_host: str | None = None):
+                 bind_host: str | None = None, segmented_results: bool = True):
         if not 1 <= num_workers <= MAX_WORKERS:
             raise ValueError(f"{_OP}: num_workers={num_workers} must be in 1..{MAX_WORKERS}")
         if not 0 <= worker_id < num_workers:
@@ -247,6 +257,7 @@ class InaSession:
         self.max_rto = max_rto
         self.min_rto = min_rto
         self.headroom = headroom
+        self.segmented_results = segmented_results
         self._rto = initial_rto
         self._srtt: float | None = None
         self._rttvar = 0.0
@@ -271,6 +282,11 @@ class InaSession:
                 self._sock.bind((bind_host, 0))
             self._sock.connect(self.address)
             self._sock.setblocking(False)
+            if segmented_results:
+                try:
+                    self._sock.setsockopt(socket.IPPROTO_UDP, _UDP_GRO, 1)
+                except OSError:
+                    pass  # no UDP GRO: the segments arrive one datagram each, which works too
         except OSError:
             self._sock.close()
             raise
@@ -578,16 +594,17 @@ class InaSession:
         job, wid, n, epoch, tag = self.job_id, self.worker_id, self.num_workers, self._epoch, self._tag
         assert epoch is not None
         pack = HEADER.pack
+        seg = FLAG_SEGMENTED if self.segmented_results and not ctrl else 0
 
         def send(slot: int, p: _Pending, retx: bool) -> None:
             if p.packet is None:
                 lo = p.chunk * per
                 hi = min(lo + per, total)
-                p.packet = bytearray(pack(MAGIC, PROTOCOL_VERSION, ptype, p.shadow, dcode, job, wid, n, slot,
+                p.packet = bytearray(pack(MAGIC, PROTOCOL_VERSION, ptype, p.shadow | seg, dcode, job, wid, n, slot,
                                           epoch, rnd, p.chunk, hi - lo, exponent, tag))
                 p.packet += payload_of(lo, hi)
             if retx:
-                p.packet[_FLAGS_OFFSET] = p.shadow | FLAG_RETX
+                p.packet[_FLAGS_OFFSET] = p.shadow | FLAG_RETX | seg
             self._tx(p.packet)
 
         def start(slot: int, chunk: int, now: float) -> None:
@@ -659,12 +676,44 @@ class InaSession:
                 continue
             lo = p.chunk * per
             hi = min(lo + per, total)
-            if h.count != hi - lo or (h.flags & FLAG_SHADOW) != p.shadow:
+            if (h.flags & FLAG_SHADOW) != p.shadow:
                 self.counters["stale_received"] += 1
                 continue
-            deliver(lo, hi, payload)
-            if h.flags & FLAG_SATURATED:
-                saturated = True
+            if h.flags & FLAG_SEGMENTED:
+                # Segments of the result (one, or several that arrived as one GRO buffer): lanes
+                # tag .. tag+count of the chunk, in SEGMENT_LANES steps; complete once all are in.
+                off, k = h.tag, h.count
+                if off % SEGMENT_LANES or k == 0 or off + k > hi - lo or (k % SEGMENT_LANES and off + k != hi - lo):
+                    self.counters["stale_received"] += 1
+                    continue
+                if p.parts is None:
+                    p.parts = set()
+                offs = range(off, off + k, SEGMENT_LANES)
+                if p.parts.isdisjoint(offs):
+                    deliver(lo + off, lo + off + k, payload)
+                    p.parts.update(offs)
+                    p.got += k
+                else:
+                    new = [o for o in offs if o not in p.parts]
+                    if not new:
+                        self.counters["duplicate_results"] += 1
+                        continue
+                    for o in new:
+                        m = min(SEGMENT_LANES, off + k - o)
+                        deliver(lo + o, lo + o + m, payload[4 * (o - off):4 * (o - off + m)])
+                        p.parts.add(o)
+                        p.got += m
+                if h.flags & FLAG_SATURATED:
+                    saturated = True
+                if p.got < hi - lo:
+                    continue
+            else:
+                if h.count != hi - lo:
+                    self.counters["stale_received"] += 1
+                    continue
+                deliver(lo, hi, payload)
+                if h.flags & FLAG_SATURATED:
+                    saturated = True
             self.counters["results"] += 1
             if not p.retransmitted:
                 self._sample_rtt(now - p.sent_at)
@@ -769,13 +818,54 @@ class InaSession:
         pkt = self._inbox.pop(0)
         return self._parse(pkt, len(pkt))
 
-    def _parse(self, buf: Any, nbytes: int) -> tuple[Header, memoryview] | None:
+    def _parse(self, buf: Any, nbytes: int) -> tuple[Header, Any] | None:
+        if (nbytes > HEADER_SIZE and buf[_FLAGS_OFFSET] & FLAG_SEGMENTED
+                and nbytes > HEADER_SIZE + 4 * int.from_bytes(buf[_COUNT_OFFSET:_COUNT_OFFSET + 4], "big")):
+            return self._parse_coalesced(buf, nbytes)
         try:
             h = parse_header(buf, nbytes, allowed=PacketType.TO_WORKER)
         except ProtocolError:
             self.counters["malformed_received"] += 1
             return None
         return h, memoryview(buf)[HEADER_SIZE:nbytes]
+
+    def _parse_coalesced(self, buf: Any, nbytes: int) -> tuple[Header, Any] | None:
+        """Several datagrams received as one buffer (UDP GRO): split, validate each, merge segments.
+
+        Consecutive result segments of one chunk (the usual content: one GSO super-packet from the
+        switch) become one segment covering all their lanes. Anything else is queued datagram by
+        datagram, and a piece that fails validation is dropped and counted, as a datagram would be.
+        """
+        view = memoryview(buf)
+        pieces: list[tuple[Header, memoryview]] = []
+        raw: list[memoryview] = []
+        pos = 0
+        while pos < nbytes:
+            if nbytes - pos < HEADER_SIZE:
+                self.counters["malformed_received"] += 1
+                break
+            length = HEADER_SIZE + 4 * int.from_bytes(view[pos + _COUNT_OFFSET:pos + _COUNT_OFFSET + 4], "big")
+            length = min(length, nbytes - pos)
+            try:
+                h = parse_header(view[pos:pos + length], length, allowed=PacketType.TO_WORKER)
+            except ProtocolError:
+                self.counters["malformed_received"] += 1
+                break  # the rest cannot be delimited reliably
+            pieces.append((h, view[pos + HEADER_SIZE:pos + length]))
+            raw.append(view[pos:pos + length])
+            pos += length
+        if not pieces:
+            return None
+        h0 = pieces[0][0]
+        merged = h0.ptype == PacketType.RESULT and all(
+            h.flags & FLAG_SEGMENTED and (h.job_id, h.epoch, h.round, h.seq, h.slot, h.flags, h.exponent, h.dtype)
+            == (h0.job_id, h0.epoch, h0.round, h0.seq, h0.slot, h0.flags, h0.exponent, h0.dtype)
+            and h.tag == h0.tag + i * SEGMENT_LANES and (h.count == SEGMENT_LANES or i == len(pieces) - 1)
+            for i, (h, _) in enumerate(pieces))
+        if merged:
+            return h0._replace(count=sum(h.count for h, _ in pieces)), b"".join(p for _, p in pieces)
+        self._inbox[:0] = [bytes(r) for r in raw[1:]]  # delivered next, in order
+        return pieces[0][0], bytes(pieces[0][1])
 
 
 def ina_all_reduce(tensor: torch.Tensor, *, address: tuple[str, int], job_id: int, worker_id: int,
