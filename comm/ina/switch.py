@@ -116,20 +116,25 @@ def _segment(result: bytearray, count: int) -> bytearray:
     """``result`` (header + ``count`` lanes) as consecutive SEGMENT_BYTES datagrams (FLAG_SEGMENTED).
 
     Segment i repeats the header with ``count`` = its lanes and ``tag`` = its first lane in the chunk.
+    The full segments are built as rows of one numpy array (no per-segment Python work).
     """
     fields = list(HEADER.unpack_from(result, 0))
     fields[3] |= FLAG_SEGMENTED
-    nseg = -(-count // SEGMENT_LANES)
-    out = bytearray(nseg * HEADER_SIZE + 4 * count)
-    lanes = memoryview(result)[HEADER_SIZE:]
-    pos = 0
-    for i in range(nseg):
-        lo = i * SEGMENT_LANES
-        k = min(SEGMENT_LANES, count - lo)
-        fields[12], fields[14] = k, lo
+    nfull, rest = divmod(count, SEGMENT_LANES)
+    out = bytearray(nfull * SEGMENT_BYTES + (HEADER_SIZE + 4 * rest if rest else 0))
+    if nfull:
+        fields[12], fields[14] = SEGMENT_LANES, 0
+        rows = np.frombuffer(out, dtype=np.uint8, count=nfull * SEGMENT_BYTES).reshape(nfull, SEGMENT_BYTES)
+        rows[:, :HEADER_SIZE] = np.frombuffer(HEADER.pack(*fields), dtype=np.uint8)
+        rows[:, HEADER_SIZE - 4:HEADER_SIZE] = (
+            np.arange(nfull, dtype=np.uint32) * SEGMENT_LANES).astype(">u4").view(np.uint8).reshape(nfull, 4)
+        rows[:, HEADER_SIZE:] = np.frombuffer(result, dtype=np.uint8, count=4 * nfull * SEGMENT_LANES,
+                                              offset=HEADER_SIZE).reshape(nfull, 4 * SEGMENT_LANES)
+    if rest:
+        pos, lo = nfull * SEGMENT_BYTES, nfull * SEGMENT_LANES
+        fields[12], fields[14] = rest, lo
         HEADER.pack_into(out, pos, *fields)
-        out[pos + HEADER_SIZE:pos + HEADER_SIZE + 4 * k] = lanes[4 * lo:4 * (lo + k)]
-        pos += HEADER_SIZE + 4 * k
+        out[pos + HEADER_SIZE:] = memoryview(result)[HEADER_SIZE + 4 * lo:HEADER_SIZE + 4 * count]
     return out
 
 
