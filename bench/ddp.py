@@ -75,6 +75,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--start-iter", type=int, default=2, help="PowerSGD start iteration (ours and torch's)")
     p.add_argument("--algorithm", default="flat", choices=["flat", "hierarchical", "auto"],
                    help="algorithm of our compressed hooks (powersgd-hier is always hierarchical)")
+    p.add_argument("--warmup-steps", type=int, default=4, help="untimed DDP steps before the first hook")
     p.add_argument("--bucket-cap-mb", type=float, default=64.0, help="DDP bucket size cap (every hook)")
     p.add_argument("--timeout", type=float, default=300.0, help="collective timeout in seconds")
     p.add_argument("--json", default=None, help="write the results as JSON to this file (rank 0)")
@@ -251,6 +252,9 @@ def _train(name: str, args, topo) -> dict:
 def _rank_body(args) -> int:
     topo = _topology(args)
     names = args.hooks.split(",")
+    if args.warmup_steps:
+        # Untimed: connections, allocator and kernel caches warm up here, not in the first hook's row.
+        _train("ddp", argparse.Namespace(**{**vars(args), "steps": args.warmup_steps}), topo)
     results = [_train(name, args, topo) for name in names]
     if dist.get_rank() == 0:
         _report(results, args, topo)
