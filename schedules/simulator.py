@@ -260,47 +260,56 @@ def transformer_layers(config: TransformerConfig | str, *, tokens: int, flops: f
 
 
 def layers_from_model(module: nn.Module, example: torch.Tensor, *, repeats: int = 5,
-                      loss=lambda y: y.float().pow(2).mean()) -> list[Layer]:
+                      loss: Callable[[torch.Tensor], torch.Tensor] = lambda y: y.float().pow(2).mean()) -> list[Layer]:
     """Measure each parameterised module's forward and backward on this machine (medians).
 
-    Forward time: between a module's forward pre-hook and forward hook. Backward time: from one
-    gradient-ready event to the next, in backward order (each module's gradients become ready when
-    its backward is done), the first measured from the start of backward. Modules are the leaves
-    that own parameters, in forward order.
+    The layers are the modules that own parameters, in the order their forward starts. Every second
+    of a step is charged to some layer, so that the layers add up to the measured step: a layer's
+    forward runs from its forward pre-hook to the next layer's (the last one's to the end of the
+    loss), which charges parameter-free work in between (attention scores, activations, the tied
+    head) to the layer before it; its backward runs from the previous gradient-ready event to its
+    own, in backward order, the first from the start of backward and the last until ``backward()``
+    returns.
     """
     mods = [m for m in module.modules() if any(True for _ in m.parameters(recurse=False))]
     names = {m: n for n, m in module.named_modules()}
     fwd: dict[nn.Module, list[float]] = {m: [] for m in mods}
-    ready: dict[nn.Module, float] = {}
     bwd: dict[nn.Module, list[float]] = {m: [] for m in mods}
-    order: list[nn.Module] = []
-    starts: dict[nn.Module, float] = {}
+    ready: dict[nn.Module, float] = {}
+    starts: list[tuple[nn.Module, float]] = []
     handles = []
-    def pre(mod: nn.Module, _args: object) -> None:
-        starts[mod] = time.perf_counter()
 
-    def post(mod: nn.Module, _args: object, _out: object) -> None:
-        fwd[mod].append(time.perf_counter() - starts[mod])
-        if mod not in order:
-            order.append(mod)
+    def pre(mod: nn.Module, _args: object) -> None:
+        if all(mod is not m for m, _ in starts):
+            starts.append((mod, time.perf_counter()))
 
     for m in mods:
         handles.append(m.register_forward_pre_hook(pre))
-        handles.append(m.register_forward_hook(post))
         for p in m.parameters(recurse=False):
             if p.requires_grad:
                 handles.append(p.register_post_accumulate_grad_hook(
                     lambda p, mod=m: ready.__setitem__(mod, time.perf_counter())))
+    order: list[nn.Module] = []
     try:
         for _ in range(repeats + 1):
             module.zero_grad(set_to_none=True)
             ready.clear()
-            out = module(example)
-            t0 = time.perf_counter()
-            loss(out).backward()
-            prev = t0
-            for m in sorted(ready, key=ready.get):
-                bwd[m].append(ready[m] - prev)
+            starts.clear()
+            t_start = time.perf_counter()
+            value = loss(module(example))
+            t_fwd = time.perf_counter()
+            value.backward()
+            t_end = time.perf_counter()
+            order = [m for m, _ in starts]
+            marks = [t for _, t in starts]
+            marks[0] = t_start
+            for i, m in enumerate(order):
+                fwd[m].append((marks[i + 1] if i + 1 < len(marks) else t_fwd) - marks[i])
+            prev = t_fwd
+            by_ready = sorted(ready, key=ready.get)
+            for j, m in enumerate(by_ready):
+                last = t_end if j == len(by_ready) - 1 else ready[m]
+                bwd[m].append(last - prev)
                 prev = ready[m]
     finally:
         for h in handles:
