@@ -107,6 +107,7 @@ _OP_CODES = {"sum": 1, "avg": 2}
 _SOCKET_BUFFER = 4 << 20
 _OP = "ina/all_reduce"
 _FLAGS_OFFSET = 6  # byte offset of ``flags`` in the header (magic 4, version 1, ptype 1)
+_RETX_BURST = 2  # retransmissions per expiry of the window's timers (see _exchange)
 _COUNT_OFFSET = 28  # byte offset of ``count`` (big-endian uint32)
 _UDP_GRO = getattr(socket, "UDP_GRO", 104)  # linux/udp.h; Python 3.11 lacks the constant
 
@@ -636,8 +637,17 @@ class InaSession:
             if got is None or now > earliest + self.max_rto:
                 now = time.monotonic()
                 fired = False
-                for slot, p in pending.items():
-                    if p.deadline > now:
+                # Oldest first, at most _RETX_BURST per firing: when one peer is late (descheduled on a
+                # busy machine), every chunk of the window expires at once, and resending the whole
+                # window only queues more data behind the data the switch already holds (measured in
+                # the emulated cluster: bursts of whole-window resends, more queueing, more expiries).
+                # The first resends' answers (a STATUS naming the late ranks, or the kept result) tell
+                # which case it is; the others wait one more RTO.
+                expired = sorted((p.chunk, slot) for slot, p in pending.items() if p.deadline <= now)
+                for i, (_, slot) in enumerate(expired):
+                    p = pending[slot]
+                    if i >= _RETX_BURST and now < deadline:
+                        p.deadline = now + self._rto
                         continue
                     fired = True
                     self.counters["timeouts_fired"] += 1
@@ -666,6 +676,10 @@ class InaSession:
                 if p is not None and h.round == rnd and h.seq == p.chunk:
                     p.unanswered = 0  # the switch is alive and waiting for other workers
                     self._missing = self._bitmap_missing(h)
+                    if self.worker_id not in self._missing:
+                        # The switch holds this contribution: only a peer is late. Resending it again
+                        # soon cannot help; resend after max_rto, in case the result is then lost.
+                        p.deadline = max(p.deadline, time.monotonic() + self.max_rto)
                 continue
             if h.ptype == PacketType.ERROR:
                 self._raise_switch_error(h, rnd)
