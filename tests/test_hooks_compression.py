@@ -3,7 +3,7 @@
 References: the uncompressed run (plain DDP), torch's own ``powerSGD_hook`` at equal settings, the
 single-large-batch run (``no_sync``), the same run with another DDP option (``gradient_as_bucket_view``)
 or uninterrupted (checkpoint/restore). Tiny models, few steps, many cases per pool call (DESIGN 8).
-FAULTS rows: 14, 15, 18, 19, 20, 21, 22.
+FAULTS rows: 13, 14, 15, 18, 19, 20, 21, 22.
 """
 
 from __future__ import annotations
@@ -238,6 +238,37 @@ def _body_sparse() -> None:
         register(DDP(model), AllReduceState(compressor=C.TopKCompressor()))
 
 
+def _body_nonfinite_hook() -> None:
+    """FAULTS row 13 through DDP: a NaN gradient on one rank reaches every rank (exact fallback) and
+    leaves residuals as they were; with check_finite=True every rank's backward raises, naming
+    NonFiniteError (DDP wraps asynchronous hook errors in RuntimeError)."""
+    rank = dist.get_rank()
+    for name in ("topk", "powersgd", "onebit"):
+        for check in (False, True):
+            ddp = DDP(_model())
+            state = AllReduceState(algorithm="flat", compressor=_compressors()[name](), check_finite=check)
+            register(ddp, state)
+            for step in range(3):  # PowerSGD starts compressing at step 2
+                x, y = _data(rank, step)
+                ddp.zero_grad()
+                nn.functional.mse_loss(ddp(x), y).backward()
+            before = {k: {n: t.clone() for n, t in d.items()} for k, d in state.feedback.residuals.items()}
+            x, y = _data(rank, 3)
+            if rank == 1:
+                x[0, 0] = float("nan")
+            ddp.zero_grad()
+            loss = nn.functional.mse_loss(ddp(x), y)
+            if check:
+                with pytest.raises(RuntimeError, match="NonFiniteError"):
+                    loss.backward()
+                continue
+            loss.backward()
+            assert torch.isnan(ddp.module.fc1.weight.grad).any(), (name, "NaN must propagate to every rank")
+            for kind, d in state.feedback.residuals.items():
+                for key, t in d.items():
+                    assert torch.equal(t, before[kind][key]), (name, kind, key, "residual changed by a skipped step")
+
+
 # ------------------------------------------------------------------------------------------ tests
 # Stated margins over the uncompressed final loss (25 steps, 2x2): (factor, slack). Casts and
 # quantizers are near-lossless; sparsifiers and PowerSGD lag a little; sign methods (which change the
@@ -297,6 +328,12 @@ def test_gradient_as_bucket_view_and_residual_memory(ranks):
 def test_checkpoint_restore_bit_identical(ranks):
     """FAULTS row 18: restore mid-training continues bit-identically (CPU); weights_only load."""
     ranks(2, _body_checkpoint, timeout=180)
+
+
+def test_nonfinite_through_ddp(ranks):
+    """FAULTS row 13 through the DDP hook: NaN on one rank propagates with residuals untouched;
+    check_finite=True raises on every rank."""
+    ranks(2, _body_nonfinite_hook, timeout=120)
 
 
 def test_sparse_gradients_refused_at_register(ranks):
