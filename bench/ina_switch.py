@@ -50,6 +50,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--partition-size", type=int, default=64, help="slots per job (slot 0 is control)")
     p.add_argument("--job-idle-timeout", type=float, default=300.0,
                    help="seconds after which an idle job's partition is reclaimed")
+    p.add_argument("--send-threads", type=int, default=2,
+                   help="threads that send datagrams (0: the receiving thread sends)")
+    p.add_argument("--recv-threads", type=int, default=1, help="threads that receive datagrams")
     p.add_argument("--bench", default=None, metavar="N[,N...]",
                    help="measure instead of serving: all-reduce with N local worker processes")
     p.add_argument("--size", default="16M", help="bytes of fp32 per all-reduce (--bench)")
@@ -197,7 +200,8 @@ def main(argv: list[str]) -> int:
     if args.bench:
         return _bench(args)
     serve_argv = ["--host", args.host, "--port", str(args.port), "--pool-slots", str(args.pool_slots),
-                  "--partition-size", str(args.partition_size), "--job-idle-timeout", str(args.job_idle_timeout)]
+                  "--partition-size", str(args.partition_size), "--job-idle-timeout", str(args.job_idle_timeout),
+                  "--send-threads", str(args.send_threads), "--recv-threads", str(args.recv_threads)]
     return int(_light_switch_module().serve_main(serve_argv))
 
 

@@ -75,6 +75,7 @@ from .protocol import (
 __all__ = [
     "DEFAULT_POOL_SLOTS",
     "DEFAULT_PARTITION_SIZE",
+    "DEFAULT_RECV_THREADS",
     "DEFAULT_SEND_THREADS",
     "Switch",
     "SwitchProcess",
@@ -86,6 +87,7 @@ __all__ = [
 
 DEFAULT_POOL_SLOTS = 1024
 DEFAULT_SEND_THREADS = 2  # see Switch.serve
+DEFAULT_RECV_THREADS = 1  # see Switch.serve (2 measured slower: more reordering and retransmissions)
 DEFAULT_PARTITION_SIZE = 64  # 1 control slot + 63 data slots: windows up to 63 packets per worker
 _INT32_MIN = -(2**31)
 _INT32_MAX = 2**31 - 1
@@ -232,41 +234,57 @@ class Switch:
         self.sock.close()
 
     def serve(self, should_stop: Callable[[], bool], *, poll: float = 0.2,
-              send_threads: int = DEFAULT_SEND_THREADS) -> None:
+              send_threads: int = DEFAULT_SEND_THREADS, recv_threads: int = DEFAULT_RECV_THREADS) -> None:
         """Handle packets until ``should_stop()`` is true (checked at least every ``poll`` seconds).
 
-        With ``send_threads > 0``, datagrams leave through that many sender threads instead of the
-        receiving thread. Why: most of the switch's CPU time is the kernel's, not Python's: in the
-        emulated cluster each 32 KiB result is fragmented into 23 IP fragments that cross a veth pair,
-        the bridge and two tbf qdiscs, for each of the n workers (measured: about 300 of 400 ms of
-        CPU per 16 MiB all-reduce over 4 workers is system time). ``sendto`` releases the GIL for all
-        of that, so sender threads run it on another core (or, on a busy machine, in their own
-        scheduler share) while the receiving thread goes on parsing and summing. The protocol
-        tolerates the reordering this may cause between results to one worker.
+        Threads. Most of the switch's CPU time is the kernel's, not Python's: in the emulated cluster
+        a 32 KiB datagram is 23 IP fragments, each crossing a veth pair, the bridge and two tbf
+        qdiscs (measured before segmented results: about 300 of 400 ms of CPU per 16 MiB all-reduce
+        over 4 workers was system time, nearly all of it in ``sendto``). System calls release the GIL,
+        so with ``send_threads > 0`` datagrams leave through sender threads, and ``recv_threads``
+        threads receive, each handling its datagram under one lock: the kernel's work runs on the
+        other core (or, on a busy machine, in the threads' own scheduler shares) while one thread
+        parses and sums. The protocol tolerates the reordering this may cause.
         """
-        sock, buf = self.sock, self._buf
-        sock.settimeout(poll)
+        lock = threading.Lock()
+        senders = self._start_senders(send_threads)
+        receivers = [threading.Thread(target=self._receive_loop, args=(should_stop, poll, lock, bytearray(65536)),
+                                      name=f"ina-switch-recv{i + 1}", daemon=True)
+                     for i in range(max(0, recv_threads - 1))]
+        self.sock.settimeout(poll)
+        try:
+            for t in receivers:
+                t.start()
+            self._receive_loop(should_stop, poll, lock, self._buf, housekeeping=True)
+        finally:
+            for t in receivers:
+                t.join(poll + 5.0)
+            self._stop_senders(senders)
+
+    def _receive_loop(self, should_stop: Callable[[], bool], poll: float, lock: threading.Lock,
+                      buf: bytearray, housekeeping: bool = False) -> None:
+        sock = self.sock
         last_housekeeping = time.monotonic()
         handled = 0
-        senders = self._start_senders(send_threads)
-        try:
-            while not should_stop():
-                try:
-                    nbytes, addr = sock.recvfrom_into(buf)
-                except socket.timeout:
-                    self._housekeeping()
+        while not should_stop():
+            try:
+                nbytes, addr = sock.recvfrom_into(buf)
+            except socket.timeout:
+                if housekeeping:
+                    with lock:
+                        self._housekeeping()
                     last_housekeeping = time.monotonic()
-                    continue
-                except OSError:
-                    # ICMP port-unreachable from a worker that went away surfaces here on Linux.
-                    continue
+                continue
+            except OSError:
+                # ICMP port-unreachable from a worker that went away surfaces here on Linux.
+                continue
+            with lock:
                 self.handle(buf, nbytes, addr)
-                handled += 1
-                if handled & 1023 == 0 and time.monotonic() - last_housekeeping > 1.0:
+            handled += 1
+            if housekeeping and handled & 1023 == 0 and time.monotonic() - last_housekeeping > 1.0:
+                with lock:
                     self._housekeeping()
-                    last_housekeeping = time.monotonic()
-        finally:
-            self._stop_senders(senders)
+                last_housekeeping = time.monotonic()
 
     def _start_senders(self, count: int) -> list[threading.Thread]:
         if count <= 0:
@@ -620,6 +638,8 @@ def serve_main(argv: list[str]) -> int:
                    help="seconds after which an idle job's partition is reclaimed")
     p.add_argument("--send-threads", type=int, default=DEFAULT_SEND_THREADS,
                    help="threads that send datagrams (0: the receiving thread sends; see Switch.serve)")
+    p.add_argument("--recv-threads", type=int, default=DEFAULT_RECV_THREADS,
+                   help="threads that receive datagrams (each handles its own under one lock)")
     args = p.parse_args(argv)
     switch = Switch(args.host, args.port, pool_slots=args.pool_slots, partition_size=args.partition_size,
                     job_idle_timeout=args.job_idle_timeout)
@@ -627,7 +647,8 @@ def serve_main(argv: list[str]) -> int:
     print(f"commopt ina switch listening on {host}:{port} (pool {args.pool_slots} slots, "
           f"{switch.num_partitions} partitions of {args.partition_size}, pid {os.getpid()})", flush=True)
     try:
-        switch.serve(lambda: stop["flag"], send_threads=max(0, args.send_threads))
+        switch.serve(lambda: stop["flag"], send_threads=max(0, args.send_threads),
+                     recv_threads=max(1, args.recv_threads))
     finally:
         print(f"commopt ina switch on {host}:{port} stopped: {format_stats(switch.stats())}", flush=True)
         switch.close()
