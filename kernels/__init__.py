@@ -572,9 +572,10 @@ def scatter_add_unpack(
                 f"{op}: payloads[{i}] has {p.numel()} bytes, which no k gives for {value_dtype} values; "
                 "pass the buffers topk_pack returned and the dtype they were packed in (value_dtype=)"
             )
-    return _impl(op, device, backend).scatter_add_unpack(
-        [p.contiguous() for p in payloads], numel, dtype, value_dtype, out
-    )
+    # The payload's int32 header, values and indices are read through typed views, which need the
+    # buffer to start 8-byte aligned; a payload sliced out of a larger buffer at any offset is copied.
+    payloads = [p.contiguous() if p.storage_offset() % 8 == 0 else p.clone() for p in payloads]
+    return _impl(op, device, backend).scatter_add_unpack(payloads, numel, dtype, value_dtype, out)
 
 
 # ---------------------------------------------------------------------------------------------------

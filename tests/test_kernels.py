@@ -589,3 +589,16 @@ def test_cuda_matches_reference():
 
     failures = parity_failures(torch.device("cuda"), sizes=SIZES + (1 << 20,))
     assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_scatter_add_unpack_accepts_payloads_at_any_byte_offset(backend):
+    """Payloads sliced out of a gathered byte buffer start at arbitrary offsets (fp64 values need 8)."""
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(100, generator=gen, dtype=torch.float64)
+    p = K.topk_pack(x, 5)
+    for offset in (1, 3, 4, 8):
+        big = torch.zeros(p.numel() + offset, dtype=torch.uint8)
+        big[offset:] = p
+        got = K.scatter_add_unpack([big[offset:]], 100, dtype=torch.float64, backend=backend)
+        assert torch.equal(got, K.scatter_add_unpack([p], 100, dtype=torch.float64, backend="reference"))
