@@ -25,12 +25,6 @@ from .base import Compressor, Job, Round, all_gather_single, as_bytes, derive_se
 __all__ = ["QuantizeCompressor"]
 
 
-def _has_zero_block(x: torch.Tensor, block: int) -> bool:
-    pad = -x.numel() % block
-    blocks = torch.nn.functional.pad(x.abs(), (0, pad), value=1.0) if pad else x.abs()
-    return bool((blocks.view(-1, block).amax(1) == 0).any())
-
-
 class QuantizeCompressor(Compressor):
     """int8 / int4 block quantization with stochastic rounding, two-shot exchange.
 
@@ -62,14 +56,7 @@ class QuantizeCompressor(Compressor):
         return numel if self.bits == 8 else -(-numel // 2)
 
     def _payload(self, x: torch.Tensor, seed: int, step: int) -> torch.Tensor:
-        backend = None
-        if x.device.type == "cpu" and x.numel() and _has_zero_block(x, self.block):
-            # The numba kernel (kernels/cpu.py at df76ed0) raises ZeroDivisionError on an all-zero
-            # block (an unused parameter, padding) instead of returning scale 0 and codes 0 as
-            # documented; the reference is bit-identical, so such calls use it until that is fixed.
-            backend = "reference"
-        codes, scales = kernels.quantize(x, bits=self.bits, block=self.block, seed=seed, step=step,
-                                         backend=backend)
+        codes, scales = kernels.quantize(x, bits=self.bits, block=self.block, seed=seed, step=step)
         return as_bytes(scales, codes)
 
     def _unpack(self, payload: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:

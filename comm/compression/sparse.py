@@ -114,10 +114,7 @@ class TopKCompressor(Compressor):
             job.sent.copy_(kernels.scatter_add_unpack([payload], d, dtype=x.dtype))
         gathered = payload.new_empty(job.n * payload.numel())
         wait_work(all_gather_single(gathered, payload, group=job.group, async_op=True), job.timeout)
-        # One tensor per payload: a row of the gathered buffer may start at an offset that is not a
-        # multiple of 8, and fp64 values cannot be viewed there.
-        rows = [r.clone() for r in gathered.view(job.n, -1)]
-        job.out.copy_(kernels.scatter_add_unpack(rows, d, dtype=x.dtype))
+        job.out.copy_(kernels.scatter_add_unpack(gathered.view(job.n, -1), d, dtype=x.dtype))
         return (job.n - 1) * payload.numel()
 
     def roundtrip(self, x: torch.Tensor, *, step: int = 0, seed: int = 0, salt: int = 0) -> torch.Tensor:
