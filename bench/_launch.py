@@ -30,7 +30,8 @@ __all__ = ["launch"]
 Body = Callable[[Any], int]
 
 
-def launch(body: Body, args: Any, *, spawn: int = 0, timeout: float = 120.0, single: bool = True) -> int:
+def launch(body: Body, args: Any, *, spawn: int = 0, timeout: float = 120.0, single: bool = True,
+           threads: int = 1) -> int:
     """Run ``body(args)`` on every rank of the world this process belongs to (see module doc).
 
     Args:
@@ -39,9 +40,11 @@ def launch(body: Body, args: Any, *, spawn: int = 0, timeout: float = 120.0, sin
         spawn: start this many local ranks instead of joining an existing world.
         timeout: the process group's timeout in seconds.
         single: allow a world of one process when no launcher is detected (else exit code 2).
+        threads: torch's intra-op threads per rank (1: ranks do not oversubscribe the cores).
     """
+    torch.set_num_threads(threads)
     if spawn:
-        return _spawn(body, args, spawn, timeout)
+        return _spawn(body, args, spawn, timeout, threads)
     mpi = _mpi_world()
     if mpi is not None:
         return _run_mpi(body, args, *mpi, timeout)
@@ -104,9 +107,10 @@ def _run_mpi(body: Body, args: Any, rank: int, size: int, timeout: float) -> int
     return max(codes)
 
 
-def _spawn_main(body: Body, args: Any, rank: int, world: int, store_path: str, timeout: float) -> None:
+def _spawn_main(body: Body, args: Any, rank: int, world: int, store_path: str, timeout: float,
+                threads: int) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # commopt's own ranks stay on loopback (DESIGN 9)
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
                             timeout=timedelta(seconds=timeout))
     try:
@@ -116,13 +120,14 @@ def _spawn_main(body: Body, args: Any, rank: int, world: int, store_path: str, t
     sys.exit(code)
 
 
-def _spawn(body: Body, args: Any, world: int, timeout: float) -> int:
+def _spawn(body: Body, args: Any, world: int, timeout: float, threads: int) -> int:
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="commopt-bench-") as d:
         store = os.path.join(d, "store")
-        procs = [ctx.Process(target=_spawn_main, args=(body, args, r, world, store, timeout), name=f"rank{r}")
+        procs = [ctx.Process(target=_spawn_main, args=(body, args, r, world, store, timeout, threads),
+                             name=f"rank{r}")
                  for r in range(world)]
         for p in procs:
             p.start()

@@ -27,17 +27,16 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import statistics
 import sys
-import tempfile
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ._launch import launch
 
 __all__ = ["main", "HOOKS"]
 
@@ -89,64 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         print(f"commopt-bench ddp: unknown hooks {unknown}; choose from {','.join(HOOKS)}", file=sys.stderr)
         return 2
-    if args.spawn:
-        return _spawn(args)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))
-        return _run_and_shutdown(args)
-    print("commopt-bench ddp: needs several ranks: use --spawn N, torchrun, or commopt-bench cluster",
-          file=sys.stderr)
-    return 2
-
-
-def _run_and_shutdown(args) -> int:
-    from commopt.comm import destroy
-
-    try:
-        return _rank_body(args)
-    finally:
-        destroy()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def _spawn_main(rank: int, world: int, store_path: str, args) -> None:
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # commopt's own ranks stay on loopback (DESIGN 9)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
-                            timeout=timedelta(seconds=args.timeout))
-    sys.exit(_run_and_shutdown(args))
-
-
-def _spawn(args) -> int:
-    import multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    world, args.spawn = args.spawn, 0
-    with tempfile.TemporaryDirectory(prefix="commopt-bench-ddp-") as d:
-        procs = [ctx.Process(target=_spawn_main, args=(r, world, os.path.join(d, "store"), args), name=f"rank{r}")
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-        code = 0
-        try:
-            while any(p.is_alive() for p in procs):
-                for p in procs:
-                    p.join(0.2)
-                    if p.exitcode not in (None, 0):
-                        code = code or p.exitcode
-                if code:
-                    break
-        except KeyboardInterrupt:
-            code = 130
-        finally:
-            for p in procs:
-                if p.is_alive():
-                    p.terminate()
-                p.join(5)
-                if p.is_alive():
-                    p.kill()
-        return code or max(p.exitcode or 0 for p in procs)
+    spawn, args.spawn = args.spawn, 0
+    return launch(_rank_body, args, spawn=spawn, timeout=args.timeout, single=False)
 
 
 # ------------------------------------------------------------------------------------ measuring

@@ -25,14 +25,14 @@ import math
 import os
 import statistics
 import sys
-import tempfile
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+from ._launch import launch
 
 __all__ = ["main", "TinyGPT"]
 
@@ -277,47 +277,7 @@ def _run(args) -> int:
     return 0
 
 
-def _rank_main(rank: int, world: int, store: str, args) -> None:
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world,
-                            timeout=timedelta(seconds=args.timeout))
-    try:
-        code = _run(args)
-    finally:
-        _shutdown()
-    sys.exit(code)
-
-
-def _shutdown() -> None:
-    from commopt.comm import destroy
-
-    destroy()
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    if args.spawn:
-        import multiprocessing as mp
-
-        ctx = mp.get_context("spawn")
-        with tempfile.TemporaryDirectory(prefix="commopt-overlap-") as d:
-            procs = [ctx.Process(target=_rank_main, args=(r, args.spawn, os.path.join(d, "store"), args))
-                     for r in range(args.spawn)]
-            for proc in procs:
-                proc.start()
-            for proc in procs:
-                proc.join()
-            return max(proc.exitcode or 0 for proc in procs)
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        print("commopt-bench overlap: run under `commopt-bench cluster ... --` (or torchrun), or pass --spawn N",
-              file=sys.stderr)
-        return 2
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))
-    try:
-        return _run(args)
-    finally:
-        _shutdown()
+    spawn, args.spawn = args.spawn, 0
+    return launch(_run, args, spawn=spawn, timeout=args.timeout, single=False)
