@@ -582,11 +582,6 @@ def _raw(t: torch.Tensor) -> np.ndarray:
     return t.view(torch.int32).numpy().view(np.uint32)
 
 
-def _plain(t: torch.Tensor) -> bool:
-    """Whether ``t``'s raw memory is its value in row-major order (no lazy conj / neg views)."""
-    return t.is_contiguous() and not t.is_conj() and not t.is_neg()
-
-
 def _run_segments(segments: list[tuple[int, int, int, int]]) -> None:
     # a tensor that already is a view at its place in the buffer (DDP's gradient_as_bucket_view)
     # needs no copy, only its padding
@@ -598,41 +593,12 @@ def _run_segments(segments: list[tuple[int, int, int, int]]) -> None:
              table[:, 2].copy(), table[:, 3].copy(), _COPY_CHUNK)
 
 
-@torch.no_grad()
 def flatten(tensors: Sequence[torch.Tensor], out: torch.Tensor, offsets: Sequence[int]) -> None:
-    size = out.element_size()
-    base = out.data_ptr()
-    segments = []
-    for t, start, end in zip(tensors, offsets, offsets[1:]):
-        n = t.numel()
-        if n and not _plain(t):
-            # strided or lazily conjugated: torch's copy walks the strides; its padding still
-            # goes through the segment table
-            out[start : start + n].view(t.shape).copy_(t)
-            segments.append((0, base + (start + n) * size, 0, (end - start - n) * size))
-        else:
-            src = t.data_ptr() if n else 0
-            segments.append((src, base + start * size, n * size, (end - start - n) * size))
-    tail = out.numel() - offsets[len(tensors)]
-    if tail:
-        segments.append((0, base + offsets[len(tensors)] * size, 0, tail * size))
-    _run_segments(segments)
+    _run_segments(reference.flatten_segments(tensors, out, offsets))
 
 
-@torch.no_grad()
 def unflatten(buffer: torch.Tensor, tensors: Sequence[torch.Tensor], offsets: Sequence[int]) -> None:
-    size = buffer.element_size()
-    base = buffer.data_ptr()
-    segments = []
-    for t, start in zip(tensors, offsets):
-        n = t.numel()
-        if not n:
-            continue
-        if _plain(t):
-            segments.append((base + start * size, t.data_ptr(), n * size, 0))
-        else:
-            t.copy_(buffer[start : start + n].view(t.shape))
-    _run_segments(segments)
+    _run_segments(reference.unflatten_segments(buffer, tensors, offsets))
 
 
 def pack_signs(x: torch.Tensor, block: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:

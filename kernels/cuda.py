@@ -141,42 +141,12 @@ def _run_segments(device: torch.device, segments: list[tuple[int, int, int, int]
     _launch(device, "commopt_copy_segments", int(tasks.sum()), (dev, np.int32(len(segments)), _i64(_COPY_CHUNK)))
 
 
-def _plain(t: torch.Tensor) -> bool:
-    return t.is_contiguous() and not t.is_conj() and not t.is_neg()
-
-
-@torch.no_grad()
 def flatten(tensors: Sequence[torch.Tensor], out: torch.Tensor, offsets: Sequence[int]) -> None:
-    size = out.element_size()
-    base = out.data_ptr()
-    segments = []
-    for t, start, end in zip(tensors, offsets, offsets[1:]):
-        n = t.numel()
-        if n and not _plain(t):
-            out[start : start + n].view(t.shape).copy_(t)
-            segments.append((0, base + (start + n) * size, 0, (end - start - n) * size))
-        else:
-            segments.append((t.data_ptr() if n else 0, base + start * size, n * size, (end - start - n) * size))
-    tail = out.numel() - offsets[len(tensors)]
-    if tail:
-        segments.append((0, base + offsets[len(tensors)] * size, 0, tail * size))
-    _run_segments(out.device, segments)
+    _run_segments(out.device, reference.flatten_segments(tensors, out, offsets))
 
 
-@torch.no_grad()
 def unflatten(buffer: torch.Tensor, tensors: Sequence[torch.Tensor], offsets: Sequence[int]) -> None:
-    size = buffer.element_size()
-    base = buffer.data_ptr()
-    segments = []
-    for t, start in zip(tensors, offsets):
-        n = t.numel()
-        if not n:
-            continue
-        if _plain(t):
-            segments.append((base + start * size, t.data_ptr(), n * size, 0))
-        else:
-            t.copy_(buffer[start : start + n].view(t.shape))
-    _run_segments(buffer.device, segments)
+    _run_segments(buffer.device, reference.unflatten_segments(buffer, tensors, offsets))
 
 
 def permute_chunks(

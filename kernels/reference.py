@@ -345,3 +345,55 @@ def permute_chunks(
     chunks = torch.split(x, list(splits), dim=0)
     torch.cat([chunks[o] for o in order], dim=0, out=out)
     return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# segment tables, shared by the numba and CUDA backends' one-pass copies
+
+
+Segment = tuple  # (source address, destination address, bytes to copy, bytes to zero after it)
+
+
+def plain(t: torch.Tensor) -> bool:
+    """Whether ``t``'s raw memory is its value in row-major order (no lazy conj / neg views)."""
+    return t.is_contiguous() and not t.is_conj() and not t.is_neg()
+
+
+@torch.no_grad()
+def flatten_segments(tensors: Sequence[torch.Tensor], out: torch.Tensor, offsets: Sequence[int]) -> list[Segment]:
+    """The copies and zero-fills of :func:`flatten` as one segment table.
+
+    Strided (or lazily conjugated) tensors are copied here by torch, which walks their strides; their
+    padding still goes through the table.
+    """
+    size = out.element_size()
+    base = out.data_ptr()
+    segments = []
+    for t, start, end in zip(tensors, offsets, offsets[1:]):
+        n = t.numel()
+        if n and not plain(t):
+            out[start : start + n].view(t.shape).copy_(t)
+            segments.append((0, base + (start + n) * size, 0, (end - start - n) * size))
+        else:
+            segments.append((t.data_ptr() if n else 0, base + start * size, n * size, (end - start - n) * size))
+    tail = out.numel() - offsets[len(tensors)]
+    if tail:
+        segments.append((0, base + offsets[len(tensors)] * size, 0, tail * size))
+    return segments
+
+
+@torch.no_grad()
+def unflatten_segments(buffer: torch.Tensor, tensors: Sequence[torch.Tensor], offsets: Sequence[int]) -> list[Segment]:
+    """The copies of :func:`unflatten` as one segment table (strided destinations copied by torch)."""
+    size = buffer.element_size()
+    base = buffer.data_ptr()
+    segments = []
+    for t, start in zip(tensors, offsets):
+        n = t.numel()
+        if not n:
+            continue
+        if plain(t):
+            segments.append((base + start * size, t.data_ptr(), n * size, 0))
+        else:
+            t.copy_(buffer[start : start + n].view(t.shape))
+    return segments
