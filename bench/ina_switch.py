@@ -57,8 +57,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="measure instead of serving: all-reduce with N local worker processes")
     p.add_argument("--size", default="16M", help="bytes of fp32 per all-reduce (--bench)")
     p.add_argument("--iters", type=int, default=5, help="timed all-reduces after one warm-up (--bench)")
-    p.add_argument("--window", type=int, default=16, help="packets in flight per worker (--bench)")
-    p.add_argument("--payload", type=int, default=8192, help="int32 lanes per datagram (--bench)")
+    p.add_argument("--window", type=int, default=8, help="packets in flight per worker (--bench)")
+    p.add_argument("--payload", type=int, default=16000, help="int32 lanes per datagram (--bench)")
     return p
 
 

@@ -34,7 +34,6 @@ from torch.futures import Future
 
 from ..errors import CommError
 from .faults import FaultConfig
-from .protocol import DEFAULT_PAYLOAD_ELEMS
 from .worker import InaSession
 
 __all__ = ["BACKEND_NAME", "InaOptions", "InaProcessGroup", "parse_address", "register_backend"]
@@ -75,8 +74,11 @@ class InaOptions:
     switch: str | tuple[str, int] | None = None
     job_id: int | None = None
     timeout: float | None = None
+    # The backend keeps 16 x 8192-lane packets: with the 8 x 16000 of InaSession's defaults, the DDP
+    # test (tests/test_ina_procs.py) hung in the later gloo phase when run after the other ina tests
+    # (not alone); not understood yet, so the backend stays on the setting that is known good.
     window: int = 16
-    payload_elems: int = DEFAULT_PAYLOAD_ELEMS
+    payload_elems: int = 8192
     max_retries: int = 20
     faults: FaultConfig | None = None
     gloo_hostname: str | None = None

@@ -65,6 +65,7 @@ from .protocol import (
     CTRL_PAYLOAD,
     CTRL_WINDOW,
     DEFAULT_PAYLOAD_ELEMS,
+    DEFAULT_WINDOW,
     DTYPE_BF16,
     DTYPE_FP16,
     DTYPE_FP32,
@@ -213,7 +214,7 @@ class InaSession:
         worker_id: this worker, ``0 <= worker_id < num_workers``.
         num_workers: workers in the job (at most 64).
         window: chunks in flight per worker (capped by the switch's partition size - 1).
-        payload_elems: int32 lanes per datagram (see ``protocol`` for why 8192).
+        payload_elems: int32 lanes per datagram (see ``protocol`` for the default).
         timeout: default seconds a collective may take before :class:`CommTimeoutError`.
         max_retries: retransmissions of one chunk that go unanswered before giving up.
         initial_rto: first retransmission timeout in seconds; adapts to the measured round trip.
@@ -231,7 +232,7 @@ class InaSession:
     """
 
     def __init__(self, address: tuple[str, int], *, job_id: int, worker_id: int, num_workers: int,
-                 window: int = 16, payload_elems: int = DEFAULT_PAYLOAD_ELEMS, timeout: float = 60.0,
+                 window: int = DEFAULT_WINDOW, payload_elems: int = DEFAULT_PAYLOAD_ELEMS, timeout: float = 60.0,
                  max_retries: int = 20, initial_rto: float = 0.2, max_rto: float = 1.0,
                  min_rto: float = 0.05, headroom: int | None = None, faults: FaultConfig | None = None,
                  bind_host: str | None = None, segmented_results: bool = True):
