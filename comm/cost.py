@@ -203,8 +203,10 @@ def _pipeline_time(algorithm: str, nbytes: float, topo: Topology, model: CostMod
         steps = math.ceil(math.log2(local)) if local > 1 else 0
         intra = ia.time(c * steps, steps)
         inter = ea.time(link_bytes("leader", c, topo), 2 * (n - 1)) if n > 1 else 0.0
-    stages = [intra, inter, intra]
-    return sum(stages) + (chunks - 1) * max(stages)
+    # Chunks overlap across levels only: a chunk's reduce-scatter (or reduce) and another chunk's
+    # all-gather (or broadcast) share the intra-node link, so the bottleneck per extra chunk is the
+    # busier of the intra-node link (both intra phases) and the inter-node link.
+    return (intra + inter + intra) + (chunks - 1) * max(2 * intra, inter)
 
 
 def chunks_for(algorithm: str, nbytes: float, topo: Topology, model: CostModel) -> int:
