@@ -104,10 +104,11 @@ def _topology(args):
 
 def _make_hook(name: str, args, topo, model: nn.Module):
     """(state, hook function, bytes-per-step model or None when the engine counts them)."""
-    from commopt.comm import compression as C
-    from commopt.comm.hooks import AllReduceState, allreduce_hook
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as tps
+
+    from commopt.comm import compression as C
+    from commopt.comm.hooks import AllReduceState, allreduce_hook
 
     world = dist.get_world_size()
     shapes = [tuple(p.shape) for p in model.parameters()]

@@ -84,6 +84,7 @@ def _light_switch_module() -> types.ModuleType:
 def _bench_worker(address: tuple[str, int], job_id: int, worker: int, n: int, numel: int, iters: int,
                   window: int, payload: int, queue: Any) -> None:
     import torch
+
     from commopt.comm.ina.worker import InaSession
 
     torch.set_num_threads(1)

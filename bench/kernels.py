@@ -21,8 +21,9 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 
-import commopt.kernels as K
 import torch
+
+import commopt.kernels as K
 
 __all__ = ["main", "parity_failures"]
 

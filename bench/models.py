@@ -9,10 +9,11 @@ import math
 
 import torch
 import torch.distributed as dist
+from torch import nn
+
 from commopt.comm import Topology
 from commopt.comm.alltoall import all_to_all
 from commopt.schedules.pipeline import exchange_compute, permute_rows
-from torch import nn
 
 __all__ = ["MoE", "GPT", "synthetic_tokens"]
 

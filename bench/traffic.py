@@ -41,6 +41,7 @@ def _parser() -> argparse.ArgumentParser:
 def run(args) -> dict:
     """Compute the matrices and their summaries; returns {name: summary}."""
     import torch
+
     from commopt.comm import Topology
     from commopt.schedules.simulator import Schedule, iteration_traffic, traffic_matrix, transformer_layers
 

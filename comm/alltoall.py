@@ -44,6 +44,7 @@ from typing import Union
 
 import torch
 import torch.distributed as dist
+
 from commopt.kernels import permute_chunks
 
 from . import cost

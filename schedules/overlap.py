@@ -47,12 +47,13 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.distributed import ReduceOp
+
 from commopt.comm import cost
 from commopt.comm.collectives import all_reduce, resolve_topology
 from commopt.comm.errors import CommError, CommTimeoutError
 from commopt.comm.topology import Topology
-from torch import nn
-from torch.distributed import ReduceOp
 
 from .plan import BucketPlan, IssuePlan, broadcast_plan, build_buckets
 from .priority import fifo_plan, priority_plan, shape_priority

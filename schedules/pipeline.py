@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from typing import Callable
 
 import torch
+
 from commopt.comm.alltoall import all_to_all, all_to_all_autograd
 from commopt.comm.topology import Topology
 from commopt.kernels import permute_chunks

@@ -28,9 +28,10 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+from torch import nn
+
 from commopt.comm import cost
 from commopt.comm.topology import Topology
-from torch import nn
 
 from .plan import BucketPlan, build_buckets, partition
 from .priority import fifo_plan, priority_plan, shape_priority, simulate_issue

@@ -16,6 +16,7 @@ import random
 import pytest
 import torch
 import torch.distributed as dist
+
 from commopt.comm import Topology, cost
 from commopt.comm.alltoall import (
     all_to_all,

@@ -21,6 +21,7 @@ import threading
 import time
 
 import pytest
+
 from commopt.bench import cluster as cl
 
 __all__: list[str] = []

@@ -14,12 +14,13 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed import ReduceOp
+
 from commopt.comm import Topology
 from commopt.comm import compression as C
 from commopt.comm.collectives import engine
 from commopt.comm.compression import ErrorFeedback
 from commopt.comm.errors import NonFiniteError
-from torch.distributed import ReduceOp
 
 
 def _inputs(world: int, shape: tuple[int, ...], dtype: torch.dtype, salt: int) -> list[torch.Tensor]:

@@ -19,9 +19,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from _pool import RankPool
+from torch.nn.parallel import DistributedDataParallel as DDP
+
 from commopt.comm import Topology, all_reduce, destroy, hooks
 from commopt.comm.errors import CollectiveMismatchError, CommError, CommTimeoutError
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 TIMEOUT = 4.0  # seconds a collective may take before the survivors give up
 SLACK = 10.0  # room for a cold process on 2 busy cores

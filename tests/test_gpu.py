@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+
 from commopt.comm import Topology, all_reduce
 from commopt.comm.engine import Engine, Phase
 

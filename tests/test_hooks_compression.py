@@ -13,12 +13,13 @@ import io
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
 from commopt.comm import Topology
 from commopt.comm import compression as C
 from commopt.comm.collectives import engine
 from commopt.comm.hooks import AllReduceState, allreduce_hook, check_result, register
-from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 IN, HID, OUT = 16, 32, 4
 

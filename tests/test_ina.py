@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+
 from commopt.comm.errors import CollectiveMismatchError, CommTimeoutError, NonFiniteError
 from commopt.comm.ina import (
     FaultConfig,
@@ -526,6 +527,7 @@ def test_backend_switch_address_from_options_or_environment(switch, tmp_path, mo
     """FAULTS row 29 (configuration): init_process_group("ina") takes the switch from InaOptions, or
     from Topology.from_env() (COMMOPT_INA_SWITCH), and says what to do when neither names one."""
     import torch.distributed as dist
+
     from commopt.comm.errors import CommError
     from commopt.comm.ina import InaOptions
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import torch
+
 from commopt.comm.errors import CommTimeoutError
 from commopt.comm.ina import InaSession, SwitchProcess
 
@@ -72,6 +73,7 @@ def _train(backend: str, store_path: str, rank: int, options: Any) -> tuple[list
 def _cycles(tmp: str, rank: int, address: str, cycles: int = 10) -> tuple[int, int]:
     """FAULTS row 30: init("ina") -> all-reduce -> destroy, repeatedly; returns fds (first, last)."""
     import torch.distributed as dist
+
     from commopt.comm.ina import InaOptions
 
     counts = []
@@ -91,6 +93,7 @@ def _adapter(tmp: str, rank: int, address: str) -> list[float]:
     import types
 
     import torch.distributed as dist
+
     from commopt.comm.ina import ina_all_reduce_for
 
     dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tmp, "adapter"), 2), rank=rank,
@@ -260,8 +263,9 @@ def test_killed_worker_survivors_raise_then_next_job(tmp_path):
 @pytest.mark.parametrize("dummy", [0])
 def test_import_registers_backend_idempotently(dummy):
     """FAULTS row 30: importing commopt.comm.ina registers "ina" once; registering again is a no-op."""
-    import commopt.comm.ina as ina
     import torch.distributed as dist
+
+    import commopt.comm.ina as ina
 
     ina.register_backend()
     ina.register_backend()

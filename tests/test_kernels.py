@@ -14,9 +14,10 @@ import shutil
 import subprocess
 from pathlib import Path
 
-import commopt.kernels as K
 import pytest
 import torch
+
+import commopt.kernels as K
 from commopt.kernels import reference
 from commopt.kernels._optional import CUPY, NUMBA
 

@@ -16,6 +16,7 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
+
 from commopt.bench.models import MoE
 from commopt.comm import Topology
 from commopt.schedules.pipeline import chunk_layout, exchange_compute

@@ -16,10 +16,11 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from commopt.comm import Topology, hooks
-from commopt.schedules import OverlapDataParallel, autotune
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+
+from commopt.comm import Topology, hooks
+from commopt.schedules import OverlapDataParallel, autotune
 
 STEPS = 4
 EXACT = 1e-12  # world 2, flat reduction: averaging two values is exact

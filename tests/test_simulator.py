@@ -12,6 +12,8 @@ import itertools
 
 import pytest
 import torch
+from torch import nn
+
 from commopt.comm import Topology, cost
 from commopt.schedules import IssuePlan, build_buckets, fifo_plan, priority_plan
 from commopt.schedules.plan import partition
@@ -27,7 +29,6 @@ from commopt.schedules.simulator import (
     traffic_matrix,
     transformer_layers,
 )
-from torch import nn
 
 KB = 1024
 
