@@ -180,9 +180,13 @@ class Engine:
 
     def _run(self, item: _Op, worker: _Worker) -> None:
         """Worker side: run the item's current phase, then advance it."""
-        if self._closed and item.future.done():
-            return
         phase = item.phases[item.index]
+        if self._closed:
+            # Shut down: queued phases are failed, not run, so no worker starts a new collective
+            # (which could wait for a dead peer) after destroy().
+            self._fail(item, phase, CommError("the comm engine was shut down (commopt.comm.destroy()) before "
+                                              "this phase ran", op=f"{item.op}/{phase.name}", seq=item.seq))
+            return
         if not self._run_phase(item, phase):
             return
         item.index += 1

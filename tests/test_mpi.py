@@ -18,7 +18,7 @@ pytestmark = [
 
 def _mpirun(n: int, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
     return subprocess.run(["mpirun", "-n", str(n), "commopt-bench", "collectives", *args],
-                          capture_output=True, text=True, timeout=timeout)
+                          capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
 
 
 def test_mpirun_collectives_sweep_is_correct():
