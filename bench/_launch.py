@@ -95,6 +95,9 @@ def _run_mpi(body: Body, args: Any, rank: int, size: int, timeout: float) -> int
     try:
         store = dist.FileStore(os.path.join(path, "store"), size)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=size, timeout=timedelta(seconds=timeout))
+        # The group keeps the store alive; without this reference the store is released with the
+        # group, before rank 0 removes its directory below (a FileStore outliving its file can hang).
+        del store
         code = body(args)
         _shutdown()
     except BaseException:  # noqa: BLE001 - any failure must end the whole job (FAULTS row 31)
