@@ -53,12 +53,9 @@ def _rank_main(rank: int, world: int, store_path: str, tasks, results) -> None:
             results.put((rank, "ok", value))
         except BaseException as exc:  # noqa: BLE001 - reported to pytest with the traceback
             results.put((rank, "err", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
-    try:
-        from commopt.comm import destroy
+    from commopt.comm import destroy
 
-        destroy()
-    except ImportError:
-        pass
+    destroy()
     dist.destroy_process_group()
 
 
