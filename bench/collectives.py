@@ -384,7 +384,8 @@ def _rank_body(args) -> int:
 
         m = cost.calibrate(topo)
         log(f"# calibrated: intra alpha={m.intra.alpha * 1e6:.1f} us, {m.intra.bandwidth / 1e9:.3f} GB/s; "
-            f"inter alpha={m.inter.alpha * 1e6:.1f} us, {m.inter.bandwidth / 1e9:.3f} GB/s")
+            f"inter alpha={m.inter.alpha * 1e6:.1f} us, {m.inter.bandwidth / 1e9:.3f} GB/s; "
+            f"pipelining up to {m.chunks} chunk(s)" + ("" if m.chunks > 1 else " (the levels do not overlap here)"))
     if "alltoall" in args.op and args.calibrate and world > 1 and topo.num_nodes > 1:
         from commopt.comm import alltoall as a2a
 

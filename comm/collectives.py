@@ -264,7 +264,8 @@ def _chunk_bounds(numel: int, elem: int, multiple: int, chunks: int) -> list[tup
 
 
 # --------------------------------------------------------------------------------- all-reduce
-def _flat_all_reduce(p: _Prepared, red: ReduceOp, group, topo: Topology | None, timeout) -> torch.futures.Future:
+def _flat_all_reduce(p: _Prepared, red: ReduceOp, group, topo: Topology | None, timeout,
+                     blocking: bool = False) -> torch.futures.Future:
     world = dist.get_world_size(group)
     nbytes = p.flat.numel() * p.flat.element_size()
     engine().count("flat", cost.ALGORITHM_FACTORS["allreduce"](world) * nbytes)
@@ -384,22 +385,25 @@ def _hierarchical_phases(chunk: torch.Tensor, red: ReduceOp, topo: Topology, tim
 
 
 def _pipelined(p: _Prepared, topo: Topology, multiple: int, make_phases, op_name: str,
-               timeout: float | None) -> torch.futures.Future:
+               timeout: float | None, blocking: bool) -> torch.futures.Future:
     """Submit one chain per chunk; chunks whose length is not a multiple of ``multiple`` run on a
-    zero-padded copy (padding of SUM/MAX/MIN with 0 is harmless: padded slots are discarded)."""
+    zero-padded copy (padding of SUM/MAX/MIN with 0 is harmless: padded slots are discarded).
+    A single chunk of a ``blocking`` call may run on the caller's thread (``Engine.submit``)."""
     model = cost.model_for(topo, timeout=timeout)
     flat = p.flat
     fut_list = []
     copies: list[tuple[torch.Tensor, torch.Tensor]] = []
     chunks = cost.chunks_for(op_name, flat.numel() * flat.element_size(), topo, model)
-    for start, end in _chunk_bounds(flat.numel(), flat.element_size(), multiple, chunks):
+    bounds = _chunk_bounds(flat.numel(), flat.element_size(), multiple, chunks)
+    for start, end in bounds:
         piece = flat[start:end]
         if piece.numel() % multiple:
             # kernels.flatten zero-fills the tail up to the alignment: the padding every rank adds.
             padded, _ = kernels.flatten([piece], align=multiple)
             copies.append((piece, padded))
             piece = padded
-        fut_list.append(engine().submit(make_phases(piece), op=op_name, result=None, device=flat.device))
+        fut_list.append(engine().submit(make_phases(piece), op=op_name, result=None, device=flat.device,
+                                        blocking=blocking and len(bounds) == 1))
 
     def finish(_f):
         for dst, src in copies:
@@ -409,9 +413,10 @@ def _pipelined(p: _Prepared, topo: Topology, multiple: int, make_phases, op_name
     return chain(all_of(fut_list, None), finish)
 
 
-def _hierarchical_all_reduce(p: _Prepared, red: ReduceOp, group, topo: Topology, timeout) -> torch.futures.Future:
-    return _pipelined(p, topo, topo.local_size,
-                      lambda chunk: _hierarchical_phases(chunk, red, topo, timeout), "hierarchical", timeout)
+def _hierarchical_all_reduce(p: _Prepared, red: ReduceOp, group, topo: Topology, timeout,
+                             blocking: bool = False) -> torch.futures.Future:
+    return _pipelined(p, topo, topo.local_size, lambda chunk: _hierarchical_phases(chunk, red, topo, timeout),
+                      "hierarchical", timeout, blocking)
 
 
 def _leader_phases(chunk: torch.Tensor, red: ReduceOp, topo: Topology, timeout) -> list[Phase]:
@@ -435,11 +440,14 @@ def _leader_phases(chunk: torch.Tensor, red: ReduceOp, topo: Topology, timeout) 
     return phases
 
 
-def _leader_all_reduce(p: _Prepared, red: ReduceOp, group, topo: Topology, timeout) -> torch.futures.Future:
-    return _pipelined(p, topo, 1, lambda chunk: _leader_phases(chunk, red, topo, timeout), "leader", timeout)
+def _leader_all_reduce(p: _Prepared, red: ReduceOp, group, topo: Topology, timeout,
+                       blocking: bool = False) -> torch.futures.Future:
+    return _pipelined(p, topo, 1, lambda chunk: _leader_phases(chunk, red, topo, timeout), "leader", timeout,
+                      blocking)
 
 
-def _ina_all_reduce(p: _Prepared, red: ReduceOp, group, topo: Topology, timeout) -> torch.futures.Future:
+def _ina_all_reduce(p: _Prepared, red: ReduceOp, group, topo: Topology, timeout,
+                    blocking: bool = False) -> torch.futures.Future:
     from .ina import ina_all_reduce_for  # optional subsystem; imported on use
 
     return ina_all_reduce_for(p, red, group, topo, timeout, finish=_finish)
@@ -527,7 +535,8 @@ def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, *, group=None, topology: T
     nbytes = tensor.numel() * tensor.element_size()
     algo = "flat" if topo is None else select_algorithm("allreduce", algorithm, nbytes, topo, timeout)
     p, red = _prepare(tensor, op_name, world)
-    return _deliver(ALGORITHMS[algo](p, red, group, topo, timeout), async_op, timeout, f"all_reduce/{algo}")
+    fut = ALGORITHMS[algo](p, red, group, topo, timeout, blocking=not async_op)
+    return _deliver(fut, async_op, timeout, f"all_reduce/{algo}")
 
 
 # --------------------------------------------------------------------------------- reduce-scatter
@@ -600,7 +609,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM, *
         Phase("reduce_scatter_inter", lambda: _exchange_reduce_scatter(p.flat, mid, red, rail.rail, timeout),
               rail.rail, (nodes - 1) * n * esize),
     ]
-    fut = engine().submit(phases, op="reduce_scatter/hierarchical", device=input.device)
+    fut = engine().submit(phases, op="reduce_scatter/hierarchical", device=input.device, blocking=not async_op)
     return _deliver(_then_finish(fut, p), async_op, timeout, "reduce_scatter/hierarchical")
 
 
@@ -653,5 +662,5 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, *, group=None, topolog
         p.flat.view(world, n)[order] = gathered.view(world, n)
 
     phases.append(Phase("permute", permute))
-    fut = engine().submit(phases, op="all_gather/hierarchical", device=input.device)
+    fut = engine().submit(phases, op="all_gather/hierarchical", device=input.device, blocking=not async_op)
     return _deliver(_then_finish(fut, p), async_op, timeout, "all_gather/hierarchical")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -79,6 +80,12 @@ class CostModel:
 # 10 Gbit/s NIC between nodes (~50 us, 1.25 GB/s).
 DEFAULT_INTRA = LinkModel(alpha=20e-6, beta=1 / 3e9)
 DEFAULT_INTER = LinkModel(alpha=50e-6, beta=1 / 1.25e9)
+
+# Seconds to hand a phase from one engine worker thread to the next (a queue put and a thread
+# wake-up on a busy host). Charged per phase of a pipelined chunk: on equal levels it makes one chunk
+# (which a blocking call runs on its own thread, with no hand-off) the choice, and it is negligible
+# against the inter-node time that pipelining hides on a real link.
+PHASE_HANDOFF = 0.2e-3
 
 # Seconds per byte of a local copy (the permutes of the 2-D all-to-all): host memory, ~10 GB/s.
 COPY_BETA = 1 / 10e9
@@ -206,7 +213,8 @@ def _pipeline_time(algorithm: str, nbytes: float, topo: Topology, model: CostMod
     # Chunks overlap across levels only: a chunk's reduce-scatter (or reduce) and another chunk's
     # all-gather (or broadcast) share the intra-node link, so the bottleneck per extra chunk is the
     # busier of the intra-node link (both intra phases) and the inter-node link.
-    return (intra + inter + intra) + (chunks - 1) * max(2 * intra, inter)
+    handoffs = 3 * chunks * PHASE_HANDOFF if chunks > 1 else 0.0
+    return (intra + inter + intra) + (chunks - 1) * max(2 * intra, inter) + handoffs
 
 
 def chunks_for(algorithm: str, nbytes: float, topo: Topology, model: CostModel) -> int:
@@ -268,6 +276,26 @@ def _time_allreduce(group, nbytes: int, reps: int, sync_group) -> float | None:
     return sorted(times)[len(times) // 2] if times else None
 
 
+def _time_both(intra, rail, nbytes: int, reps: int, sync_group) -> float | None:
+    """Median time of an intra-node and a rail all-reduce of ``nbytes`` each, issued at once from
+    two threads (the two levels of one pipelined step). None where a level is missing."""
+    if intra is None or rail is None:
+        for _ in range(reps):
+            dist.barrier(group=sync_group)
+        return None
+    a, b = (torch.ones(max(1, nbytes // 4), dtype=torch.float32) for _ in range(2))
+    times = []
+    for _ in range(reps):
+        dist.barrier(group=sync_group)
+        start = time.perf_counter()
+        side = threading.Thread(target=dist.all_reduce, args=(a,), kwargs={"group": intra}, daemon=True)
+        side.start()
+        dist.all_reduce(b, group=rail)
+        side.join()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
 def calibrate(topology: Topology, *, cache_dir: str | os.PathLike | None = None,
               sizes: tuple[int, int] = (64 << 10, 4 << 20), reps: int = 5) -> CostModel:
     """Measure this machine's two levels (about a second) and cache the result per layout.
@@ -278,9 +306,14 @@ def calibrate(topology: Topology, *, cache_dir: str | os.PathLike | None = None,
     Collective over the topology's group: every rank times all-reduces on its intra-node and rail
     groups at two sizes; rank 0's fit is broadcast so that all ranks hold the same model, and rank
     0 writes it to ``~/.cache/commopt`` (or ``cache_dir``).
+
+    It also times both levels at once: pipelining chunks pays only when one level's transfer hides
+    behind the other's. Where the two together take more than the slower one plus half the faster
+    one (loopback: every "link" is the same few cores), the levels share one resource and the model
+    keeps one chunk (``chunks=1``).
     """
     groups = topology.groups("calibrate")
-    levels = {}
+    levels, large = {}, {}
     for name, group, size in (("intra", groups.intra, topology.local_size),
                               ("inter", groups.rail, len(groups.rail_ranks))):
         if size < 2:
@@ -289,11 +322,17 @@ def calibrate(topology: Topology, *, cache_dir: str | os.PathLike | None = None,
         if group is None:
             levels[name] = None
             continue
+        large[name] = times[-1]
         # Every rail is timed at the same time, as in a real hierarchical phase, so one rail's
         # bytes/s is the node link's share: the node link carries local_size times that.
         share = topology.local_size if name == "inter" else 1
         levels[name] = fit(list(sizes), times, messages=2 * (size - 1), bytes_factor=2 * (size - 1) / size * share)
-    model = CostModel(levels["intra"] or DEFAULT_INTRA, levels["inter"] or _inter_default(topology))
+    both = _time_both(groups.intra if topology.local_size > 1 else None,
+                      groups.rail if len(groups.rail_ranks) > 1 else None, sizes[-1], reps, topology.group)
+    chunks = CostModel.chunks
+    if both is not None:
+        chunks = 1 if both > max(large.values()) + 0.5 * min(large.values()) else CostModel.chunks
+    model = CostModel(levels["intra"] or DEFAULT_INTRA, levels["inter"] or _inter_default(topology), chunks)
     model = _broadcast_model(model, topology)
     if topology.rank == 0:
         path = _cache_path(topology, cache_dir)

@@ -114,10 +114,11 @@ class Engine:
         self._calls: dict[str, int] = defaultdict(int)
         self._closed = False
         self._watchdog: _Watchdog | None = None
+        self._inflight = 0  # submitted ops whose future is not yet set
 
     # ----------------------------------------------------------------------------- submission
     def submit(self, phases: list[Phase], *, op: str, result: Any = None,
-               device: torch.device | None = None) -> torch.futures.Future:
+               device: torch.device | None = None, blocking: bool = False) -> torch.futures.Future:
         """Run ``phases`` in order; the returned future completes with ``result`` after the last.
 
         Args:
@@ -125,6 +126,11 @@ class Engine:
             op: the operation's name for profiles, byte counters and errors ("hierarchical").
             result: the value the future completes with (usually the in-place tensor).
             device: the tensors' device; for CUDA, the work is ordered after the current stream.
+            blocking: the caller waits for this future right away and submits nothing meanwhile.
+                When no other op is in flight, a CPU op then runs on the calling thread: every
+                earlier op has completed, so its phases reach each group in the order the queues
+                would give them, without three thread hand-offs (each a scheduler wake-up: about
+                1 ms on a loaded host, 10 % of a 16 MiB hierarchical all-reduce on loopback).
 
         Returns:
             A ``torch.futures.Future`` that completes with ``result`` or fails with a
@@ -140,9 +146,23 @@ class Engine:
             item.device = device
             item.event = torch.cuda.Event()
             item.event.record(torch.cuda.current_stream(device))
-        self._calls[op] += 1
+        with self._lock:
+            self._calls[op] += 1
+            inline = blocking and item.device is None and self._inflight == 0
+            self._inflight += 1
+        if inline:
+            for phase in item.phases:
+                if not self._run_phase(item, phase):
+                    return fut
+            self._finish(item)
+            return fut
         self._advance(item, feeder=_DIRECT, current=None)
         return fut
+
+    def _retire(self) -> None:
+        # Before the future is set, so that a caller woken by it finds the engine idle.
+        with self._lock:
+            self._inflight -= 1
 
     def _advance(self, item: _Op, feeder: str, current: _Worker | None) -> None:
         """Hand ``item``'s next phase to its group's queue, or run inline phases right here."""
@@ -209,11 +229,13 @@ class Engine:
 
     def _finish(self, item: _Op) -> None:
         if not item.future.done():
+            self._retire()
             item.future.set_result(item.result)
 
     def _fail(self, item: _Op, phase: Phase, exc: BaseException) -> None:
         if item.future.done():
             return
+        self._retire()
         item.future.set_exception(wrap_error(exc, op=f"{item.op}/{phase.name}", seq=item.seq,
                                              rank=item.rank))
 
@@ -330,10 +352,12 @@ class _Watchdog:
 
 
 def _group_name(group) -> str:
+    """The queue's name, which is also its identity as a feeder: unique per group."""
     try:
-        return f"pg{dist.distributed_c10d._get_process_group_name(group)}"
-    except (AttributeError, KeyError, RuntimeError):
-        return f"pg{id(group):x}"
+        name = dist.distributed_c10d._get_process_group_name(group)
+    except (AttributeError, KeyError, RuntimeError, TypeError):
+        name = "None"
+    return f"pg{name}" if name != "None" else f"pg{id(group):x}"  # "None": not a registered group
 
 
 def _is_timeout(exc: BaseException) -> bool:

@@ -192,7 +192,9 @@ def test_group_of_size_one(ranks):
 
 
 def _in_flight():
-    """Eight async hierarchical all-reduces of different sizes in flight, plus leader and RS/AG."""
+    """Eight async hierarchical all-reduces of different sizes in flight, plus leader and RS/AG, and
+    blocking calls among them: a blocking call runs on the caller's thread only when the engine is
+    idle (Engine.submit), so one issued while others are queued must wait its turn."""
     rank, world = dist.get_rank(), dist.get_world_size()
     topo = Topology.from_spec("2x2")
     sizes = [1, 70_001, 3, 300_000, 17, 150_000, 5, 90_000]
@@ -206,11 +208,18 @@ def _in_flight():
             ag_out = torch.empty(world * 1000)
             futs.append(all_gather(ag_out, torch.full((1000,), float(rank)), topology=topo,
                                    algorithm="hierarchical", async_op=True))
+        if i in (2, 6):
+            busy = torch.full((50_001,), float(rank * i))
+            all_reduce(busy, topology=topo, algorithm="hierarchical")
+            assert torch.equal(busy, torch.full((50_001,), float(i * sum(range(world))))), f"blocking call {i}"
     torch.futures.wait_all(futs)
     for i, (n, t) in enumerate(zip(sizes, tensors)):
         expected = sum(r + 1 + i for r in range(world))
         assert torch.equal(t, torch.full((n,), float(expected))), f"op {i} crossed another op's data"
     assert torch.equal(ag_out, torch.arange(world).repeat_interleave(1000).float())
+    idle = torch.full((9,), float(rank))
+    assert all_reduce(idle, topology=topo, algorithm="hierarchical") is idle
+    assert torch.equal(idle, torch.full((9,), float(sum(range(world)))))
     return True
 
 
