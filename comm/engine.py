@@ -186,6 +186,11 @@ class Engine:
 
     def _worker(self, key, name: str, feeder: str) -> _Worker:
         with self._lock:
+            if self._closed:
+                # A phase that completed after shutdown() must not start a worker for its successor:
+                # nothing would ever stop that thread (shutdown has already signalled the others).
+                raise CommError("the comm engine was shut down (commopt.comm.destroy()) before this phase "
+                                "could be queued", op=name)
             w = self._workers.get(key)
             if w is None:
                 w = self._workers[key] = _Worker(self, key, name)

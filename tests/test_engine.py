@@ -71,3 +71,25 @@ def test_a_queue_fed_by_two_queues_is_refused():
             engine.submit([Phase("y", lambda: None, b), Phase("z", lambda: None, c)], op="t").wait()
     finally:
         engine.shutdown()
+
+
+def test_a_phase_finishing_after_shutdown_starts_no_thread():
+    """FAULTS row 5 (a peer died mid 2-D all-to-all): the survivors' intra-node phase completes after
+    destroy(); its successor must fail instead of starting a worker that nothing would stop."""
+    engine = Engine()
+    a, b = _Key(), _Key()
+    gate, started = threading.Event(), threading.Event()
+
+    def intra():
+        started.set()
+        gate.wait()
+
+    fut = engine.submit([Phase("intra", intra, a), Phase("inter", lambda: None, b)], op="t")
+    assert started.wait(5)
+    engine.shutdown(timeout=0.2)  # phase "intra" is still running
+    gate.set()
+    with pytest.raises(Exception, match="shut down"):
+        fut.wait()
+    for t in engine.threads() + [t for t in threading.enumerate() if t.name.startswith("commopt-engine-pg")]:
+        t.join(5)
+        assert not t.is_alive(), t.name
