@@ -308,9 +308,9 @@ def calibrate(topology: Topology, *, cache_dir: str | os.PathLike | None = None,
     0 writes it to ``~/.cache/commopt`` (or ``cache_dir``).
 
     It also times both levels at once: pipelining chunks pays only when one level's transfer hides
-    behind the other's. Where the two together take more than the slower one plus half the faster
-    one (loopback: every "link" is the same few cores), the levels share one resource and the model
-    keeps one chunk (``chunks=1``).
+    behind the other's. Where the levels take comparable times alone (within 5x) and together more
+    than the slower one plus half the faster one (loopback: every "link" is the same few cores), they
+    share one resource and the model keeps one chunk (``chunks=1``).
     """
     groups = topology.groups("calibrate")
     levels, large = {}, {}
@@ -330,8 +330,11 @@ def calibrate(topology: Topology, *, cache_dir: str | os.PathLike | None = None,
     both = _time_both(groups.intra if topology.local_size > 1 else None,
                       groups.rail if len(groups.rail_ranks) > 1 else None, sizes[-1], reps, topology.group)
     chunks = CostModel.chunks
-    if both is not None:
-        chunks = 1 if both > max(large.values()) + 0.5 * min(large.values()) else CostModel.chunks
+    slow, fast = max(large.values(), default=0.0), min(large.values(), default=0.0)
+    # Judged only on comparable levels: next to a level ten times slower, the fast one's time is
+    # within the slow one's noise (and pipelining there costs little).
+    if both is not None and fast >= 0.2 * slow and both > slow + 0.5 * fast:
+        chunks = 1
     model = CostModel(levels["intra"] or DEFAULT_INTRA, levels["inter"] or _inter_default(topology), chunks)
     model = _broadcast_model(model, topology)
     if topology.rank == 0:
