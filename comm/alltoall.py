@@ -284,7 +284,7 @@ def _part(rows: int, c: int, chunks: int) -> int:
 
 
 def _two_d(out_work: torch.Tensor, src: torch.Tensor, args: _Args, p: _Prepared, topo: Topology, chunks: int,
-           timeout) -> torch.futures.Future:
+           timeout, blocking: bool = False) -> torch.futures.Future:
     """Submit the 2-D phases; see the module docstring for why each exists."""
     nodes, world = topo.nodes, topo.world_size
     n_nodes, local = topo.num_nodes, topo.local_size
@@ -388,7 +388,8 @@ def _two_d(out_work: torch.Tensor, src: torch.Tensor, args: _Args, p: _Prepared,
         ]
         if not recv_direct:
             phases.append(Phase("scatter", lambda r=r, c=c: scatter(r, c)))
-        futures.append(engine().submit(phases, op=f"{_NAME}/2d", device=src.device))
+        futures.append(engine().submit(phases, op=f"{_NAME}/2d", device=src.device,
+                                       blocking=blocking and chunks == 1))
     return _then_finish(all_of(futures, None), p)
 
 
@@ -484,7 +485,7 @@ def all_to_all(output: torch.Tensor | None, input: torch.Tensor, *, in_splits: S
             if agreed_bytes is None:
                 agreed_bytes = _mean_bytes(input, group, world, timeout)
             chunks = cost.alltoall_chunks(agreed_bytes, topo, cost.model_for(topo, timeout=timeout))
-        fut = _two_d(out_work, src, args, p, topo, chunks, timeout)
+        fut = _two_d(out_work, src, args, p, topo, chunks, timeout, blocking=not async_op)
     return _deliver(fut, async_op, timeout, f"{_NAME}/{algo}")
 
 

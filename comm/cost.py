@@ -187,7 +187,8 @@ def _alltoall_2d(nbytes: float, topo: Topology, model: CostModel, chunks: int) -
     c = nbytes / chunks
     intra = model.intra.time((local - 1) / local * c, local - 1) + c * COPY_BETA if local > 1 else 0.0
     inter = model.inter.time(link_bytes("2d", c, topo, "alltoall"), n - 1) if n > 1 else 0.0
-    return 2 * nbytes * COPY_BETA + intra + inter + (chunks - 1) * max(intra, inter)
+    handoffs = 2 * chunks * PHASE_HANDOFF if chunks > 1 else 0.0  # a blocking single chunk runs inline
+    return 2 * nbytes * COPY_BETA + intra + inter + (chunks - 1) * max(intra, inter) + handoffs
 
 
 def alltoall_chunks(nbytes: float, topo: Topology, model: CostModel) -> int:
