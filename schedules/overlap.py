@@ -24,6 +24,25 @@ The training loop has no ``optimizer.step()``: ``loss = f(odp(x)); loss.backward
 Gradient accumulation: run the first micro-batches under ``with odp.no_sync():``. ``synchronize()``
 waits for the pending step (before evaluation, checkpointing or reading parameters directly).
 
+Partition and credit, unless given: chosen from the alpha-beta model of the link the chunks cross
+(``comm.cost.model_for(topology)``: the inter-node level on more than one node, else the intra-node
+one), by :func:`~commopt.schedules.priority.partition_for` (the smallest power of two ``P`` with
+``P >= 9 alpha / beta``, i.e. latency at most ~10 % of a chunk's time, clamped to [256 KiB, 16 MiB]
+and to the largest bucket) and :func:`~commopt.schedules.priority.credit_for` (two chunks or the
+bandwidth-delay product ``alpha / beta``, the larger). The model is broadcast from rank 0, so every
+rank gets the same numbers. A re-plan applies the same rule to rank 0's fit of its profiled chunk
+times (:meth:`StepProfile.service_fit`, when chunks of two sizes or more were measured and the fit
+found a per-byte cost) and broadcasts the result with the plan; local timings never decide
+anything on their own rank (DESIGN 2, rule 2). ``partition_bytes`` and ``credit_bytes`` give the
+numbers in use; the choice is logged (``logging``, this module's logger, INFO).
+
+Checkpointing: the optimizer is one per bucket, so there is no single ``optimizer.state_dict()``.
+``optimizer_state_dict()`` returns the state of all of them keyed by parameter *name* (with the
+parameter shapes and each parameter's hyperparameters), which ``load_optimizer_state_dict()`` loads
+into a wrapper of the same model built with any bucket caps; it survives ``torch.save`` /
+``torch.load(weights_only=True)``. Save ``odp.module.state_dict()`` beside it. Compressor error
+feedback is not part of it (a resumed compressed run restarts its residuals from zero).
+
 Assumptions, as in ByteScheduler: a module's forward reads its own parameters (a forward that reads
 another module's parameters functionally should call ``synchronize()`` first); gradient clipping by
 global norm is not available (each bucket steps on its own); parameters without a gradient in a
@@ -56,12 +75,14 @@ from commopt.comm.errors import CommError, CommTimeoutError
 from commopt.comm.topology import Topology
 
 from .plan import BucketPlan, IssuePlan, broadcast_plan, build_buckets
-from .priority import fifo_plan, priority_plan, shape_priority
+from .priority import credit_for, fifo_plan, partition_for, priority_plan, shape_priority
 
 __all__ = ["OverlapDataParallel", "StepProfile"]
 
 _MB = 1024 * 1024
 _log = logging.getLogger(__name__)
+_CKPT_FORMAT = "commopt.OverlapDataParallel.optimizer/1"
+_FIT_BETA_FLOOR = 1e-15  # cost.fit clamps beta here when the data show no per-byte cost
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
@@ -134,8 +155,13 @@ class OverlapDataParallel(nn.Module):
         first_bucket_cap_mb: cap of the first bucket (small, so reduction starts early in backward).
         plan: "priority" (partition, next-forward priority, credit) or "fifo" (ready order, whole
             buckets, no credit: DDP's order, still overlapped with the next forward).
-        partition_mb: chunk size of the priority plan in MiB (None: 1 MiB).
-        credit_mb: the most MiB in flight (None: 4 x the partition; 0: unbounded).
+        partition_mb: chunk size of the priority plan in MiB (None: chosen from the cost model of
+            the topology, then from rank 0's profile at each re-plan; see the module docstring;
+            0: whole buckets).
+        credit_mb: the most MiB in flight (None: two chunks or the link's bandwidth-delay product,
+            whichever is larger, from the same model and, at each re-plan, from rank 0's profile;
+            0: unbounded). ``partition_bytes`` / ``credit_bytes`` give the values in use and
+            ``link_model`` the model they were first chosen from.
         replan_every: re-plan from rank 0's profile after the first step and then every so many
             steps (0: keep the shape-only plan).
         process_group: the group to train over (None: WORLD). A private copy of it carries the
@@ -205,9 +231,21 @@ class OverlapDataParallel(nn.Module):
         device = self._params[0].device if self._params else torch.device("cpu")
         self._buffers = [torch.zeros(b.numel, dtype=b.dtype, device=device) for b in self.buckets.buckets]
         self.optimizers = [optimizer_factory([self._params[i] for i in b.params]) for b in self.buckets.buckets]
+        # The user's fixed values (None: chosen from the link model, and again at each re-plan).
+        self._user_partition = None if partition_mb is None else int(partition_mb * _MB)
+        self._user_credit = None if credit_mb is None else int(credit_mb * _MB)
+        self.link_model: cost.LinkModel | None = None  # the model the sizes were chosen from, if any
         if plan == "priority" and compressor is None:
-            part = int((1.0 if partition_mb is None else partition_mb) * _MB)
-            credit = int((4 * part / _MB if credit_mb is None else credit_mb) * _MB)
+            if self._user_partition is None or self._user_credit is None:
+                self.link_model, where = self._model_link()
+                part, credit = self._sizes(self.link_model)
+                _log.info("commopt overlap: partition %d B%s, credit %d B%s, from the cost model of the %s "
+                          "(alpha %.3g s, beta %.3g s/B, %.4g Gbit/s)", part,
+                          "" if self._user_partition is None else " (given)", credit,
+                          "" if self._user_credit is None else " (given)", where, self.link_model.alpha,
+                          self.link_model.beta, 8e-9 / self.link_model.beta if self.link_model.beta > 0 else 0.0)
+            else:
+                part, credit = self._user_partition, self._user_credit
         else:
             part, credit = 0, 0
         self._partition, self._credit = part, credit
@@ -299,6 +337,130 @@ class OverlapDataParallel(nn.Module):
                     dist.destroy_process_group(self._group)
                 self._group = None
 
+    @property
+    def partition_bytes(self) -> int:
+        """The chunk size of the plan in use, in bytes (0: whole buckets; always 0 for ``plan="fifo"``
+        and with a compressor). Identical on every rank."""
+        return self.issue_plan.partition
+
+    @property
+    def credit_bytes(self) -> int:
+        """The most bytes in flight under the plan in use (0: unbounded). Identical on every rank."""
+        return self.issue_plan.credit
+
+    def optimizer_state_dict(self) -> dict:
+        """The state of every bucket's optimizer, keyed by parameter name, for a checkpoint.
+
+        Waits for the pending step first (``synchronize()``), so no update is half applied. The
+        result does not depend on the bucket layout: it loads into a wrapper of the same model built
+        with other bucket caps. Like torch's ``Optimizer.state_dict()``, its tensors are the live
+        state (save it, or copy it, before training on). Holds only tensors, numbers, strings,
+        lists, tuples and dicts, so ``torch.load(..., weights_only=True)`` reads it back.
+
+        Returns:
+            ``{"format", "shapes": {name: [dims]}, "state": {name: {key: value}},
+            "param_groups": [{hyperparameter: value, ..., "params": [names]}]}`` (one group per
+            bucket optimizer's group; parameters without state yet have no ``state`` entry).
+        """
+        self.synchronize()
+        name_of = self._name_of()
+        state: dict[str, dict] = {}
+        groups: list[dict] = []
+        for opt in self.optimizers:
+            sd = opt.state_dict()
+            # torch numbers parameters group by group in param_groups order: zip the two to name them.
+            for saved, live in zip(sd["param_groups"], opt.param_groups):
+                names = []
+                for pid, p in zip(saved["params"], live["params"]):
+                    name = name_of.get(id(p))
+                    if name is None:
+                        raise ValueError("optimizer_state_dict: a bucket optimizer holds a parameter that is not "
+                                         "one of the module's trainable parameters; the optimizer factory must "
+                                         "optimize exactly the parameters it is given")
+                    names.append(name)
+                    if pid in sd["state"]:
+                        state[name] = sd["state"][pid]
+                groups.append({**{k: v for k, v in saved.items() if k not in ("params", "param_names")},
+                               "params": names})
+        return {"format": _CKPT_FORMAT, "shapes": {k: list(p.shape) for k, p in zip(self._keys, self._params)},
+                "state": state, "param_groups": groups}
+
+    def load_optimizer_state_dict(self, state_dict: dict) -> None:
+        """Load what :meth:`optimizer_state_dict` returned (possibly by a wrapper with other buckets).
+
+        Waits for the pending step first. Every check runs before anything is changed: the
+        checkpoint must name exactly this wrapper's trainable parameters with the same shapes
+        (``ValueError`` naming the first parameter that differs otherwise), and parameters that
+        share an optimizer group here must have had the same hyperparameters. Hyperparameters (a
+        learning rate a scheduler changed, say) are restored per parameter, the state is copied (the
+        checkpoint stays independent of this wrapper) and cast to each parameter's dtype and device
+        as torch's ``Optimizer.load_state_dict`` does.
+
+        Args:
+            state_dict: the checkpoint, e.g. ``torch.load(path, weights_only=True)["optimizer"]``.
+        """
+        self.synchronize()
+        if not isinstance(state_dict, dict) or state_dict.get("format") != _CKPT_FORMAT:
+            fmt = state_dict.get("format") if isinstance(state_dict, dict) else type(state_dict).__name__
+            raise ValueError(f"load_optimizer_state_dict: not a checkpoint of "
+                             f"OverlapDataParallel.optimizer_state_dict() (format {fmt!r}, expected "
+                             f"{_CKPT_FORMAT!r}); a plain optimizer's state_dict "
+                             f"cannot be loaded, as its parameters are numbered, not named")
+        shapes = state_dict["shapes"]
+        mine = {k: tuple(p.shape) for k, p in zip(self._keys, self._params)}
+        missing = [k for k in self._keys if k not in shapes]
+        if missing:
+            raise ValueError(f"load_optimizer_state_dict: parameter {missing[0]!r} is not in the checkpoint "
+                             f"(missing: {missing}); it was saved from a different model")
+        unexpected = [k for k in shapes if k not in mine]
+        if unexpected:
+            raise ValueError(f"load_optimizer_state_dict: the checkpoint has parameter {unexpected[0]!r}, which this "
+                             f"model lacks (unexpected: {unexpected}); it was saved from a different model")
+        for k in self._keys:
+            if tuple(shapes[k]) != mine[k]:
+                raise ValueError(f"load_optimizer_state_dict: parameter {k!r} has shape {tuple(shapes[k])} in the "
+                                 f"checkpoint but {mine[k]} in this model")
+        saved_state = state_dict["state"]
+        extra = [k for k in saved_state if k not in mine]
+        if extra:
+            raise ValueError(f"load_optimizer_state_dict: the checkpoint has optimizer state for {extra[0]!r}, "
+                             f"which this model lacks")
+        hyper: dict[str, dict] = {}
+        for g in state_dict["param_groups"]:
+            h = {k: v for k, v in g.items() if k != "params"}
+            for name in g["params"]:
+                hyper[name] = h
+        no_hyper = [k for k in self._keys if k not in hyper]
+        if no_hyper:
+            raise ValueError(f"load_optimizer_state_dict: parameter {no_hyper[0]!r} is in no parameter group "
+                             f"of the checkpoint")
+        name_of = self._name_of()
+        loads = []
+        for opt in self.optimizers:
+            groups, st, pid = [], {}, 0
+            for live in opt.param_groups:
+                names = [name_of[id(p)] for p in live["params"]]
+                h0 = hyper[names[0]] if names else {k: v for k, v in live.items()
+                                                    if k not in ("params", "param_names")}
+                for n in names[1:]:
+                    if not _same_hyper(hyper[n], h0):
+                        raise ValueError(f"load_optimizer_state_dict: parameters {names[0]!r} and {n!r} share an "
+                                         f"optimizer group here but had different hyperparameters in the checkpoint; "
+                                         f"build the optimizers with the same grouping")
+                ids = []
+                for n in names:
+                    if n in saved_state:
+                        st[pid] = _clone(saved_state[n])
+                    ids.append(pid)
+                    pid += 1
+                groups.append({**h0, "params": ids})
+            loads.append((opt, {"state": st, "param_groups": groups}))
+        for opt, sd in loads:
+            opt.load_state_dict(sd)
+
+    def _name_of(self) -> dict[int, str]:
+        return {id(p): k for p, k in zip(self._params, self._keys)}
+
     def stats(self) -> dict:
         """Steps, the current plan's chunk count, partition, credit and the most bytes seen in flight."""
         return {"steps": self._steps, "chunks": len(self.issue_plan.chunks), "buckets": len(self.buckets.buckets),
@@ -306,6 +468,29 @@ class OverlapDataParallel(nn.Module):
                 "max_in_flight": self.max_in_flight}
 
     # ----------------------------------------------------------------------------- setup
+    def _model_link(self) -> tuple[cost.LinkModel, str]:
+        """The link level chunks cross, from the model every rank shares (rank 0's, broadcast)."""
+        if not self._distributed:
+            return cost.DEFAULT_INTRA, "intra-node defaults (one process: nothing is sent)"
+        topo = self._topology
+        if topo is None:  # flat without a topology: detect one for the model (collective, as all ranks construct)
+            topo = resolve_topology(None, self._process_group, self.timeout)
+        model = cost.model_for(topo, timeout=self.timeout)
+        if topo.num_nodes > 1:
+            return model.inter, f"inter-node link ({topo!r})"
+        return model.intra, f"intra-node link (one node, {topo!r})"
+
+    def _sizes(self, link: cost.LinkModel) -> tuple[int, int]:
+        """Partition and credit from ``link``; values the user fixed are kept."""
+        largest = max((b.nbytes for b in self.buckets.buckets), default=0)
+        part = self._user_partition
+        if part is None:
+            part = partition_for(link, largest_bucket=largest)
+        credit = self._user_credit
+        if credit is None:
+            credit = credit_for(link, min(part, largest) if part else largest)
+        return part, credit
+
     def _warm_up(self) -> None:
         """One synchronous reduction of every distinct chunk size on this thread, so that topology
         detection, the cost model's broadcast and the derived groups (all collective on the
@@ -318,6 +503,16 @@ class OverlapDataParallel(nn.Module):
             t = torch.zeros(numel, dtype=dtype, device=self._buffers[0].device)
             all_reduce(t, ReduceOp.SUM, group=self._group, topology=self._topology, algorithm=self.algorithm,
                        timeout=self.timeout)
+        # A re-plan may change the partition, and "auto" may pick another algorithm for the new chunk
+        # sizes: create every candidate's derived groups now, not later on the issuer thread.
+        topo = self._topology
+        if (self.algorithm == "auto" and self._user_partition is None and self.plan_kind == "priority"
+                and self.compressor is None and self.replan_every and topo is not None
+                and 1 < topo.num_nodes < topo.world_size):
+            dtype = self.buckets.buckets[0].dtype if self.buckets.buckets else torch.float32
+            for algo in ("flat", "leader", "hierarchical") if topo.is_uniform else ("flat", "leader"):
+                t = torch.zeros(self.buckets.align, dtype=dtype, device=self._buffers[0].device)
+                all_reduce(t, ReduceOp.SUM, group=self._group, topology=topo, algorithm=algo, timeout=self.timeout)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -468,6 +663,11 @@ class OverlapDataParallel(nn.Module):
             mine = self._plan_from(prev)
         new = broadcast_plan(mine, self.buckets, src=self._src, group=self._group) if self._distributed else mine
         self.issue_plan = step.issue = new
+        if self.plan_kind == "priority" and (new.partition, new.credit) != (self._partition, self._credit):
+            _log.info("commopt overlap: step %d: partition %d B, credit %d B (was %d B, %d B), from rank 0's "
+                      "profile", step.index, new.partition, new.credit, self._partition, self._credit)
+        # The broadcast values, so that every rank holds the same ones (rank 0 plans with them next).
+        self._partition, self._credit = new.partition, new.credit
         _log.debug("commopt overlap: step %d re-planned: %d chunks, partition %d B, credit %d B", step.index,
                     len(new.chunks), new.partition, new.credit)
 
@@ -480,9 +680,18 @@ class OverlapDataParallel(nn.Module):
         link = prof.service_fit()
         if link is None:
             return self.issue_plan
+        part, credit = self._partition, self._credit
+        # Only re-choose from a real fit: one chunk size gives no latency term (alpha = 0), and a fit
+        # at cost.fit's floor of beta found no per-byte cost at all (noise: small chunks as slow as
+        # large ones), which would make the bandwidth-delay product, and the credit, unbounded.
+        measured = len(set(prof.nbytes)) >= 2 and link.beta > _FIT_BETA_FLOOR
+        if (self._user_partition is None or self._user_credit is None) and measured:
+            part, credit = self._sizes(link)
+            _log.debug("commopt overlap: profiled link alpha %.3g s, beta %.3g s/B -> partition %d B, credit %d B",
+                       link.alpha, link.beta, part, credit)
         prio = shape_priority(self.buckets, self._first_use or None)
         return priority_plan(self.buckets, ready_times=ready, service=lambda n: link.time(n),
-                             partition_bytes=self._partition, credit=self._credit, priority=prio)
+                             partition_bytes=part, credit=credit, priority=prio)
 
     def _issue_step(self, step: _Step) -> None:
         issue = step.issue
@@ -592,3 +801,30 @@ class OverlapDataParallel(nn.Module):
         self.optimizers[b].step()
         for p in params:
             p.grad = None
+
+
+def _clone(value: Any) -> Any:
+    """A copy of a piece of optimizer state: tensors cloned, containers rebuilt, the rest shared."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {k: _clone(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_clone(v) for v in value)
+    return value
+
+
+def _same_hyper(a: dict, b: dict) -> bool:
+    """Equal hyperparameter dicts (tensor values, such as a tensor learning rate, compared by value)."""
+    if a is b:
+        return True
+    if a.keys() != b.keys():
+        return False
+    for k in a:
+        x, y = a[k], b[k]
+        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+            if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and torch.equal(x, y)):
+                return False
+        elif x != y:
+            return False
+    return True

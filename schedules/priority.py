@@ -12,16 +12,93 @@ rule 2). Here the policy runs once, as a small discrete-event simulation over sh
 (profiled on one rank), and its output is an :class:`~commopt.schedules.plan.IssuePlan`: a fixed
 order that every rank then follows, waiting for a chunk's bucket when it is not yet ready locally.
 Misestimated timings cost idle time, never a mismatch.
+
+The partition and the credit themselves come from the link's alpha-beta model when the user does
+not fix them (:func:`partition_for`, :func:`credit_for`): the smallest chunk whose per-message
+latency is at most a tenth of its transfer time, and enough bytes in flight to keep about two chunks
+on the wire or fill the link's bandwidth-delay product. Both are pure functions of the model, so
+ranks that share the model (``comm.cost.model_for`` broadcasts it) or the plan (a re-plan from rank
+0's profile is broadcast with its partition and credit) get the same numbers.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Callable
 
+from commopt.comm.cost import LinkModel
+
 from .plan import BucketPlan, Chunk, IssuePlan, partition
 
-__all__ = ["fifo_plan", "priority_plan", "simulate_issue", "shape_priority", "IssueTimeline"]
+__all__ = ["fifo_plan", "priority_plan", "simulate_issue", "shape_priority", "IssueTimeline", "partition_for",
+           "credit_for", "MIN_PARTITION", "MAX_PARTITION"]
+
+MIN_PARTITION = 256 * 1024  # below this, per-chunk overheads of the engine and the backend dominate
+MAX_PARTITION = 16 * 1024 * 1024  # above this, an urgent chunk waits too long behind a large one
+
+
+def partition_for(link: LinkModel, *, largest_bucket: int | None = None, latency_share: float = 0.1,
+                  bounds: tuple[int, int] = (MIN_PARTITION, MAX_PARTITION)) -> int:
+    """The chunk size for ``link``: the smallest whose latency is at most ``latency_share`` of its time.
+
+    A chunk of ``P`` bytes costs ``alpha + P * beta``; its latency is at most the share ``f`` of that
+    when ``P >= (1 - f) / f * alpha / beta`` (``9 alpha / beta`` for 10 %). Smaller chunks give the
+    priority order finer control but pay more latency; larger ones make urgent chunks wait. The
+    bound is rounded up to a power of two, clamped to ``bounds``, then to the largest bucket (a
+    partition at least as large as every bucket keeps buckets whole).
+
+    Args:
+        link: the alpha-beta model of the link the chunks cross (``comm.cost``, or a fit of
+            profiled chunk times).
+        largest_bucket: bytes of the largest bucket (None: no such clamp).
+        latency_share: the largest share of a chunk's time its latency may take, in (0, 1).
+        bounds: the smallest and largest partition in bytes.
+
+    Returns:
+        The partition in bytes; a pure function of its arguments (identical on ranks that agree on
+        the model).
+    """
+    if not 0.0 < latency_share < 1.0:
+        raise ValueError(f"latency_share must be in (0, 1), got {latency_share}")
+    lo, hi = (int(b) for b in bounds)
+    if not 0 < lo <= hi:
+        raise ValueError(f"bounds must satisfy 0 < low <= high, got {bounds}")
+    if link.alpha <= 0.0:
+        need = 0.0
+    elif link.beta <= 0.0:
+        need = math.inf  # latency only: no chunk is large enough, take the largest allowed
+    else:
+        need = (1.0 - latency_share) / latency_share * link.alpha / link.beta
+    size = hi if need > hi else min(hi, max(lo, 1 << max(0, _ceil(need) - 1).bit_length()))
+    if largest_bucket is not None and largest_bucket > 0:
+        size = min(size, int(largest_bucket))
+    return int(size)
+
+
+def credit_for(link: LinkModel, chunk_bytes: int, *, chunks: int = 2) -> int:
+    """The most bytes in flight: ``chunks`` chunks or the link's bandwidth-delay product, the larger.
+
+    Two chunks keep the link busy while the next one is issued (the second one hides the per-chunk
+    latency of the first); on a long, fast link the bandwidth-delay product ``alpha / beta`` is
+    what it takes to fill the pipe. A smaller credit lets urgent chunks overtake sooner; a larger
+    one would only queue chunks at the network, where they can no longer be reordered.
+
+    Args:
+        link: the alpha-beta model of the link.
+        chunk_bytes: the largest chunk the plan issues (the partition, or the largest bucket when
+            buckets stay whole).
+        chunks: how many chunks may be in flight at least.
+    """
+    if chunk_bytes < 0 or chunks < 1:
+        raise ValueError(f"chunk_bytes must be >= 0 and chunks >= 1, got {chunk_bytes}, {chunks}")
+    bdp = link.alpha / link.beta if link.beta > 0.0 else 0.0
+    return int(max(chunks * int(chunk_bytes), _ceil(bdp)))
+
+
+def _ceil(x: float) -> int:
+    """``ceil`` that ignores the last bits of float noise (9 * alpha / beta of 2**18 stays 2**18)."""
+    return math.ceil(x - 1e-13 * abs(x))
 
 
 def shape_priority(plan: BucketPlan, first_use: Sequence[int] | None = None) -> tuple[int, ...]:

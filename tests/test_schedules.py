@@ -6,11 +6,18 @@ involved), trained on the same per-rank data. Everything runs in float64; with 2
 is exact in binary (a sum of two values times 0.5), so those cases must agree to 1e-12; the 2x2
 hierarchical and leader algorithms sum four values in a different association than DDP's ring,
 so they agree to 1e-10 after the steps run (a few ulps per step, amplified by AdamW's division).
+
+Checkpointing is checked against the uninterrupted run itself (bit for bit), with a control that
+shows the optimizer state matters; the partition / credit rule against a power-of-two search
+written here from the rule's definition, on hand-built and on the broadcast cost models.
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
+import logging
+import math
 import time
 
 import pytest
@@ -19,8 +26,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from commopt.comm import Topology, hooks
+from commopt.comm import Topology, cost, hooks
+from commopt.comm.cost import CostModel, LinkModel
 from commopt.schedules import OverlapDataParallel, autotune
+from commopt.schedules.priority import credit_for, partition_for
 
 STEPS = 4
 EXACT = 1e-12  # world 2, flat reduction: averaging two values is exact
@@ -263,6 +272,161 @@ def _body_autotune() -> dict:
             "lines": len(lines)}
 
 
+KIB, MIB = 1024, 1024 * 1024
+
+
+def _rule(link: LinkModel, largest: int) -> tuple[int, int]:
+    """The partition / credit rule, written independently: the smallest power of two in
+    [256 KiB, 16 MiB] whose latency is at most 10 % of its time (alpha <= 0.1 (alpha + P beta)),
+    clamped to the largest bucket; the credit is two chunks or alpha / beta bytes."""
+    p = 256 * KIB
+    while p < 16 * MIB and link.alpha > 0.1 * (link.alpha + p * link.beta):
+        p *= 2
+    p = min(p, largest)
+    return p, max(2 * p, math.ceil(link.alpha / link.beta))
+
+
+def _agrees(sizes: tuple[int, int], link: LinkModel, largest: int) -> bool:
+    """``sizes`` follow :func:`_rule`; a credit set by the bandwidth-delay product may differ from
+    ``ceil(alpha / beta)`` by the one byte its rounding leaves open."""
+    p, c = _rule(link, largest)
+    return sizes[0] == p and (sizes[1] == c or (c > 2 * p and abs(sizes[1] - c) <= 1))
+
+
+def _params(odp: OverlapDataParallel) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in odp.module.named_parameters()}
+
+
+def _train(odp: OverlapDataParallel, data) -> None:
+    for batches in data:
+        for x in batches:
+            _loss(odp(x)).backward()
+
+
+def _body_checkpoint(n: int, m: int) -> dict:
+    rank = dist.get_rank()
+    data = _data(rank, n + m)
+    # Run A: several buckets and chunks; run B: two buckets, partition and credit from the model.
+    caps_a = dict(SMALL)
+    caps_b = {"bucket_cap_mb": 25, "first_bucket_cap_mb": 1e-3}
+    a = OverlapDataParallel(_mlp(), _opt("adamw"), algorithm="flat", replan_every=2, **caps_a)
+    try:
+        _train(a, data[:1])
+        a.synchronize()
+        # What a learning-rate scheduler does between steps: the loaded run must continue with it.
+        for opt in a.optimizers:
+            for g in opt.param_groups:
+                g["lr"] = 3e-3
+        _train(a, data[1:n])
+        buf = io.BytesIO()
+        torch.save({"model": a.module.state_dict(), "optimizer": a.optimizer_state_dict()}, buf)
+        _train(a, data[n:])
+        a.synchronize()
+        ref, buckets_a = _params(a), len(a.buckets.buckets)
+    finally:
+        a.close()
+
+    def resume(load_optimizer: bool):
+        buf.seek(0)
+        ckpt = torch.load(buf, weights_only=True)
+        model = _mlp()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)  # a different start: loading the module state must matter too
+        b = OverlapDataParallel(model, _opt("adamw"), algorithm="flat", replan_every=2, **caps_b)
+        try:
+            b.module.load_state_dict(ckpt["model"])
+            if load_optimizer:
+                b.load_optimizer_state_dict(ckpt["optimizer"])
+            _train(b, data[n:])
+            b.synchronize()
+            return _params(b), len(b.buckets.buckets)
+        finally:
+            b.close()
+
+    got, buckets_b = resume(True)
+    control, _ = resume(False)
+    return {"ref": ref, "got": got, "control": control, "buckets": (buckets_a, buckets_b)}
+
+
+def _wide_mlp(extra: bool = False, hidden: int = 16) -> nn.Module:
+    torch.manual_seed(0)
+    layers = [nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, hidden), nn.Tanh(), nn.Linear(hidden, 16), nn.Tanh(),
+              nn.Linear(16, 4)]
+    if extra:
+        layers.append(nn.Linear(4, 4))
+    return nn.Sequential(*layers).double()
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def _body_sizes(steps: int) -> dict:
+    rank = dist.get_rank()
+    g = torch.Generator().manual_seed(7 + rank)
+    data = [[torch.randn(4, 256, generator=g)] for _ in range(steps)]
+
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(256, 512), nn.Tanh(), nn.Linear(512, 8))  # one ~530 KiB fp32 bucket
+
+    log = logging.getLogger("commopt.schedules.overlap")
+    records, old_level = _Records(), log.level
+    log.addHandler(records)
+    log.setLevel(logging.INFO)
+    out = {}
+    try:
+        # Two nodes of one rank on a 250 Mbit/s link: the inter-node level decides.
+        topo = Topology.from_spec("2x1", link_rate_bps=250e6)
+        odp = OverlapDataParallel(model(), _opt("sgd"), topology=topo, algorithm="flat", replan_every=100)
+        try:
+            link = cost.model_for(topo).inter
+            largest = max(b.nbytes for b in odp.buckets.buckets)
+            out["inter"] = {"link": (link.alpha, link.beta), "largest": largest,
+                            "sizes": (odp.partition_bytes, odp.credit_bytes), "stats": odp.stats()}
+            for x in data:
+                _loss(odp(x[0])).backward()
+            odp.synchronize()
+            prof0 = dict(odp.profiles)[0]
+            fit = prof0.service_fit()
+            out["replan"] = {"plans": [(s, p.partition, p.credit) for s, p in odp.plans],
+                             "log": list(odp.issue_log), "now": (odp.partition_bytes, odp.credit_bytes),
+                             "fit": (fit.alpha, fit.beta), "sizes0": sorted(set(prof0.nbytes))}
+        finally:
+            odp.close()
+        # One node: the intra-node level decides; a partition given by the user is kept.
+        topo1 = Topology.from_spec("1x2")
+        odp = OverlapDataParallel(model(), _opt("sgd"), topology=topo1, algorithm="flat", partition_mb=0.25)
+        try:
+            link = cost.model_for(topo1).intra
+            out["intra"] = {"link": (link.alpha, link.beta), "largest": max(b.nbytes for b in odp.buckets.buckets),
+                            "sizes": (odp.partition_bytes, odp.credit_bytes)}
+        finally:
+            odp.close()
+    finally:
+        log.removeHandler(records)
+        log.setLevel(old_level)
+    out["logged"] = records.lines
+    return out
+
+
+def _body_auto_2x2(steps: int) -> dict:
+    rank = dist.get_rank()
+    data = _data(rank, steps)
+    ref = _ddp_run(_mlp, "adamw", data)
+    got, odp = _odp_run(_mlp, "adamw", data, topology=Topology.from_spec("2x2"), algorithm="auto", replan_every=1,
+                        bucket_cap_mb=1.5e-3, first_bucket_cap_mb=5e-4)
+    plans = [(s, p.partition, p.credit, [(c.bucket, c.start, c.stop) for c in p.chunks]) for s, p in odp.plans]
+    return {"diff": _maxdiff(ref, got), "plans": plans, "log": list(odp.issue_log),
+            "largest": max(b.nbytes for b in odp.buckets.buckets)}
+
+
 # ------------------------------------------------------------------------------------ tests
 def test_matches_ddp_sgd_adamw(ranks):
     """Same parameters as DDP after N steps, both plans, several buckets and chunks, credit bound; an
@@ -373,3 +537,141 @@ def test_single_process_equals_plain_training():
     got, odp = _odp_run(_mlp, "adamw", data, **SMALL)
     assert _maxdiff(ref, got) <= EXACT
     assert odp.stats()["steps"] == STEPS
+
+
+def test_optimizer_checkpoint_resumes_bit_identical(ranks):
+    """Train N steps (AdamW, a learning rate changed as a scheduler would), checkpoint the module and
+    the per-bucket optimizers by parameter name through torch.save / torch.load(weights_only=True),
+    train M more; a fresh wrapper with other bucket caps that loads the checkpoint and trains the
+    same M steps ends bit-identical. Without the optimizer state it does not (the state matters)."""
+    out = ranks(2, _body_checkpoint, 3, 3, timeout=120)
+    for r in out:
+        a, b = r["buckets"]
+        assert a != b and a > 2, r["buckets"]  # really a different bucket layout
+        assert r["got"].keys() == r["ref"].keys()
+        for name, ref in r["ref"].items():
+            assert torch.equal(r["got"][name], ref), (name, float((r["got"][name] - ref).abs().max()))
+        assert any(not torch.equal(r["control"][k], v) for k, v in r["ref"].items())
+    for name in out[0]["ref"]:
+        assert torch.equal(out[0]["ref"][name], out[1]["ref"][name])
+
+
+def test_optimizer_checkpoint_rejects_mismatch():
+    """A checkpoint of another model is refused before anything changes, naming the parameter: a
+    shape that differs, a parameter the checkpoint lacks, one this model lacks; and a plain
+    optimizer's state_dict is refused as such."""
+    if dist.is_initialized():
+        pytest.skip("needs a process without torch.distributed")
+    src = OverlapDataParallel(_wide_mlp(), _opt("adamw"), **SMALL)
+    try:
+        _train(src, _data(0, 2))
+        buf = io.BytesIO()
+        torch.save(src.optimizer_state_dict(), buf)
+    finally:
+        src.close()
+    buf.seek(0)
+    ckpt = torch.load(buf, weights_only=True)
+    assert set(ckpt["shapes"]) == {n for n, _ in _wide_mlp().named_parameters()}
+
+    cases = [(_wide_mlp(hidden=12), r"parameter '2\.weight' has shape \(16, 16\) in the checkpoint but \(12, 16\)"),
+             (_wide_mlp(extra=True), r"parameter '7\.(weight|bias)' is not in the checkpoint"),
+             (nn.Sequential(*list(_wide_mlp())[:5]).double(), r"checkpoint has parameter '6\.(weight|bias)'")]
+    for model, pattern in cases:
+        dst = OverlapDataParallel(model, _opt("adamw"), **SMALL)
+        try:
+            _train(dst, [[torch.randn(6, 8, dtype=torch.float64)]])  # some state that must survive
+            dst.synchronize()
+            before = [{k: {n: v.clone() for n, v in st.items()} for k, st in o.state.items()} for o in dst.optimizers]
+            assert any(before)
+            lrs = [[g["lr"] for g in o.param_groups] for o in dst.optimizers]
+            with pytest.raises(ValueError, match=pattern):
+                dst.load_optimizer_state_dict(ckpt)
+            after = [{k: dict(st) for k, st in o.state.items()} for o in dst.optimizers]
+            assert [[g["lr"] for g in o.param_groups] for o in dst.optimizers] == lrs
+            for old, new in zip(before, after):
+                assert old.keys() == new.keys()
+                for k in old:
+                    assert all(torch.equal(old[k][n], new[k][n]) for n in old[k])
+        finally:
+            dst.close()
+    plain = torch.optim.AdamW(_wide_mlp().parameters())
+    dst = OverlapDataParallel(_wide_mlp(), _opt("adamw"))
+    try:
+        with pytest.raises(ValueError, match="not a checkpoint of"):
+            dst.load_optimizer_state_dict(plain.state_dict())
+    finally:
+        dst.close()
+
+
+def test_partition_credit_rule():
+    """The rule on hand-built cost models: latency at most 10 % of a chunk's time, power of two,
+    [256 KiB, 16 MiB], the largest bucket; credit two chunks or the bandwidth-delay product."""
+    intra = LinkModel(alpha=20e-6, beta=1 / 3e9)
+    slow = CostModel(intra, LinkModel(alpha=0.5e-3, beta=8 / 250e6))  # 250 Mbit/s, 0.5 ms
+    fast = CostModel(intra, LinkModel(alpha=10e-6, beta=8 / 400e9))  # 400 Gbit/s, 10 us
+    ten = CostModel(intra, LinkModel(alpha=50e-6, beta=8 / 10e9))  # 10 Gbit/s, 50 us
+    # 9 alpha / beta = 140625 B -> 256 KiB (also the floor); credit 2 x 256 KiB > alpha / beta = 15625 B.
+    assert partition_for(slow.inter) == 256 * KIB
+    assert credit_for(slow.inter, 256 * KIB) == 512 * KIB
+    # 9 alpha / beta = 4.5 MB -> 8 MiB; credit 16 MiB > 500 kB.
+    assert partition_for(fast.inter) == 8 * MIB
+    assert credit_for(fast.inter, 8 * MIB) == 16 * MIB
+    assert partition_for(ten.inter) == 1 * MIB  # 562.5 kB -> 1 MiB
+    for link in (slow.inter, fast.inter, ten.inter, intra, LinkModel(1e-4, 1e-9), LinkModel(3e-5, 8 / 100e9)):
+        p = partition_for(link)
+        assert (p, credit_for(link, p)) == _rule(link, 1 << 40), link
+        if 256 * KIB < p < 16 * MIB:  # unclamped: the smallest power of two that meets the bound
+            assert link.alpha <= 0.1 * link.time(p) and link.alpha > 0.1 * link.time(p // 2)
+        for largest in (100_000, 300 * KIB, 64 * MIB):  # the largest bucket clamps last
+            assert partition_for(link, largest_bucket=largest) == _rule(link, largest)[0]
+    # Clamps: no latency -> the floor; a huge latency -> the ceiling, and then the bandwidth-delay
+    # product (10 ms at 400 Gbit/s: 500 MB) is the credit.
+    assert partition_for(LinkModel(0.0, 1e-9)) == 256 * KIB
+    far = LinkModel(alpha=10e-3, beta=8 / 400e9)
+    assert partition_for(far) == 16 * MIB
+    assert credit_for(far, 16 * MIB) == 500_000_000
+    # A bound met exactly by a power of two keeps it (no float noise pushes it to the next one).
+    assert partition_for(LinkModel(alpha=(512 * KIB) / 9 * 1e-9, beta=1e-9)) == 512 * KIB
+    with pytest.raises(ValueError):
+        partition_for(slow.inter, latency_share=0.0)
+
+
+def test_partition_credit_from_model_agree_across_ranks(ranks):
+    """Without partition_mb / credit_mb the sizes follow the rule on the broadcast cost model (the
+    inter-node level on two nodes, the intra-node one on one node), identically on every rank; the
+    re-plan applies the rule to rank 0's fit of its profile and broadcasts it; the choice is logged."""
+    out = ranks(2, _body_sizes, 3, timeout=120)
+    r0, r1 = out
+    for key in ("inter", "intra"):
+        assert r0[key]["link"] == r1[key]["link"]  # the model is rank 0's, broadcast
+        assert r0[key]["sizes"] == r1[key]["sizes"]
+    inter = r0["inter"]
+    assert inter["largest"] > 256 * KIB  # the rule, not the bucket clamp, decides
+    assert _agrees(inter["sizes"], LinkModel(*inter["link"]), inter["largest"]), inter
+    assert inter["stats"]["chunks"] >= 2
+    intra = r0["intra"]
+    assert intra["sizes"] == (256 * KIB, _rule(LinkModel(*intra["link"]), 256 * KIB)[1])
+    # Re-plan at step 1 from rank 0's step-0 fit (chunks of two sizes were measured), shared by all.
+    rp0, rp1 = r0["replan"], r1["replan"]
+    assert rp0["plans"] == rp1["plans"] and rp0["log"] == rp1["log"] and rp0["now"] == rp1["now"]
+    assert len(rp0["sizes0"]) >= 2
+    assert [s for s, _, _ in rp0["plans"]] == [0, 1, 2]
+    assert rp0["plans"][1][1:] == rp0["plans"][2][1:] == rp0["now"]
+    if rp0["fit"][1] > 1e-15:
+        assert _agrees(rp0["now"], LinkModel(*rp0["fit"]), inter["largest"]), (rp0["now"], rp0["fit"])
+    else:  # the fit found no per-byte cost (noise): the model's numbers stay
+        assert rp0["now"] == inter["sizes"], (rp0["now"], rp0["fit"])
+    assert rp0["plans"][0] == (0, *inter["sizes"])
+    assert any("partition" in line and "cost model" in line for line in r0["logged"]), r0["logged"]
+
+
+def test_model_sizes_auto_2x2(ranks):
+    """Partition and credit left to the model and re-planned every step, under ``auto`` on 2x2
+    (candidate algorithms' groups made at construction): every rank follows the same plans, and the
+    result equals DDP."""
+    out = ranks(4, _body_auto_2x2, STEPS, timeout=120)
+    for r in out:
+        assert r["diff"] <= REASSOC, r["diff"]
+        assert r["plans"] == out[0]["plans"] and r["log"] == out[0]["log"]
+        # The model is far below 256 KiB: the largest bucket clamps the partition, buckets stay whole.
+        assert all(part == r["largest"] and credit >= 2 * part for _, part, credit, _ in r["plans"])
