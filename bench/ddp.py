@@ -6,7 +6,10 @@ PowerSGD's settings) the same model is trained from the same seed on the same da
 prints: median step time, bytes each rank sends per step (from the comm engine's counters for our
 hooks; from the payload sizes for torch's, marked ``*``, since torch's hooks bypass our engine),
 the ratio against an fp32 ring all-reduce of every gradient, and the final loss next to the
-uncompressed run's. Hooks run one after another in one job, each from the same initial state.
+uncompressed run's. Every hook trains from the same initial state, side by side: one step of each
+in turn, rotated every step, so the step-time ratios are measured interleaved. The ratios the
+targets are about (ours against torch's fp16 and PowerSGD hooks, hierarchical against flat
+PowerSGD) are printed at the end.
 
 Buckets: every hook gets the same DDP buckets (``--bucket-cap-mb``, default 64: one bucket for the
 default GPT after DDP's first-iteration rebuild). torch's ``powerSGD_hook`` chains its second
@@ -137,45 +140,55 @@ def _make_hook(name: str, args, topo, model: nn.Module):
     return AllReduceState(topo, algorithm, compressors[name]), allreduce_hook, None
 
 
-def _train(name: str, args, topo) -> dict:
-    from commopt.bench.models import GPT, synthetic_tokens
-    from commopt.comm.collectives import engine
+def _setup(name: str, args, topo) -> dict:
+    """One hook's run: the model (same seed for every hook), DDP with the hook, Adam, and its logs."""
+    from commopt.bench.models import GPT
     from commopt.comm.hooks import AllReduceState, register
 
-    rank = dist.get_rank()
-    vocab = 256
-    model = GPT(vocab, args.d_model, args.layers, 4, args.seq_len, seed=0)
+    model = GPT(256, args.d_model, args.layers, 4, args.seq_len, seed=0)
     ddp = DDP(model, bucket_cap_mb=args.bucket_cap_mb)
     state, hook, modelled = _make_hook(name, args, topo, model)
     if isinstance(state, AllReduceState):
         register(ddp, state)
     elif hook is not None:
         ddp.register_comm_hook(state, hook)
-    opt = torch.optim.Adam(ddp.parameters(), lr=args.lr)
-    times, sent, inter, losses = [], [], [], []
-    for step in range(args.steps):
-        data = synthetic_tokens(args.batch, args.seq_len, vocab, seed=10_000 * step + rank)
-        then = engine().bytes_sent()
-        before = sum(then.values())
-        before_inter = sum(v for k, v in then.items() if not k.endswith("/intra"))
-        dist.barrier()
-        t0 = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        logits = ddp(data[:, :-1])
-        loss = nn.functional.cross_entropy(logits.reshape(-1, vocab), data[:, 1:].reshape(-1))
-        loss.backward()
-        opt.step()
-        times.append(time.perf_counter() - t0)
-        now = engine().bytes_sent()
-        sent.append(sum(now.values()) - before)
-        inter.append(sum(v for k, v in now.items() if not k.endswith("/intra")) - before_inter)
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        losses.append(float(mean) / dist.get_world_size())
+    return {"name": name, "model": model, "ddp": ddp, "opt": torch.optim.Adam(ddp.parameters(), lr=args.lr),
+            "modelled": modelled, "times": [], "sent": [], "inter": [], "losses": []}
+
+
+def _step(run: dict, step: int, args) -> None:
+    """One timed training step of ``run`` on the data of ``step`` (the same for every hook)."""
+    from commopt.bench.models import synthetic_tokens
+    from commopt.comm.collectives import engine
+
+    vocab = 256
+    data = synthetic_tokens(args.batch, args.seq_len, vocab, seed=10_000 * step + dist.get_rank())
+    then = engine().bytes_sent()
+    before = sum(then.values())
+    before_inter = sum(v for k, v in then.items() if not k.endswith("/intra"))
+    ddp, opt = run["ddp"], run["opt"]
+    dist.barrier()
+    t0 = time.perf_counter()
+    opt.zero_grad(set_to_none=True)
+    logits = ddp(data[:, :-1])
+    loss = nn.functional.cross_entropy(logits.reshape(-1, vocab), data[:, 1:].reshape(-1))
+    loss.backward()
+    opt.step()
+    run["times"].append(time.perf_counter() - t0)
+    now = engine().bytes_sent()
+    run["sent"].append(sum(now.values()) - before)
+    run["inter"].append(sum(v for k, v in now.items() if not k.endswith("/intra")) - before_inter)
+    mean = loss.detach().clone()
+    dist.all_reduce(mean)
+    run["losses"].append(float(mean) / dist.get_world_size())
+
+
+def _summary(run: dict, args) -> dict:
+    name, model, modelled = run["name"], run["model"], run["modelled"]
     steady = slice(max(args.start_iter, args.steps // 3), None)
-    counted = modelled if modelled is not None else statistics.median(sent[steady])
-    counted_inter = modelled if modelled is not None else statistics.median(inter[steady])
-    worst = torch.tensor([counted, counted_inter], dtype=torch.float64)
+    counted = modelled if modelled is not None else statistics.median(run["sent"][steady])
+    counted_inter = modelled if modelled is not None else statistics.median(run["inter"][steady])
+    worst = torch.tensor([counted, counted_inter, statistics.median(run["times"][steady])], dtype=torch.float64)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)  # ranks of a hierarchy send different amounts
     numel = sum(p.numel() for p in model.parameters())
     world = dist.get_world_size()
@@ -186,11 +199,11 @@ def _train(name: str, args, topo) -> dict:
 
         full = 2 * (world - 1) / world * sum(math.prod(s) for s in matrices) * 4
         matrix_ratio = full / PowerSGDCompressor(rank=args.rank).shapes_bytes(matrices, world)
-    return {"hook": name, "step_ms": 1e3 * statistics.median(times[steady]), "bytes_per_step": float(worst[0]),
+    return {"hook": name, "step_ms": 1e3 * float(worst[2]), "bytes_per_step": float(worst[0]),
             "inter_bytes_per_step": float(worst[1]),
             "matrix_ratio": matrix_ratio,
             "bytes_modelled": modelled is not None, "fp32_bytes": 2 * (world - 1) / world * numel * 4,
-            "losses": losses}
+            "losses": run["losses"]}
 
 
 def _rank_body(args) -> int:
@@ -198,8 +211,17 @@ def _rank_body(args) -> int:
     names = args.hooks.split(",")
     if args.warmup_steps:
         # Untimed: connections, allocator and kernel caches warm up here, not in the first hook's row.
-        _train("ddp", argparse.Namespace(**{**vars(args), "steps": args.warmup_steps}), topo)
-    results = [_train(name, args, topo) for name in names]
+        warm = _setup("ddp", args, topo)
+        for step in range(args.warmup_steps):
+            _step(warm, step, args)
+    # Every hook trains side by side, one step each in turn (rotated every step), so that a load
+    # spike on a shared machine hits all of them alike and the ratios between them stay honest.
+    runs = [_setup(name, args, topo) for name in names]
+    for step in range(args.steps):
+        k = step % len(runs)
+        for run in runs[k:] + runs[:k]:
+            _step(run, step, args)
+    results = [_summary(run, args) for run in runs]
     if dist.get_rank() == 0:
         _report(results, args, topo)
     return 0
@@ -234,6 +256,14 @@ def _report(results: list[dict], args, topo) -> None:
     print("# loss curve at steps " + ", ".join(str(m) for m in marks))
     for r in results:
         print(f"{r['hook']:<16}" + "".join(f"{r['losses'][m]:>9.4f}" for m in marks))
+    by = {r["hook"]: r for r in results}
+    pairs = (("fp16", "torch-fp16", "target <= 1.05"), ("powersgd", "torch-powersgd", "target <= 1.0"),
+             ("powersgd-hier", "powersgd", "target < 1.0"))
+    for ours, theirs, target in pairs:
+        if ours in by and theirs in by:
+            a, b = by[ours], by[theirs]
+            print(f"# step time {ours} / {theirs} = {a['step_ms'] / b['step_ms']:.3f} ({target}, interleaved); "
+                  f"final loss {a['losses'][-1]:.4f} vs {b['losses'][-1]:.4f}")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"args": vars(args), "layout": topo.layout, "results": results}, f, indent=1)
