@@ -2,7 +2,8 @@
 
 How they work, and why:
 
-- Every kernel is ``@njit(parallel=True, cache=True)`` and works on numpy *views* of the torch
+- Every kernel is ``@njit(parallel=True, cache=True)`` (plus a serial build for ranks allowed one
+  thread, see :class:`_Threaded`) and works on numpy *views* of the torch
   tensors' memory (``tensor.numpy()`` on contiguous CPU tensors): no copy in, no copy out. ``cache``
   keeps the one-off compile (about a second per kernel and array type) out of every later process.
 - numba has no float16 and numpy no bfloat16, so fp32, fp16 and bf16 data are handed to the kernels
@@ -24,6 +25,7 @@ How they work, and why:
 
 from __future__ import annotations
 
+import types as pytypes
 from collections.abc import Sequence
 
 import numba
@@ -64,6 +66,24 @@ _COPY_CHUNK = 1 << 18
 _ELEM_CHUNK = 1 << 14
 # elements (or bytes, for copies: times 4) below which a kernel runs on the calling thread only
 _SERIAL_BELOW = 1 << 16
+
+
+class _Threaded:
+    """A kernel compiled twice: with ``prange`` on numba's thread pool, and serial (``prange`` is
+    then ``range``). :func:`_run` picks the serial one when the rank may use one thread: numba's
+    OpenMP pool, even asked for one thread at run time, kept waking spinning threads (4 ranks on 2
+    cores: a 1 MiB permute took 5-10 ms instead of 0.1 ms)."""
+
+    def __init__(self, fn):
+        self.parallel = njit(parallel=True, cache=True, error_model="numpy")(fn)
+        serial = pytypes.FunctionType(fn.__code__, fn.__globals__, fn.__name__ + "_serial", fn.__defaults__,
+                                    fn.__closure__)
+        serial.__qualname__ = fn.__qualname__ + "_serial"  # its own on-disk cache entry
+        self.serial = njit(cache=True, error_model="numpy")(serial)
+
+
+def _threaded(fn) -> _Threaded:
+    return _Threaded(fn)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -306,7 +326,7 @@ def _copy_bytes(dst_addr, src_addr, nbytes):
         d[_U(i)] = s[_U(i)]
 
 
-@njit(parallel=True, cache=True, error_model="numpy")
+@_threaded
 def _copy_segments(src, dst, nbytes, pad, chunk):
     nseg = src.shape[0]
     first = np.empty(nseg + 1, np.int64)
@@ -328,7 +348,7 @@ def _copy_segments(src, dst, nbytes, pad, chunk):
             _memzero(dst[s] + start, hi - start)
 
 
-@njit(parallel=True, cache=True, error_model="numpy")
+@_threaded
 def _pack_signs(xbits, shift, out, chunk):
     n = xbits.shape[0]
     nw = out.shape[0]
@@ -346,7 +366,7 @@ def _pack_signs(xbits, shift, out, chunk):
             out[_U(w)] = acc
 
 
-@njit(parallel=True, cache=True, error_model="numpy")
+@_threaded
 def _abs_mean(xbits, block, out):
     n = xbits.shape[0]
     for b in prange(out.shape[0]):
@@ -368,7 +388,7 @@ def _abs_mean(xbits, block, out):
         out[b] = np.float32(((s0 + s1) + (s2 + s3)) / (hi - lo))
 
 
-@njit(parallel=True, cache=True, error_model="numpy")
+@_threaded
 def _unpack_signs(bits, scales, block, out, chunk):
     # word by word (chunk is a multiple of 32): +s is narrowed once per scale block and -s is the
     # same bits with the sign bit set (narrowing is symmetric), so a word inside one block is a
@@ -401,7 +421,7 @@ def _unpack_signs(bits, scales, block, out, chunk):
                     out[_U(base) + _U(j)] = pos ^ (((word >> _U(j)) & _U(1)) << sign)
 
 
-@njit(parallel=True, cache=True, error_model="numpy")
+@_threaded
 def _quantize(xbits, absmask, block, qmax, stochastic, key, codes, scales):
     n = xbits.shape[0]
     q = np.float32(qmax)
@@ -416,7 +436,7 @@ def _quantize(xbits, absmask, block, qmax, stochastic, key, codes, scales):
         _codes(xbits, lo, hi, scale, q, stochastic, key, codes)
 
 
-@njit(parallel=True, cache=True, error_model="numpy")
+@_threaded
 def _pack_nibbles(codes, out, chunk):
     """int4 packing of int8 codes: element 2j in the low nibble of byte j (a second, vectorised
     pass; computing pairs in the quantize loop itself defeats the vectoriser)."""
@@ -433,7 +453,7 @@ def _pack_nibbles(codes, out, chunk):
         out[nb - 1] = codes[n - 1] & 15
 
 
-@njit(parallel=True, cache=True, error_model="numpy")
+@_threaded
 def _dequantize(codes, scales, block, int4, out, chunk):
     n = out.shape[0]
     for c in prange((n + chunk - 1) // chunk):
@@ -466,7 +486,7 @@ def _kth_bin(hist, k):
     return 0, above
 
 
-@njit(parallel=True, cache=True, error_model="numpy")
+@_threaded
 def _topk_select(xbits, absmask, wide, k, ntask, values, indices):
     n = xbits.shape[0]
     per = (n + ntask - 1) // ntask
@@ -524,7 +544,7 @@ def _topk_select(xbits, absmask, wide, k, ntask, values, indices):
                 e += 1
 
 
-@njit(parallel=True, cache=True, error_model="numpy")
+@_threaded
 def _scatter_add(vbits, indices, out):
     n = out.shape[0]
     bad = 0
@@ -541,20 +561,26 @@ def _scatter_add(vbits, indices, out):
 # wrappers: numpy views, segment tables, fallbacks
 
 
-def _run(kernel, work: int, *args):
-    """Launch ``kernel``; below ``_SERIAL_BELOW`` units of work on the calling thread alone.
+def _run(kernel: _Threaded, work: int, *args):
+    """Launch ``kernel`` with at most as many threads as torch's intra-op setting; below
+    ``_SERIAL_BELOW`` units of work, or with one thread allowed, its serial build on this thread.
 
-    Waking the other threads costs tens of microseconds on an idle machine and milliseconds on an
-    oversubscribed one, far more than a small kernel's work.
+    Distributed launchers give each rank its share of the cores through torch's setting (torchrun
+    sets ``OMP_NUM_THREADS=1``; commopt's launcher ``torch.set_num_threads``); numba's pool would
+    otherwise run one OpenMP thread per core in every rank. Waking the other threads also costs tens
+    of microseconds on an idle machine, far more than a small kernel's work.
     """
-    if work >= _SERIAL_BELOW:
-        return kernel(*args)
+    allowed = torch.get_num_threads()
+    if work < _SERIAL_BELOW or allowed == 1:
+        # Before asking numba anything: numba.get_num_threads() starts its thread pool.
+        return kernel.serial(*args)
     previous = numba.get_num_threads()
-    if previous == 1:
-        return kernel(*args)
-    numba.set_num_threads(1)
+    want = min(previous, allowed)
+    if want == previous:
+        return kernel.parallel(*args)
+    numba.set_num_threads(want)  # per calling thread in numba
     try:
-        return kernel(*args)
+        return kernel.parallel(*args)
     finally:
         numba.set_num_threads(previous)
 

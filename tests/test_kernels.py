@@ -124,7 +124,19 @@ def test_cpu_matches_reference_on_every_op_dtype_and_shape():
 
 
 @needs_numba
-def test_large_sizes_use_every_thread_and_still_match():
+@pytest.mark.parametrize("threads", [1, 2])
+def test_large_sizes_use_every_thread_and_still_match(threads):
+    """Both builds of each kernel: the parallel one, and the serial one a rank limited to one torch
+    thread gets (kernels.cpu._Threaded)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _large_sizes_match()
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _large_sizes_match():
     gen = torch.Generator().manual_seed(7)
     n = (1 << 20) + 12345
     x = _rand(n, torch.float32, gen)
@@ -549,6 +561,24 @@ def test_dispatch_defaults_and_forced_backends():
 def _child(n: int) -> list[int]:
     x = torch.linspace(-1, 1, n)
     return K.quantize(x, seed=1, stochastic=True)[0].tolist()
+
+
+def _one_thread_rank() -> bool:
+    import numba.np.ufunc.parallel as pool
+
+    torch.set_num_threads(1)
+    x = torch.linspace(-1, 1, 1 << 20)
+    K.quantize(x, seed=1, stochastic=True, backend="cpu")
+    K.permute_chunks(x, [1 << 19] * 2, [1, 0], backend="cpu")
+    return bool(pool._is_initialized)
+
+
+@needs_numba
+def test_a_rank_with_one_thread_never_starts_numbas_pool():
+    """With numba's OpenMP pool merely started, 4 ranks on 2 cores ran a 2-D all-to-all 3x slower
+    (kernels.cpu._run): a rank limited to one torch thread must run the serial builds only."""
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        assert pool.apply(_one_thread_rank) is False
 
 
 @needs_numba
