@@ -114,6 +114,122 @@ def _body_fp16_overflow() -> None:
         assert torch.isfinite(y).all() and ((y - ref).abs() / ref).max() < 1e-3, (algorithm, y[:3])
 
 
+def _gathered_equal(t: torch.Tensor) -> bool:
+    """Whether ``t`` is bit-identical on every rank."""
+    all_t = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(all_t, t.contiguous())
+    return all(torch.equal(a, t) for a in all_t)
+
+
+def _body_optimistic_fallback() -> dict:
+    """The optimistic fp16 path (no check phase): a mean above 65504 overflows the reduced fp16 on
+    every rank alike, and the exchange redoes it exactly in fp32: the exact mean on every rank, bit-
+    identical, flat and hierarchical 2x2; PowerSGD and the agreed-scale variant alongside."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for algorithm, topo in (("flat", None), ("hierarchical", Topology.from_spec("2x2"))):
+        # Pre-divided by 4 each input fits fp16, but their sum (the mean, > 65504) does not.
+        base = torch.linspace(66_000.0, 90_000.0, 999, dtype=torch.float64)
+        xs = [(base + 1000.0 * r).float() for r in range(world)]
+        exact = torch.stack([x.double() for x in xs]).sum(0)
+        for op, ref in ((ReduceOp.AVG, exact / world), (ReduceOp.SUM, exact)):
+            y = xs[rank].clone()
+            C.FP16Compressor().all_reduce(y, op, topology=topo, algorithm=algorithm)
+            assert torch.isfinite(y).all(), (algorithm, op, "a silent inf")
+            assert torch.equal(y, ref.float()), (algorithm, op, (y.double() - ref).abs().max().item())
+            assert _gathered_equal(y), (algorithm, op, "ranks disagree")
+        # Overflow on one rail only (hierarchical: the rails hold different halves): the other rail's
+        # fp16 result stands, the overflowing half is exact; every rank holds the same vector.
+        y = torch.cat([torch.full((500,), 1.0), xs[rank][:500]]) + 0.25 * rank
+        ref = torch.cat([torch.full((500,), 1.0) * world, exact[:500]]) + 0.25 * sum(range(world))
+        C.FP16Compressor().all_reduce(y, ReduceOp.SUM, topology=topo, algorithm=algorithm)
+        assert torch.equal(y[500:], ref[500:].float()), algorithm
+        assert torch.allclose(y.double(), ref, rtol=1e-3), algorithm
+        assert _gathered_equal(y), algorithm
+        # fp16 inputs above fp16's range after summing: exact in fp32, rounded once to fp16.
+        h = torch.full((64,), 60_000.0, dtype=torch.float16)
+        C.FP16Compressor().all_reduce(h, ReduceOp.AVG, topology=topo, algorithm=algorithm)
+        assert torch.equal(h, torch.full((64,), 60_000.0, dtype=torch.float16)), algorithm
+        # PowerSGD's P overflowing fp32 (a 1e38 gradient): exact fallback, residual untouched.
+        ef = ErrorFeedback()
+        m = _inputs(world, (24, 16), torch.float32, salt=40)[rank]
+        C.PowerSGDCompressor(rank=2, start_iter=0).all_reduce(m.clone(), topology=topo, algorithm=algorithm,
+                                                             error_feedback=ef, key="m", step=0)
+        before = ef.residuals["worker"]["m"].clone()
+        big = m.clone()
+        big[0, :] = 3e38
+        C.PowerSGDCompressor(rank=2, start_iter=0).all_reduce(big, topology=topo, algorithm=algorithm,
+                                                             error_feedback=ef, key="m", step=1)
+        assert torch.equal(ef.residuals["worker"]["m"], before), (algorithm, "residual changed by a fallback")
+        assert _gathered_equal(big), algorithm
+        # The agreed scale keeps tiny gradients' precision where pre-division alone flushes them.
+        tiny = _inputs(world, (4096,), torch.float64, salt=41)
+        ref = torch.stack(tiny).mean(0) * 1e-6
+        errs = {}
+        for label, c in (("default", C.FP16Compressor()), ("agreed", C.FP16Compressor(agreed_scale=True))):
+            y = (tiny[rank] * 1e-6).float()
+            c.all_reduce(y, ReduceOp.AVG, topology=topo, algorithm=algorithm)
+            errs[label] = ((y.double() - ref).norm() / ref.norm()).item()
+            assert _gathered_equal(y), (algorithm, label)
+        assert errs["agreed"] <= 1e-3 < errs["default"], (algorithm, errs)
+        out[algorithm] = errs
+    return out
+
+
+def _body_optimistic_check_finite() -> dict:
+    """check_finite=True without a check phase: NaN (or Inf) on the last rank only raises
+    NonFiniteError on every rank, also in hierarchical mode where only that rank's rail sees it before
+    the all-gather; residuals untouched everywhere; the next finite step works."""
+    import time
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    topo = Topology.from_spec("2x2")
+    took = {}
+    for algorithm in ("flat", "hierarchical"):
+        for make in (C.FP16Compressor, C.BF16Compressor, lambda: C.PowerSGDCompressor(rank=2, start_iter=0)):
+            c = make()
+            ef = ErrorFeedback()
+            shapes = [(32, 16), (16,), (48, 16)]
+            xs = [_inputs(world, s, torch.float32, salt=50 + i)[rank] for i, s in enumerate(shapes)]
+            c.all_reduce(xs[0].clone(), topology=topo, algorithm=algorithm, error_feedback=ef, key="a", step=0)
+            c.all_reduce(xs[2].clone(), topology=topo, algorithm=algorithm, error_feedback=ef, key="c", step=0)
+            before = {k: {n: t.clone() for n, t in d.items()} for k, d in ef.residuals.items()}
+            for bad in (float("nan"), float("inf")):
+                for i, x in enumerate(xs):
+                    y = x.clone()
+                    if rank == world - 1:
+                        y.view(-1)[7] = bad
+                    t0 = time.monotonic()
+                    with pytest.raises(NonFiniteError):
+                        c.all_reduce(y, topology=topo, algorithm=algorithm, error_feedback=ef,
+                                     key="abc"[i], step=1, check_finite=True, timeout=20)
+                    took[f"{algorithm}/{c.name}/{i}"] = time.monotonic() - t0
+                    for k, d in ef.residuals.items():
+                        for n, t in d.items():
+                            if n in before[k]:
+                                assert torch.equal(t, before[k][n]), (algorithm, c, k, n)
+            # Several in flight at once, one of them poisoned: every rank raises for that one only.
+            ys = [x.clone() for x in xs]
+            if rank == 0:
+                ys[1][3] = float("nan")
+            futs = [c.all_reduce(y, topology=topo, algorithm=algorithm, error_feedback=ef, key="abc"[i], step=2,
+                                 check_finite=True, async_op=True, timeout=20) for i, y in enumerate(ys)]
+            raised = []
+            for f in futs:
+                try:
+                    f.wait()
+                    raised.append(False)
+                except Exception as exc:  # noqa: BLE001 - a chained future wraps NonFiniteError
+                    assert "NonFiniteError" in str(exc) or isinstance(exc, NonFiniteError), exc
+                    raised.append(True)
+            assert raised == [False, True, False], (algorithm, c, raised)
+            z = xs[0].clone()
+            c.all_reduce(z, topology=topo, algorithm=algorithm, error_feedback=ef, key="a", step=3,
+                         check_finite=True)
+            assert torch.isfinite(z).all() and _gathered_equal(z), (algorithm, c)
+    return took
+
+
 def _body_conservation(algorithm: str, topo_spec: str, steps: int) -> dict:
     """FAULTS row 15: sum of results + final residuals (worker and server) = sum of inputs, fp64."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -234,6 +350,20 @@ def test_fp16_overflow_four_ranks(ranks):
     ranks(4, _body_fp16_overflow)
 
 
+def test_optimistic_fp16_overflow_falls_back_exactly(ranks):
+    """fp16 without a check phase: a mean above 65504 is the exact fp32 result on every rank (flat and
+    2x2), bit-identical across ranks, also when only one rail overflows; PowerSGD's fp32 overflow
+    falls back exactly with its residual untouched; the agreed scale keeps tiny gradients' precision."""
+    ranks(4, _body_optimistic_fallback, timeout=120)
+
+
+def test_optimistic_check_finite_raises_everywhere(ranks):
+    """NaN/Inf on one rank only with check_finite=True: NonFiniteError on every rank, flat and
+    hierarchical (decided after the all-gather, so no rail is left in it), within the guard."""
+    took = ranks(4, _body_optimistic_check_finite, timeout=120)
+    assert max(max(t.values()) for t in took) < 20, took
+
+
 @pytest.mark.parametrize("algorithm,world,spec,steps", [("flat", 2, "1x2", 200), ("hierarchical", 4, "2x2", 40)])
 def test_error_feedback_conservation(ranks, algorithm, world, spec, steps):
     """FAULTS row 15: over 200 fp64 steps (40 on the slower 2x2 pool), sum of results + final
@@ -311,27 +441,32 @@ def _body_engine_bytes() -> dict:
     """Bytes counted by the engine for one 2x2 hierarchical reduction: only the rail phase shrinks."""
     topo = Topology.from_spec("2x2")
     out = {}
-    for c in (C.FP16Compressor(), C.QuantizeCompressor(8), C.OneBitCompressor()):
+    for label, c in (("fp16", C.FP16Compressor()), ("fp16-agreed", C.FP16Compressor(agreed_scale=True)),
+                     ("quantize", C.QuantizeCompressor(8)), ("onebit", C.OneBitCompressor())):
         engine().reset_stats()
         c.all_reduce(torch.randn(1 << 16, generator=torch.Generator().manual_seed(dist.get_rank())),
                      topology=topo, algorithm="hierarchical", error_feedback=ErrorFeedback())
         sent = engine().bytes_sent()
-        out[c.name] = (sent[f"compress/{c.name}"], sent[f"compress/{c.name}/intra"])
+        out[label] = (sent[f"compress/{c.name}"], sent[f"compress/{c.name}/intra"])
     return out
 
 
 def test_engine_counts_compressed_bytes(ranks):
     """Bytes on the wire come from the engine's counters: intra-node phases exact (fp32, counted
-    under "compress/<name>/intra"), the inter-node phase compressed, the agreed check a few bytes."""
+    under "compress/<name>/intra"), the inter-node phase compressed, the agreed check a few bytes
+    (none for the optimistic fp16 default, whose finite result needs no agreement)."""
     res = ranks(4, _body_engine_bytes)[0]
     d, local = 1 << 16, 2
     intra = 2 * (local - 1) * (d // local) * 4  # reduce-scatter + all-gather, exact fp32
     check = int(2 * 3 / 4 * 16)
-    rail = {"fp16": 2 * 1 / 2 * (d // 2) * 2, "quantize": 2 * 1 * (d // 4 + d // 4 // 256 * 4),
-            "onebit": 2 * 1 * (d // 4 // 8 + d // 4 // 256 * 4)}
+    fp16 = 2 * 1 / 2 * (d // 2) * 2
+    expected = {"fp16": fp16, "fp16-agreed": check + fp16,
+                "quantize": check + 2 * 1 * (d // 4 + d // 4 // 256 * 4),
+                "onebit": check + 2 * 1 * (d // 4 // 8 + d // 4 // 256 * 4)}
+    assert set(res) == set(expected)
     for name, (inter_bytes, intra_bytes) in res.items():
         assert intra_bytes == intra, (name, intra_bytes, intra)
-        assert inter_bytes == check + rail[name], (name, inter_bytes, check + rail[name])
+        assert inter_bytes == expected[name], (name, inter_bytes, expected[name])
 
 
 def _body_in_flight() -> None:

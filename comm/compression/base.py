@@ -11,7 +11,12 @@ declares (GRACE's compressor/memory split, DESIGN 3):
 - ``needs_matrices``: it compresses whole tensors (PowerSGD), so a topology-aware exchange must not
   cut tensors (the tensor-aligned intra-node partition of ``exchange.py``);
 - ``n_rounds``: the collectives it issues per exchange, each on a process group of its own role
-  (the comm engine refuses a queue fed by two different predecessors, DESIGN 2).
+  (the comm engine refuses a queue fed by two different predecessors, DESIGN 2);
+- ``optimistic``: every collective result of its rounds is identical on every rank of the group
+  (the all-reduced fp16/bf16 cast, PowerSGD's all-reduced P and Q), so whether that result is
+  non-finite is a value every rank already agrees on (DESIGN 2, rule 2): the exchange then runs no
+  agreed check before reducing, and a round that finds its reduced result non-finite sets
+  ``job.nonfinite``; the exchange redoes that reduction exactly (fp32) from the kept input.
 
 ``rounds(job)`` returns those rounds as :class:`Round` objects: each runs on the comm engine's worker
 of its group, may compute locally, and issues at most one blocking collective. The error-feedback
@@ -31,7 +36,7 @@ import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 __all__ = ["Compressor", "Job", "Round", "derive_seed", "wait_work", "all_gather_single",
-           "reduce_scatter_single", "compute_dtype", "as_bytes"]
+           "reduce_scatter_single", "compute_dtype", "as_bytes", "all_finite"]
 
 # torch 2.13 renamed the tensor variants; older releases (>= 2.3) have only the old names.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -65,6 +70,21 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether every element of ``t`` is finite; exact, and a single cheap reduction in the usual case.
+
+    A sum is finite when every element is (NaN and Inf always propagate through a sum); a non-finite
+    sum of finite elements (an overflow of the accumulator) is confirmed element-wise. So ranks that
+    hold identical tensors always agree, whatever their thread counts.
+    """
+    if t.numel() == 0:
+        return True
+    acc = t.dtype if t.dtype in (torch.float32, torch.float64) else torch.float32
+    if bool(torch.isfinite(t.sum(dtype=acc))):
+        return True
+    return bool(torch.isfinite(t).all())
+
+
 def as_bytes(*tensors: torch.Tensor) -> torch.Tensor:
     """Concatenate the raw bytes of contiguous tensors into one uint8 payload (one collective)."""
     return torch.cat([t.contiguous().view(-1).view(torch.uint8) for t in tensors])
@@ -89,6 +109,12 @@ class Job:
         scale_hint: an upper bound on every |partial sum| / n_total agreed across ranks (casts).
         total_ranks: ranks contributing to the final sum (the world size, also in hierarchical mode).
         scratch: what one round leaves for the next (PowerSGD's matrices and P).
+        out_scale: the SUM is ``out * out_scale``: a round may replace ``out`` by its reduced wire
+            tensor (another floating dtype, e.g. the fp16 cast) and leave the decoding scale to the
+            exchange, which folds it with the averaging into one pass while writing the result.
+        nonfinite: set by an optimistic compressor's round when its reduced result (identical on
+            every rank of the group) holds NaN/Inf; later rounds then do nothing, ``out`` is not
+            meaningful and the exchange reduces ``x`` exactly instead.
     """
 
     x: torch.Tensor
@@ -106,6 +132,8 @@ class Job:
     scale_hint: float = 0.0
     total_ranks: int = 1
     scratch: dict = field(default_factory=dict)
+    out_scale: float = 1.0
+    nonfinite: bool = False
 
 
 @dataclass
@@ -139,6 +167,9 @@ class Compressor:
     chunked: bool = False
     #: Vectors shorter than this are reduced exactly: compressing them saves less than it costs.
     min_numel: int = 0
+    #: Reduce first, no agreed check (see the module docstring); the rounds set ``job.nonfinite``
+    #: from their (rank-identical) reduced results and need no ``job.scale_hint``.
+    optimistic: bool = False
 
     def __init__(self) -> None:
         self._calls = 0

@@ -1,12 +1,25 @@
-"""fp16 / bf16 casts with overflow-safe scaling: half the bytes of fp32, summable.
+"""fp16 / bf16 casts: half the bytes of fp32, summable.
 
-One round: (1) all-reduce of the cast values. Before casting, the values are pre-divided by the
-number of contributing ranks (so the sum is the mean and cannot exceed the largest input) and, for
-fp16, multiplied by a power of two chosen from ``max |x|`` agreed across ranks by the exchange's
-check phase: the largest partial sum then sits near 2**15, far from fp16's 65504 (no overflow, even
-for 4 ranks of 40 000) and far above its subnormals (small gradients keep their precision). A power
-of two scales exactly. bf16 has fp32's range and needs only the pre-division. Rounding to nearest is
-unbiased enough that torch's ``fp16_compress_hook`` uses no error feedback; neither do we.
+One round: (1) all-reduce of the cast values. By default this is torch's ``fp16_compress_hook``:
+pre-divide by the number of contributing ranks (so the sum is the mean and cannot exceed the largest
+input), cast, all-reduce, cast back. No agreed check runs first: the reduced values are identical on
+every rank, so "did it overflow, or did some rank send NaN/Inf" is a value every rank agrees on
+without another collective (DESIGN 2, rule 2). If so, the exchange redoes the reduction exactly in
+fp32 from the kept input (never a silent inf: a mean above 65504 comes out exact); with
+``check_finite=True`` a genuine NaN/Inf raises ``NonFiniteError`` on every rank.
+
+``FP16Compressor(agreed_scale=True)`` adds a tiny all-reduce of ``max |x|`` (and the non-finite flag)
+before casting and multiplies by a power of two chosen from it: the largest partial sum then sits
+near 2**15, far from fp16's 65504 and far above its subnormals, so tiny gradients (below about 6e-5
+after pre-division, which fp16 would flush toward zero) keep their precision, at the cost of that
+extra small all-reduce per bucket. A power of two scales exactly. bf16 has fp32's range and needs
+only the pre-division. Rounding to nearest is unbiased enough that torch's hook uses no error
+feedback; neither do we.
+
+Passes over the data: one fused scale-and-cast into the wire buffer (``torch.mul(x, s, out=wire)``
+computes in fp32 and rounds once, as ``(x * s).to(fp16)``), the all-reduce, one sum to test the
+reduced result for NaN/Inf, and one decoding copy into the gradients, where the exchange folds the
+inverse scale and the averaging into a single factor (exactly 1 for the default mean).
 """
 
 from __future__ import annotations
@@ -17,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
-from .base import Compressor, Job, Round, wait_work
+from .base import Compressor, Job, Round, all_finite, wait_work
 
 __all__ = ["FP16Compressor", "BF16Compressor"]
 
@@ -30,26 +43,37 @@ class _CastCompressor(Compressor):
     summable = True
     biased = False
     n_rounds = 1
+    # Element-wise with no per-block scales: tensors need no alignment in the staged vector.
+    align = 1
     wire: torch.dtype = torch.float16
+    agreed_scale: bool = False
+
+    @property
+    def optimistic(self) -> bool:  # type: ignore[override]
+        return not self.agreed_scale
 
     def rounds(self) -> list[Round]:
         return [Round("all_reduce", self._exchange)]
 
     def scale(self, amax: float, ranks: int) -> float:
-        """The factor applied before casting: 1/ranks times a power of two for fp16."""
+        """The factor applied before casting: 1/ranks, times a power of two with an agreed scale."""
         s = 1.0 / ranks
-        if self.wire == torch.float16 and amax > 0 and math.isfinite(amax):
+        if self.agreed_scale and self.wire == torch.float16 and amax > 0 and math.isfinite(amax):
             # Every partial sum of pre-divided values is at most amax in magnitude.
             s *= 2.0 ** max(-60, min(60, math.floor(math.log2(_FP16_TARGET / amax))))
         return s
 
     def _exchange(self, job: Job) -> int:
         s = self.scale(job.scale_hint, job.total_ranks)
-        wire = (job.x * s).to(self.wire)
+        wire = torch.empty(job.x.numel(), dtype=self.wire, device=job.x.device)
+        torch.mul(job.x, s, out=wire)  # computed in fp32, rounded once: (x * s).to(wire)
         if job.sent is not None:
-            job.sent.copy_(wire.to(job.x.dtype).div_(s))
+            job.sent.copy_(wire).div_(s)
         wait_work(dist.all_reduce(wire, op=ReduceOp.SUM, group=job.group, async_op=True), job.timeout)
-        job.out.copy_(wire.to(job.out.dtype).div_(s))
+        if self.optimistic:
+            job.nonfinite = not all_finite(wire)
+        # The exchange decodes (SUM = wire / s) while writing the result, folded with the averaging.
+        job.out, job.out_scale = wire, 1.0 / s
         return self.payload_bytes(job.x.numel(), job.n)
 
     def roundtrip(self, x: torch.Tensor, *, step: int = 0, seed: int = 0, salt: int = 0) -> torch.Tensor:
@@ -60,10 +84,30 @@ class _CastCompressor(Compressor):
 
 
 class FP16Compressor(_CastCompressor):
-    """fp16 all-reduce with pre-division and an agreed power-of-two scale (never a silent inf)."""
+    """fp16 all-reduce with pre-division by the number of ranks, as torch's ``fp16_compress_hook``.
+
+    A reduced result that overflowed fp16 (or a NaN/Inf input) is detected from the reduced values,
+    identical on every rank, and the bucket is then reduced exactly in fp32: never a silent inf.
+
+    Args:
+        agreed_scale: before casting, agree on ``max |x|`` across ranks with one extra small
+            all-reduce and scale by a power of two so the largest partial sum sits near 2**15: tiny
+            gradients keep fp16's full precision instead of becoming subnormal. Off by default (the
+            semantics and cost of torch's hook).
+    """
 
     name = "fp16"
     wire = torch.float16
+
+    def __init__(self, agreed_scale: bool = False):
+        super().__init__()
+        self.agreed_scale = bool(agreed_scale)
+
+    def config(self) -> dict:
+        out = super().config()
+        if self.agreed_scale:
+            out["agreed_scale"] = True
+        return out
 
 
 class BF16Compressor(_CastCompressor):

@@ -9,9 +9,23 @@ hierarchical:  (1) check   (2) reduce-scatter intra-node, exact   (3..) the comp
                (5) unstage
 
 (1) is a tiny all-reduce (MAX of [non-finite flag, max |x|]) over the whole group whose bytes are
-counted: it makes "some rank has a NaN/Inf" and "an fp16 cast would overflow" values every rank
-agrees on (DESIGN 2, rule 2). A non-finite step reduces exactly (NaN propagates, AMP's skipped step)
-and leaves residuals untouched; ``check_finite=True`` raises ``NonFiniteError`` on every rank instead.
+counted: it makes "some rank has a NaN/Inf" and "max |x|" values every rank agrees on (DESIGN 2,
+rule 2), for compressors that need an agreed scale (int8/int4, ``FP16Compressor(agreed_scale=True)``).
+A non-finite step reduces exactly (NaN propagates, AMP's skipped step) and leaves residuals
+untouched; ``check_finite=True`` raises ``NonFiniteError`` on every rank instead.
+
+Optimistic compressors (``compressor.optimistic``: the fp16/bf16 casts, PowerSGD) skip (1): their
+rounds' reduced results are identical on every rank of the round's group, so "is it non-finite" is
+already agreed there. A round that finds NaN/Inf (an fp16 overflow, or a NaN/Inf input) sets
+``job.nonfinite``; right after the last round, on the same engine worker, the exchange redoes the
+reduction exactly in fp32 from the kept input (this rank's shard without its residual) on a group of
+its own role (``cmp-<name>-exact``: only that worker ever issues on it, in its FIFO order) and leaves
+the residuals untouched. With ``check_finite=True`` a result still non-finite after that raises
+``NonFiniteError`` on every rank: in flat mode right there (the whole group holds the same result);
+in hierarchical mode only after the intra-node all-gather, where every rank holds the same full
+vector (raising on one rail only would leave the other rail's ranks blocked in the all-gather). In
+hierarchical mode residuals are likewise kept only when that full result is finite, so a step that
+some rank would skip changes no rank's residuals.
 
 Layout. Element-wise compressors see the tensors staged into one flat vector, each tensor starting
 at a multiple of ``compressor.align`` (so per-block scales never mix two tensors, and a tensor of
@@ -36,7 +50,16 @@ from .. import cost
 from ..engine import Phase
 from ..errors import NonFiniteError, TopologyError
 from ..topology import Topology
-from .base import Compressor, Job, all_gather_single, compute_dtype, derive_seed, reduce_scatter_single, wait_work
+from .base import (
+    Compressor,
+    Job,
+    all_finite,
+    all_gather_single,
+    compute_dtype,
+    derive_seed,
+    reduce_scatter_single,
+    wait_work,
+)
 from .feedback import ErrorFeedback
 
 __all__ = ["reduce_tensors", "Layout", "layout_for"]
@@ -147,6 +170,8 @@ class _Ctx:
     shard: torch.Tensor | None = None
     resid: torch.Tensor | None = None
     server: torch.Tensor | None = None
+    full_nonfinite: bool = False  # hierarchical, optimistic: the gathered result holds NaN/Inf
+    averaged: bool = False  # the division by the world size already happened (before the all-gather)
 
 
 def reduce_tensors(compressor: Compressor, tensors: list[torch.Tensor], keys: list[str], *, group=None,
@@ -187,17 +212,23 @@ def reduce_tensors(compressor: Compressor, tensors: list[torch.Tensor], keys: li
     topo = _resolve(algorithm, group, topology)
     flat_topo = Topology.from_spec(f"1x{world}", group=group)
     name = compressor.name
+    optimistic = bool(compressor.optimistic)
+    # Optimistic exchanges start at their first round, checked ones after the check: a queue must
+    # keep one feeder (DESIGN 2), so the two modes of one compressor family use groups of their own.
+    role = f"cmp-{name}-opt" if optimistic else f"cmp-{name}"
     if topo is not None:
         local, local_rank = topo.local_size, topo.local_rank
-        rs_group = topo.groups(f"cmp-{name}-rs").intra
-        ag_group = topo.groups(f"cmp-{name}-ag").intra
-        round_groups = [topo.groups(f"cmp-{name}-{i}").rail for i in range(compressor.n_rounds)]
+        rs_group = topo.groups(f"{role}-rs").intra
+        ag_group = topo.groups(f"{role}-ag").intra
+        round_groups = [topo.groups(f"{role}-{i}").rail for i in range(compressor.n_rounds)]
+        exact_group = topo.groups(f"{role}-exact").rail if optimistic else None
         rail_size = topo.num_nodes
     else:
         local, local_rank, rs_group, ag_group = 1, 0, None, None
-        round_groups = [flat_topo.groups(f"cmp-{name}-{i}").intra for i in range(compressor.n_rounds)]
+        round_groups = [flat_topo.groups(f"{role}-{i}").intra for i in range(compressor.n_rounds)]
+        exact_group = flat_topo.groups(f"{role}-exact").intra if optimistic else None
         rail_size = world
-    check_group = flat_topo.groups("cmp-check").intra
+    check_group = None if optimistic else flat_topo.groups("cmp-check").intra
 
     numels = [t.numel() for t in tensors]
     layout = layout_for(compressor, numels, local_size=local, local_rank=local_rank, rail_size=rail_size)
@@ -211,6 +242,12 @@ def reduce_tensors(compressor: Compressor, tensors: list[torch.Tensor], keys: li
     ctx = _Ctx()
     esize = staged.element_size()
 
+    def nonfinite_error() -> NonFiniteError:
+        return NonFiniteError(
+            f"a rank holds NaN or Inf in the tensors of {keys[:3]}{'...' if len(keys) > 3 else ''} "
+            f"(step {step}); every rank raises (check_finite=True). Lower the learning rate or use "
+            f"a loss scaler, or pass check_finite=False to reduce such steps exactly", op=f"compress/{name}")
+
     def check() -> int:
         finite = torch.isfinite(staged)
         flags = torch.zeros(2, dtype=torch.float64)
@@ -220,10 +257,7 @@ def reduce_tensors(compressor: Compressor, tensors: list[torch.Tensor], keys: li
         wait_work(dist.all_reduce(flags, op=ReduceOp.MAX, group=check_group, async_op=True), timeout)
         ctx.nonfinite, ctx.amax = bool(flags[0] > 0), float(flags[1])
         if ctx.nonfinite and check_finite:
-            raise NonFiniteError(
-                f"a rank holds NaN or Inf in the tensors of {keys[:3]}{'...' if len(keys) > 3 else ''} "
-                f"(step {step}); every rank raises (check_finite=True). Lower the learning rate or use "
-                f"a loss scaler, or pass check_finite=False to reduce such steps exactly", op=f"compress/{name}")
+            raise nonfinite_error()
         return int(cost.ALGORITHM_FACTORS["allreduce"](world) * flags.numel() * flags.element_size())
 
     def reduce_scatter() -> int:
@@ -247,41 +281,78 @@ def reduce_tensors(compressor: Compressor, tensors: list[torch.Tensor], keys: li
             ctx.exact = True
             ctx.job = Job(x=shard, out=shard, sent=None, group=group, n=n, rank=0, step=step, seed=seed)
             return int(cost.ALGORITHM_FACTORS["allreduce"](n) * shard.numel() * esize)
+        x = shard
         if use_ef:
             ctx.resid = _stage(feedback.get("worker", keys, numels, cdtype, staged.device), layout, cdtype,
                                compressor.align)
-            shard.add_(ctx.resid[layout.lo: layout.hi])
+            if optimistic:
+                x = shard + ctx.resid[layout.lo: layout.hi]  # the shard itself is kept for a fallback
+            else:
+                shard.add_(ctx.resid[layout.lo: layout.hi])
         if uses_server:
             ctx.server = _stage(feedback.get("server", keys, numels, cdtype, staged.device), layout, cdtype,
                                 compressor.align)
         rank = dist.get_rank(group)
         chunk = shard.numel() // n if compressor.chunked else 0
         owned = [(keys[i], layout.offsets[i] - layout.lo, tuple(tensors[i].shape)) for i in layout.owned]
-        ctx.job = Job(x=shard, out=torch.empty_like(shard), sent=torch.empty_like(shard) if use_ef else None,
+        ctx.job = Job(x=x, out=torch.empty_like(shard), sent=torch.empty_like(shard) if use_ef else None,
                       group=group, n=n, rank=rank, step=step, seed=seed, salt=salt, tensors=owned,
                       server=(ctx.server[layout.lo + rank * chunk: layout.lo + (rank + 1) * chunk]
                               if uses_server else None),
                       timeout=timeout, scale_hint=ctx.amax, total_ranks=world)
         return rounds[0].fn(ctx.job)
 
-    def later_round(i: int):
+    def later_round(i: int, group) -> int:
+        if ctx.exact or ctx.job.nonfinite:
+            return 0  # agreed: the exact path, or an earlier round's reduced result was non-finite
+        # Each round issues its collective on its own group (same members, another role): two
+        # buckets in flight must never share a queue between two rounds (DESIGN 2, rule 1).
+        ctx.job.group = group
+        return rounds[i].fn(ctx.job)
+
+    def settle() -> int:
+        """After the last round (optimistic compressors): the exact redo of a non-finite result."""
+        job, nbytes = ctx.job, 0
+        if not ctx.exact and job.nonfinite:
+            # Every rank of the group saw the same reduced values, so all of them take this branch.
+            shard = ctx.shard if ctx.shard is not None else staged[layout.lo: layout.hi]
+            if exact_group is not None and shard.numel():
+                wait_work(dist.all_reduce(shard, op=ReduceOp.SUM, group=exact_group, async_op=True), timeout)
+                nbytes = int(cost.ALGORITHM_FACTORS["allreduce"](job.n) * shard.numel() * esize)
+            ctx.exact = True
+            job.out, job.out_scale = shard, 1.0
+        if check_finite and topo is None and ctx.exact and not all_finite(job.out):
+            raise nonfinite_error()  # flat: the whole group holds this same result
+        return nbytes
+
+    def round_phase(i: int):
         def fn(group) -> int:
-            if ctx.exact:
-                return 0
-            # Each round issues its collective on its own group (same members, another role): two
-            # buckets in flight must never share a queue between two rounds (DESIGN 2, rule 1).
-            ctx.job.group = group
-            return rounds[i].fn(ctx.job)
+            nbytes = first_round(group) if i == 0 else later_round(i, group)
+            if optimistic and i == len(rounds) - 1:
+                nbytes += settle()
+            return nbytes
         return fn
 
     def keep_residuals() -> None:
         """Residual = what was meant minus what was sent, for the shard; zero where not owned."""
-        if ctx.exact or not use_ef:
+        if ctx.exact or ctx.full_nonfinite or not use_ef:
             return
         job = ctx.job
-        keep = torch.zeros_like(ctx.resid)
-        keep[layout.lo: layout.hi] = job.x - job.sent
-        _unstage(keep, feedback.get("worker", keys, numels, cdtype, staged.device), layout)
+        fb = feedback.get("worker", keys, numels, cdtype, staged.device)
+        if topo is None or compressor.needs_matrices:
+            # Each tensor lies wholly in the shard (owned) or wholly outside it (another local rank's
+            # section): write each residual directly, one pass, and zero the others.
+            owned = set(layout.owned)
+            for i, (t, off) in enumerate(zip(fb, layout.offsets)):
+                if i in owned:
+                    lo, hi = off - layout.lo, off - layout.lo + t.numel()
+                    torch.sub(job.x[lo: hi], job.sent[lo: hi], out=t)
+                else:
+                    t.zero_()
+        else:
+            keep = torch.zeros_like(ctx.resid)
+            keep[layout.lo: layout.hi] = job.x - job.sent
+            _unstage(keep, fb, layout)
         if uses_server:
             server = torch.zeros_like(ctx.server)
             rank, chunk = job.rank, job.x.numel() // job.n
@@ -290,39 +361,64 @@ def reduce_tensors(compressor: Compressor, tensors: list[torch.Tensor], keys: li
             _unstage(server, feedback.get("server", keys, numels, cdtype, staged.device), layout)
 
     def all_gather() -> int:
-        out = ctx.job.out
-        ctx.job.out = staged  # the shard's result is gathered into the staged vector (no longer needed)
+        job = ctx.job
+        out = job.out
+        factor = job.out_scale / world if average else job.out_scale
+        if out.dtype != staged.dtype or factor != 1.0:
+            # Decode and average this shard before gathering (1/L of the data, not all of it).
+            out = _scaled(out, factor, staged.dtype, job.out_scale == 1.0 and average, world)
+            ctx.averaged = average
+        job.out, job.out_scale = staged, 1.0  # the shard's result is gathered into the staged vector
         wait_work(all_gather_single(staged, out.contiguous(), group=ag_group, async_op=True), timeout)
         engine().count(f"compress/{name}/intra", (local - 1) * out.numel() * esize)
+        if optimistic and (check_finite or use_ef) and not all_finite(staged):
+            # Every rank of every rail now holds this same full vector: the decision is agreed.
+            ctx.full_nonfinite = True
+            if check_finite:
+                raise nonfinite_error()
         return 0
 
     def finish() -> None:
-        out = ctx.job.out
-        if topo is None and out.numel() != staged.numel():
-            full = torch.zeros_like(staged)
-            full[layout.lo: layout.hi] = out
-            out = full
-        if average:
-            out = out / world
-        _unstage(out, tensors, layout)
+        job = ctx.job
+        out = job.out
+        base = 0 if out.numel() == layout.total else layout.lo
+        divide = average and not ctx.averaged
+        factor = job.out_scale / world if divide else job.out_scale
+        for t, off in zip(tensors, layout.offsets):
+            src = out[off - base: off - base + t.numel()].view(t.shape)
+            if factor == 1.0:
+                t.copy_(src)
+            elif job.out_scale == 1.0 and divide:
+                torch.div(src, world, out=t)
+            else:
+                torch.mul(src if src.dtype == cdtype else src.to(cdtype), factor, out=t)
 
     rounds = compressor.rounds()
     if len(rounds) != compressor.n_rounds:
         raise RuntimeError(f"{type(compressor).__name__}.rounds() returned {len(rounds)} rounds but declares "
                            f"n_rounds={compressor.n_rounds}")
-    phases = [_phase("check", check_group, lambda g: check())]
+    phases = [] if optimistic else [_phase("check", check_group, lambda g: check())]
     if topo is not None:
         phases.append(_phase("reduce_scatter", rs_group, lambda g: reduce_scatter()))
     for i, group in enumerate(round_groups):
-        fn = first_round if i == 0 else later_round(i)
+        fn = round_phase(i)
         if group is None:  # a rail of one node: the exchange is local (exact)
             fn = first_round if i == 0 else (lambda g: 0)
         phases.append(_phase(rounds[i].name, group, fn))
-    phases.append(Phase("residuals", keep_residuals))
     if topo is not None:
         phases.append(_phase("all_gather", ag_group, lambda g: all_gather()))
+    phases.append(Phase("residuals", keep_residuals))
     phases.append(Phase("unstage", finish))
     return engine().submit(phases, op=f"compress/{name}", result=None, device=staged.device)
+
+
+def _scaled(out: torch.Tensor, factor: float, dtype: torch.dtype, divide: bool, world: int) -> torch.Tensor:
+    """``out * factor`` in ``dtype`` (``out / world`` when ``divide``: the plain average), one pass."""
+    if factor == 1.0:
+        return out.to(dtype)
+    if divide:
+        return torch.div(out, world)
+    return torch.mul(out if out.dtype == dtype else out.to(dtype), factor)
 
 
 def _phase(name: str, group, body) -> Phase:

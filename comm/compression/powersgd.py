@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
-from .base import Compressor, Job, Round, derive_seed, wait_work
+from .base import Compressor, Job, Round, all_finite, derive_seed, wait_work
 
 __all__ = ["PowerSGDCompressor"]
 
@@ -46,7 +46,7 @@ def orthogonalize(matrices: torch.Tensor, epsilon: float = 0.0) -> torch.Tensor:
                 rest -= torch.sum(col * rest, dim=1, keepdim=True) * col
     else:
         q, _ = torch.linalg.qr(matrices)
-        matrices.copy_(torch.nan_to_num(q))
+        torch.nan_to_num(q, out=matrices)
     return matrices
 
 
@@ -69,6 +69,7 @@ class PowerSGDCompressor(Compressor):
     needs_matrices = True
     n_rounds = 2
     align = 1
+    optimistic = True  # P and Q are all-reduced: identical on every rank
 
     def __init__(self, rank: int = 1, start_iter: int = 10, min_compression_rate: float = 2.0,
                  warm_start: bool = True, orthogonalization_epsilon: float = 1e-8, batch_same_shape: bool = True):
@@ -118,65 +119,99 @@ class PowerSGDCompressor(Compressor):
 
     def _p_round(self, job: Job) -> int:
         x = job.x
-        # Elements reduced exactly: tensors not worth compressing. Padding between sections (not in
-        # any tensor) is not sent at all.
-        exact = torch.zeros(x.numel(), dtype=torch.bool, device=x.device)
+        # Elements reduced exactly: tensors not worth compressing (as slices of x, no mask over all
+        # of it). Padding between sections (not in any tensor) is not sent at all.
+        exact: list[tuple[int, int]] = []
         batches: dict[tuple, list] = {}
         for key, off, shape in job.tensors:
             dims = self.matrix_shape(shape)
             if dims is None:
-                exact[off: off + math.prod(shape)] = True
+                exact.append((off, math.prod(shape)))
                 continue
             group_key = dims if self.batch_same_shape else (key,)
             batches.setdefault(group_key, []).append((key, off, dims))
+        n_exact = sum(n for _, n in exact)
+        sizes = [len(entries) * entries[0][2][0] * entries[0][2][2] for entries in batches.values()]
+        # One buffer: the exact elements, then every batch's P, computed straight into it.
+        buf = x.new_empty(n_exact + sum(sizes))
+        pos = 0
+        for off, n in exact:
+            buf[pos: pos + n].copy_(x[off: off + n])
+            pos += n
         plan = []
-        pieces = [x[exact]]
-        for entries in batches.values():
+        for entries, size in zip(batches.values(), sizes):
             rows, cols, r = entries[0][2]
-            m = torch.stack([x[off: off + rows * cols].view(rows, cols) for _, off, _ in entries])
+            p = buf[pos: pos + size].view(len(entries), rows, r)
+            pos += size
+            if len(entries) == 1:  # a view of x, no copy
+                m = x[entries[0][1]: entries[0][1] + rows * cols].view(1, rows, cols)
+            else:
+                m = torch.stack([x[off: off + rows * cols].view(rows, cols) for _, off, _ in entries])
             q = torch.stack([self._initial_q(key, cols, r, job) for key, _, _ in entries])
-            p = torch.bmm(m, q)
+            torch.bmm(m, q, out=p)
             plan.append((entries, m, p))
-            pieces.append(p.reshape(-1))
-        buf = torch.cat(pieces)
         if buf.numel():
             wait_work(dist.all_reduce(buf, op=ReduceOp.SUM, group=job.group, async_op=True), job.timeout)
-        pos = int(exact.sum())
-        job.scratch.update(exact=exact, exact_sum=buf[:pos], plan=[])
-        for entries, m, p in plan:
-            p.view(-1).copy_(buf[pos: pos + p.numel()])
-            pos += p.numel()
-            job.scratch["plan"].append((entries, m, p))
+        # The reduced buffer is identical on every rank: NaN/Inf anywhere in x reaches it (through
+        # the exact elements or P's rows), so every rank agrees whether to fall back (optimistic).
+        job.nonfinite = not all_finite(buf)
+        job.scratch.update(exact=exact, exact_sum=buf[:n_exact], plan=plan)
         return int(2 * (job.n - 1) / job.n * buf.numel() * buf.element_size())
 
     def _q_round(self, job: Job) -> int:
         x, sc = job.x, job.scratch
-        qs = []
-        for _, m, p in sc["plan"]:
+        if job.nonfinite:
+            sc.clear()
+            return 0
+        sizes = [p.shape[0] * m.shape[2] * p.shape[2] for _, m, p in sc["plan"]]
+        buf = x.new_empty(sum(sizes))
+        qs, pos = [], 0
+        for (_, m, p), size in zip(sc["plan"], sizes):
             orthogonalize(p, self.orthogonalization_epsilon)
-            qs.append(torch.bmm(m.transpose(1, 2), p))
-        buf = torch.cat([q.reshape(-1) for q in qs]) if qs else x.new_empty(0)
+            q = buf[pos: pos + size].view(p.shape[0], m.shape[2], p.shape[2])
+            torch.bmm(m.transpose(1, 2), p, out=q)
+            qs.append(q)
+            pos += size
         local = buf.clone() if job.sent is not None else None
         if buf.numel():
             wait_work(dist.all_reduce(buf, op=ReduceOp.SUM, group=job.group, async_op=True), job.timeout)
-        exact = sc["exact"]
-        job.out.zero_()
-        job.out[exact] = sc["exact_sum"]
-        if job.sent is not None:
-            job.sent.zero_()
-            job.sent[exact] = x[exact]
+        if not all_finite(buf):
+            job.nonfinite = True  # identical on every rank: the exchange reduces exactly instead
+            sc.clear()
+            return int(2 * (job.n - 1) / job.n * buf.numel() * buf.element_size())
+        out, sent = job.out, job.sent
+        covered = []
+        pos = 0
+        for off, n in sc["exact"]:
+            out[off: off + n].copy_(sc["exact_sum"][pos: pos + n])
+            if sent is not None:
+                sent[off: off + n].copy_(x[off: off + n])
+            covered.append((off, n))
+            pos += n
         pos = 0
         for (entries, _, p), q in zip(sc["plan"], qs):
-            q_sum = buf[pos: pos + q.numel()].view_as(q)
-            approx = torch.bmm(p, q_sum.transpose(1, 2))
-            mine = torch.bmm(p, local[pos: pos + q.numel()].view_as(q).transpose(1, 2)) if local is not None else None
+            q_sum = q  # q is a view of the reduced buffer
+            mine = local[pos: pos + q.numel()].view_as(q) if local is not None else None
             pos += q.numel()
             for i, (key, off, (rows, cols, _)) in enumerate(entries):
-                job.out[off: off + rows * cols] = approx[i].reshape(-1)
+                torch.mm(p[i], q_sum[i].t(), out=out[off: off + rows * cols].view(rows, cols))
                 if mine is not None:
-                    job.sent[off: off + rows * cols] = mine[i].reshape(-1)
+                    torch.mm(p[i], mine[i].t(), out=sent[off: off + rows * cols].view(rows, cols))
+                covered.append((off, rows * cols))
                 if self.warm_start:
-                    self.q_memory[key] = (q_sum[i] / job.n).clone()
+                    self.q_memory[key] = q_sum[i] / job.n
+        # Padding between sections (hierarchical) is in no tensor: zeros, never stale memory.
+        end = 0
+        for off, n in sorted(covered):
+            if off > end:
+                out[end: off].zero_()
+                if sent is not None:
+                    sent[end: off].zero_()
+            end = max(end, off + n)
+        if end < out.numel():
+            out[end:].zero_()
+            if sent is not None:
+                sent[end:].zero_()
         sc.clear()
         return int(2 * (job.n - 1) / job.n * buf.numel() * buf.element_size())
 
