@@ -28,11 +28,14 @@ GUARD = 180.0  # generous: spawning ranks that import torch takes tens of second
 
 
 def _train(backend: str, store_path: str, rank: int, options: Any) -> tuple[list[list[float]], dict]:
+    import gc
+
     import torch.distributed as dist
 
     dist.init_process_group(backend, store=dist.FileStore(store_path, 2), rank=rank, world_size=2,
                             pg_options=options, timeout=timedelta(seconds=60))
     extra: dict[str, Any] = {}
+    ddp = None
     try:
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
@@ -65,7 +68,17 @@ def _train(backend: str, store_path: str, rank: int, options: Any) -> tuple[list
                      "bcast": src.tolist(), "gather": [t.item() for t in gathered],
                      "name": pg.getBackendName() if hasattr(pg, "getBackendName") else "",
                      "counters": dict(pg.session.counters)}
+            del pg
     finally:
+        # Release DDP while the group is still registered, then destroy the group. The other order
+        # deadlocked (the old skip of this test): DDP's Reducer then held the last reference to the
+        # gloo group, and its pybind deallocator runs ~ProcessGroupGloo with the GIL held; that joins
+        # gloo's worker threads, and a worker that had not yet dropped the last backward all-reduce
+        # work blocks on the GIL, because the work's captured ThreadLocalState holds a Python object
+        # (the context torch's _engine_run_backward stashes in TLS). Dropped by the group's own
+        # Python handle (in destroy_process_group), ~ProcessGroupGloo runs with the GIL released.
+        ddp = opt = None
+        gc.collect()  # a Reducer kept alive by a reference cycle would be freed later, the bad order
         dist.destroy_process_group()
     return params, extra
 
@@ -150,9 +163,6 @@ def _reap(procs: list[Any]) -> None:
             p.join(5)
 
 
-@pytest.mark.skip(reason="open bug: intermittently, the plain gloo training that follows the INA phases in the same "
-                         "processes hangs in gloo's group creation (seen in CI on 2026-11-29); the INA path itself "
-                         "is covered by test_ina.py and the killed-worker test below")
 def test_ddp_on_ina_backend_matches_gloo():
     """FAULTS rows 24 and 30 (end to end): DDP on init_process_group("ina") (2 spawned ranks, FileStore
     in a tmp dir) trains 5 steps to the same parameters as gloo DDP, within the quantization
