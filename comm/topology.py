@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from .errors import CommTimeoutError, TopologyError
 
-__all__ = ["Topology", "Groups", "parse_rate", "destroy", "setup_wait"]
+__all__ = ["Topology", "Groups", "parse_rate", "ina_switch_from_env", "destroy", "setup_wait"]
 
 
 def parse_rate(text: str | int | float) -> float:
@@ -52,6 +52,27 @@ def parse_rate(text: str | int | float) -> float:
     if value <= 0:
         raise ValueError(f"link rate must be positive, got {text!r}")
     return value
+
+
+def ina_switch_from_env() -> tuple[str, int] | None:
+    """The in-network aggregation switch named by ``COMMOPT_INA_SWITCH`` ("host:port"), or None if unset.
+
+    Needs no layout, unlike :meth:`Topology.from_env` (which calls it): under torchrun the ``"ina"``
+    backend finds its switch with this alone, without ``COMMOPT_NODES``. It is the one place that
+    reads the variable (DESIGN 7.6). An IPv6 host may be bracketed ("[::1]:5555").
+
+    Raises:
+        TopologyError: the variable is set but is not "host:port" with a port in 1..65535.
+    """
+    text = os.environ.get("COMMOPT_INA_SWITCH", "").strip()
+    if not text:
+        return None
+    host, sep, port = text.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise TopologyError(f"COMMOPT_INA_SWITCH={text!r} is malformed: expected 'host:port' with a port in "
+                            "1..65535, e.g. '127.0.0.1:5555' (the address `commopt-bench ina-switch` prints)")
+    return host, int(port)
 
 
 def _group_rank_size(group) -> tuple[int, int]:
@@ -161,15 +182,18 @@ class Topology:
         In order: ``COMMOPT_NODES`` ("0,1;2,3": nodes separated by ';', ranks by ','), then
         torchrun's ``LOCAL_WORLD_SIZE``, then MPI's local size (``MPI_LOCALNRANKS``,
         ``OMPI_COMM_WORLD_LOCAL_SIZE``), all assuming node-by-node placement for the latter two.
-        Also reads ``COMMOPT_LINK_RATE_BPS`` and ``COMMOPT_INA_SWITCH``. Raises ``TopologyError``
-        when the environment gives no layout.
+        Also reads ``COMMOPT_LINK_RATE_BPS`` and ``COMMOPT_INA_SWITCH`` (through
+        :func:`ina_switch_from_env`). Raises ``TopologyError`` when the environment gives no layout, or
+        a malformed value.
         """
         extra = {}
         rate = os.environ.get("COMMOPT_LINK_RATE_BPS")
         if rate:
             extra["link_rate_bps"] = parse_rate(rate)
-        if os.environ.get("COMMOPT_INA_SWITCH"):
-            extra["ina_switch"] = os.environ["COMMOPT_INA_SWITCH"]
+        switch = ina_switch_from_env()
+        if switch is not None:
+            host, port = switch
+            extra["ina_switch"] = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         text = os.environ.get("COMMOPT_NODES")
         if text:
             try:

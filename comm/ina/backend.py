@@ -7,9 +7,10 @@ reduce-scatter, barrier, send/recv and any other all-reduce (integer tensors, MA
 an internal gloo group built on the same store. DDP therefore runs on it unchanged: it broadcasts
 parameters at construction (gloo) and all-reduces gradient buckets (switch).
 
-Where the switch address comes from, in order: ``InaOptions.switch``; ``Topology.from_env()``'s
-``ina_switch`` (the one place that reads ``COMMOPT_INA_SWITCH``, DESIGN 7.6). Without either, group
-creation fails with a :class:`CommError` saying how to pass it.
+Where the switch address comes from, in order: ``InaOptions.switch``; ``COMMOPT_INA_SWITCH``, read by
+``topology.ina_switch_from_env()`` (the one place that reads it, DESIGN 7.6; it needs no layout, so
+torchrun jobs need not set ``COMMOPT_NODES``). Without either, group creation fails with a
+:class:`CommError` saying how to pass it; a malformed variable raises ``TopologyError`` naming it.
 
 The job id is agreed through the store: rank 0 of the group draws one (or takes
 ``InaOptions.job_id``) and publishes it; the other ranks read it. Each group gets its own job, so
@@ -60,7 +61,7 @@ class InaOptions:
     """Options of an ``"ina"`` process group (``pg_options=`` of ``init_process_group``/``new_group``).
 
     Args:
-        switch: the switch, "host:port" or (host, port); None asks ``Topology.from_env()``.
+        switch: the switch, "host:port" or (host, port); None reads ``COMMOPT_INA_SWITCH``.
         job_id: the job id on the switch (1..65535); None lets rank 0 draw one and share it.
         timeout: seconds per all-reduce; None uses the process group's timeout.
         window: packets in flight per worker.
@@ -74,29 +75,14 @@ class InaOptions:
     switch: str | tuple[str, int] | None = None
     job_id: int | None = None
     timeout: float | None = None
-    # The backend keeps 16 x 8192-lane packets: with the 8 x 16000 of InaSession's defaults, the DDP
-    # test (tests/test_ina_procs.py) hung in the later gloo phase when run after the other ina tests
-    # (not alone); not understood yet, so the backend stays on the setting that is known good.
+    # 16 x 8192-lane packets (InaSession's defaults are 8 x 16000). The DDP-test hang once blamed on
+    # the larger packets was a gloo teardown deadlock in the test's plain-gloo phase (see
+    # tests/test_ina_procs.py::_train); packet settings only changed its timing.
     window: int = 16
     payload_elems: int = 8192
     max_retries: int = 20
     faults: FaultConfig | None = None
     gloo_hostname: str | None = None
-
-
-def _switch_from_topology() -> tuple[str | None, str]:
-    """The switch address from ``Topology.from_env()`` when it knows one, and why not otherwise."""
-    try:
-        from ..topology import Topology  # written elsewhere; absent in minimal installs
-    except ImportError as e:
-        return None, f"commopt.comm.topology is unavailable ({e})"
-    try:
-        topo = Topology.from_env()
-    except (CommError, RuntimeError, ValueError, KeyError, TypeError) as e:
-        # from_env() needs a layout (COMMOPT_NODES, or torchrun's sizes and an initialised WORLD).
-        return None, f"Topology.from_env() failed: {type(e).__name__}: {e}"
-    spec = getattr(topo, "ina_switch", None)
-    return (str(spec), "") if spec else (None, "Topology.from_env() found no COMMOPT_INA_SWITCH")
 
 
 def _completed(result: Any) -> Any:
@@ -120,13 +106,17 @@ class InaProcessGroup(dist.ProcessGroup):
                  options: InaOptions | None = None):
         super().__init__(rank, size)
         options = options or InaOptions()
-        spec, why = (options.switch, "") if options.switch is not None else _switch_from_topology()
-        if spec is None:
-            raise CommError(f"init_process_group('ina'): no switch address ({why}); pass pg_options="
-                            "InaOptions(switch='host:port'), or set COMMOPT_INA_SWITCH together with "
-                            "COMMOPT_NODES for Topology.from_env(); start the switch with `commopt-bench "
-                            "ina-switch`", op="init/ina", seq=0, ranks=[rank])
-        address = parse_address(spec)
+        if options.switch is not None:
+            address = parse_address(options.switch)
+        else:
+            from ..topology import ina_switch_from_env
+
+            found = ina_switch_from_env()  # layout-free: works under torchrun without COMMOPT_NODES
+            if found is None:
+                raise CommError("init_process_group('ina'): no switch address; pass pg_options=InaOptions("
+                                "switch='host:port') or set COMMOPT_INA_SWITCH=host:port; start the switch "
+                                "with `commopt-bench ina-switch`", op="init/ina", seq=0, ranks=[rank])
+            address = found
         if rank == 0:
             job_id = options.job_id if options.job_id is not None else 1 + secrets.randbelow(0xFFFF)
             store.set(_JOB_KEY, str(job_id))
