@@ -82,8 +82,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--plan", choices=["priority", "fifo"], default="priority")
     p.add_argument("--bucket-cap-mb", type=float, default=2.0)
     p.add_argument("--first-bucket-cap-mb", type=float, default=1.0)
-    p.add_argument("--partition-mb", type=float, default=2.0)
-    p.add_argument("--credit-mb", type=float, default=4.0)
+    p.add_argument("--partition-mb", type=float, default=None,
+                   help="chunk size of the priority plan (default: chosen from the link's cost model)")
+    p.add_argument("--credit-mb", type=float, default=None, help="most MiB in flight (default: from the model)")
     p.add_argument("--steps", type=int, default=5, help="steps per timed block")
     p.add_argument("--rounds", type=int, default=10, help="interleaved DDP/overlap rounds")
     p.add_argument("--warmup", type=int, default=3)
@@ -247,7 +248,8 @@ def _run(args) -> int:
                                                   optimizer_seconds_per_byte=opt_per_byte))
     pred_odp = simulate(layers, service, Schedule(args.plan, bucket_cap_mb=args.bucket_cap_mb,
                                                   first_bucket_cap_mb=args.first_bucket_cap_mb,
-                                                  partition_mb=args.partition_mb, credit_mb=args.credit_mb,
+                                                  partition_mb=odp.partition_bytes / 2**20,
+                                                  credit_mb=odp.credit_bytes / 2**20,
                                                   optimizer_seconds_per_byte=opt_per_byte))
     pred_none = simulate(layers, service, Schedule("none", optimizer_seconds_per_byte=opt_per_byte))
     bound = max(t_compute, t_comm)
