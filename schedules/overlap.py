@@ -27,7 +27,7 @@ waits for the pending step (before evaluation, checkpointing or reading paramete
 Partition and credit, unless given: chosen from the alpha-beta model of the link the chunks cross
 (``comm.cost.model_for(topology)``: the inter-node level on more than one node, else the intra-node
 one), by :func:`~commopt.schedules.priority.partition_for` (the smallest power of two ``P`` with
-``P >= 9 alpha / beta``, i.e. latency at most ~10 % of a chunk's time, clamped to [256 KiB, 16 MiB]
+``P >= 9 alpha / beta``, i.e. latency at most ~10 % of a chunk's time, clamped to [1 MiB, 16 MiB]
 and to the largest bucket) and :func:`~commopt.schedules.priority.credit_for` (two chunks or the
 bandwidth-delay product ``alpha / beta``, the larger). The model is broadcast from rank 0, so every
 rank gets the same numbers. A re-plan applies the same rule to rank 0's fit of its profiled chunk
@@ -203,10 +203,15 @@ class OverlapDataParallel(nn.Module):
         self._keys = [names.get(id(p), f"param{i}") for i, p in enumerate(self._params)]
         self._distributed = dist.is_initialized() and dist.get_world_size(process_group) > 1
         self._group = None
+        self._streams: list = []
         self._process_group = process_group
         if self._distributed:
             ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
             self._group = dist.new_group(ranks)
+            # Flat reductions alternate between two private groups, chunk by chunk in plan order (the
+            # same on every rank): one group runs its collectives one after another, and the gap
+            # between two (both ranks post, the first bytes ramp up) left the link idle between chunks.
+            self._streams = [self._group, dist.new_group(ranks)]
             self._src = 0 if process_group is None else dist.get_global_rank(process_group, 0)
             self._rank = dist.get_rank(process_group)
             # The user's topology (or the detected one) keeps its group: hierarchical phases run on
@@ -332,10 +337,10 @@ class OverlapDataParallel(nn.Module):
             for h in self._handles:
                 h.remove()
             self._handles = []
-            if self._group is not None:
+            for g in self._streams:
                 with contextlib.suppress(ValueError, RuntimeError):
-                    dist.destroy_process_group(self._group)
-                self._group = None
+                    dist.destroy_process_group(g)
+            self._group, self._streams = None, []
 
     @property
     def partition_bytes(self) -> int:
@@ -714,10 +719,11 @@ class OverlapDataParallel(nn.Module):
                 step.profile.nbytes.append(c.nbytes)
                 step.profile.done.append(0.0)
                 k = len(step.profile.issued) - 1
-            fut = self._reduce(step, c)
+            fut = self._reduce(step, c, k)
             fut.add_done_callback(lambda f, c=c, k=k: self._chunk_done(step, c, k, f))
 
-    def _reduce(self, step: _Step, c) -> torch.futures.Future:
+    def _reduce(self, step: _Step, c, k: int) -> torch.futures.Future:
+        """Reduce chunk ``c``, the ``k``-th of the step's plan (which picks its stream)."""
         buf = self._buffers[c.bucket]
         if self.compressor is not None:
             from commopt.comm.compression import reduce_tensors
@@ -736,7 +742,8 @@ class OverlapDataParallel(nn.Module):
             return reduce_tensors(self.compressor, views, keys, group=self._process_group, topology=self._topology,
                                   algorithm=self.algorithm, average=True, step=step.index, seed=self.seed,
                                   feedback=self._feedback, timeout=self.timeout)
-        return all_reduce(buf[c.start: c.stop], ReduceOp.AVG, group=self._group, topology=self._topology,
+        return all_reduce(buf[c.start: c.stop], ReduceOp.AVG, group=self._streams[k % 2] if self._streams else None,
+                          topology=self._topology,
                           algorithm=self.algorithm, async_op=True, timeout=self.timeout)
 
     def _chunk_done(self, step: _Step, c, k: int, fut: torch.futures.Future) -> None:
