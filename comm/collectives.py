@@ -16,6 +16,10 @@ Algorithms live in a registry (:data:`ALGORITHMS`):
   (3) broadcast intra-node. Works on nodes of any size;
 - ``ina``: in-network aggregation through the simulated switch (``commopt.comm.ina``);
 - ``auto``: the cheapest applicable one by the cost model (``commopt.comm.cost``).
+
+Each entry is called as ``fn(prepared, reduce_op, group, topology, timeout, blocking=...)`` and
+returns a Future; ``blocking`` (the caller waits at once) lets a single-chunk multi-phase algorithm
+run on the caller's thread when the engine is idle (``Engine.submit``).
 """
 
 from __future__ import annotations

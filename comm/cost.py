@@ -332,7 +332,7 @@ def calibrate(topology: Topology, *, cache_dir: str | os.PathLike | None = None,
                       groups.rail if len(groups.rail_ranks) > 1 else None, sizes[-1], reps, topology.group)
     chunks = CostModel.chunks
     slow, fast = max(large.values(), default=0.0), min(large.values(), default=0.0)
-    # Judged only on comparable levels: next to a level ten times slower, the fast one's time is
+    # Judged only on comparable levels: next to a level five times slower, the fast one's time is
     # within the slow one's noise (and pipelining there costs little).
     if both is not None and fast >= 0.2 * slow and both > slow + 0.5 * fast:
         chunks = 1
