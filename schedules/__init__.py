@@ -12,9 +12,9 @@ from . import plan, priority, simulator
 from .autotune import TuneConfig, TuneResult, autotune
 from .overlap import OverlapDataParallel
 from .plan import BucketPlan, IssuePlan, broadcast_plan, build_buckets
-from .priority import fifo_plan, priority_plan
+from .priority import credit_for, fifo_plan, partition_for, priority_plan
 from .simulator import Layer, Schedule, simulate, traffic_matrix
 
 __all__ = ["OverlapDataParallel", "autotune", "TuneConfig", "TuneResult", "BucketPlan", "IssuePlan", "build_buckets",
-           "broadcast_plan", "fifo_plan", "priority_plan", "Layer", "Schedule", "simulate", "traffic_matrix", "plan",
-           "priority", "simulator"]
+           "broadcast_plan", "fifo_plan", "priority_plan", "partition_for", "credit_for", "Layer", "Schedule",
+           "simulate", "traffic_matrix", "plan", "priority", "simulator"]
