@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
+
+from ._plot import pyplot
 
 __all__ = ["main"]
 
@@ -112,13 +113,8 @@ def run(args) -> list[dict]:
 
 
 def _plot(results: dict, path: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("# matplotlib is not installed (pip install commopt[plot]); no timeline written", file=sys.stderr)
+    plt = pyplot("timeline")
+    if plt is None:
         return
     fig, axes = plt.subplots(len(results), 1, figsize=(12, 1.4 * len(results) + 1), sharex=True, squeeze=False)
     colors = {"F": "tab:blue", "B": "tab:orange", "b": "tab:green"}

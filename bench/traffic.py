@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
+
+from ._plot import pyplot
 
 __all__ = ["main"]
 
@@ -85,15 +86,10 @@ def run(args) -> dict:
 
 
 def _plot(mats: dict, path: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        from matplotlib.colors import LogNorm
-    except ImportError:
-        print("# matplotlib is not installed (pip install commopt[plot]); no heatmap written", file=sys.stderr)
+    plt = pyplot("heatmap")
+    if plt is None:
         return
+    from matplotlib.colors import LogNorm
     fig, axes = plt.subplots(1, len(mats), figsize=(4.2 * len(mats), 4.2))
     for ax, (name, m) in zip(axes, mats.items()):
         data = m.numpy() / 2**20
