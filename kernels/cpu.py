@@ -82,10 +82,6 @@ class _Threaded:
         self.serial = njit(cache=True, error_model="numpy")(serial)
 
 
-def _threaded(fn) -> _Threaded:
-    return _Threaded(fn)
-
-
 # ---------------------------------------------------------------------------------------------------
 # LLVM intrinsics: raw memcpy / memset by address, and float <-> bits casts
 
@@ -326,7 +322,7 @@ def _copy_bytes(dst_addr, src_addr, nbytes):
         d[_U(i)] = s[_U(i)]
 
 
-@_threaded
+@_Threaded
 def _copy_segments(src, dst, nbytes, pad, chunk):
     nseg = src.shape[0]
     first = np.empty(nseg + 1, np.int64)
@@ -348,7 +344,7 @@ def _copy_segments(src, dst, nbytes, pad, chunk):
             _memzero(dst[s] + start, hi - start)
 
 
-@_threaded
+@_Threaded
 def _pack_signs(xbits, shift, out, chunk):
     n = xbits.shape[0]
     nw = out.shape[0]
@@ -366,7 +362,7 @@ def _pack_signs(xbits, shift, out, chunk):
             out[_U(w)] = acc
 
 
-@_threaded
+@_Threaded
 def _abs_mean(xbits, block, out):
     n = xbits.shape[0]
     for b in prange(out.shape[0]):
@@ -388,7 +384,7 @@ def _abs_mean(xbits, block, out):
         out[b] = np.float32(((s0 + s1) + (s2 + s3)) / (hi - lo))
 
 
-@_threaded
+@_Threaded
 def _unpack_signs(bits, scales, block, out, chunk):
     # word by word (chunk is a multiple of 32): +s is narrowed once per scale block and -s is the
     # same bits with the sign bit set (narrowing is symmetric), so a word inside one block is a
@@ -421,7 +417,7 @@ def _unpack_signs(bits, scales, block, out, chunk):
                     out[_U(base) + _U(j)] = pos ^ (((word >> _U(j)) & _U(1)) << sign)
 
 
-@_threaded
+@_Threaded
 def _quantize(xbits, absmask, block, qmax, stochastic, key, codes, scales):
     n = xbits.shape[0]
     q = np.float32(qmax)
@@ -436,7 +432,7 @@ def _quantize(xbits, absmask, block, qmax, stochastic, key, codes, scales):
         _codes(xbits, lo, hi, scale, q, stochastic, key, codes)
 
 
-@_threaded
+@_Threaded
 def _pack_nibbles(codes, out, chunk):
     """int4 packing of int8 codes: element 2j in the low nibble of byte j (a second, vectorised
     pass; computing pairs in the quantize loop itself defeats the vectoriser)."""
@@ -453,7 +449,7 @@ def _pack_nibbles(codes, out, chunk):
         out[nb - 1] = codes[n - 1] & 15
 
 
-@_threaded
+@_Threaded
 def _dequantize(codes, scales, block, int4, out, chunk):
     n = out.shape[0]
     for c in prange((n + chunk - 1) // chunk):
@@ -486,7 +482,7 @@ def _kth_bin(hist, k):
     return 0, above
 
 
-@_threaded
+@_Threaded
 def _topk_select(xbits, absmask, wide, k, ntask, values, indices):
     n = xbits.shape[0]
     per = (n + ntask - 1) // ntask
@@ -544,7 +540,7 @@ def _topk_select(xbits, absmask, wide, k, ntask, values, indices):
                 e += 1
 
 
-@_threaded
+@_Threaded
 def _scatter_add(vbits, indices, out):
     n = out.shape[0]
     bad = 0
