@@ -703,7 +703,7 @@ def topk_pack(x: torch.Tensor, k: int) -> torch.Tensor:
     if k:
         values = payload[values_at : values_at + k * size]
         indices = payload[indices_at:].view(torch.int32).numpy()
-        ntask = max(1, min(numba.get_num_threads(), n >> 16))
+        ntask = max(1, min(torch.get_num_threads(), n >> 16))  # numba.get_num_threads() starts its pool
         wide = size == 4
         _run(_topk_select, n, _raw(x), _U(0x7FFFFFFF if wide else 0x7FFF), wide, k, ntask,
              _raw(values.view(x.dtype)), indices)

@@ -112,6 +112,8 @@ class Job:
         out_scale: the SUM is ``out * out_scale``: a round may replace ``out`` by its reduced wire
             tensor (another floating dtype, e.g. the fp16 cast) and leave the decoding scale to the
             exchange, which folds it with the averaging into one pass while writing the result.
+        sent_is_residual: set by a round that wrote the residual (x minus what was sent) into
+            ``sent`` directly, fused with decoding; the exchange then keeps ``sent`` as it is.
         nonfinite: set by an optimistic compressor's round when its reduced result (identical on
             every rank of the group) holds NaN/Inf; later rounds then do nothing, ``out`` is not
             meaningful and the exchange reduces ``x`` exactly instead.
@@ -133,6 +135,7 @@ class Job:
     total_ranks: int = 1
     scratch: dict = field(default_factory=dict)
     out_scale: float = 1.0
+    sent_is_residual: bool = False
     nonfinite: bool = False
 
 

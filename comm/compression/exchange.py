@@ -346,12 +346,15 @@ def reduce_tensors(compressor: Compressor, tensors: list[torch.Tensor], keys: li
             for i, (t, off) in enumerate(zip(fb, layout.offsets)):
                 if i in owned:
                     lo, hi = off - layout.lo, off - layout.lo + t.numel()
-                    torch.sub(job.x[lo: hi], job.sent[lo: hi], out=t)
+                    if job.sent_is_residual:
+                        t.copy_(job.sent[lo: hi])
+                    else:
+                        torch.sub(job.x[lo: hi], job.sent[lo: hi], out=t)
                 else:
                     t.zero_()
         else:
             keep = torch.zeros_like(ctx.resid)
-            keep[layout.lo: layout.hi] = job.x - job.sent
+            keep[layout.lo: layout.hi] = job.sent if job.sent_is_residual else job.x - job.sent
             _unstage(keep, fb, layout)
         if uses_server:
             server = torch.zeros_like(ctx.server)
