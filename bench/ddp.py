@@ -203,7 +203,7 @@ def _summary(run: dict, args) -> dict:
             "inter_bytes_per_step": float(worst[1]),
             "matrix_ratio": matrix_ratio,
             "bytes_modelled": modelled is not None, "fp32_bytes": 2 * (world - 1) / world * numel * 4,
-            "losses": run["losses"]}
+            "losses": run["losses"], "step_ms_rank0": [1e3 * t for t in run["times"]]}
 
 
 def _rank_body(args) -> int:

@@ -190,8 +190,11 @@ def allreduce_hook(state: AllReduceState, bucket) -> torch.futures.Future:
         if state.validate:
             validate_same("all_reduce", buf, algorithm=f"{state.algorithm}+{compressor.name}", op="avg",
                           group=group)
-        keys = [state.key_of(p) for p in bucket.parameters()]
-        fut = reduce_tensors(compressor, _views(bucket, buf), keys, group=group, topology=state.topology,
+        if compressor.layout_free:  # one flat vector, cast in place of a staged copy (casts)
+            tensors, keys = [buf], [f"bucket{bucket.index()}"]
+        else:
+            tensors, keys = _views(bucket, buf), [state.key_of(p) for p in bucket.parameters()]
+        fut = reduce_tensors(compressor, tensors, keys, group=group, topology=state.topology,
                              algorithm=state.algorithm, average=True, step=step, seed=state.seed,
                              feedback=state.feedback, check_finite=state.check_finite, timeout=state.timeout)
         return chain(fut, lambda _value: check_result(bucket, buf))

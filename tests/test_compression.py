@@ -64,6 +64,19 @@ def _body_matrix(topo_spec: str, algorithm: str) -> dict:
             err = ((y.double() - exact).norm() / exact.norm()).item()
             assert math.isfinite(err) and err <= bound + 4 * eps, (c, dtype, err)
             report[f"{c!r}/{dtype}"] = err
+    # PowerSGD at full rank over several tensors (two of one shape, and a vector reduced exactly):
+    # exact with and without batching same-shaped matrices into one bmm.
+    from commopt.comm.compression.exchange import reduce_tensors
+
+    shapes = [(20, 12), (20, 12), (7,)]
+    for batch in (False, True):
+        ts = [_inputs(world, s, torch.float64, salt=30 + i)[rank] for i, s in enumerate(shapes)]
+        ps = C.PowerSGDCompressor(rank=12, start_iter=0, min_compression_rate=0.0, batch_same_shape=batch)
+        reduce_tensors(ps, ts, ["a", "b", "c"], topology=topo, algorithm=algorithm, average=False,
+                       feedback=ErrorFeedback()).wait()
+        for i, (t, s) in enumerate(zip(ts, shapes)):
+            ref = torch.stack(_inputs(world, s, torch.float64, salt=30 + i)).sum(0)
+            assert torch.allclose(t, ref, rtol=0, atol=1e-9 * ref.abs().max().item()), (batch, s)
     # FAULTS row 9: a transposed (non-contiguous) input gives the contiguous result, in place.
     for make in (lambda: C.PowerSGDCompressor(rank=3, start_iter=0), C.FP16Compressor,
                  lambda: C.TopKCompressor(0.2), C.OneBitCompressor):

@@ -173,6 +173,9 @@ class Compressor:
     #: Reduce first, no agreed check (see the module docstring); the rounds set ``job.nonfinite``
     #: from their (rank-identical) reduced results and need no ``job.scale_hint``.
     optimistic: bool = False
+    #: Element-wise with no per-tensor state (no residuals, seeds or block scales): the DDP hook
+    #: hands such a compressor the bucket's flat buffer as one tensor, which is then not staged.
+    layout_free: bool = False
 
     def __init__(self) -> None:
         self._calls = 0

@@ -43,8 +43,10 @@ class _CastCompressor(Compressor):
     summable = True
     biased = False
     n_rounds = 1
-    # Element-wise with no per-block scales: tensors need no alignment in the staged vector.
+    # Element-wise with no per-block scales: tensors need no alignment in the staged vector, and
+    # a DDP bucket is cast straight from its buffer.
     align = 1
+    layout_free = True
     wire: torch.dtype = torch.float16
     agreed_scale: bool = False
 

@@ -118,9 +118,19 @@ def layout_for(compressor: Compressor, numels: list[int], *, local_size: int, lo
     return Layout(offs[:-1], total, lo, lo + shard, owned)
 
 
-def _stage(tensors: list[torch.Tensor], layout: Layout, dtype: torch.dtype, align: int) -> torch.Tensor:
-    """Copy ``tensors`` into a new staged vector of ``dtype`` (zeros between and after them)."""
+def _stage(tensors: list[torch.Tensor], layout: Layout, dtype: torch.dtype, align: int,
+           alias: bool = False) -> torch.Tensor:
+    """Copy ``tensors`` into a new staged vector of ``dtype`` (zeros between and after them).
+
+    With ``alias``, one contiguous tensor that is already the whole staged vector is used as it is
+    (no copy): for optimistic compressors, which never write the staged vector before the last
+    phase overwrites the tensors with the result.
+    """
     device = tensors[0].device
+    one = tensors[0]
+    if (alias and len(tensors) == 1 and layout.plain and layout.total == one.numel() and one.dtype == dtype
+            and one.is_contiguous()):
+        return one.view(-1)
     if layout.plain and all(t.dtype == dtype for t in tensors):
         out = torch.empty(layout.total, dtype=dtype, device=device)
         kernels.flatten(tensors, out, align=align)
@@ -128,6 +138,21 @@ def _stage(tensors: list[torch.Tensor], layout: Layout, dtype: torch.dtype, alig
     out = torch.zeros(layout.total, dtype=dtype, device=device)
     for t, off in zip(tensors, layout.offsets):
         out[off: off + t.numel()].copy_(t.reshape(-1))
+    return out
+
+
+def _stage_sum(sources: list[torch.Tensor], residuals: list[torch.Tensor], offsets: list[int], total: int,
+               dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A new vector of ``total`` elements: ``sources[i] + residuals[i]`` at ``offsets[i]``, zeros
+    elsewhere; one pass (no staged copy of the sources first)."""
+    out = torch.empty(total, dtype=dtype, device=device)
+    end = 0
+    for src, r, off in sorted(zip(sources, residuals, offsets), key=lambda e: e[2]):
+        if off > end:
+            out[end: off].zero_()
+        torch.add(src.reshape(-1), r, out=out[off: off + r.numel()])
+        end = off + r.numel()
+    out[end:].zero_()
     return out
 
 
@@ -233,14 +258,26 @@ def reduce_tensors(compressor: Compressor, tensors: list[torch.Tensor], keys: li
     numels = [t.numel() for t in tensors]
     layout = layout_for(compressor, numels, local_size=local, local_rank=local_rank, rail_size=rail_size)
     cdtype = compute_dtype(tensors[0].dtype)
-    staged = _stage(tensors, layout, cdtype, compressor.align)
+    device = tensors[0].device
     shapes = [tuple(tensors[i].shape) for i in layout.owned]
     active = compressor.active(step) and compressor.worth(layout.hi - layout.lo, shapes)
     use_ef = feedback is not None and compressor.biased
     uses_server = use_ef and getattr(compressor, "uses_server_residual", False)
+    # Flat and optimistic with error feedback (PowerSGD): the rounds' input, gradient + residual, is
+    # built in one pass straight from the tensors (first_round); a staged copy of the plain gradients
+    # is made only for an exact step or a fallback (the tensors are not written before the last phase).
+    lazy = topo is None and optimistic and use_ef and active
+    staged = None if lazy else _stage(tensors, layout, cdtype, compressor.align, alias=optimistic)
+
+    def staged_vec() -> torch.Tensor:
+        nonlocal staged
+        if staged is None:
+            staged = _stage(tensors, layout, cdtype, compressor.align)
+        return staged
+
     salt = derive_seed(seed, keys[0] if keys else "", len(keys), layout.lo)
     ctx = _Ctx()
-    esize = staged.element_size()
+    esize = cdtype.itemsize
 
     def nonfinite_error() -> NonFiniteError:
         return NonFiniteError(
@@ -270,32 +307,42 @@ def reduce_tensors(compressor: Compressor, tensors: list[torch.Tensor], keys: li
         return 0
 
     def first_round(group) -> int:
-        shard = ctx.shard if ctx.shard is not None else staged[layout.lo: layout.hi]
         ctx.exact = ctx.nonfinite or not active
         n = dist.get_world_size(group) if group is not None else 1
         if ctx.exact or group is None:
             # Exact fallback (non-finite step, compression not started or not worth it): the same
             # collective on every rank of the group, because the decision was agreed or shape-made.
+            shard = ctx.shard if ctx.shard is not None else staged_vec()[layout.lo: layout.hi]
             if group is not None and shard.numel():
                 wait_work(dist.all_reduce(shard, op=ReduceOp.SUM, group=group, async_op=True), timeout)
             ctx.exact = True
             ctx.job = Job(x=shard, out=shard, sent=None, group=group, n=n, rank=0, step=step, seed=seed)
             return int(cost.ALGORITHM_FACTORS["allreduce"](n) * shard.numel() * esize)
+        shard = ctx.shard if ctx.shard is not None or lazy else staged[layout.lo: layout.hi]
         x = shard
-        if use_ef:
-            ctx.resid = _stage(feedback.get("worker", keys, numels, cdtype, staged.device), layout, cdtype,
+        if use_ef and optimistic and (topo is None or compressor.needs_matrices):
+            # Whole tensors in the shard: x = gradient + residual in one pass over the owned tensors,
+            # read from the tensors themselves in flat mode; the shard is kept for a fallback.
+            fb = feedback.get("worker", keys, numels, cdtype, device)
+            owned = layout.owned
+            srcs = [tensors[i] if shard is None else shard[layout.offsets[i] - layout.lo:][:numels[i]]
+                    for i in owned]
+            x = _stage_sum(srcs, [fb[i] for i in owned], [layout.offsets[i] - layout.lo for i in owned],
+                           layout.hi - layout.lo, cdtype, device)
+        elif use_ef:
+            ctx.resid = _stage(feedback.get("worker", keys, numels, cdtype, device), layout, cdtype,
                                compressor.align)
             if optimistic:
                 x = shard + ctx.resid[layout.lo: layout.hi]  # the shard itself is kept for a fallback
             else:
                 shard.add_(ctx.resid[layout.lo: layout.hi])
         if uses_server:
-            ctx.server = _stage(feedback.get("server", keys, numels, cdtype, staged.device), layout, cdtype,
+            ctx.server = _stage(feedback.get("server", keys, numels, cdtype, device), layout, cdtype,
                                 compressor.align)
         rank = dist.get_rank(group)
-        chunk = shard.numel() // n if compressor.chunked else 0
+        chunk = x.numel() // n if compressor.chunked else 0
         owned = [(keys[i], layout.offsets[i] - layout.lo, tuple(tensors[i].shape)) for i in layout.owned]
-        ctx.job = Job(x=x, out=torch.empty_like(shard), sent=torch.empty_like(shard) if use_ef else None,
+        ctx.job = Job(x=x, out=torch.empty_like(x), sent=torch.empty_like(x) if use_ef else None,
                       group=group, n=n, rank=rank, step=step, seed=seed, salt=salt, tensors=owned,
                       server=(ctx.server[layout.lo + rank * chunk: layout.lo + (rank + 1) * chunk]
                               if uses_server else None),
@@ -315,7 +362,7 @@ def reduce_tensors(compressor: Compressor, tensors: list[torch.Tensor], keys: li
         job, nbytes = ctx.job, 0
         if not ctx.exact and job.nonfinite:
             # Every rank of the group saw the same reduced values, so all of them take this branch.
-            shard = ctx.shard if ctx.shard is not None else staged[layout.lo: layout.hi]
+            shard = ctx.shard if ctx.shard is not None else staged_vec()[layout.lo: layout.hi]
             if exact_group is not None and shard.numel():
                 wait_work(dist.all_reduce(shard, op=ReduceOp.SUM, group=exact_group, async_op=True), timeout)
                 nbytes = int(cost.ALGORITHM_FACTORS["allreduce"](job.n) * shard.numel() * esize)
@@ -338,7 +385,7 @@ def reduce_tensors(compressor: Compressor, tensors: list[torch.Tensor], keys: li
         if ctx.exact or ctx.full_nonfinite or not use_ef:
             return
         job = ctx.job
-        fb = feedback.get("worker", keys, numels, cdtype, staged.device)
+        fb = feedback.get("worker", keys, numels, cdtype, device)
         if topo is None or compressor.needs_matrices:
             # Each tensor lies wholly in the shard (owned) or wholly outside it (another local rank's
             # section): write each residual directly, one pass, and zero the others.
@@ -361,7 +408,7 @@ def reduce_tensors(compressor: Compressor, tensors: list[torch.Tensor], keys: li
             rank, chunk = job.rank, job.x.numel() // job.n
             start = layout.lo + rank * chunk
             server[start: start + chunk] = job.server
-            _unstage(server, feedback.get("server", keys, numels, cdtype, staged.device), layout)
+            _unstage(server, feedback.get("server", keys, numels, cdtype, device), layout)
 
     def all_gather() -> int:
         job = ctx.job
@@ -412,7 +459,7 @@ def reduce_tensors(compressor: Compressor, tensors: list[torch.Tensor], keys: li
         phases.append(_phase("all_gather", ag_group, lambda g: all_gather()))
     phases.append(Phase("residuals", keep_residuals))
     phases.append(Phase("unstage", finish))
-    return engine().submit(phases, op=f"compress/{name}", result=None, device=staged.device)
+    return engine().submit(phases, op=f"compress/{name}", result=None, device=device)
 
 
 def _scaled(out: torch.Tensor, factor: float, dtype: torch.dtype, divide: bool, world: int) -> torch.Tensor:
