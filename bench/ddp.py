@@ -67,7 +67,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--spawn", type=int, default=0, metavar="N", help="spawn N local ranks")
     p.add_argument("--hooks", default=",".join(HOOKS), help=f"comma-separated subset of {','.join(HOOKS)}")
     p.add_argument("--topology", default=None, help="layout such as 2x2 (default: COMMOPT_NODES or detected)")
-    p.add_argument("--steps", type=int, default=30, help="training steps per hook")
+    p.add_argument("--steps", type=int, default=60, help="training steps per hook (the last two thirds are timed)")
     p.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--d-model", type=int, default=128)

@@ -114,6 +114,9 @@ class Job:
             exchange, which folds it with the averaging into one pass while writing the result.
         sent_is_residual: set by a round that wrote the residual (x minus what was sent) into
             ``sent`` directly, fused with decoding; the exchange then keeps ``sent`` as it is.
+        dest: with ``tensors``, where each tensor's final result goes (same order), or None; a round
+            that writes ``SUM * dest_scale`` there itself (once nothing can fall back any more) sets
+            ``dest_written`` and the exchange skips its own copy of ``out`` into the tensors.
         nonfinite: set by an optimistic compressor's round when its reduced result (identical on
             every rank of the group) holds NaN/Inf; later rounds then do nothing, ``out`` is not
             meaningful and the exchange reduces ``x`` exactly instead.
@@ -136,6 +139,9 @@ class Job:
     scratch: dict = field(default_factory=dict)
     out_scale: float = 1.0
     sent_is_residual: bool = False
+    dest: list[torch.Tensor] | None = None
+    dest_scale: float = 1.0
+    dest_written: bool = False
     nonfinite: bool = False
 
 

@@ -342,11 +342,15 @@ def reduce_tensors(compressor: Compressor, tensors: list[torch.Tensor], keys: li
         rank = dist.get_rank(group)
         chunk = x.numel() // n if compressor.chunked else 0
         owned = [(keys[i], layout.offsets[i] - layout.lo, tuple(tensors[i].shape)) for i in layout.owned]
+        # Flat and lazy: the tensors can take the result themselves (no copy of out into them).
+        direct = lazy and all(tensors[i].dtype == cdtype and tensors[i].is_contiguous() for i in layout.owned)
         ctx.job = Job(x=x, out=torch.empty_like(x), sent=torch.empty_like(x) if use_ef else None,
                       group=group, n=n, rank=rank, step=step, seed=seed, salt=salt, tensors=owned,
                       server=(ctx.server[layout.lo + rank * chunk: layout.lo + (rank + 1) * chunk]
                               if uses_server else None),
-                      timeout=timeout, scale_hint=ctx.amax, total_ranks=world)
+                      timeout=timeout, scale_hint=ctx.amax, total_ranks=world,
+                      dest=[tensors[i] for i in layout.owned] if direct else None,
+                      dest_scale=1.0 / world if average else 1.0)
         return rounds[0].fn(ctx.job)
 
     def later_round(i: int, group) -> int:
@@ -388,13 +392,14 @@ def reduce_tensors(compressor: Compressor, tensors: list[torch.Tensor], keys: li
         fb = feedback.get("worker", keys, numels, cdtype, device)
         if topo is None or compressor.needs_matrices:
             # Each tensor lies wholly in the shard (owned) or wholly outside it (another local rank's
-            # section): write each residual directly, one pass, and zero the others.
+            # section): write each residual directly, one pass (none when the round computed it: the
+            # view of sent becomes the residual), and zero the others.
             owned = set(layout.owned)
             for i, (t, off) in enumerate(zip(fb, layout.offsets)):
                 if i in owned:
                     lo, hi = off - layout.lo, off - layout.lo + t.numel()
                     if job.sent_is_residual:
-                        t.copy_(job.sent[lo: hi])
+                        feedback.adopt("worker", keys[i], job.sent[lo: hi])
                     else:
                         torch.sub(job.x[lo: hi], job.sent[lo: hi], out=t)
                 else:
@@ -430,6 +435,8 @@ def reduce_tensors(compressor: Compressor, tensors: list[torch.Tensor], keys: li
 
     def finish() -> None:
         job = ctx.job
+        if job.dest_written:
+            return
         out = job.out
         base = 0 if out.numel() == layout.total else layout.lo
         divide = average and not ctx.averaged

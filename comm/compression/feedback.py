@@ -51,6 +51,14 @@ class ErrorFeedback:
             out.append(r)
         return out
 
+    def adopt(self, kind: str, key: str, residual: torch.Tensor) -> None:
+        """Make ``residual`` (a view is fine) the residual of ``key``, without copying it."""
+        old = self.residuals[kind].get(key)
+        if old is not None and old.numel() != residual.numel():
+            raise ValueError(f"error feedback: parameter {key!r} had {old.numel()} elements and now has "
+                             f"{residual.numel()}; call ErrorFeedback.reset() after changing the model")
+        self.residuals[kind][key] = residual
+
     def numel(self, kind: str | None = None) -> int:
         """Elements held (for memory checks: O(model), whatever DDP's bucket layout)."""
         kinds = _KINDS if kind is None else (kind,)

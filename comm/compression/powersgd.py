@@ -133,21 +133,21 @@ class PowerSGDCompressor(Compressor):
         x = job.x
         # Elements reduced exactly: tensors not worth compressing (as slices of x, no mask over all
         # of it). Padding between sections (not in any tensor) is not sent at all.
-        exact: list[tuple[int, int]] = []
+        exact: list[tuple[int, int, str]] = []
         batches: dict[tuple, list] = {}
         for key, off, shape in job.tensors:
             dims = self.matrix_shape(shape)
             if dims is None:
-                exact.append((off, math.prod(shape)))
+                exact.append((off, math.prod(shape), key))
                 continue
             group_key = dims if self.batch_same_shape else (key,)
             batches.setdefault(group_key, []).append((key, off, dims))
-        n_exact = sum(n for _, n in exact)
+        n_exact = sum(n for _, n, _ in exact)
         sizes = [len(entries) * entries[0][2][0] * entries[0][2][2] for entries in batches.values()]
         # One buffer: the exact elements, then every batch's P, computed straight into it.
         buf = x.new_empty(n_exact + sum(sizes))
         pos = 0
-        for off, n in exact:
+        for off, n, _ in exact:
             buf[pos: pos + n].copy_(x[off: off + n])
             pos += n
         plan = []
@@ -194,8 +194,9 @@ class PowerSGDCompressor(Compressor):
         out, sent = job.out, job.sent
         covered = []
         pos = 0
-        for off, n in sc["exact"]:
-            out[off: off + n].copy_(sc["exact_sum"][pos: pos + n])
+        for off, n, _ in sc["exact"]:
+            if job.dest is None:
+                out[off: off + n].copy_(sc["exact_sum"][pos: pos + n])
             if sent is not None:
                 sent[off: off + n].zero_()
             covered.append((off, n))
@@ -228,11 +229,24 @@ class PowerSGDCompressor(Compressor):
             job.nonfinite = True  # identical on every rank: the exchange reduces exactly instead
             sc.clear()
             return int(2 * (job.n - 1) / job.n * buf.numel() * buf.element_size())
+        # The result, P Q^T: into the tensors themselves when the exchange offers them (job.dest,
+        # scaled there: the average), else into out. Nothing falls back after this point.
+        dest = dict(zip((key for key, _, _ in job.tensors), job.dest)) if job.dest is not None else None
+        scale = job.dest_scale if dest is not None else 1.0
+        if dest is not None:
+            pos = 0
+            for _, n, key in sc["exact"]:
+                torch.mul(sc["exact_sum"][pos: pos + n], scale, out=dest[key].view(-1))
+                pos += n
         for (entries, _, p), qt_sum in zip(sc["plan"], qts):  # qt_sum: a view of the reduced buffer
             for i, (key, off, (rows, cols, _)) in enumerate(entries):
-                torch.mm(p[i], qt_sum[i], out=out[off: off + rows * cols].view(rows, cols))
+                if dest is not None:
+                    torch.mm(p[i], qt_sum[i] * scale, out=dest[key].view(rows, cols))
+                else:
+                    torch.mm(p[i], qt_sum[i], out=out[off: off + rows * cols].view(rows, cols))
                 if self.warm_start:
                     self.q_memory[key] = qt_sum[i] / job.n
+        job.dest_written = dest is not None
         sc.clear()
         return int(2 * (job.n - 1) / job.n * buf.numel() * buf.element_size())
 
