@@ -81,7 +81,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", choices=list(_DTYPES))
     p.add_argument("--redop", default="sum", choices=list(_REDOPS))
     p.add_argument("--iters", type=int, default=0, help="timed iterations per size and algorithm "
-                   "(0: enough for about 1 s, between 5 and 200)")
+                   "(0: enough for about 1 s, between 9 and 200)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--no-check", dest="check", action="store_false", help="skip the correctness check")
     p.add_argument("--topology", default=None, help="impose logical nodes, e.g. 2x2 (default: detect)")
@@ -187,7 +187,7 @@ def _agree_iters(seconds: float, requested: int) -> int:
         return requested
     t = torch.tensor([seconds], dtype=torch.float64)
     dist.all_reduce(t, op=ReduceOp.MAX)  # every rank must run the same number of iterations
-    return int(min(200, max(5, math.ceil(1.0 / max(float(t), 1e-6)))))
+    return int(min(200, max(9, math.ceil(1.0 / max(float(t), 1e-6)))))
 
 
 def run_sweep(args, topo, log=print) -> list[dict]:
