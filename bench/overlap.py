@@ -9,7 +9,9 @@ Each rank (1) times T_compute, forward + backward of one step with no communicat
 link (alpha, beta) from all-reduces of a few sizes with ``comm.cost.fit`` and times T_comm, the
 step's gradient reduction alone (the whole gradient in DDP's 25 MiB buckets, back to back); (3) runs
 rounds of K steps of DDP (default hook, one optimizer) and K steps of ``OverlapDataParallel``,
-alternating which goes first, and takes the median per-step time of each; (4) measures the model's
+alternating which goes first, and takes the median per-step time of each (for ``OverlapDataParallel``
+the steady state, forward end to forward end inside a block: a block's average adds a pipeline fill
+and drain that a training loop pays once; both are printed); (4) measures the model's
 layers (:func:`commopt.schedules.simulator.layers_from_model`) and predicts both step times with
 the simulator from those layers and the fitted link. Times are the slowest rank's (all-reduce MAX).
 
@@ -202,6 +204,8 @@ def _run(args) -> int:
             ddp_opt.zero_grad(set_to_none=True)
         return (time.perf_counter() - t0) / n
 
+    steady: list[float] = []
+
     def odp_block(n: int) -> float:
         odp.synchronize()
         dist.barrier()
@@ -209,17 +213,26 @@ def _run(args) -> int:
         for _ in range(n):
             _loss(odp, idx, tgt).backward()
         odp.synchronize()
-        return (time.perf_counter() - t0) / n
+        elapsed = (time.perf_counter() - t0) / n
+        # The steady-state step: forward end to forward end inside the block. The block's average
+        # also holds a pipeline fill and a drain (synchronize() at both ends: nothing overlaps the
+        # first forward or the last step's reduction), which a training loop pays once, not every
+        # n steps; DDP has nothing to fill or drain (each of its steps ends with its reduction).
+        ends = [prof.forward_end for _, prof in list(odp.profiles)[-n:]]
+        steady.append(_median([b - a for a, b in zip(ends, ends[1:])]) if n > 1 else elapsed)
+        return elapsed
 
     blocks = {"compute": compute_block, "comm": comm_block, "ddp": ddp_block, "overlap": odp_block}
     for fn in blocks.values():
         fn(args.warmup)
     opt_t.clear()
+    steady.clear()
     res: dict[str, list[float]] = {k: [] for k in blocks}
     names = list(blocks)
     for r in range(args.rounds):
         for k in names[r % 4:] + names[: r % 4]:
             res[k].append(_agreed_max(blocks[k](args.steps)))
+    res["overlap-steady"] = [_agreed_max(x) for x in steady]
     stats = odp.stats()
     if rank == 0 and args.trace:
         with open(args.trace, "w") as f:
@@ -228,9 +241,9 @@ def _run(args) -> int:
     odp.close()
     t_compute, t_comm = _median(res["compute"]), _median(res["comm"])
     t_opt = _agreed_max(_median(opt_t))
-    m_ddp, m_odp = _median(res["ddp"]), _median(res["overlap"])
-    per_round_bound = [o / max(c, m) for o, c, m in zip(res["overlap"], res["compute"], res["comm"])]
-    per_round_speedup = [d / o for d, o in zip(res["ddp"], res["overlap"])]
+    m_ddp, m_block, m_odp = _median(res["ddp"]), _median(res["overlap"]), _median(res["overlap-steady"])
+    per_round_bound = [o / max(c, m) for o, c, m in zip(res["overlap-steady"], res["compute"], res["comm"])]
+    per_round_speedup = [d / o for d, o in zip(res["ddp"], res["overlap-steady"])]
 
     # (4) the simulator's predictions from measured layers and the fitted link.
     measured = layers_from_model(copy.deepcopy(base), idx, repeats=5,
@@ -255,6 +268,7 @@ def _run(args) -> int:
     bound = max(t_compute, t_comm)
     rows = [("DDP default", m_ddp, pred_ddp.iteration), (f"OverlapDataParallel ({args.plan})", m_odp,
                                                           pred_odp.iteration),
+            (f"  same, per block of {args.steps} steps", m_block, math.nan),
             ("no overlap (predicted only)", math.nan, pred_none.iteration)]
     log(f"{'schedule':<34}{'measured ms':>12}{'predicted ms':>14}{'pred/meas':>11}")
     for name, meas, pred in rows:
@@ -264,6 +278,8 @@ def _run(args) -> int:
         log(f"# per-round {k} ms: {[round(t * 1e3, 1) for t in v]}")
     log(f"# T_compute {t_compute * 1e3:.1f} ms, T_comm {t_comm * 1e3:.1f} ms (ratio {t_comm / t_compute:.2f}), "
         f"optimizer {t_opt * 1e3:.1f} ms; layer profile scaled by {scale:.2f}; plan {stats}")
+    log(f"# OverlapDataParallel's step: the steady state, forward end to forward end within a block; the block "
+        f"average ({m_block * 1e3:.1f} ms) adds a pipeline fill and drain every {args.steps} steps (synchronize())")
     log(f"# overlap / max(T_compute, T_comm) = {m_odp / bound:.3f} of the medians, {_median(per_round_bound):.3f} "
         f"median of rounds (target <= 1.15; per round {[round(x, 3) for x in per_round_bound]})")
     log(f"# DDP / overlap = {m_ddp / m_odp:.3f} of the medians, {_median(per_round_speedup):.3f} median of rounds "
@@ -272,6 +288,7 @@ def _run(args) -> int:
     if rank == 0 and args.json:
         with open(args.json, "w") as f:
             json.dump({"t_compute": t_compute, "t_comm": t_comm, "t_opt": t_opt, "rounds": res,
+                       "overlap_steady": m_odp, "overlap_block": m_block,
                        "layers": [[x.name, x.forward, x.backward, x.grad_bytes] for x in layers],
                        "pred_ddp": pred_ddp.iteration, "pred_overlap": pred_odp.iteration,
                        "pred_none": pred_none.iteration, "link": [link.alpha, link.beta], "args": vars(args)}, f,
