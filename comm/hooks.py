@@ -191,7 +191,9 @@ def allreduce_hook(state: AllReduceState, bucket) -> torch.futures.Future:
             validate_same("all_reduce", buf, algorithm=f"{state.algorithm}+{compressor.name}", op="avg",
                           group=group)
         if compressor.layout_free:  # one flat vector, cast in place of a staged copy (casts)
-            tensors, keys = [buf], [f"bucket{bucket.index()}"]
+            names = [state.key_of(p) for p in bucket.parameters()]
+            more = ", ..." if len(names) > 3 else ""
+            tensors, keys = [buf], [f"bucket {bucket.index()} ({', '.join(names[:3])}{more})"]
         else:
             tensors, keys = _views(bucket, buf), [state.key_of(p) for p in bucket.parameters()]
         fut = reduce_tensors(compressor, tensors, keys, group=group, topology=state.topology,
