@@ -190,12 +190,12 @@ def allreduce_hook(state: AllReduceState, bucket) -> torch.futures.Future:
         if state.validate:
             validate_same("all_reduce", buf, algorithm=f"{state.algorithm}+{compressor.name}", op="avg",
                           group=group)
+        keys = [state.key_of(p) for p in bucket.parameters()]
         if compressor.layout_free:  # one flat vector, cast in place of a staged copy (casts)
-            names = [state.key_of(p) for p in bucket.parameters()]
-            more = ", ..." if len(names) > 3 else ""
-            tensors, keys = [buf], [f"bucket {bucket.index()} ({', '.join(names[:3])}{more})"]
+            more = ", ..." if len(keys) > 3 else ""
+            tensors, keys = [buf], [f"bucket {bucket.index()} ({', '.join(keys[:3])}{more})"]
         else:
-            tensors, keys = _views(bucket, buf), [state.key_of(p) for p in bucket.parameters()]
+            tensors = _views(bucket, buf)
         fut = reduce_tensors(compressor, tensors, keys, group=group, topology=state.topology,
                              algorithm=state.algorithm, average=True, step=step, seed=state.seed,
                              feedback=state.feedback, check_finite=state.check_finite, timeout=state.timeout)
