@@ -18,6 +18,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 import traceback
 from datetime import timedelta
 from typing import Any, Callable
@@ -28,6 +29,9 @@ import torch.distributed as dist
 __all__ = ["launch"]
 
 Body = Callable[[Any], int]
+
+# How long a failing rank lets mpirun forward its traceback before MPI_Abort ends the job.
+_ABORT_GRACE_S = 1.0
 
 
 def launch(body: Body, args: Any, *, spawn: int = 0, timeout: float = 120.0, single: bool = True,
@@ -101,8 +105,12 @@ def _run_mpi(body: Body, args: Any, rank: int, size: int, timeout: float) -> int
         code = body(args)
         _shutdown()
     except BaseException:  # noqa: BLE001 - any failure must end the whole job (FAULTS row 31)
-        traceback.print_exc()
+        # One write, then a moment for mpirun's proxy to forward it: MPI_Abort kills the job at
+        # once, and output still in flight between the proxy and mpirun is dropped (seen in CI:
+        # only the traceback's first line arrived).
         sys.stderr.flush()
+        os.write(2, traceback.format_exc().encode())
+        time.sleep(_ABORT_GRACE_S)
         comm.Abort(1)
     codes = comm.allgather(code)
     if rank == 0:
