@@ -236,8 +236,10 @@ def _run(args) -> int:
     stats = odp.stats()
     if rank == 0 and args.trace:
         with open(args.trace, "w") as f:
+            plans = dict(odp.plans)
             json.dump([{"step": i, "forward_end": p.forward_end, "ready": p.ready, "issued": p.issued, "done": p.done,
-                        "nbytes": p.nbytes} for i, p in odp.profiles], f)
+                        "nbytes": p.nbytes, "bucket": [c.bucket for c in plans[i].chunks]}
+                       for i, p in odp.profiles], f)
     odp.close()
     t_compute, t_comm = _median(res["compute"]), _median(res["comm"])
     t_opt = _agreed_max(_median(opt_t))

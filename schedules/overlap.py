@@ -30,9 +30,9 @@ one), by :func:`~commopt.schedules.priority.partition_for` (the smallest power o
 ``P >= 9 alpha / beta``, i.e. latency at most ~10 % of a chunk's time, clamped to [1 MiB, 16 MiB]
 and to the largest bucket) and :func:`~commopt.schedules.priority.credit_for` (two chunks or the
 bandwidth-delay product ``alpha / beta``, the larger). The model is broadcast from rank 0, so every
-rank gets the same numbers. A re-plan applies the same rule to rank 0's fit of its profiled chunk
-times (:meth:`StepProfile.service_fit`, when chunks of two sizes or more were measured and the fit
-found a per-byte cost) and broadcasts the result with the plan; local timings never decide
+rank gets the same numbers. A re-plan applies the same rule to rank 0's fit of its profiled busy
+periods (:meth:`StepProfile.service_fit`, when periods of two mean chunk sizes or more were measured
+and the fit found a per-byte cost) and broadcasts the result with the plan; local timings never decide
 anything on their own rank (DESIGN 2, rule 2). ``partition_bytes`` and ``credit_bytes`` give the
 numbers in use; the choice is logged (``logging``, this module's logger, INFO).
 
@@ -105,19 +105,45 @@ class StepProfile:
     done: list[float] = field(default_factory=list)
     nbytes: list[int] = field(default_factory=list)
 
-    def service_fit(self) -> cost.LinkModel | None:
-        """alpha-beta of the link as chunks saw it, served first come first served."""
+    def busy_periods(self) -> list[tuple[float, int, int]]:
+        """``(seconds, bytes, chunks)`` of each interval during which some chunk was in flight."""
         if not self.done or len(self.done) != len(self.issued):
-            return None
-        times, sizes, free = [], [], 0.0
+            return []
+        out: list[list[float]] = []  # [start, end, bytes, chunks]
         for issued, done, n in sorted(zip(self.issued, self.done, self.nbytes)):
-            start = max(issued, free)
-            times.append(max(done - start, 1e-7))
-            sizes.append(float(n))
-            free = max(free, done)
-        if len(set(sizes)) >= 2:
-            return cost.fit(sizes, times)
-        return cost.LinkModel(alpha=0.0, beta=max(sum(times) / max(sum(sizes), 1.0), 1e-15))
+            if out and issued <= out[-1][1]:
+                last = out[-1]
+                last[1], last[2], last[3] = max(last[1], done), last[2] + n, last[3] + 1
+            else:
+                out.append([issued, done, n, 1])
+        return [(max(end - start, 1e-7), int(n), int(k)) for start, end, n, k in out]
+
+    def service_fit(self) -> cost.LinkModel | None:
+        """alpha-beta of the link as this step's chunks saw it (None: nothing was measured).
+
+        Chunks in flight together share the link (two streams), so a chunk's own issue-to-done time
+        says little: the later of two finishes last but was served half the time. A busy period
+        says more: it took about ``chunks * alpha + bytes * beta``. A period with one chunk also
+        holds the wait for the slowest rank to issue it, which a least-squares fit reads as a huge
+        alpha and no beta; so beta comes from all periods together, and alpha from the median
+        period's excess over it (0 when the periods cannot tell latency from bandwidth apart).
+        """
+        periods = self.busy_periods()
+        if not periods:
+            return None
+        total_t = sum(t for t, _, _ in periods)
+        total_n = max(sum(n for _, n, _ in periods), 1)
+        alpha = 0.0
+        if self.separates_alpha():
+            beta0 = total_t / total_n
+            excess = sorted((t - n * beta0) / k for t, n, k in periods)
+            alpha = max(0.0, excess[len(excess) // 2])
+        beta = (total_t - alpha * sum(k for _, _, k in periods)) / total_n
+        return cost.LinkModel(alpha=alpha, beta=max(beta, _FIT_BETA_FLOOR))
+
+    def separates_alpha(self) -> bool:
+        """Whether the busy periods have at least two mean chunk sizes (latency and bandwidth apart)."""
+        return len({round(n / k) for _, n, k in self.busy_periods()}) >= 2
 
 
 class _Step:
@@ -689,7 +715,7 @@ class OverlapDataParallel(nn.Module):
         # Only re-choose from a real fit: one chunk size gives no latency term (alpha = 0), and a fit
         # at cost.fit's floor of beta found no per-byte cost at all (noise: small chunks as slow as
         # large ones), which would make the bandwidth-delay product, and the credit, unbounded.
-        measured = len(set(prof.nbytes)) >= 2 and link.beta > _FIT_BETA_FLOOR
+        measured = prof.separates_alpha() and link.beta > _FIT_BETA_FLOOR
         if (self._user_partition is None or self._user_credit is None) and measured:
             part, credit = self._sizes(link)
             _log.debug("commopt overlap: profiled link alpha %.3g s, beta %.3g s/B -> partition %d B, credit %d B",
