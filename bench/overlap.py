@@ -3,7 +3,10 @@
 Run it inside the emulated cluster with the link rate chosen so that reducing the gradients takes
 about as long as computing them::
 
-    commopt-bench cluster --nodes 2 --ranks-per-node 1 --link-rate 250mbit -- commopt-bench overlap
+    commopt-bench cluster --nodes 2 --ranks-per-node 1 --link-rate 800mbit -- commopt-bench overlap
+
+(on a 2-core machine, 800 Mbit/s gives T_comm / T_compute of about 1 for the default model; the
+ratio is printed, so adjust the rate on another machine).
 
 Each rank (1) times T_compute, forward + backward of one step with no communication; (2) fits the
 link (alpha, beta) from all-reduces of a few sizes with ``comm.cost.fit`` and times T_comm, the
@@ -11,9 +14,12 @@ step's gradient reduction alone (the whole gradient in DDP's 25 MiB buckets, bac
 rounds of K steps of DDP (default hook, one optimizer) and K steps of ``OverlapDataParallel``,
 alternating which goes first, and takes the median per-step time of each (for ``OverlapDataParallel``
 the steady state, forward end to forward end inside a block: a block's average adds a pipeline fill
-and drain that a training loop pays once; both are printed); (4) measures the model's
-layers (:func:`commopt.schedules.simulator.layers_from_model`) and predicts both step times with
-the simulator from those layers and the fitted link. Times are the slowest rank's (all-reduce MAX).
+and drain that a training loop pays once; both are printed), and, in the same rounds, compute while a
+thread reduces gradients back to back (the contention slowdown: where communication runs on the CPU
+that computes, overlapped compute is slower); (4) measures the model's layers
+(:func:`commopt.schedules.simulator.layers_from_model`) and predicts both step times with the
+simulator from those layers, the fitted link and the measured slowdown. Times are the slowest
+rank's (all-reduce MAX).
 
 ``--spawn N`` runs N local ranks instead (a smoke run; loopback has no link to hide).
 """
@@ -27,6 +33,7 @@ import math
 import os
 import statistics
 import sys
+import threading
 import time
 
 import torch
@@ -187,6 +194,35 @@ def _run(args) -> int:
             total += t1 - t0
         return total / n
 
+    def contended_block(n: int) -> float:
+        """Compute only, while a thread reduces gradients back to back (the contention the simulator
+        charges to compute that overlaps communication). The thread stops when every rank is done."""
+        done = torch.zeros(1)
+        dist.barrier()
+
+        def reduce_until_all_done() -> None:
+            while True:
+                for gbuf in grads:
+                    all_reduce(gbuf, algorithm=args.algorithm, topology=topo)
+                flag = done.clone()
+                all_reduce(flag, algorithm="flat", topology=topo)
+                if flag.item() >= world:
+                    return
+
+        thread = threading.Thread(target=reduce_until_all_done, name="contention")
+        thread.start()
+        total = 0.0
+        try:
+            for _ in range(n):
+                t0 = time.perf_counter()
+                _loss(plain, idx, tgt).backward()
+                total += time.perf_counter() - t0
+                plain.zero_grad(set_to_none=True)
+        finally:
+            done.fill_(1.0)
+            thread.join()
+        return total / n
+
     def comm_block(n: int) -> float:
         dist.barrier()
         t0 = time.perf_counter()
@@ -222,7 +258,8 @@ def _run(args) -> int:
         steady.append(_median([b - a for a, b in zip(ends, ends[1:])]) if n > 1 else elapsed)
         return elapsed
 
-    blocks = {"compute": compute_block, "comm": comm_block, "ddp": ddp_block, "overlap": odp_block}
+    blocks = {"compute": compute_block, "comm": comm_block, "ddp": ddp_block, "overlap": odp_block,
+              "contended": contended_block}
     for fn in blocks.values():
         fn(args.warmup)
     opt_t.clear()
@@ -230,7 +267,7 @@ def _run(args) -> int:
     res: dict[str, list[float]] = {k: [] for k in blocks}
     names = list(blocks)
     for r in range(args.rounds):
-        for k in names[r % 4:] + names[: r % 4]:
+        for k in names[r % len(names):] + names[: r % len(names)]:
             res[k].append(_agreed_max(blocks[k](args.steps)))
     res["overlap-steady"] = [_agreed_max(x) for x in steady]
     stats = odp.stats()
@@ -242,6 +279,7 @@ def _run(args) -> int:
                        for i, p in odp.profiles], f)
     odp.close()
     t_compute, t_comm = _median(res["compute"]), _median(res["comm"])
+    slowdown = max(1.0, _median(res["contended"]) / t_compute)
     t_opt = _agreed_max(_median(opt_t))
     m_ddp, m_block, m_odp = _median(res["ddp"]), _median(res["overlap"]), _median(res["overlap-steady"])
     per_round_bound = [o / max(c, m) for o, c, m in zip(res["overlap-steady"], res["compute"], res["comm"])]
@@ -260,12 +298,14 @@ def _run(args) -> int:
         return cost.predict(args.algorithm if args.algorithm != "auto" else "flat", n, topo, model) if n else 0.0
 
     pred_ddp = simulate(layers, service, Schedule("ddp", bucket_cap_mb=25, first_bucket_cap_mb=1,
-                                                  optimizer_seconds_per_byte=opt_per_byte))
+                                                  optimizer_seconds_per_byte=opt_per_byte,
+                                                  overlap_slowdown=slowdown))
     pred_odp = simulate(layers, service, Schedule(args.plan, bucket_cap_mb=args.bucket_cap_mb,
                                                   first_bucket_cap_mb=args.first_bucket_cap_mb,
                                                   partition_mb=odp.partition_bytes / 2**20,
                                                   credit_mb=odp.credit_bytes / 2**20,
-                                                  optimizer_seconds_per_byte=opt_per_byte))
+                                                  optimizer_seconds_per_byte=opt_per_byte,
+                                                  overlap_slowdown=slowdown))
     pred_none = simulate(layers, service, Schedule("none", optimizer_seconds_per_byte=opt_per_byte))
     bound = max(t_compute, t_comm)
     rows = [("DDP default", m_ddp, pred_ddp.iteration), (f"OverlapDataParallel ({args.plan})", m_odp,
@@ -280,6 +320,8 @@ def _run(args) -> int:
         log(f"# per-round {k} ms: {[round(t * 1e3, 1) for t in v]}")
     log(f"# T_compute {t_compute * 1e3:.1f} ms, T_comm {t_comm * 1e3:.1f} ms (ratio {t_comm / t_compute:.2f}), "
         f"optimizer {t_opt * 1e3:.1f} ms; layer profile scaled by {scale:.2f}; plan {stats}")
+    log(f"# compute during a concurrent reduction: {_median(res['contended']) * 1e3:.1f} ms, slowdown "
+        f"{slowdown:.2f}x (the simulator's overlap_slowdown for the overlapped schedules)")
     log(f"# OverlapDataParallel's step: the steady state, forward end to forward end within a block; the block "
         f"average ({m_block * 1e3:.1f} ms) adds a pipeline fill and drain every {args.steps} steps (synchronize())")
     log(f"# overlap / max(T_compute, T_comm) = {m_odp / bound:.3f} of the medians, {_median(per_round_bound):.3f} "
@@ -289,7 +331,7 @@ def _run(args) -> int:
     log(f"# prediction error: DDP {pred_ddp.iteration / m_ddp - 1:+.1%}, overlap {pred_odp.iteration / m_odp - 1:+.1%}")
     if rank == 0 and args.json:
         with open(args.json, "w") as f:
-            json.dump({"t_compute": t_compute, "t_comm": t_comm, "t_opt": t_opt, "rounds": res,
+            json.dump({"t_compute": t_compute, "t_comm": t_comm, "t_opt": t_opt, "slowdown": slowdown, "rounds": res,
                        "overlap_steady": m_odp, "overlap_block": m_block,
                        "layers": [[x.name, x.forward, x.backward, x.grad_bytes] for x in layers],
                        "pred_ddp": pred_ddp.iteration, "pred_overlap": pred_odp.iteration,

@@ -50,6 +50,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--compression-ratio", type=float, default=1.0, help="wire bytes / gradient bytes for the "
                    "compressed row (e.g. 0.5 for fp16 of fp32 gradients, 0.03 for 1-bit)")
     p.add_argument("--compress-gbps", type=float, default=0.0, help="compression throughput, GB/s (0: free)")
+    p.add_argument("--overlap-slowdown", type=float, default=1.0,
+                   help="compute takes this many times longer while the link is busy (SM or CPU contention; "
+                        "commopt-bench overlap measures it)")
     p.add_argument("--png", default="simulate-timeline.png", help="timeline PNG ('' to skip)")
     p.add_argument("--json", default=None)
     return p
@@ -74,8 +77,7 @@ def run(args) -> list[dict]:
     def sched(kind: str, part: float, **extra) -> Schedule:
         return Schedule(kind, bucket_cap_mb=args.bucket_cap_mb, first_bucket_cap_mb=args.first_bucket_cap_mb,
                         partition_mb=part, credit_mb=args.credit_mb or 2 * (part or args.bucket_cap_mb),
-                        optimizer_seconds_per_byte=opt,
-                        **extra)
+                        optimizer_seconds_per_byte=opt, overlap_slowdown=args.overlap_slowdown, **extra)
 
     if args.partition_mb == "auto":
         # 0 keeps buckets whole (then the credit is two bucket caps).

@@ -16,8 +16,10 @@ schedule:
   order of need, a credit (``OverlapDataParallel(plan="priority")``).
 
 Optionally with compression: a ratio applied to the bytes on the wire and a compute cost per
-gradient byte. Several iterations are simulated back to back (the next forward overlaps the
-previous reduction); the reported iteration time is the steady-state period.
+gradient byte; and with contention: compute runs ``overlap_slowdown`` times slower while the link is
+busy (communication driven by the CPU that computes, as gloo is; on GPUs, collective kernels that
+take SMs and memory bandwidth). Several iterations are simulated back to back (the next forward
+overlaps the previous reduction); the reported iteration time is the steady-state period.
 """
 
 from __future__ import annotations
@@ -65,6 +67,8 @@ class Schedule:
         compression_ratio: wire bytes / gradient bytes (1: uncompressed).
         compress_seconds_per_byte: compute cost of compressing and decompressing, per gradient byte.
         optimizer_seconds_per_byte: optimizer step cost per gradient byte.
+        overlap_slowdown: compute takes this many times longer while the link is busy (>= 1; measure
+            it as compute time with a concurrent reduction over compute time alone).
     """
 
     kind: str = "priority"
@@ -75,12 +79,15 @@ class Schedule:
     compression_ratio: float = 1.0
     compress_seconds_per_byte: float = 0.0
     optimizer_seconds_per_byte: float = 0.0
+    overlap_slowdown: float = 1.0
 
     def __post_init__(self) -> None:
         if self.kind not in SCHEDULES:
             raise ValueError(f"schedule kind {self.kind!r}: choose one of {SCHEDULES}")
         if not 0 < self.compression_ratio <= 1:
             raise ValueError(f"compression_ratio must be in (0, 1], got {self.compression_ratio}")
+        if not self.overlap_slowdown >= 1.0:
+            raise ValueError(f"overlap_slowdown must be >= 1 (a slowdown), got {self.overlap_slowdown}")
 
 
 @dataclass
@@ -128,6 +135,39 @@ def _buckets(layers: Sequence[Layer], sched: Schedule) -> BucketPlan:
                          align=1)
 
 
+def _run(t: float, work: float, busy: Sequence[tuple[float, float]], slowdown: float) -> float:
+    """When ``work`` seconds of compute started at ``t`` end, at ``1 / slowdown`` speed inside ``busy``.
+
+    ``busy``: disjoint link-busy intervals, sorted.
+    """
+    if slowdown == 1.0 or work <= 0.0:
+        return t + work
+    for start, end in busy:
+        if end <= t:
+            continue
+        if start > t:  # full speed until the link turns busy
+            if t + work <= start:
+                return t + work
+            work -= start - t
+            t = start
+        span = (end - t) / slowdown  # work done by the end of this busy interval
+        if work <= span:
+            return t + work * slowdown
+        work -= span
+        t = end
+    return t + work
+
+
+def _merge(intervals: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for start, end in sorted(intervals):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        elif end > start:
+            out.append((start, end))
+    return out
+
+
 def simulate(layers: Sequence[Layer], service: Callable[[int], float], schedule: Schedule | None = None, *,
              iterations: int = 4) -> SimResult:
     """Simulate ``iterations`` back-to-back iterations; report the last period.
@@ -157,9 +197,11 @@ def simulate(layers: Sequence[Layer], service: Callable[[int], float], schedule:
     squeeze = [b.nbytes * sched.compress_seconds_per_byte for b in plan.buckets]
     comm = sum(service(c.nbytes) for chunks in pieces for c in chunks)
 
+    slow = sched.overlap_slowdown
     applied = [0.0] * nb  # when each bucket's previous update is done
     t = 0.0
     link_free = 0.0
+    busy: list[tuple[float, float]] = []  # the link's busy intervals so far
     starts: list[float] = []
     timeline: list[tuple[str, str, float, float]] = []
     issue = None
@@ -170,27 +212,40 @@ def simulate(layers: Sequence[Layer], service: Callable[[int], float], schedule:
         for i in range(len(layers)):
             if overlapped:
                 t = max(t, applied[bucket_of[i]])
-            timeline.append(("compute", f"F{i}", t, t + fwd[i]))
-            t += fwd[i]
+            end = _run(t, fwd[i], busy, slow)
+            timeline.append(("compute", f"F{i}", t, end))
+            t = end
         forward_end = t
-        ready = [0.0] * nb
-        for i in reversed(range(len(layers))):
-            timeline.append(("compute", f"B{i}", t, t + bwd[i]))
-            t += bwd[i]
-            b = bucket_of[i]
-            ready[b] = max(ready[b], t)
-        backward_end = t
-        if sched.kind == "none":
-            ready = [backward_end] * nb
-        ready = [r + s for r, s in zip(ready, squeeze)]
-        if issue is None:
-            rel = [r - forward_end for r in ready]
-            if sched.kind == "priority":
-                issue = priority_plan(plan, ready_times=rel, service=service, partition_bytes=part, credit=credit,
-                                      priority=shape_priority(plan, list(range(len(layers)))))
-            else:
-                issue = fifo_plan(plan, ready_times=rel, partition_bytes=part, credit=credit)
-        tl = simulate_issue(pieces, ready, service, credit=credit, order=list(issue.chunks), link_free=link_free)
+        # Backward and this iteration's reduction slow each other down only through contention:
+        # iterate to the fixed point (one pass without contention).
+        own: list[tuple[float, float]] = []
+        for _ in range(1 if slow == 1.0 else 20):
+            t, ready, segments = forward_end, [0.0] * nb, []
+            both = _merge([*busy, *own])
+            for i in reversed(range(len(layers))):
+                end = _run(t, bwd[i], both if sched.kind != "none" else busy, slow)
+                segments.append(("compute", f"B{i}", t, end))
+                t = end
+                b = bucket_of[i]
+                ready[b] = max(ready[b], t)
+            backward_end = t
+            if sched.kind == "none":
+                ready = [backward_end] * nb
+            ready = [r + s for r, s in zip(ready, squeeze)]
+            if issue is None:
+                rel = [r - forward_end for r in ready]
+                if sched.kind == "priority":
+                    issue = priority_plan(plan, ready_times=rel, service=service, partition_bytes=part,
+                                          credit=credit, priority=shape_priority(plan, list(range(len(layers)))))
+                else:
+                    issue = fifo_plan(plan, ready_times=rel, partition_bytes=part, credit=credit)
+            tl = simulate_issue(pieces, ready, service, credit=credit, order=list(issue.chunks), link_free=link_free)
+            new_own = _merge(zip(tl.started, tl.finished))
+            if new_own == own:
+                break
+            own = new_own
+        timeline += segments
+        busy = _merge([*busy, *own])
         link_free = max([link_free, *tl.finished])
         for c, s, e in zip(tl.chunks, tl.started, tl.finished):
             timeline.append(("link", f"b{c.bucket}", s, e))

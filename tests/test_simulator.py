@@ -141,6 +141,31 @@ def test_overlap_bounds():
     assert prio.iteration < ddp.iteration
 
 
+def test_contention_slows_only_overlapped_compute():
+    """Two layers, backward 1 s each, forward free, 1.5 s per bucket, compute half speed while the
+    link is busy. DDP: the last layer's bucket goes at t=1 and keeps the link busy to 2.5, so the
+    first layer's second of backward does 0.75 s of work by then and ends at 2.75; its bucket ends
+    at 4.25. Without contention: 1 + 1.5 + 1.5 = 4. No overlap is untouched (3 + 2 x 1.5 = 5)."""
+    layers = _layers(2, 0.0, 1.0, 1000)
+    svc = lambda n: 1.5 * n / 1000  # noqa: E731
+    assert simulate(layers, svc, _one_bucket_per_layer("ddp", 1000)).iteration == pytest.approx(4.0)
+    slow = simulate(layers, svc, _one_bucket_per_layer("ddp", 1000, overlap_slowdown=2.0))
+    assert slow.iteration == pytest.approx(4.25, rel=1e-12)
+    assert slow.compute == pytest.approx(2.0)  # compute alone, as measured without communication
+    none = simulate(layers, svc, _one_bucket_per_layer("none", 1000, overlap_slowdown=2.0))
+    assert none.iteration == pytest.approx(2.0 + 3.0, rel=1e-12)
+    # Monotone in the slowdown, for every schedule, on a transformer.
+    topo = Topology(nodes=((0, 1), (2, 3)), rank=0, world_size=4)
+    gpt = transformer_layers("gpt2-124m", tokens=2048, flops=2e12, grad_bytes_per_param=4)
+    svc = link_service("hierarchical", topo, cost.CostModel(cost.DEFAULT_INTRA, cost.LinkModel(20e-6, 8 / 4e9)))
+    for kind in SCHEDULES:
+        times = [simulate(gpt, svc, Schedule(kind=kind, partition_mb=4, credit_mb=16, overlap_slowdown=s)).iteration
+                 for s in (1.0, 1.2, 1.5, 2.0)]
+        assert all(a <= b + 1e-9 for a, b in zip(times, times[1:])), (kind, times)
+    with pytest.raises(ValueError, match="overlap_slowdown"):
+        Schedule(overlap_slowdown=0.9)
+
+
 @pytest.mark.parametrize("kind", SCHEDULES)
 def test_monotone_in_bandwidth_and_compute(kind):
     topo = Topology(nodes=((0, 1), (2, 3)), rank=0, world_size=4)
