@@ -123,22 +123,29 @@ class StepProfile:
 
         Chunks in flight together share the link (two streams), so a chunk's own issue-to-done time
         says little: the later of two finishes last but was served half the time. A busy period
-        says more: it took about ``chunks * alpha + bytes * beta``. A period with one chunk also
-        holds the wait for the slowest rank to issue it, which a least-squares fit reads as a huge
-        alpha and no beta; so beta comes from all periods together, and alpha from the median
-        period's excess over it (0 when the periods cannot tell latency from bandwidth apart).
+        says more: it took about ``chunks * alpha + bytes * beta``, plus the wait for the slowest
+        rank to issue its first chunk. That wait only adds, and a least-squares fit reads it as a
+        huge alpha and no beta; so alpha is the lower quartile of the periods' per-chunk excess over
+        their mean per-byte time (0 when the periods cannot tell latency from bandwidth apart), and
+        beta the byte-weighted median of their per-byte times net of alpha. (With the median excess,
+        4-7 ms of rank skew read as latency in some steps, and the re-plan then kept buckets whole.)
         """
         periods = self.busy_periods()
         if not periods:
             return None
-        total_t = sum(t for t, _, _ in periods)
-        total_n = max(sum(n for _, n, _ in periods), 1)
+        total = sum(n for _, n, _ in periods)
         alpha = 0.0
         if self.separates_alpha():
-            beta0 = total_t / total_n
+            beta0 = sum(t for t, _, _ in periods) / max(total, 1)
             excess = sorted((t - n * beta0) / k for t, n, k in periods)
-            alpha = max(0.0, excess[len(excess) // 2])
-        beta = (total_t - alpha * sum(k for _, _, k in periods)) / total_n
+            alpha = max(0.0, excess[len(excess) // 4])
+        # The byte-weighted median of the periods' per-byte times: the long backlog periods, where a
+        # rank's late start is spread over many chunks, decide.
+        seen, beta = 0, 0.0
+        for per_byte, n in sorted(((t - k * alpha) / max(n, 1), n) for t, n, k in periods):
+            seen, beta = seen + n, per_byte
+            if 2 * seen >= total:
+                break
         return cost.LinkModel(alpha=alpha, beta=max(beta, _FIT_BETA_FLOOR))
 
     def separates_alpha(self) -> bool:
