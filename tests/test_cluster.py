@@ -101,22 +101,28 @@ def _record(out: str) -> dict:
 
 
 def _wait_ready(proc: subprocess.Popen, count: int, timeout: float = _TIMEOUT) -> list[int]:
-    """Read the launcher's stdout until ``count`` ranks said 'ready'; returns their pids."""
-    pids: list[int] = []
+    """Read the launcher's stdout until ``count`` ranks said 'ready'; returns their pids.
+
+    Reads the pipe's descriptor directly: ``select`` on it and then ``readline`` on the buffered
+    file would leave a second line that arrived in the same read in the buffer, where ``select``
+    cannot see it (both ranks' lines often arrive together).
+    """
+    fd = proc.stdout.fileno()
     seen = ""
     deadline = time.monotonic() + timeout
-    while len(pids) < count:
+    while True:
+        pids = [int(line.split()[-1]) for line in seen.splitlines(keepends=True)
+                if "] ready " in line and line.endswith("\n")]
+        if len(pids) >= count:
+            return pids
         left = deadline - time.monotonic()
-        if left <= 0 or not select.select([proc.stdout], [], [], left)[0]:
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
             proc.kill()
             pytest.fail(f"ranks not ready within {timeout} s; output so far:\n{seen}")
-        line = proc.stdout.readline()
-        if not line:
+        data = os.read(fd, 65536)
+        if not data:
             pytest.fail(f"launcher exited early (code {proc.wait()}):\n{seen}{proc.stderr.read()}")
-        seen += line
-        if "] ready " in line:
-            pids.append(int(line.split()[-1]))
-    return pids
+        seen += data.decode(errors="replace")
 
 
 def _dead(pid: int, timeout: float = 10.0) -> bool:
