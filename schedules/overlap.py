@@ -27,7 +27,7 @@ waits for the pending step (before evaluation, checkpointing or reading paramete
 Partition and credit, unless given: chosen from the alpha-beta model of the link the chunks cross
 (``comm.cost.model_for(topology)``: the inter-node level on more than one node, else the intra-node
 one), by :func:`~commopt.schedules.priority.partition_for` (the smallest power of two ``P`` with
-``P >= 9 alpha / beta``, i.e. latency at most ~10 % of a chunk's time, clamped to [1 MiB, 16 MiB]
+``P >= 9 alpha / beta``, i.e. latency at most ~10 % of a chunk's time, clamped to [2 MiB, 16 MiB]
 and to the largest bucket) and :func:`~commopt.schedules.priority.credit_for` (two chunks or the
 bandwidth-delay product ``alpha / beta``, the larger). The model is broadcast from rank 0, so every
 rank gets the same numbers. A re-plan applies the same rule to rank 0's fit of its profiled busy

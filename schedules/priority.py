@@ -35,9 +35,11 @@ __all__ = ["fifo_plan", "priority_plan", "simulate_issue", "shape_priority", "Is
            "credit_for", "MIN_PARTITION", "MAX_PARTITION"]
 
 # Below this, per-chunk costs the fitted alpha misses dominate (ranks issuing a chunk at slightly
-# different times, thread and GIL hand-offs): in OverlapDataParallel on a 500 Mbit/s link, 256 KiB
-# chunks kept the link at 65 % of its rate while busy, 1.8 MiB chunks at 95 %.
-MIN_PARTITION = 1024 * 1024
+# different times, thread and GIL hand-offs, a CPU-driven transport's work per collective): in
+# OverlapDataParallel on a 500 Mbit/s link, 256 KiB chunks kept the link at 65 % of its rate while
+# busy, 1.8 MiB chunks at 95 %; at 800 Mbit/s, where compute and gloo share each rank's core, 1 MiB
+# chunks (25 per step) took 381-387 ms per step and whole 1.8 MB buckets (13) 360-370 ms.
+MIN_PARTITION = 2 * 1024 * 1024
 MAX_PARTITION = 16 * 1024 * 1024  # above this, an urgent chunk waits too long behind a large one
 
 

@@ -277,9 +277,9 @@ KIB, MIB = 1024, 1024 * 1024
 
 def _rule(link: LinkModel, largest: int) -> tuple[int, int]:
     """The partition / credit rule, written independently: the smallest power of two in
-    [1 MiB, 16 MiB] whose latency is at most 10 % of its time (alpha <= 0.1 (alpha + P beta)),
+    [2 MiB, 16 MiB] whose latency is at most 10 % of its time (alpha <= 0.1 (alpha + P beta)),
     clamped to the largest bucket; the credit is two chunks or alpha / beta bytes."""
-    p = 1 * MIB
+    p = 2 * MIB
     while p < 16 * MIB and link.alpha > 0.1 * (link.alpha + p * link.beta):
         p *= 2
     p = min(p, largest)
@@ -606,28 +606,28 @@ def test_optimizer_checkpoint_rejects_mismatch():
 
 def test_partition_credit_rule():
     """The rule on hand-built cost models: latency at most 10 % of a chunk's time, power of two,
-    [1 MiB, 16 MiB], the largest bucket; credit two chunks or the bandwidth-delay product."""
+    [2 MiB, 16 MiB], the largest bucket; credit two chunks or the bandwidth-delay product."""
     intra = LinkModel(alpha=20e-6, beta=1 / 3e9)
     slow = CostModel(intra, LinkModel(alpha=0.5e-3, beta=8 / 250e6))  # 250 Mbit/s, 0.5 ms
     fast = CostModel(intra, LinkModel(alpha=10e-6, beta=8 / 400e9))  # 400 Gbit/s, 10 us
     ten = CostModel(intra, LinkModel(alpha=50e-6, beta=8 / 10e9))  # 10 Gbit/s, 50 us
-    # 9 alpha / beta = 140625 B -> the 1 MiB floor; credit 2 x 1 MiB > alpha / beta = 15625 B.
-    assert partition_for(slow.inter) == 1 * MIB
-    assert credit_for(slow.inter, 1 * MIB) == 2 * MIB
+    # 9 alpha / beta = 140625 B -> the 2 MiB floor; credit 2 x 2 MiB > alpha / beta = 15625 B.
+    assert partition_for(slow.inter) == 2 * MIB
+    assert credit_for(slow.inter, 2 * MIB) == 4 * MIB
     # 9 alpha / beta = 4.5 MB -> 8 MiB; credit 16 MiB > 500 kB.
     assert partition_for(fast.inter) == 8 * MIB
     assert credit_for(fast.inter, 8 * MIB) == 16 * MIB
-    assert partition_for(ten.inter) == 1 * MIB  # 562.5 kB -> 1 MiB
+    assert partition_for(ten.inter) == 2 * MIB  # 562.5 kB -> 2 MiB
     for link in (slow.inter, fast.inter, ten.inter, intra, LinkModel(1e-4, 1e-9), LinkModel(3e-5, 8 / 100e9)):
         p = partition_for(link)
         assert (p, credit_for(link, p)) == _rule(link, 1 << 40), link
-        if 1 * MIB < p < 16 * MIB:  # unclamped: the smallest power of two that meets the bound
+        if 2 * MIB < p < 16 * MIB:  # unclamped: the smallest power of two that meets the bound
             assert link.alpha <= 0.1 * link.time(p) and link.alpha > 0.1 * link.time(p // 2)
         for largest in (100_000, 300 * KIB, 64 * MIB):  # the largest bucket clamps last
             assert partition_for(link, largest_bucket=largest) == _rule(link, largest)[0]
     # Clamps: no latency -> the floor; a huge latency -> the ceiling, and then the bandwidth-delay
     # product (10 ms at 400 Gbit/s: 500 MB) is the credit.
-    assert partition_for(LinkModel(0.0, 1e-9)) == 1 * MIB
+    assert partition_for(LinkModel(0.0, 1e-9)) == 2 * MIB
     far = LinkModel(alpha=10e-3, beta=8 / 400e9)
     assert partition_for(far) == 16 * MIB
     assert credit_for(far, 16 * MIB) == 500_000_000
@@ -697,7 +697,7 @@ def test_partition_credit_from_model_agree_across_ranks(ranks):
         assert r0[key]["link"] == r1[key]["link"]  # the model is rank 0's, broadcast
         assert r0[key]["sizes"] == r1[key]["sizes"]
     inter = r0["inter"]
-    assert inter["largest"] > 1 * MIB  # the rule, not the bucket clamp, decides
+    assert inter["largest"] > 2 * MIB  # the rule, not the bucket clamp, decides
     assert _agrees(inter["sizes"], LinkModel(*inter["link"]), inter["largest"]), inter
     assert inter["stats"]["chunks"] >= 2
     intra = r0["intra"]
