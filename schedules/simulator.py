@@ -135,7 +135,7 @@ def _buckets(layers: Sequence[Layer], sched: Schedule) -> BucketPlan:
                          align=1)
 
 
-def _run(t: float, work: float, busy: Sequence[tuple[float, float]], slowdown: float) -> float:
+def _compute_end(t: float, work: float, busy: Sequence[tuple[float, float]], slowdown: float) -> float:
     """When ``work`` seconds of compute started at ``t`` end, at ``1 / slowdown`` speed inside ``busy``.
 
     ``busy``: disjoint link-busy intervals, sorted.
@@ -212,7 +212,7 @@ def simulate(layers: Sequence[Layer], service: Callable[[int], float], schedule:
         for i in range(len(layers)):
             if overlapped:
                 t = max(t, applied[bucket_of[i]])
-            end = _run(t, fwd[i], busy, slow)
+            end = _compute_end(t, fwd[i], busy, slow)
             timeline.append(("compute", f"F{i}", t, end))
             t = end
         forward_end = t
@@ -223,7 +223,7 @@ def simulate(layers: Sequence[Layer], service: Callable[[int], float], schedule:
             t, ready, segments = forward_end, [0.0] * nb, []
             both = _merge([*busy, *own])
             for i in reversed(range(len(layers))):
-                end = _run(t, bwd[i], both if sched.kind != "none" else busy, slow)
+                end = _compute_end(t, bwd[i], both if sched.kind != "none" else busy, slow)
                 segments.append(("compute", f"B{i}", t, end))
                 t = end
                 b = bucket_of[i]
