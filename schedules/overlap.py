@@ -758,6 +758,10 @@ class OverlapDataParallel(nn.Module):
     def _reduce(self, step: _Step, c, k: int) -> torch.futures.Future:
         """Reduce chunk ``c``, the ``k``-th of the step's plan (which picks its stream)."""
         buf = self._buffers[c.bucket]
+        if not self._distributed:  # one rank in the group: its gradient is the average
+            fut: torch.futures.Future = torch.futures.Future()
+            fut.set_result(None)
+            return fut
         if self.compressor is not None:
             from commopt.comm.compression import reduce_tensors
 
@@ -765,18 +769,13 @@ class OverlapDataParallel(nn.Module):
             views = [buf[off: off + n].view(self._params[i].shape)
                      for i, off, n in zip(bucket.params, bucket.offsets, bucket.numels)]
             keys = [self._keys[i] for i in bucket.params]
-            if not self._distributed:
-                fut: torch.futures.Future = torch.futures.Future()
-                fut.set_result(None)
-                return fut
             # The user's group, not the private one: the compressed exchange runs on groups derived
             # per role from it, and the engine requires one feeder per queue, which one derived check
             # group per process (not one per wrapper) keeps true.
             return reduce_tensors(self.compressor, views, keys, group=self._process_group, topology=self._topology,
                                   algorithm=self.algorithm, average=True, step=step.index, seed=self.seed,
                                   feedback=self._feedback, timeout=self.timeout)
-        return all_reduce(buf[c.start: c.stop], ReduceOp.AVG, group=self._streams[k % 2] if self._streams else None,
-                          topology=self._topology,
+        return all_reduce(buf[c.start: c.stop], ReduceOp.AVG, group=self._streams[k % 2], topology=self._topology,
                           algorithm=self.algorithm, async_op=True, timeout=self.timeout)
 
     def _chunk_done(self, step: _Step, c, k: int, fut: torch.futures.Future) -> None:

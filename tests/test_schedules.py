@@ -540,6 +540,30 @@ def test_single_process_equals_plain_training():
     assert odp.stats()["steps"] == STEPS
 
 
+def _body_solo_groups(steps: int) -> dict:
+    rank = dist.get_rank()
+    solo = [dist.new_group([r]) for r in range(dist.get_world_size())]  # collective: every rank makes each
+    data = _data(rank, steps)
+    model = _mlp()
+    opt = _opt("adamw")(list(model.parameters()))
+    for batches in data:
+        for x in batches:
+            _loss(model(x)).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    ref = [p.detach().clone() for p in model.parameters()]
+    got, odp = _odp_run(_mlp, "adamw", data, process_group=solo[rank], algorithm="flat", **SMALL)
+    return {"diff": _maxdiff(ref, got), "steps": odp.stats()["steps"]}
+
+
+def test_one_rank_group_in_a_larger_world_trains_locally(ranks):
+    """FAULTS row 7, a group of size 1: a wrapper over a group of one rank (each rank its own)
+    reduces nothing and equals plain local training on that rank's data, although WORLD has two
+    ranks (it once reduced its chunks over WORLD)."""
+    for r in ranks(2, _body_solo_groups, STEPS, timeout=60):
+        assert r["diff"] <= EXACT and r["steps"] == STEPS, r
+
+
 def test_optimizer_checkpoint_resumes_bit_identical(ranks):
     """Train N steps (AdamW, a learning rate changed as a scheduler would), checkpoint the module and
     the per-bucket optimizers by parameter name through torch.save / torch.load(weights_only=True),
