@@ -16,10 +16,12 @@ alternating which goes first, and takes the median per-step time of each (for ``
 the steady state, forward end to forward end inside a block: a block's average adds a pipeline fill
 and drain that a training loop pays once; both are printed), and, in the same rounds, compute while a
 thread reduces gradients back to back (the contention slowdown: where communication runs on the CPU
-that computes, overlapped compute is slower); (4) measures the model's layers
-(:func:`commopt.schedules.simulator.layers_from_model`) and predicts both step times with the
-simulator from those layers, the fitted link and the measured slowdown. Times are the slowest
-rank's (all-reduce MAX).
+that computes, overlapped compute is slower) and ``OverlapDataParallel`` over a group of one rank
+(its own compute: hooks, bucket copies, threads, with no communication); (4) measures the model's
+layers (:func:`commopt.schedules.simulator.layers_from_model`) and predicts both step times with the
+simulator from those layers (scaled to T_compute for DDP, to the wrapper's own compute for
+``OverlapDataParallel``), the fitted link and the measured slowdown. Times are the slowest rank's
+(all-reduce MAX).
 
 ``--spawn N`` runs N local ranks instead (a smoke run; loopback has no link to hide).
 """
@@ -179,6 +181,14 @@ def _run(args) -> int:
                               algorithm=args.algorithm, bucket_cap_mb=args.bucket_cap_mb,
                               first_bucket_cap_mb=args.first_bucket_cap_mb, plan=args.plan,
                               partition_mb=args.partition_mb, credit_mb=args.credit_mb, replan_every=10)
+    # The same wrapper over a group of this rank alone: its compute (hooks, bucket copies, threads,
+    # per-bucket optimizer steps) without any communication, the input of its prediction.
+    solo = [dist.new_group([r]) for r in range(world)]
+    odp_solo = OverlapDataParallel(copy.deepcopy(base), _optimizer(args.optimizer), process_group=solo[rank],
+                                   algorithm=args.algorithm, bucket_cap_mb=args.bucket_cap_mb,
+                                   first_bucket_cap_mb=args.first_bucket_cap_mb, plan=args.plan,
+                                   partition_mb=odp.partition_bytes / 2**20, credit_mb=odp.credit_bytes / 2**20,
+                                   replan_every=0)
     opt_t: list[float] = []
 
     def compute_block(n: int) -> float:
@@ -223,6 +233,14 @@ def _run(args) -> int:
             thread.join()
         return total / n
 
+    def solo_block(n: int) -> float:
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            _loss(odp_solo, idx, tgt).backward()
+        odp_solo.synchronize()
+        return (time.perf_counter() - t0) / n
+
     def comm_block(n: int) -> float:
         dist.barrier()
         t0 = time.perf_counter()
@@ -259,7 +277,7 @@ def _run(args) -> int:
         return elapsed
 
     blocks = {"compute": compute_block, "comm": comm_block, "ddp": ddp_block, "overlap": odp_block,
-              "contended": contended_block}
+              "contended": contended_block, "wrapper": solo_block}
     for fn in blocks.values():
         fn(args.warmup)
     opt_t.clear()
@@ -278,6 +296,7 @@ def _run(args) -> int:
                         "nbytes": p.nbytes, "bucket": [c.bucket for c in plans[i].chunks]}
                        for i, p in odp.profiles], f)
     odp.close()
+    odp_solo.close()
     t_compute, t_comm = _median(res["compute"]), _median(res["comm"])
     slowdown = max(1.0, _median(res["contended"]) / t_compute)
     t_opt = _agreed_max(_median(opt_t))
@@ -292,6 +311,11 @@ def _run(args) -> int:
     # it to this run's interleaved T_compute.
     scale = t_compute / max(1e-9, sum(x.forward + x.backward for x in measured))
     layers = [Layer(x.name, x.forward * scale, x.backward * scale, x.grad_bytes) for x in measured]
+    # OverlapDataParallel's prediction starts from its own compute without communication (the
+    # optimizer, which the simulator runs on its applier lane, taken out).
+    t_wrapper = _median(res["wrapper"])
+    wrap = max(1e-9, t_wrapper - t_opt) / max(1e-9, t_compute)
+    odp_layers = [Layer(x.name, x.forward * wrap, x.backward * wrap, x.grad_bytes) for x in layers]
     opt_per_byte = t_opt / max(1, nbytes)
 
     def service(n: int) -> float:
@@ -300,7 +324,7 @@ def _run(args) -> int:
     pred_ddp = simulate(layers, service, Schedule("ddp", bucket_cap_mb=25, first_bucket_cap_mb=1,
                                                   optimizer_seconds_per_byte=opt_per_byte,
                                                   overlap_slowdown=slowdown))
-    pred_odp = simulate(layers, service, Schedule(args.plan, bucket_cap_mb=args.bucket_cap_mb,
+    pred_odp = simulate(odp_layers, service, Schedule(args.plan, bucket_cap_mb=args.bucket_cap_mb,
                                                   first_bucket_cap_mb=args.first_bucket_cap_mb,
                                                   partition_mb=odp.partition_bytes / 2**20,
                                                   credit_mb=odp.credit_bytes / 2**20,
@@ -322,6 +346,8 @@ def _run(args) -> int:
         f"optimizer {t_opt * 1e3:.1f} ms; layer profile scaled by {scale:.2f}; plan {stats}")
     log(f"# compute during a concurrent reduction: {_median(res['contended']) * 1e3:.1f} ms, slowdown "
         f"{slowdown:.2f}x (the simulator's overlap_slowdown for the overlapped schedules)")
+    log(f"# OverlapDataParallel without communication (a group of one rank): {t_wrapper * 1e3:.1f} ms per step with "
+        f"its optimizer steps, {wrap:.2f}x T_compute without them (its prediction's compute)")
     log(f"# OverlapDataParallel's step: the steady state, forward end to forward end within a block; the block "
         f"average ({m_block * 1e3:.1f} ms) adds a pipeline fill and drain every {args.steps} steps (synchronize())")
     log(f"# overlap / max(T_compute, T_comm) = {m_odp / bound:.3f} of the medians, {_median(per_round_bound):.3f} "
@@ -331,7 +357,8 @@ def _run(args) -> int:
     log(f"# prediction error: DDP {pred_ddp.iteration / m_ddp - 1:+.1%}, overlap {pred_odp.iteration / m_odp - 1:+.1%}")
     if rank == 0 and args.json:
         with open(args.json, "w") as f:
-            json.dump({"t_compute": t_compute, "t_comm": t_comm, "t_opt": t_opt, "slowdown": slowdown, "rounds": res,
+            json.dump({"t_compute": t_compute, "t_comm": t_comm, "t_opt": t_opt, "slowdown": slowdown,
+                       "wrapper": t_wrapper, "rounds": res,
                        "overlap_steady": m_odp, "overlap_block": m_block,
                        "layers": [[x.name, x.forward, x.backward, x.grad_bytes] for x in layers],
                        "pred_ddp": pred_ddp.iteration, "pred_overlap": pred_odp.iteration,
