@@ -521,12 +521,8 @@ def test_autotune_agrees_across_ranks(ranks):
     assert out[0]["lines"] == len(out[0]["trials"]) + 1
 
 
-def test_single_process_equals_plain_training():
-    """Without a process group (world size 1) the wrapper is plain training: no communication, the
-    same parameters as one optimizer stepping the model (FAULTS row 7)."""
-    if dist.is_initialized():
-        pytest.skip("needs a process without torch.distributed")
-    data = _data(0, STEPS, 2)
+def _plain_adamw(data) -> list[torch.Tensor]:
+    """The oracle of local training: one AdamW over the whole MLP, one step per list of micro-batches."""
     model = _mlp()
     opt = _opt("adamw")(list(model.parameters()))
     for batches in data:
@@ -534,7 +530,16 @@ def test_single_process_equals_plain_training():
             _loss(model(x)).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-    ref = [p.detach().clone() for p in model.parameters()]
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_single_process_equals_plain_training():
+    """Without a process group (world size 1) the wrapper is plain training: no communication, the
+    same parameters as one optimizer stepping the model (FAULTS row 7)."""
+    if dist.is_initialized():
+        pytest.skip("needs a process without torch.distributed")
+    data = _data(0, STEPS, 2)
+    ref = _plain_adamw(data)
     got, odp = _odp_run(_mlp, "adamw", data, **SMALL)
     assert _maxdiff(ref, got) <= EXACT
     assert odp.stats()["steps"] == STEPS
@@ -544,14 +549,7 @@ def _body_solo_groups(steps: int) -> dict:
     rank = dist.get_rank()
     solo = [dist.new_group([r]) for r in range(dist.get_world_size())]  # collective: every rank makes each
     data = _data(rank, steps)
-    model = _mlp()
-    opt = _opt("adamw")(list(model.parameters()))
-    for batches in data:
-        for x in batches:
-            _loss(model(x)).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    ref = [p.detach().clone() for p in model.parameters()]
+    ref = _plain_adamw(data)
     got, odp = _odp_run(_mlp, "adamw", data, process_group=solo[rank], algorithm="flat", **SMALL)
     return {"diff": _maxdiff(ref, got), "steps": odp.stats()["steps"]}
 
