@@ -521,10 +521,10 @@ def test_autotune_agrees_across_ranks(ranks):
     assert out[0]["lines"] == len(out[0]["trials"]) + 1
 
 
-def _plain_adamw(data) -> list[torch.Tensor]:
-    """The oracle of local training: one AdamW over the whole MLP, one step per list of micro-batches."""
+def _plain_training(data, opt_name: str = "adamw") -> list[torch.Tensor]:
+    """The oracle of local training: one optimizer over the whole MLP, one step per list of micro-batches."""
     model = _mlp()
-    opt = _opt("adamw")(list(model.parameters()))
+    opt = _opt(opt_name)(list(model.parameters()))
     for batches in data:
         for x in batches:
             _loss(model(x)).backward()
@@ -539,17 +539,53 @@ def test_single_process_equals_plain_training():
     if dist.is_initialized():
         pytest.skip("needs a process without torch.distributed")
     data = _data(0, STEPS, 2)
-    ref = _plain_adamw(data)
+    ref = _plain_training(data)
     got, odp = _odp_run(_mlp, "adamw", data, **SMALL)
     assert _maxdiff(ref, got) <= EXACT
     assert odp.stats()["steps"] == STEPS
+
+
+def test_module_interface_and_evaluation_between_steps():
+    """The wrapper is an ``nn.Module`` as DDP is: ``state_dict()`` holds the model's under ``module.``
+    and ``buffers()`` its buffers (its gradient buckets, once stored as ``self._buffers``, shadowed
+    nn.Module's buffer registry: both raised, and every attribute store of the wrapper compared the
+    name with each bucket). An evaluation forward under ``torch.inference_mode()`` between steps,
+    without ``synchronize()``, changes no result: the update it triggers runs as outside inference
+    mode (SGD's momentum buffer, created inside it, would be an inference tensor that the next
+    steps, outside it, cannot update in place)."""
+    if dist.is_initialized():
+        pytest.skip("needs a process without torch.distributed")
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)).double()
+    odp = OverlapDataParallel(model, _opt("sgd"))
+    try:
+        want = {f"module.{k}": v for k, v in model.state_dict().items()}
+        got = odp.state_dict()
+        assert list(got) == list(want) and all(got[k].data_ptr() == want[k].data_ptr() for k in want)
+        assert [id(b) for b in odp.buffers()] == [id(b) for b in model.buffers()] and len(want) == 7
+        odp.load_state_dict(got)
+    finally:
+        odp.close()
+
+    data = _data(0, STEPS)
+    ref = _plain_training(data, "sgd")
+    odp = OverlapDataParallel(_mlp(), _opt("sgd"), **SMALL)
+    try:
+        for step, (x,) in enumerate(data):
+            _loss(odp(x)).backward()
+            if step == 0:  # the first update runs in inference mode, the next ones outside it
+                with torch.inference_mode():
+                    odp(x)
+        odp.synchronize()
+        assert _maxdiff(ref, [p.detach() for p in odp.module.parameters()]) <= EXACT
+    finally:
+        odp.close()
 
 
 def _body_solo_groups(steps: int) -> dict:
     rank = dist.get_rank()
     solo = [dist.new_group([r]) for r in range(dist.get_world_size())]  # collective: every rank makes each
     data = _data(rank, steps)
-    ref = _plain_adamw(data)
+    ref = _plain_training(data)
     got, odp = _odp_run(_mlp, "adamw", data, process_group=solo[rank], algorithm="flat", **SMALL)
     return {"diff": _maxdiff(ref, got), "steps": odp.stats()["steps"]}
 
