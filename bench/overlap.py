@@ -312,7 +312,7 @@ def _run(args) -> int:
     scale = t_compute / max(1e-9, sum(x.forward + x.backward for x in measured))
     layers = [Layer(x.name, x.forward * scale, x.backward * scale, x.grad_bytes) for x in measured]
     # OverlapDataParallel's prediction starts from its own compute without communication (the
-    # optimizer, which the simulator runs on its applier lane, taken out).
+    # optimizer, which the simulator steps in the next forward, taken out).
     t_wrapper = _median(res["wrapper"])
     wrap = max(1e-9, t_wrapper - t_opt) / max(1e-9, t_compute)
     odp_layers = [Layer(x.name, x.forward * wrap, x.backward * wrap, x.grad_bytes) for x in layers]

@@ -10,8 +10,9 @@ schedule:
 - ``none``: backward, then every bucket's reduction, then the optimizer; no overlap;
 - ``ddp``: buckets issued in ready order as backward produces them; the optimizer step and the next
   forward wait for the last bucket (DDP);
-- ``fifo``: as ``ddp``, but each bucket's optimizer step runs when it is reduced and each layer of
-  the next forward waits only for its own bucket (``OverlapDataParallel(plan="fifo")``);
+- ``fifo``: as ``ddp``, but each layer of the next forward waits only for its own bucket, and then
+  steps the optimizer of that bucket and of every other bucket reduced by then, on the compute lane
+  (``OverlapDataParallel(plan="fifo")``, whose training thread does so);
 - ``priority``: as ``fifo`` with the ByteScheduler plan: partitioned chunks, the next forward's
   order of need, a credit (``OverlapDataParallel(plan="priority")``).
 
@@ -198,7 +199,8 @@ def simulate(layers: Sequence[Layer], service: Callable[[int], float], schedule:
     comm = sum(service(c.nbytes) for chunks in pieces for c in chunks)
 
     slow = sched.overlap_slowdown
-    applied = [0.0] * nb  # when each bucket's previous update is done
+    pending: set[int] = set()  # overlapped schedules: the buckets whose update the forward steps
+    reduced = [0.0] * nb  # when each bucket's previous reduction was done
     t = 0.0
     link_free = 0.0
     busy: list[tuple[float, float]] = []  # the link's busy intervals so far
@@ -207,11 +209,17 @@ def simulate(layers: Sequence[Layer], service: Callable[[int], float], schedule:
     issue = None
     for _ in range(iterations):
         starts.append(t)
-        # Forward: layer l waits for its bucket's previous update (overlapped schedules only;
-        # the others waited for everything before this iteration started).
+        # Forward: layer l waits for its bucket's previous reduction, then steps the optimizer of
+        # that bucket and of every other one reduced by then (overlapped schedules only; the
+        # others stepped everything before this iteration started).
         for i in range(len(layers)):
-            if overlapped:
-                t = max(t, applied[bucket_of[i]])
+            if bucket_of[i] in pending:
+                t = max(t, reduced[bucket_of[i]])
+                for b in sorted((b for b in pending if reduced[b] <= t), key=lambda b: (reduced[b], b)):
+                    end = _compute_end(t, opt[b], busy, slow)
+                    timeline.append(("compute", f"O{b}", t, end))
+                    t = end
+                    pending.discard(b)
             end = _compute_end(t, fwd[i], busy, slow)
             timeline.append(("compute", f"F{i}", t, end))
             t = end
@@ -251,15 +259,12 @@ def simulate(layers: Sequence[Layer], service: Callable[[int], float], schedule:
             timeline.append(("link", f"b{c.bucket}", s, e))
         done = tl.bucket_done()
         if overlapped:
-            # The applier steps buckets one at a time, in completion order.
-            free = 0.0
-            for b in sorted(range(nb), key=lambda b: (done[b], b)):
-                free = max(free, done[b]) + opt[b]
-                applied[b] = free
+            # Stepped by the next forward as it needs them (every bucket holds some layer's gradients).
+            reduced = [done[b] for b in range(nb)]
+            pending = set(range(nb))
             t = backward_end
         else:
             t = max(backward_end, max(done.values(), default=backward_end)) + sum(opt)
-            applied = [t] * nb
     period = starts[-1] - starts[-2]
     keep_from = starts[-2]
     timeline = [(lane, label, s - keep_from, e - keep_from) for lane, label, s, e in timeline if e > keep_from]

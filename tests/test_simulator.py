@@ -141,6 +141,25 @@ def test_overlap_bounds():
     assert prio.iteration < ddp.iteration
 
 
+def test_optimizer_steps_on_the_compute_lane_of_the_next_forward():
+    """OverlapDataParallel steps a bucket's optimizer in its training thread when the next forward
+    first needs the bucket (with every other bucket reduced by then). Two layers, forward 1 s and
+    backward 2 s each, 0.5 s of optimizer per bucket. A free link: 2 + 4 + 2 x 0.5 = 7 s for every
+    schedule (a lane of its own would hide the first bucket's step behind backward: 6.5 s). 3 s per
+    bucket, fifo: backward ends at 6, the buckets are reduced at 7 and 10, both steps run from 10 to
+    11, and the next backward ends at 17: 11 s."""
+    layers = _layers(2, 1.0, 2.0, 1000)
+    for kind in SCHEDULES:
+        sched = _one_bucket_per_layer(kind, 1000, optimizer_seconds_per_byte=0.5 / 1000)
+        assert simulate(layers, lambda n: 0.0, sched).iteration == pytest.approx(7.0, rel=1e-12), kind
+    slow = simulate(layers, lambda n: 3.0 * n / 1000,
+                    _one_bucket_per_layer("fifo", 1000, optimizer_seconds_per_byte=0.5 / 1000))
+    assert slow.iteration == pytest.approx(11.0, rel=1e-12)
+    steps = sorted((s, lane, label) for lane, label, s, _ in slow.timeline if label.startswith("O"))
+    # Buckets are numbered in ready order: bucket 0 holds the last layer, reduced first.
+    assert [(lane, label) for _, lane, label in steps[:2]] == [("compute", "O0"), ("compute", "O1")]
+
+
 def test_contention_slows_only_overlapped_compute():
     """Two layers, backward 1 s each, forward free, 1.5 s per bucket, compute half speed while the
     link is busy. DDP: the last layer's bucket goes at t=1 and keeps the link busy to 2.5, so the
