@@ -270,12 +270,14 @@ class OverlapDataParallel(nn.Module):
         shapes = [(p.numel(), p.dtype) for p in self._params]
         self.buckets = build_buckets(shapes, cap_bytes=bucket_cap_mb * _MB, first_cap_bytes=first_bucket_cap_mb * _MB)
         self._bucket_of = self.buckets.bucket_of()
-        self._slot = {}
-        for b in self.buckets.buckets:
-            for i, off in zip(b.params, b.offsets):
-                self._slot[i] = (b.index, off)
         device = self._params[0].device if self._params else torch.device("cpu")
         self._flat = [torch.zeros(b.numel, dtype=b.dtype, device=device) for b in self.buckets.buckets]
+        # Each parameter's gradient slot, a view of its bucket's buffer, made once (hooks run per
+        # parameter and step).
+        self._views: list[torch.Tensor] = [torch.empty(0)] * len(self._params)
+        for b in self.buckets.buckets:
+            for i, off, n in zip(b.params, b.offsets, b.numels):
+                self._views[i] = self._flat[b.index][off: off + n].view(self._params[i].shape)
         self.optimizers = [optimizer_factory([self._params[i] for i in b.params]) for b in self.buckets.buckets]
         # The user's fixed values (None: chosen from the link model, and again at each re-plan).
         self._user_partition = None if partition_mb is None else int(partition_mb * _MB)
@@ -606,16 +608,13 @@ class OverlapDataParallel(nn.Module):
         return guard
 
     def _make_ready(self, i: int) -> Callable:
-        b, off = self._slot[i]
+        b, view = self._bucket_of[i], self._views[i]
 
         def ready(param: torch.Tensor) -> None:
             step = self._current
             if step is None:
                 return  # no_sync: the gradient stays in param.grad and accumulates
-            grad = param.grad
-            n = param.numel()
-            with torch.no_grad():
-                self._flat[b][off: off + n].view(param.shape).copy_(grad)
+            view.copy_(param.grad.detach())  # detached: nothing recorded even under create_graph
             param.grad = None  # consumed: the bucket's reduced gradient replaces it at the step
             step.got_grad.add(i)
             step.remaining[b] -= 1
@@ -643,16 +642,15 @@ class OverlapDataParallel(nn.Module):
                 continue
             if prev is not None:  # its reduction may still read this buffer, and its update is due
                 self._wait_applied(prev, b)
-            for i, off, n in zip(bucket.params, bucket.offsets, bucket.numels):
+            for i in bucket.params:
                 if i in step.got_grad:
                     continue
                 p = self._params[i]
-                slot = self._flat[b][off: off + n]
                 if p.grad is not None:  # accumulated under no_sync but unused in this backward
-                    slot.copy_(p.grad.reshape(-1))
+                    self._views[i].copy_(p.grad.detach())
                     p.grad = None
                 else:
-                    slot.zero_()
+                    self._views[i].zero_()
             self._mark_ready(step, b)
 
     # ----------------------------------------------------------------------------- waiting
@@ -785,8 +783,7 @@ class OverlapDataParallel(nn.Module):
             from commopt.comm.compression import reduce_tensors
 
             bucket = self.buckets.buckets[c.bucket]
-            views = [buf[off: off + n].view(self._params[i].shape)
-                     for i, off, n in zip(bucket.params, bucket.offsets, bucket.numels)]
+            views = [self._views[i] for i in bucket.params]
             keys = [self._keys[i] for i in bucket.params]
             # The user's group, not the private one: the compressed exchange runs on groups derived
             # per role from it, and the engine requires one feeder per queue, which one derived check
@@ -826,14 +823,12 @@ class OverlapDataParallel(nn.Module):
         of an evaluation the user did not ``synchronize()`` before): the update is made as outside
         them, so that no optimizer state becomes an inference tensor and no update is cast."""
         bucket = self.buckets.buckets[b]
-        buf = self._flat[b]
-        params = [self._params[i] for i in bucket.params]
-        with torch.inference_mode(False), torch.autocast(buf.device.type, enabled=False):
-            for p, off, n in zip(params, bucket.offsets, bucket.numels):
-                p.grad = buf[off: off + n].view(p.shape)
+        with torch.inference_mode(False), torch.autocast(self._flat[b].device.type, enabled=False):
+            for i in bucket.params:
+                self._params[i].grad = self._views[i]
             self.optimizers[b].step()
-            for p in params:
-                p.grad = None
+            for i in bucket.params:
+                self._params[i].grad = None
 
 
 def _clone(value: Any) -> Any:
