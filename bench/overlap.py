@@ -298,7 +298,9 @@ def _run(args) -> int:
     odp.close()
     odp_solo.close()
     t_compute, t_comm = _median(res["compute"]), _median(res["comm"])
-    slowdown = max(1.0, _median(res["contended"]) / t_compute)
+    # Ratios to T_compute are taken round by round (the blocks of a round ran minutes apart at most,
+    # on a machine whose speed drifts), then their median.
+    slowdown = max(1.0, _median([c / x for c, x in zip(res["contended"], res["compute"])]))
     t_opt = _agreed_max(_median(opt_t))
     m_ddp, m_block, m_odp = _median(res["ddp"]), _median(res["overlap"]), _median(res["overlap-steady"])
     per_round_bound = [o / max(c, m) for o, c, m in zip(res["overlap-steady"], res["compute"], res["comm"])]
@@ -314,7 +316,7 @@ def _run(args) -> int:
     # OverlapDataParallel's prediction starts from its own compute without communication (the
     # optimizer, which the simulator steps in the next forward, taken out).
     t_wrapper = _median(res["wrapper"])
-    wrap = max(1e-9, t_wrapper - t_opt) / max(1e-9, t_compute)
+    wrap = max(1e-9, _median([(w - t_opt) / x for w, x in zip(res["wrapper"], res["compute"])]))
     odp_layers = [Layer(x.name, x.forward * wrap, x.backward * wrap, x.grad_bytes) for x in layers]
     opt_per_byte = t_opt / max(1, nbytes)
 
@@ -345,9 +347,9 @@ def _run(args) -> int:
     log(f"# T_compute {t_compute * 1e3:.1f} ms, T_comm {t_comm * 1e3:.1f} ms (ratio {t_comm / t_compute:.2f}), "
         f"optimizer {t_opt * 1e3:.1f} ms; layer profile scaled by {scale:.2f}; plan {stats}")
     log(f"# compute during a concurrent reduction: {_median(res['contended']) * 1e3:.1f} ms, slowdown "
-        f"{slowdown:.2f}x (the simulator's overlap_slowdown for the overlapped schedules)")
+        f"{slowdown:.2f}x (median of rounds; the simulator's overlap_slowdown for the overlapped schedules)")
     log(f"# OverlapDataParallel without communication (a group of one rank): {t_wrapper * 1e3:.1f} ms per step with "
-        f"its optimizer steps, {wrap:.2f}x T_compute without them (its prediction's compute)")
+        f"its optimizer steps, {wrap:.2f}x T_compute without them (median of rounds; its prediction's compute)")
     log(f"# OverlapDataParallel's step: the steady state, forward end to forward end within a block; the block "
         f"average ({m_block * 1e3:.1f} ms) adds a pipeline fill and drain every {args.steps} steps (synchronize())")
     log(f"# overlap / max(T_compute, T_comm) = {m_odp / bound:.3f} of the medians, {_median(per_round_bound):.3f} "
