@@ -119,7 +119,7 @@ def _plot(results: dict, path: str) -> None:
     if plt is None:
         return
     fig, axes = plt.subplots(len(results), 1, figsize=(12, 1.4 * len(results) + 1), sharex=True, squeeze=False)
-    colors = {"F": "tab:blue", "B": "tab:orange", "b": "tab:green"}
+    colors = {"F": "tab:blue", "B": "tab:orange", "O": "tab:red", "b": "tab:green"}
     for ax, (name, r) in zip(axes[:, 0], results.items()):
         for lane, y in (("compute", 1), ("link", 0)):
             bars = [(s * 1e3, (e - s) * 1e3) for ln, _, s, e in r.timeline if ln == lane]
@@ -127,7 +127,7 @@ def _plot(results: dict, path: str) -> None:
             ax.broken_barh(bars, (y - 0.4, 0.8), facecolors=cols, edgecolor="white", linewidth=0.3)
         ax.set_yticks([0, 1], ["link", "compute"])
         ax.set_title(f"{name}: {r.iteration * 1e3:.1f} ms/iteration, {r.exposed * 1e3:.1f} ms exposed", fontsize=9)
-    axes[-1, 0].set_xlabel("ms (two iterations; blue forward, orange backward, green reductions)")
+    axes[-1, 0].set_xlabel("ms (two iterations; blue forward, orange backward, red optimizer, green reductions)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

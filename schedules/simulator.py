@@ -217,7 +217,8 @@ def simulate(layers: Sequence[Layer], service: Callable[[int], float], schedule:
                 t = max(t, reduced[bucket_of[i]])
                 for b in sorted((b for b in pending if reduced[b] <= t), key=lambda b: (reduced[b], b)):
                     end = _compute_end(t, opt[b], busy, slow)
-                    timeline.append(("compute", f"O{b}", t, end))
+                    if end > t:
+                        timeline.append(("compute", f"O{b}", t, end))
                     t = end
                     pending.discard(b)
             end = _compute_end(t, fwd[i], busy, slow)

@@ -259,3 +259,23 @@ def test_iteration_traffic_is_sparse_at_scale():
     pairs = (m > 0).float().mean().item()
     assert pairs < 0.1  # rails and nodes only: most pairs exchange nothing
     assert m.sum().item() > 0
+
+
+def test_simulate_command_rows_and_timeline_with_an_optimizer_cost(tmp_path):
+    """The README's ``commopt-bench simulate`` with an optimizer cost: one row per schedule, the
+    overlapped ones slower than with a free optimizer (it runs on the compute lane), and the
+    timeline PNG (its optimizer segments once had no colour, and drawing raised)."""
+    from commopt.bench import simulate as cmd
+
+    def rows(*extra: str) -> dict[str, float]:
+        argv = ["--model", "gpt2-124m", "--nodes", "2", "--ranks-per-node", "2", *extra]
+        return {r["schedule"]: r["iteration"] for r in cmd.run(cmd._parser().parse_args(argv))}
+
+    png = tmp_path / "timeline.png"
+    costly = rows("--optimizer-gbps", "50", "--png", str(png))
+    free = rows("--png", "")
+    assert list(costly) == list(SCHEDULES)
+    for kind in ("fifo", "priority"):
+        assert costly[kind] > free[kind]
+    if cmd.pyplot("timeline") is not None:
+        assert png.stat().st_size > 10_000
