@@ -21,12 +21,11 @@ next forward waits for the step. Here (DESIGN 5, ByteScheduler's idea on plain P
     before accumulating into it, and the end of that backward applies what no forward or gradient
     needed (so no update is ever skipped).
 
-Why the training thread steps the optimizer, not a thread of its own: the step's compute runs on the
-same device as forward and backward either way, and a second Python thread only adds wake-ups and
-hand-offs of the interpreter lock to every hook of backward (on one core per rank, 16-18 ms of CPU
-per step of a 20 MiB model, as much again as the issuer thread's, measured from /proc's per-thread
-counters). The update runs under the thread-local state it would have had on a thread of its own:
-gradients off (the optimizer's doing), inference mode and autocast off.
+Why the training thread steps the optimizer, not a thread of its own: such a thread makes no update
+sooner, as the update's compute runs on the device that runs forward and backward (the same core on
+a CPU, the same GPU's queue otherwise), and it adds a wake-up and hand-offs of the interpreter lock
+for every bucket. The update runs under the thread-local state it would have had on a thread of its
+own: gradients off (the optimizer's doing), inference mode and autocast off.
 
 The training loop has no ``optimizer.step()``: ``loss = f(odp(x)); loss.backward()`` is one step.
 Gradient accumulation: run the first micro-batches under ``with odp.no_sync():``. ``synchronize()``

@@ -194,10 +194,6 @@ class IssuePlan:
         if per:
             raise ValueError(f"issue plan names buckets {sorted(per)} that the bucket plan lacks")
 
-    def last_chunk(self) -> dict[int, int]:
-        """Bucket index -> position in :attr:`chunks` of its last-issued chunk."""
-        return {c.bucket: i for i, c in enumerate(self.chunks)}
-
     def encode(self) -> torch.Tensor:
         """The plan as one int64 tensor: [n, partition, credit, nb, priority..., (b, start, stop)...]."""
         head = [len(self.chunks), self.partition, self.credit, len(self.priority), *self.priority]
