@@ -37,6 +37,7 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -233,41 +234,38 @@ def _run(args) -> int:
             thread.join()
         return total / n
 
-    def solo_block(n: int) -> float:
+    def per_step(n: int, step: Callable[[], None], drain: Callable[[], None] = lambda: None) -> float:
+        """Seconds per step of ``n`` steps started together on every rank, ``drain`` included."""
         dist.barrier()
         t0 = time.perf_counter()
         for _ in range(n):
-            _loss(odp_solo, idx, tgt).backward()
-        odp_solo.synchronize()
+            step()
+        drain()
         return (time.perf_counter() - t0) / n
+
+    def ddp_step() -> None:
+        _loss(ddp, idx, tgt).backward()
+        ddp_opt.step()
+        ddp_opt.zero_grad(set_to_none=True)
+
+    def solo_block(n: int) -> float:
+        return per_step(n, lambda: _loss(odp_solo, idx, tgt).backward(), odp_solo.synchronize)
+
+    def reduce_step() -> None:
+        for gbuf in grads:
+            all_reduce(gbuf, algorithm=args.algorithm, topology=topo)
 
     def comm_block(n: int) -> float:
-        dist.barrier()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            for gbuf in grads:
-                all_reduce(gbuf, algorithm=args.algorithm, topology=topo)
-        return (time.perf_counter() - t0) / n
+        return per_step(n, reduce_step)
 
     def ddp_block(n: int) -> float:
-        dist.barrier()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            _loss(ddp, idx, tgt).backward()
-            ddp_opt.step()
-            ddp_opt.zero_grad(set_to_none=True)
-        return (time.perf_counter() - t0) / n
+        return per_step(n, ddp_step)
 
     steady: list[float] = []
 
     def odp_block(n: int) -> float:
         odp.synchronize()
-        dist.barrier()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            _loss(odp, idx, tgt).backward()
-        odp.synchronize()
-        elapsed = (time.perf_counter() - t0) / n
+        elapsed = per_step(n, lambda: _loss(odp, idx, tgt).backward(), odp.synchronize)
         # The steady-state step: forward end to forward end inside the block. The block's average
         # also holds a pipeline fill and a drain (synchronize() at both ends: nothing overlaps the
         # first forward or the last step's reduction), which a training loop pays once, not every
