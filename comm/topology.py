@@ -303,7 +303,7 @@ class Topology:
         ``groups`` with the same roles in the same order. The first call of a layout validates that
         all ranks agree on it (``TopologyError`` on every rank otherwise).
         """
-        return _REGISTRY.groups(self, role)
+        return _REGISTRY.groups(self, role, timeout)
 
     def group_rank_to_global(self, rank: int) -> int:
         if self.group is None or not dist.is_initialized():
