@@ -50,6 +50,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--partition-size", type=int, default=64, help="slots per job (slot 0 is control)")
     p.add_argument("--job-idle-timeout", type=float, default=300.0,
                    help="seconds after which an idle job's partition is reclaimed")
+    p.add_argument("--join-timeout", type=float, default=5.0,
+                   help="seconds after its last JOIN that an incomplete join releases its partition")
+    p.add_argument("--max-pending-per-source", type=int, default=2,
+                   help="incomplete jobs one source address (host, port) may hold at once")
     p.add_argument("--send-threads", type=int, default=2,
                    help="threads that send datagrams (0: the receiving thread sends)")
     p.add_argument("--recv-threads", type=int, default=1, help="threads that receive datagrams")
@@ -137,7 +141,7 @@ def _switch_cost(n: int, payload: int, rounds: int = 256) -> float:
             join = bytearray(proto.pack_header(proto.PacketType.JOIN, job_id=1, worker_id=w, num_workers=n,
                                                tag=w + 1))
             sw.handle(join, len(join), addrs[w])
-        epoch = sw.jobs[1].epoch
+        epoch = sw.jobs[(1, 0)].epoch  # jobs are keyed by identity: (job id, nonce)
         body = np.arange(payload, dtype="<i4").tobytes()
         width = sw.partition_size - 1
         packets = [(bytearray(proto.pack_header(proto.PacketType.DATA, flags=(c // width) & 1, dtype=1, job_id=1,
@@ -202,6 +206,8 @@ def main(argv: list[str]) -> int:
         return _bench(args)
     serve_argv = ["--host", args.host, "--port", str(args.port), "--pool-slots", str(args.pool_slots),
                   "--partition-size", str(args.partition_size), "--job-idle-timeout", str(args.job_idle_timeout),
+                  "--join-timeout", str(args.join_timeout),
+                  "--max-pending-per-source", str(args.max_pending_per_source),
                   "--send-threads", str(args.send_threads), "--recv-threads", str(args.recv_threads)]
     return int(_light_switch_module().serve_main(serve_argv))
 

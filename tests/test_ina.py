@@ -488,18 +488,25 @@ def test_session_lifecycle_no_leaks(switch):
 
 
 def test_protocol_header_roundtrip():
-    """FAULTS row 28: the header is a fixed 40-byte struct; packing then validating gives the fields
-    back, and struct refuses out-of-range values at the sender."""
-    from commopt.comm.ina.protocol import parse_header
+    """FAULTS row 28: the header is a fixed 48-byte struct (version 2: with the 64-bit job identity);
+    packing then validating gives the fields back, the published offsets point at the fields' bytes,
+    and struct refuses out-of-range values at the sender."""
+    from commopt.comm.ina.protocol import COUNT_OFFSET, FLAGS_OFFSET, OFFSETS, TAG_OFFSET, parse_header
 
     pkt = pack_header(PacketType.DATA, flags=1, dtype=3, job_id=65535, worker_id=63, num_workers=64, slot=5,
-                      epoch=2**32 - 1, round=7, seq=9, count=2, exponent=-5, tag=123) + b"\0" * 8
-    assert HEADER.size == 40
+                      nonce=2**64 - 1, epoch=2**32 - 1, round=7, seq=9, count=2, exponent=-5, tag=123) + b"\0" * 8
+    assert HEADER.size == 48 and PROTOCOL_VERSION == 2
     h = parse_header(pkt, len(pkt), allowed=PacketType.TO_SWITCH, max_slot=16)
-    assert (h.job_id, h.worker_id, h.num_workers, h.slot, h.epoch, h.exponent, h.tag) == (
-        65535, 63, 64, 5, 2**32 - 1, -5, 123)
+    assert (h.job_id, h.worker_id, h.num_workers, h.slot, h.nonce, h.epoch, h.exponent, h.tag) == (
+        65535, 63, 64, 5, 2**64 - 1, 2**32 - 1, -5, 123)
+    # Independent of the table: read the fields back from the bytes at the published offsets.
+    assert pkt[FLAGS_OFFSET] == 1 and int.from_bytes(pkt[COUNT_OFFSET:COUNT_OFFSET + 4], "big") == 2
+    assert int.from_bytes(pkt[TAG_OFFSET:TAG_OFFSET + 4], "big") == 123 and TAG_OFFSET + 4 == HEADER.size
+    assert pkt[OFFSETS["nonce"]:OFFSETS["nonce"] + 8] == b"\xff" * 8
     with pytest.raises(struct.error):
         pack_header(PacketType.DATA, job_id=70000)
+    with pytest.raises(struct.error):
+        pack_header(PacketType.DATA, nonce=2**64)
     assert math.isclose(error_bound(30, 2), 2.0**-30)
 
 

@@ -12,9 +12,11 @@ Where the switch address comes from, in order: ``InaOptions.switch``; ``COMMOPT_
 torchrun jobs need not set ``COMMOPT_NODES``). Without either, group creation fails with a
 :class:`CommError` saying how to pass it; a malformed variable raises ``TopologyError`` naming it.
 
-The job id is agreed through the store: rank 0 of the group draws one (or takes
-``InaOptions.job_id``) and publishes it; the other ranks read it. Each group gets its own job, so
-several groups (and several trainings) share a switch through its partitioned slot pool.
+The job's identity is agreed when the group is created: rank 0 draws a random job id (or takes
+``InaOptions.job_id``) and a random 64-bit nonce and broadcasts both over the internal gloo group,
+within the group's timeout. Every packet carries the identity and the switch keys its jobs by it, so
+several groups (and several trainings, even with the same job id) share a switch through its
+partitioned slot pool without ever sharing a job.
 
 Collectives complete synchronously on the calling thread and return completed works: the switch
 protocol is a blocking request/response loop, and DDP waits on each bucket's future anyway.
@@ -22,7 +24,6 @@ protocol is a blocking request/response loop, and DDP waits on each bucket's fut
 
 from __future__ import annotations
 
-import secrets
 import weakref
 from dataclasses import dataclass
 from datetime import timedelta
@@ -33,14 +34,14 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import _create_work_from_future
 from torch.futures import Future
 
-from ..errors import CommError
+from ..errors import CommError, CommTimeoutError
 from .faults import FaultConfig
-from .worker import InaSession
+from .protocol import MAX_NONCE
+from .worker import InaSession, draw_identity
 
 __all__ = ["BACKEND_NAME", "InaOptions", "InaProcessGroup", "parse_address", "register_backend"]
 
 BACKEND_NAME = "ina"
-_JOB_KEY = "commopt_ina_job_id"
 _INA_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -62,7 +63,8 @@ class InaOptions:
 
     Args:
         switch: the switch, "host:port" or (host, port); None reads ``COMMOPT_INA_SWITCH``.
-        job_id: the job id on the switch (1..65535); None lets rank 0 draw one and share it.
+        job_id: the job id on the switch (0..65535); None lets rank 0 draw one. Either way rank 0 adds
+            a random nonce, so a fixed id shared by two groups still gives two jobs.
         timeout: seconds per all-reduce; None uses the process group's timeout.
         window: packets in flight per worker.
         payload_elems: int32 lanes per datagram.
@@ -117,16 +119,35 @@ class InaProcessGroup(dist.ProcessGroup):
                                 "switch='host:port') or set COMMOPT_INA_SWITCH=host:port; start the switch "
                                 "with `commopt-bench ina-switch`", op="init/ina", seq=0, ranks=[rank])
             address = found
-        if rank == 0:
-            job_id = options.job_id if options.job_id is not None else 1 + secrets.randbelow(0xFFFF)
-            store.set(_JOB_KEY, str(job_id))
-        job_id = int(store.get(_JOB_KEY).decode())
         self._gloo = self._make_gloo(store, rank, size, timeout, options.gloo_hostname)
-        self._session = InaSession(address, job_id=job_id, worker_id=rank, num_workers=size,
+        job_id, nonce = self._agree_identity(rank, timeout, options.job_id)
+        self._session = InaSession(address, job_id=job_id, nonce=nonce, worker_id=rank, num_workers=size,
                                    timeout=options.timeout or timeout.total_seconds(), window=options.window,
                                    payload_elems=options.payload_elems, max_retries=options.max_retries,
                                    faults=options.faults)
         self._finalizer = weakref.finalize(self, self._session.close)
+
+    def _agree_identity(self, rank: int, timeout: timedelta, job_id: int | None) -> tuple[int, int]:
+        """(job id, nonce) drawn on rank 0 and broadcast over the internal gloo group.
+
+        A broadcast rather than the store: a store reused by a later group of the same name could
+        hand a rank the previous group's key before rank 0 overwrote it.
+        """
+        pair = [0, 0]
+        if rank == 0:
+            jid, nonce = draw_identity(job_id)
+            pair = [jid, nonce - (1 << 64) if nonce >> 63 else nonce]  # int64 two's complement
+        t = torch.tensor(pair, dtype=torch.int64)
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = 0, 0
+        try:
+            self._gloo.broadcast([t], opts).wait(timeout)
+        except RuntimeError as e:
+            raise CommTimeoutError(f"init_process_group('ina'): agreeing on the job identity failed on rank "
+                                   f"{rank}: {e}; every rank must create the group", op="init/ina", seq=0,
+                                   ranks=[rank]) from e
+        jid, nonce = (int(v) for v in t.tolist())
+        return jid, nonce & MAX_NONCE
 
     @staticmethod
     def _make_gloo(store: dist.Store, rank: int, size: int, timeout: timedelta,

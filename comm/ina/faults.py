@@ -22,9 +22,11 @@ import random
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from .protocol import HEADER, HEADER_SIZE
+from .protocol import FIELD_INDEX, HEADER, HEADER_SIZE
 
 __all__ = ["LinkFaults", "FaultConfig", "FaultInjector"]
+
+_F_PTYPE, _F_ROUND, _F_SEQ = FIELD_INDEX["ptype"], FIELD_INDEX["round"], FIELD_INDEX["seq"]
 
 
 @dataclass(frozen=True)
@@ -149,7 +151,7 @@ class FaultInjector:
         """The packets to deliver now in place of the received ``packet``."""
         if self._drop_once and len(packet) >= HEADER_SIZE:
             fields = HEADER.unpack_from(packet, 0)
-            key = (fields[2], fields[10], fields[11])  # ptype, round, seq
+            key = (fields[_F_PTYPE], fields[_F_ROUND], fields[_F_SEQ])
             if key in self._drop_once:
                 self._drop_once.discard(key)
                 self._recv.dropped += 1

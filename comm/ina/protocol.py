@@ -1,12 +1,12 @@
 """The wire protocol of the simulated in-network aggregation switch.
 
-One UDP datagram carries one fixed 40-byte header, packed with :mod:`struct` in network byte order,
+One UDP datagram carries one fixed 48-byte header, packed with :mod:`struct` in network byte order,
 followed by ``count`` little-endian int32 lanes (or, for a stats reply, ``count`` little-endian
 uint64 counters). Nothing else crosses the socket: no pickle, no JSON, no variable-length fields, so
 the switch can validate every field against fixed bounds before it touches any state (DESIGN 9,
 FAULTS 28).
 
-Header layout (``!4sBBBBHHHHIIIIiI``)::
+Header layout (``!4sBBBBHHHHQIIIIiI``, version 2)::
 
     magic      4s  b"CINA"
     version    B   PROTOCOL_VERSION
@@ -20,6 +20,10 @@ Header layout (``!4sBBBBHHHHIIIIiI``)::
     worker_id  H   0 <= worker_id < num_workers
     num_workers H  1 <= num_workers <= MAX_WORKERS (bitmaps are 64-bit)
     slot       H   slot inside the job's partition (0 is the control slot)
+    nonce      Q   the job's identity: 64 random bits drawn once per job (on its rank 0, agreed through
+                   the process group); the switch keys jobs by (job_id, nonce), so two independent
+                   jobs that pick the same job id never share a partition, and a packet whose identity
+                   matches no job is refused and counted
     epoch      I   the job's incarnation, agreed through the switch by the JOIN handshake
     round      I   the collective's sequence number within the epoch
     seq        I   the chunk index within the round
@@ -31,7 +35,7 @@ Header layout (``!4sBBBBHHHHIIIIiI``)::
 Payload size. A Python switch spends roughly 10-30 us of interpreter time per datagram whatever its
 size (more on a busy machine), while numpy adds 16000 int32 lanes in a few microseconds; so the
 per-packet cost, not the bytes, bounds its rate, and the default is the largest payload:
-``DEFAULT_PAYLOAD_ELEMS = MAX_PAYLOAD_ELEMS = 16000`` (64,040 B, the hard bound below the 65,507-byte
+``DEFAULT_PAYLOAD_ELEMS = MAX_PAYLOAD_ELEMS = 16000`` (64,048 B, the hard bound below the 65,507-byte
 UDP limit; larger datagrams are rejected), with ``DEFAULT_WINDOW = 8`` packets in flight per worker
 (512 KiB, inside the 4 MiB socket buffers we ask for even with several workers, and below the
 emulated cluster's tbf queue of ~750 KB). Measured interleaved in the emulated cluster (4 nodes x
@@ -61,6 +65,13 @@ __all__ = [
     "PROTOCOL_VERSION",
     "HEADER",
     "HEADER_SIZE",
+    "FIELDS",
+    "FIELD_INDEX",
+    "OFFSETS",
+    "FLAGS_OFFSET",
+    "COUNT_OFFSET",
+    "TAG_OFFSET",
+    "MAX_NONCE",
     "MAX_WORKERS",
     "MAX_PAYLOAD_ELEMS",
     "DEFAULT_PAYLOAD_ELEMS",
@@ -79,20 +90,36 @@ __all__ = [
     "DTYPE_NAMES",
     "ERR_NO_PARTITION",
     "ERR_BAD_WORKERS",
+    "ERR_JOB_RUNNING",
+    "ERR_PENDING_LIMIT",
     "STAT_NAMES",
     "CTRL_LANES",
     "Header",
     "ProtocolError",
     "pack_header",
+    "pack_header_into",
     "parse_header",
     "encode_stats",
     "decode_stats",
 ]
 
 MAGIC = b"CINA"
-PROTOCOL_VERSION = 1
-HEADER = struct.Struct("!4sBBBBHHHHIIIIiI")
-HEADER_SIZE = HEADER.size  # 40
+PROTOCOL_VERSION = 2  # 2: the 64-bit job identity (nonce) after ``slot``
+# The header's fields in wire order with their struct codes; the struct, the byte offsets and the
+# tuple indices below all derive from this one table, so no other module spells out the layout.
+_LAYOUT = (("magic", "4s"), ("version", "B"), ("ptype", "B"), ("flags", "B"), ("dtype", "B"),
+           ("job_id", "H"), ("worker_id", "H"), ("num_workers", "H"), ("slot", "H"), ("nonce", "Q"),
+           ("epoch", "I"), ("round", "I"), ("seq", "I"), ("count", "I"), ("exponent", "i"), ("tag", "I"))
+HEADER = struct.Struct("!" + "".join(code for _, code in _LAYOUT))
+HEADER_SIZE = HEADER.size  # 48
+FIELDS = tuple(name for name, _ in _LAYOUT)
+FIELD_INDEX = {name: i for i, name in enumerate(FIELDS)}  # positions in HEADER.unpack's tuple
+OFFSETS = {name: struct.calcsize("!" + "".join(code for _, code in _LAYOUT[:i]))
+           for i, (name, _) in enumerate(_LAYOUT)}
+FLAGS_OFFSET = OFFSETS["flags"]  # one byte
+COUNT_OFFSET = OFFSETS["count"]  # big-endian uint32
+TAG_OFFSET = OFFSETS["tag"]  # big-endian uint32, the last field
+MAX_NONCE = 2**64 - 1
 MAX_WORKERS = 64  # per-slot worker bitmaps are 64-bit, as a switch register would be
 MAX_PAYLOAD_ELEMS = 16000
 DEFAULT_PAYLOAD_ELEMS = MAX_PAYLOAD_ELEMS
@@ -126,16 +153,18 @@ FLAG_SEGMENTED = 0x08
 _KNOWN_FLAGS = FLAG_SHADOW | FLAG_RETX | FLAG_SATURATED | FLAG_SEGMENTED
 
 SEGMENT_BYTES = 1472  # a 1500-byte MTU less the IPv4 and UDP headers: segments are never fragmented
-SEGMENT_LANES = (SEGMENT_BYTES - 40) // 4  # 358 int32 lanes after the header
+SEGMENT_LANES = (SEGMENT_BYTES - HEADER_SIZE) // 4  # 356 int32 lanes after the header
 
 DTYPE_FP32 = 1
 DTYPE_FP16 = 2
 DTYPE_BF16 = 3
 DTYPE_NAMES = {DTYPE_FP32: "float32", DTYPE_FP16: "float16", DTYPE_BF16: "bfloat16"}
 
-# ERROR packets carry one of these in ``exponent``.
-ERR_NO_PARTITION = 1
-ERR_BAD_WORKERS = 2
+# ERROR packets carry one of these in ``exponent``; they go only to the sender of the refused packet.
+ERR_NO_PARTITION = 1  # JOIN: every partition is taken
+ERR_BAD_WORKERS = 2  # a running job of this identity has another number of workers
+ERR_JOB_RUNNING = 3  # JOIN: this worker of the job's running incarnation is joined with another session
+ERR_PENDING_LIMIT = 4  # JOIN: this source address already holds the most incomplete jobs allowed
 
 # Control-slot lanes (CTRL packets are aggregated lane-wise with MAX, not SUM): the exponent, and
 # each agreed quantity twice, once negated, so max == -max(-x) tells every rank whether all agreed.
@@ -167,6 +196,13 @@ STAT_NAMES = (
     "jobs_refused",
     "jobs_released",
     "stats_requests",
+    # job isolation (FAULTS 25, 28): packets of a job id in use whose identity (nonce) matches no job;
+    # JOINs refused (a running job's worker already joined, other parameters, the per-source limit
+    # of incomplete jobs); LEAVEs matching no session; incomplete JOINs released by the join timeout
+    "identity_refused",
+    "joins_refused",
+    "leaves_refused",
+    "pending_released",
     # malformed_dropped by reason
     "bad_length",
     "bad_magic",
@@ -202,6 +238,7 @@ class Header(NamedTuple):
     worker_id: int
     num_workers: int
     slot: int
+    nonce: int
     epoch: int
     round: int
     seq: int
@@ -211,11 +248,16 @@ class Header(NamedTuple):
 
 
 def pack_header(ptype: int, *, flags: int = 0, dtype: int = 0, job_id: int = 0, worker_id: int = 0,
-                num_workers: int = 1, slot: int = 0, epoch: int = 0, round: int = 0, seq: int = 0,
-                count: int = 0, exponent: int = 0, tag: int = 0) -> bytes:
+                num_workers: int = 1, slot: int = 0, nonce: int = 0, epoch: int = 0, round: int = 0,
+                seq: int = 0, count: int = 0, exponent: int = 0, tag: int = 0) -> bytes:
     """Pack one header; ``struct`` raises if a field is out of its wire range."""
     return HEADER.pack(MAGIC, PROTOCOL_VERSION, ptype, flags, dtype, job_id, worker_id, num_workers,
-                       slot, epoch & 0xFFFFFFFF, round & 0xFFFFFFFF, seq, count, exponent, tag)
+                       slot, nonce, epoch & 0xFFFFFFFF, round & 0xFFFFFFFF, seq, count, exponent, tag)
+
+
+def pack_header_into(buf: bytearray | memoryview, ptype: int, **fields: int) -> None:
+    """Pack a header (the fields of :func:`pack_header`) into the first HEADER_SIZE bytes of ``buf``."""
+    buf[:HEADER_SIZE] = pack_header(ptype, **fields)
 
 
 def parse_header(buf: bytes | bytearray | memoryview, nbytes: int, *, allowed: frozenset[int],
@@ -238,8 +280,8 @@ def parse_header(buf: bytes | bytearray | memoryview, nbytes: int, *, allowed: f
     """
     if nbytes < HEADER_SIZE:
         raise ProtocolError("bad_length", f"{nbytes} bytes is shorter than the {HEADER_SIZE}-byte header")
-    (magic, version, ptype, flags, dtype, job_id, worker_id, num_workers, slot, epoch, rnd, seq, count,
-     exponent, tag) = HEADER.unpack_from(buf, 0)
+    (magic, version, ptype, flags, dtype, job_id, worker_id, num_workers, slot, nonce, epoch, rnd, seq,
+     count, exponent, tag) = HEADER.unpack_from(buf, 0)
     if magic != MAGIC:
         raise ProtocolError("bad_magic", f"magic {magic!r} != {MAGIC!r}")
     if version != PROTOCOL_VERSION:
@@ -260,7 +302,7 @@ def parse_header(buf: bytes | bytearray | memoryview, nbytes: int, *, allowed: f
     if ptype in (PacketType.DATA, PacketType.CTRL, PacketType.RESULT, PacketType.CTRL_RESULT) and (
             dtype not in DTYPE_NAMES):
         raise ProtocolError("bad_dtype", f"dtype code {dtype} unknown")
-    return Header(ptype, flags, dtype, job_id, worker_id, num_workers, slot, epoch, rnd, seq, count,
+    return Header(ptype, flags, dtype, job_id, worker_id, num_workers, slot, nonce, epoch, rnd, seq, count,
                   exponent, tag)
 
 

@@ -2,9 +2,13 @@
 
 It behaves like a SwitchML program on a programmable switch, in Python:
 
-- a **pool of slots**, partitioned between jobs (job ids): each job that JOINs gets a partition of
+- a **pool of slots**, partitioned between jobs: each job that JOINs gets a partition of
   ``partition_size`` slots (slot 0 is the job's control slot, the rest hold data), so several process
-  groups share one switch without touching each other's state;
+  groups share one switch without touching each other's state. A job is its *identity*, the pair
+  (job id, nonce): the nonce is 64 random bits its rank 0 drew and the process group agreed on, so two
+  independent worlds that pick the same job id (the same group name) get two partitions, and a packet
+  whose identity matches no job is refused and counted (``foreign_dropped``; ``identity_refused`` when
+  its job id is in use under another identity);
 - every slot has **two copies** (the shadow-set bit of the header picks one): while workers fill a
   slot's next use in one copy, the other keeps the previous result, so a worker whose result packet
   was lost gets it again by retransmitting its contribution;
@@ -25,6 +29,18 @@ new tags, the epoch advances, the job's slots are freed, and JOIN_OK goes to eve
 older epoch are stale and dropped. So a job whose worker crashed mid-aggregation leaves no half-filled
 slots behind once its next incarnation joins, and idle jobs' partitions are reclaimed after
 ``job_idle_timeout`` seconds.
+
+JOINs cannot disturb a running job (FAULTS 28). An incarnation is *running* while all its workers are
+joined, none has sent LEAVE and it had traffic within ``job_idle_timeout``; a JOIN for it from one of
+its workers with another session tag, or with another number of workers, is refused and counted
+(``joins_refused``) and answered with an ERROR to its sender only: the running job's worker count,
+epoch, slots and addresses stay as they were. (A new incarnation of the same identity therefore
+starts once the previous one is over: a worker left, as a closed or failed session does, or it went
+idle.) A LEAVE that matches no session of the job is ignored and counted (``leaves_refused``).
+JOINs that never complete cannot hold the pool: an incomplete job, or an incomplete set of JOINs for a
+job's next incarnation, is released ``join_timeout`` seconds after its last JOIN
+(``pending_released``; joining workers retransmit JOIN well within that), and one source address may
+hold at most ``max_pending_per_source`` incomplete jobs at a time.
 
 The switch binds to 127.0.0.1 unless told otherwise (FAULTS 29). It never imports torch.
 """
@@ -51,15 +67,17 @@ import numpy as np
 from .protocol import (
     CTRL_LANES,
     ERR_BAD_WORKERS,
+    ERR_JOB_RUNNING,
     ERR_NO_PARTITION,
+    ERR_PENDING_LIMIT,
+    FIELD_INDEX,
     FLAG_RETX,
     FLAG_SATURATED,
     FLAG_SEGMENTED,
     FLAG_SHADOW,
     HEADER,
     HEADER_SIZE,
-    MAGIC,
-    PROTOCOL_VERSION,
+    OFFSETS,
     SEGMENT_BYTES,
     SEGMENT_LANES,
     STAT_NAMES,
@@ -69,12 +87,16 @@ from .protocol import (
     decode_stats,
     encode_stats,
     pack_header,
+    pack_header_into,
     parse_header,
 )
 
 __all__ = [
     "DEFAULT_POOL_SLOTS",
     "DEFAULT_PARTITION_SIZE",
+    "DEFAULT_JOB_IDLE_TIMEOUT",
+    "DEFAULT_JOIN_TIMEOUT",
+    "DEFAULT_MAX_PENDING_PER_SOURCE",
     "DEFAULT_RECV_THREADS",
     "DEFAULT_SEND_THREADS",
     "Switch",
@@ -89,6 +111,13 @@ DEFAULT_POOL_SLOTS = 1024
 DEFAULT_SEND_THREADS = 2  # see Switch.serve
 DEFAULT_RECV_THREADS = 1  # see Switch.serve (2 measured slower: more reordering and retransmissions)
 DEFAULT_PARTITION_SIZE = 64  # 1 control slot + 63 data slots: windows up to 63 packets per worker
+DEFAULT_JOB_IDLE_TIMEOUT = 300.0
+# Joining workers retransmit JOIN at least every max_rto (1 s by default), so an incomplete join that
+# has been silent this long was abandoned (a crashed joiner, or a flood of forged JOINs).
+DEFAULT_JOIN_TIMEOUT = 5.0
+# A worker session has one socket and joins one job, so a source address (host, port) with more than
+# one incomplete job at a time is not one of ours; 2 leaves room for a port the kernel reused.
+DEFAULT_MAX_PENDING_PER_SOURCE = 2
 _INT32_MIN = -(2**31)
 _INT32_MAX = 2**31 - 1
 _SOCKET_BUFFER = 4 << 20  # the kernel caps this at net.core.rmem_max / wmem_max
@@ -97,6 +126,8 @@ _GRAVES = 4096  # released jobs whose epoch and retired tags are remembered
 _UDP_SEGMENT = getattr(socket, "UDP_SEGMENT", 103)  # linux/udp.h; Python 3.11 lacks the constant
 _GSO_SEGMENTS = 40  # segments per GSO super-packet: 40 x 1472 B stays below the 65,507-byte limit
 _GSO_CMSG = [(socket.IPPROTO_UDP, _UDP_SEGMENT, SEGMENT_BYTES.to_bytes(2, sys.byteorder))]
+_F_FLAGS, _F_COUNT, _F_TAG = FIELD_INDEX["flags"], FIELD_INDEX["count"], FIELD_INDEX["tag"]
+_TAG_LO, _TAG_HI = OFFSETS["tag"], OFFSETS["tag"] + 4
 
 
 def _newer(a: tuple[int, int], b: tuple[int, int]) -> bool:
@@ -110,7 +141,7 @@ def _status(job: _Job, h: Header, bitmap: int) -> bytes:
     """A STATUS packet: which workers have contributed (64-bit bitmap split over tag and exponent)."""
     hi = (bitmap >> 32) & 0xFFFFFFFF
     return pack_header(PacketType.STATUS, job_id=job.job_id, num_workers=job.n, slot=h.slot,
-                       epoch=job.epoch, round=h.round, seq=h.seq, tag=bitmap & 0xFFFFFFFF,
+                       nonce=job.nonce, epoch=job.epoch, round=h.round, seq=h.seq, tag=bitmap & 0xFFFFFFFF,
                        exponent=hi - (1 << 32) if hi >> 31 else hi)
 
 
@@ -121,20 +152,20 @@ def _segment(result: bytearray, count: int) -> bytearray:
     The full segments are built as rows of one numpy array (no per-segment Python work).
     """
     fields = list(HEADER.unpack_from(result, 0))
-    fields[3] |= FLAG_SEGMENTED
+    fields[_F_FLAGS] |= FLAG_SEGMENTED
     nfull, rest = divmod(count, SEGMENT_LANES)
     out = bytearray(nfull * SEGMENT_BYTES + (HEADER_SIZE + 4 * rest if rest else 0))
     if nfull:
-        fields[12], fields[14] = SEGMENT_LANES, 0
+        fields[_F_COUNT], fields[_F_TAG] = SEGMENT_LANES, 0
         rows = np.frombuffer(out, dtype=np.uint8, count=nfull * SEGMENT_BYTES).reshape(nfull, SEGMENT_BYTES)
         rows[:, :HEADER_SIZE] = np.frombuffer(HEADER.pack(*fields), dtype=np.uint8)
-        rows[:, HEADER_SIZE - 4:HEADER_SIZE] = (
+        rows[:, _TAG_LO:_TAG_HI] = (
             np.arange(nfull, dtype=np.uint32) * SEGMENT_LANES).astype(">u4").view(np.uint8).reshape(nfull, 4)
         rows[:, HEADER_SIZE:] = np.frombuffer(result, dtype=np.uint8, count=4 * nfull * SEGMENT_LANES,
                                               offset=HEADER_SIZE).reshape(nfull, 4 * SEGMENT_LANES)
     if rest:
         pos, lo = nfull * SEGMENT_BYTES, nfull * SEGMENT_LANES
-        fields[12], fields[14] = rest, lo
+        fields[_F_COUNT], fields[_F_TAG] = rest, lo
         HEADER.pack_into(out, pos, *fields)
         out[pos + HEADER_SIZE:] = memoryview(result)[HEADER_SIZE + 4 * lo:HEADER_SIZE + 4 * count]
     return out
@@ -168,23 +199,36 @@ class _Slot:
 
 
 class _Job:
-    """One job id's partition and incarnation state."""
+    """One job identity's partition and incarnation state."""
 
-    def __init__(self, job_id: int, partition: int, num_workers: int, partition_size: int):
+    def __init__(self, job_id: int, nonce: int, partition: int, num_workers: int, partition_size: int,
+                 creator: Any = None):
         self.job_id = job_id
+        self.nonce = nonce
         self.partition = partition
         self.n = num_workers
         self.epoch = 0
+        self.established = False  # an incarnation whose workers all joined exists
+        self.creator = creator  # the source address whose JOIN created the job (pending-job limit)
         self.tags: list[int | None] = [None] * num_workers
         self.addrs: list[Any] = [None] * num_workers
         self.segmented = [False] * num_workers  # whose last DATA packet asked for segmented results
         self.pending: dict[int, int] = {}
         self.pending_n = num_workers
         self.pending_addrs: dict[int, Any] = {}
+        self.pending_active = time.monotonic()  # the pending set's last JOIN (join_timeout)
         self.retired: deque[tuple[int, int]] = deque(maxlen=_RETIRED_TAGS)
         self.slots = [[_Slot() for _ in range(partition_size)] for _ in range(2)]
         self.last_active = time.monotonic()
         self.left = 0  # bitmap of workers of the current epoch that sent LEAVE
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return self.job_id, self.nonce
+
+    def running(self, now: float, idle_timeout: float) -> bool:
+        """All workers joined, none left, traffic within the idle timeout: no JOIN may touch it."""
+        return self.established and self.left == 0 and now - self.last_active <= idle_timeout
 
     def reset(self, num_workers: int) -> None:
         self.n = num_workers
@@ -205,19 +249,30 @@ class Switch:
         pool_slots: total slots in the pool.
         partition_size: slots per job (slot 0 of each partition is the control slot).
         job_idle_timeout: seconds after which an idle job's partition may be reclaimed.
+        join_timeout: seconds after its last JOIN that an incomplete join (a job, or a running job's
+            next incarnation, that not all workers joined) is released; more than the workers'
+            ``max_rto``, their longest gap between JOIN retransmissions.
+        max_pending_per_source: incomplete jobs one source address (host, port) may hold at once.
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, pool_slots: int = DEFAULT_POOL_SLOTS,
-                 partition_size: int = DEFAULT_PARTITION_SIZE, job_idle_timeout: float = 300.0):
+                 partition_size: int = DEFAULT_PARTITION_SIZE, job_idle_timeout: float = DEFAULT_JOB_IDLE_TIMEOUT,
+                 join_timeout: float = DEFAULT_JOIN_TIMEOUT,
+                 max_pending_per_source: int = DEFAULT_MAX_PENDING_PER_SOURCE):
         if partition_size < 2 or pool_slots < partition_size:
             raise ValueError(f"switch: partition_size={partition_size} must be >= 2 and <= "
                              f"pool_slots={pool_slots}; pass a larger pool or a smaller partition")
+        if not join_timeout > 0 or not job_idle_timeout > 0 or max_pending_per_source < 1:
+            raise ValueError(f"switch: need job_idle_timeout > 0, join_timeout > 0 and max_pending_per_source "
+                             f">= 1 (got {job_idle_timeout}, {join_timeout}, {max_pending_per_source})")
         self.partition_size = partition_size
         self.num_partitions = pool_slots // partition_size
         self.job_idle_timeout = job_idle_timeout
-        self.jobs: dict[int, _Job] = {}
+        self.join_timeout = join_timeout
+        self.max_pending_per_source = max_pending_per_source
+        self.jobs: dict[tuple[int, int], _Job] = {}  # by identity (job id, nonce)
         self._free_partitions = list(range(self.num_partitions - 1, -1, -1))
-        self._graves: dict[int, tuple[int, deque[tuple[int, int]]]] = {}
+        self._graves: dict[tuple[int, int], tuple[int, deque[tuple[int, int]]]] = {}
         self.counters: dict[str, int] = dict.fromkeys(STAT_NAMES, 0)
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         for opt in (socket.SO_RCVBUF, socket.SO_SNDBUF):
@@ -281,7 +336,9 @@ class Switch:
             with lock:
                 self.handle(buf, nbytes, addr)
             handled += 1
-            if housekeeping and handled & 1023 == 0 and time.monotonic() - last_housekeeping > 1.0:
+            # Under steady traffic the socket never times out; abandoned joins must still be released
+            # within about a second of their join timeout.
+            if housekeeping and handled & 63 == 0 and time.monotonic() - last_housekeeping > 0.5:
                 with lock:
                     self._housekeeping()
                 last_housekeeping = time.monotonic()
@@ -373,36 +430,68 @@ class Switch:
         else:
             self._transmit(data, addr, segmented)
 
+    def _error(self, h: Header, code: int, addr: Any) -> None:
+        """An ERROR to the sender of ``h`` only: a refused packet never reaches the job's workers."""
+        self._send(pack_header(PacketType.ERROR, job_id=h.job_id, worker_id=h.worker_id,
+                               num_workers=h.num_workers, nonce=h.nonce, exponent=code), addr)
+
     def _on_join(self, h: Header, addr: Any) -> None:
+        """A worker's new session asks to join its job's next incarnation (see the module docstring).
+
+        Order of the checks: an unknown identity takes a partition (within the per-source limit of
+        incomplete jobs); a late JOIN of a retired session is stale; a lost JOIN_OK is resent; a JOIN
+        that would change a running incarnation is refused; otherwise it joins the pending set, and the
+        set's last worker starts the new epoch.
+        """
         c = self.counters
         c["join_packets"] += 1
-        job = self.jobs.get(h.job_id)
+        key = (h.job_id, h.nonce)
+        w = h.worker_id
+        now = time.monotonic()
+        job = self.jobs.get(key)
         if job is None:
+            grave = self._graves.get(key)
+            if grave is not None and (w, h.tag) in grave[1]:
+                c["stale_dropped"] += 1  # a late copy of a JOIN of this job's last incarnation
+                return
+            held = sum(1 for j in self.jobs.values() if not j.established and j.creator == addr)
+            if held >= self.max_pending_per_source:
+                c["joins_refused"] += 1
+                self._error(h, ERR_PENDING_LIMIT, addr)
+                return
             part = self._allocate()
             if part is None:
                 c["jobs_refused"] += 1
-                self._send(pack_header(PacketType.ERROR, job_id=h.job_id, worker_id=h.worker_id,
-                                       num_workers=h.num_workers, exponent=ERR_NO_PARTITION), addr)
+                self._error(h, ERR_NO_PARTITION, addr)
                 return
-            job = self.jobs[h.job_id] = _Job(h.job_id, part, h.num_workers, self.partition_size)
-            grave = self._graves.pop(h.job_id, None)
+            job = self.jobs[key] = _Job(h.job_id, h.nonce, part, h.num_workers, self.partition_size, addr)
+            job.pending_n = h.num_workers
+            grave = self._graves.pop(key, None)
             if grave is not None:
                 job.epoch, job.retired = grave
-        job.last_active = time.monotonic()
-        w = h.worker_id
         if (w, h.tag) in job.retired:
             c["stale_dropped"] += 1
             return
-        if h.num_workers == job.n and job.tags[w] == h.tag:
+        if job.established and h.num_workers == job.n and job.tags[w] == h.tag:
             # JOIN_OK was lost: resend it. (Duplicates of a completed JOIN land here too.)
             job.addrs[w] = addr
             self._send(self._join_ok(job), addr)
             c["results_resent"] += 1
             return
-        if h.num_workers != job.pending_n:
-            job.pending.clear()
-            job.pending_addrs.clear()
-            job.pending_n = h.num_workers
+        if job.running(now, self.job_idle_timeout):
+            # Worker w of the running incarnation is joined with another session, or the JOIN counts
+            # other workers: a forgery, a stray, or a second job reusing this identity. Only its
+            # sender hears of it; the running job's count, epoch, slots and addresses are untouched.
+            c["joins_refused"] += 1
+            self._error(h, ERR_BAD_WORKERS if h.num_workers != job.n else ERR_JOB_RUNNING, addr)
+            return
+        if job.pending and h.num_workers != job.pending_n:
+            # The incomplete set was started with another worker count; it is released by the join
+            # timeout if it was abandoned, and this JOIN's retransmissions then start a new one.
+            c["joins_refused"] += 1
+            return
+        job.pending_n = h.num_workers
+        job.pending_active = now
         if job.pending.get(w) == h.tag:
             c["retransmissions" if h.flags & FLAG_RETX else "duplicates_ignored"] += 1
             if h.flags & FLAG_RETX:
@@ -423,43 +512,74 @@ class Switch:
             job.addrs[i] = job.pending_addrs[i]
         job.pending.clear()
         job.pending_addrs.clear()
+        job.established = True
+        job.last_active = now
         c["epochs"] += 1
         msg = self._join_ok(job)
         for a in job.addrs:
             self._send(msg, a)
 
     def _on_leave(self, h: Header) -> None:
-        """A worker closed its session; when every worker of the epoch has, the partition is freed."""
-        job = self.jobs.get(h.job_id)
-        if job is None:
-            return
+        """A worker closed its session; when every worker of the epoch has, the partition is freed.
+
+        Only a LEAVE carrying a session's identity and tag counts; anything else is refused and
+        counted, so a forged LEAVE cannot end a running job.
+        """
+        c = self.counters
+        key = (h.job_id, h.nonce)
         w = h.worker_id
+        job = self.jobs.get(key)
+        if job is None:
+            grave = self._graves.get(key)
+            if grave is not None and (w, h.tag) in grave[1]:
+                c["duplicates_ignored"] += 1  # the second copy of the LEAVE that released the job
+            else:
+                c["leaves_refused"] += 1
+            return
         if job.pending.get(w) == h.tag:
+            # A session that gave up joining (it sends LEAVE on close too): an incomplete job nobody
+            # else joined is released now rather than at its join timeout.
             del job.pending[w]
             job.pending_addrs.pop(w, None)
-        if h.num_workers != job.n or job.tags[w] != h.tag:
+            if not job.established and not job.pending:
+                self._release(key)
+                c["pending_released"] += 1
+                return
+        elif job.established and h.num_workers == job.n and job.tags[w] == h.tag:
+            if job.left >> w & 1:
+                c["duplicates_ignored"] += 1
+            job.left |= 1 << w
+        elif (w, h.tag) in job.retired:
+            c["duplicates_ignored"] += 1
             return
-        job.left |= 1 << w
-        if job.left == (1 << job.n) - 1 and not job.pending:
-            self._release(h.job_id)
-            self.counters["jobs_released"] += 1
+        else:
+            c["leaves_refused"] += 1
+            return
+        if job.established and job.left == (1 << job.n) - 1 and not job.pending:
+            self._release(key)
+            c["jobs_released"] += 1
 
-    def _release(self, job_id: int) -> None:
-        job = self.jobs.pop(job_id)
+    def _release(self, key: tuple[int, int]) -> None:
+        job = self.jobs.pop(key)
         self._free_partitions.append(job.partition)
-        # Remember the epoch and the retired session tags, so that a later incarnation of this job id
-        # still tells its predecessors' late packets from its own.
+        # Remember the epoch and the retired session tags, so that a later incarnation of this identity
+        # still tells its predecessors' late packets from its own. (A job that never had an incarnation
+        # and no past leaves nothing to remember: a flood of unknown identities cannot push out the
+        # graves of real jobs.)
         for wid, tag in enumerate(job.tags):
             if tag is not None:
                 job.retired.append((wid, tag))
-        self._graves[job_id] = (job.epoch, job.retired)
+        if not job.established and job.epoch == 0 and not job.retired:
+            return
+        self._graves[key] = (job.epoch, job.retired)
         while len(self._graves) > _GRAVES:
             self._graves.pop(next(iter(self._graves)))
 
     def _join_ok(self, job: _Job) -> bytes:
         tags = np.array([t or 0 for t in job.tags], dtype="<u4")
         return pack_header(PacketType.JOIN_OK, job_id=job.job_id, num_workers=job.n,
-                           slot=self.partition_size - 1, epoch=job.epoch, count=job.n) + tags.tobytes()
+                           slot=self.partition_size - 1, nonce=job.nonce, epoch=job.epoch,
+                           count=job.n) + tags.tobytes()
 
     def _on_contribution(self, h: Header, buf: bytearray, addr: Any) -> None:
         c = self.counters
@@ -469,12 +589,14 @@ class Switch:
             c["malformed_dropped"] += 1
             c["bad_slot"] += 1
             return
-        job = self.jobs.get(h.job_id)
+        job = self.jobs.get((h.job_id, h.nonce))
         if job is None or h.num_workers != job.n:
             c["foreign_dropped"] += 1
-            if job is not None and job.tags[0] is not None and h.epoch == job.epoch:
-                self._send(pack_header(PacketType.ERROR, job_id=h.job_id, worker_id=h.worker_id,
-                                       num_workers=h.num_workers, exponent=ERR_BAD_WORKERS), addr)
+            if job is None:
+                if any(k[0] == h.job_id for k in self.jobs):
+                    c["identity_refused"] += 1  # the job id is in use, by another identity
+            elif job.established and h.epoch == job.epoch:
+                self._error(h, ERR_BAD_WORKERS, addr)
             return
         w = h.worker_id
         if h.epoch != job.epoch or h.tag != job.tags[w]:
@@ -553,8 +675,9 @@ class Switch:
             self.counters["saturated_slots"] += 1
         ptype = PacketType.CTRL_RESULT if is_ctrl else PacketType.RESULT
         result = bytearray(HEADER_SIZE + 4 * st.count)
-        HEADER.pack_into(result, 0, MAGIC, PROTOCOL_VERSION, ptype, flags, st.dtype, job.job_id, 0, job.n,
-                         h.slot, job.epoch, h.round, h.seq, st.count, st.exponent, 0)
+        pack_header_into(result, ptype, flags=flags, dtype=st.dtype, job_id=job.job_id, num_workers=job.n,
+                         slot=h.slot, nonce=job.nonce, epoch=job.epoch, round=h.round, seq=h.seq,
+                         count=st.count, exponent=st.exponent)
         np.frombuffer(result, dtype="<i4", offset=HEADER_SIZE)[:] = view
         st.result = result
         st.segmented = None
@@ -577,9 +700,25 @@ class Switch:
         return self._free_partitions.pop() if self._free_partitions else None
 
     def _housekeeping(self) -> None:
+        """Release idle jobs, abandoned incomplete jobs and abandoned pending sets."""
         now = time.monotonic()
-        for job_id in [j for j, job in self.jobs.items() if now - job.last_active > self.job_idle_timeout]:
-            self._release(job_id)
+        c = self.counters
+        for key, job in list(self.jobs.items()):
+            if not job.established:
+                if now - job.pending_active > self.join_timeout:
+                    self._release(key)
+                    c["pending_released"] += 1
+                continue
+            if now - job.last_active > self.job_idle_timeout:
+                self._release(key)
+                continue
+            if job.pending and now - job.pending_active > self.join_timeout:
+                job.pending.clear()
+                job.pending_addrs.clear()
+                c["pending_released"] += 1
+                if job.left == (1 << job.n) - 1:
+                    self._release(key)
+                    c["jobs_released"] += 1
 
 
 def format_stats(stats: dict[str, int]) -> str:
@@ -634,15 +773,20 @@ def serve_main(argv: list[str]) -> int:
     p.add_argument("--pool-slots", type=int, default=DEFAULT_POOL_SLOTS, help="slots in the pool")
     p.add_argument("--partition-size", type=int, default=DEFAULT_PARTITION_SIZE,
                    help="slots per job (slot 0 is the job's control slot)")
-    p.add_argument("--job-idle-timeout", type=float, default=300.0,
+    p.add_argument("--job-idle-timeout", type=float, default=DEFAULT_JOB_IDLE_TIMEOUT,
                    help="seconds after which an idle job's partition is reclaimed")
+    p.add_argument("--join-timeout", type=float, default=DEFAULT_JOIN_TIMEOUT,
+                   help="seconds after its last JOIN that an incomplete join releases its partition")
+    p.add_argument("--max-pending-per-source", type=int, default=DEFAULT_MAX_PENDING_PER_SOURCE,
+                   help="incomplete jobs one source address (host, port) may hold at once")
     p.add_argument("--send-threads", type=int, default=DEFAULT_SEND_THREADS,
                    help="threads that send datagrams (0: the receiving thread sends; see Switch.serve)")
     p.add_argument("--recv-threads", type=int, default=DEFAULT_RECV_THREADS,
                    help="threads that receive datagrams (each handles its own under one lock)")
     args = p.parse_args(argv)
     switch = Switch(args.host, args.port, pool_slots=args.pool_slots, partition_size=args.partition_size,
-                    job_idle_timeout=args.job_idle_timeout)
+                    job_idle_timeout=args.job_idle_timeout, join_timeout=args.join_timeout,
+                    max_pending_per_source=args.max_pending_per_source)
     host, port = switch.address
     print(f"commopt ina switch listening on {host}:{port} (pool {args.pool_slots} slots, "
           f"{switch.num_partitions} partitions of {args.partition_size}, pid {os.getpid()})", flush=True)
@@ -688,12 +832,14 @@ class SwitchProcess:
         host: bind address (loopback by default).
         port: 0 picks a free port.
         start_timeout: seconds to wait for the child to print its address.
-        **options: ``pool_slots``, ``partition_size``, ``job_idle_timeout`` (see :class:`Switch`).
+        **options: ``pool_slots``, ``partition_size``, ``job_idle_timeout``, ``join_timeout``,
+            ``max_pending_per_source`` (see :class:`Switch`).
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, start_timeout: float = 60.0,
                  **options: Any):
-        unknown = set(options) - {"pool_slots", "partition_size", "job_idle_timeout"}
+        unknown = set(options) - {"pool_slots", "partition_size", "job_idle_timeout", "join_timeout",
+                                  "max_pending_per_source"}
         if unknown:
             raise TypeError(f"SwitchProcess: unknown options {sorted(unknown)}")
         self.final_line = ""

@@ -4,7 +4,10 @@ One collective (``InaSession.all_reduce``) runs in phases:
 
 (1) **join** (once per session): every worker sends JOIN with a fresh random session tag; the switch
     answers JOIN_OK with the job's new *epoch* once all ``num_workers`` have joined, which frees the
-    job's slots from any earlier incarnation (a crashed job, a previous session).
+    job's slots from any earlier incarnation (a crashed job, a previous session). Every packet carries
+    the job's identity, its id and a 64-bit nonce that all workers share (drawn on rank 0 and agreed
+    through the process group by the ``"ina"`` backend and by ``all_reduce(algorithm="ina")``), so two
+    independent jobs on one switch never share state.
 (2) **agree** on the exponent through the switch's control slot (lane-wise MAX): each worker
     contributes the exponent ``E`` of its largest magnitude (``max|x| < 2**E``), its numel, dtype, op,
     headroom and a per-worker non-finite flag. Every worker gets the same answer, so a NaN/Inf on one
@@ -38,7 +41,6 @@ import select
 import socket
 import threading
 import time
-import zlib
 from collections.abc import Callable
 from typing import Any
 
@@ -48,6 +50,7 @@ import torch
 from ..errors import CollectiveMismatchError, CommError, CommTimeoutError, NonFiniteError
 from .faults import FaultConfig, FaultInjector
 from .protocol import (
+    COUNT_OFFSET,
     CTRL_DTYPE,
     CTRL_EXP,
     CTRL_HEADROOM,
@@ -70,22 +73,25 @@ from .protocol import (
     DTYPE_FP16,
     DTYPE_FP32,
     ERR_BAD_WORKERS,
+    ERR_JOB_RUNNING,
     ERR_NO_PARTITION,
+    ERR_PENDING_LIMIT,
     FLAG_RETX,
     FLAG_SATURATED,
     FLAG_SEGMENTED,
     FLAG_SHADOW,
-    HEADER,
+    FLAGS_OFFSET,
     HEADER_SIZE,
-    MAGIC,
+    MAX_NONCE,
     MAX_PAYLOAD_ELEMS,
     MAX_WORKERS,
-    PROTOCOL_VERSION,
     SEGMENT_BYTES,
     SEGMENT_LANES,
+    TAG_OFFSET,
     Header,
     PacketType,
     ProtocolError,
+    pack_header,
     parse_header,
 )
 
@@ -94,6 +100,8 @@ __all__ = [
     "InaSession",
     "ina_all_reduce",
     "ina_all_reduce_for",
+    "draw_identity",
+    "agree_identity",
     "max_exponent",
     "headroom_bits",
     "block_shift",
@@ -107,9 +115,7 @@ _DTYPE_CODES = {torch.float32: DTYPE_FP32, torch.float16: DTYPE_FP16, torch.bflo
 _OP_CODES = {"sum": 1, "avg": 2}
 _SOCKET_BUFFER = 4 << 20
 _OP = "ina/all_reduce"
-_FLAGS_OFFSET = 6  # byte offset of ``flags`` in the header (magic 4, version 1, ptype 1)
 _RETX_BURST = 2  # retransmissions per expiry of the window's timers (see _exchange)
-_COUNT_OFFSET = 28  # byte offset of ``count`` (big-endian uint32)
 _UDP_GRO = getattr(socket, "UDP_GRO", 104)  # linux/udp.h; Python 3.11 lacks the constant
 
 
@@ -211,6 +217,10 @@ class InaSession:
     Args:
         address: the switch's (host, port).
         job_id: the job (one process group); 0..65535, the same on every worker.
+        nonce: the job's identity with ``job_id`` (64 bits), the same on every worker; two independent
+            jobs on one switch must not share (job_id, nonce). The ``"ina"`` backend and
+            ``all_reduce(algorithm="ina")`` draw a random one on rank 0 and agree on it through the
+            process group; the default 0 suits jobs whose ids are otherwise kept distinct.
         worker_id: this worker, ``0 <= worker_id < num_workers``.
         num_workers: workers in the job (at most 64).
         window: chunks in flight per worker (capped by the switch's partition size - 1).
@@ -232,7 +242,8 @@ class InaSession:
     """
 
     def __init__(self, address: tuple[str, int], *, job_id: int, worker_id: int, num_workers: int,
-                 window: int = DEFAULT_WINDOW, payload_elems: int = DEFAULT_PAYLOAD_ELEMS, timeout: float = 60.0,
+                 nonce: int = 0, window: int = DEFAULT_WINDOW, payload_elems: int = DEFAULT_PAYLOAD_ELEMS,
+                 timeout: float = 60.0,
                  max_retries: int = 20, initial_rto: float = 0.2, max_rto: float = 1.0,
                  min_rto: float = 0.05, headroom: int | None = None, faults: FaultConfig | None = None,
                  bind_host: str | None = None, segmented_results: bool = True):
@@ -242,6 +253,8 @@ class InaSession:
             raise ValueError(f"{_OP}: worker_id={worker_id} must be in 0..{num_workers - 1}")
         if not 0 <= job_id <= 0xFFFF:
             raise ValueError(f"{_OP}: job_id={job_id} must fit 16 bits")
+        if not 0 <= nonce <= MAX_NONCE:
+            raise ValueError(f"{_OP}: nonce={nonce} must fit 64 bits (unsigned)")
         if not 1 <= payload_elems <= MAX_PAYLOAD_ELEMS:
             raise ValueError(f"{_OP}: payload_elems={payload_elems} must be in 1..{MAX_PAYLOAD_ELEMS}")
         if window < 1 or max_retries < 0 or timeout <= 0 or not 0 < min_rto <= max_rto or not (
@@ -251,6 +264,7 @@ class InaSession:
                              f"{initial_rto}, {max_rto})")
         self.address = (str(address[0]), int(address[1]))
         self.job_id = job_id
+        self.nonce = nonce
         self.worker_id = worker_id
         self.num_workers = num_workers
         self.window = window
@@ -267,6 +281,7 @@ class InaSession:
         self._faults = FaultInjector(faults, salt=worker_id) if faults is not None else None
         self._tag = secrets.randbits(32) | 1
         self._epoch: int | None = None
+        self._joining = False  # a JOIN went out: close() says LEAVE even before JOIN_OK
         self._round = 0
         self._uses: list[int] = []
         self._broken: str | None = None
@@ -315,13 +330,16 @@ class InaSession:
         """Say LEAVE (twice: it is not acknowledged) and close the socket.
 
         The switch frees the job's partition once every worker of the epoch has left; a lost LEAVE
-        only delays that until the job's idle timeout, or until its next incarnation joins.
+        only delays that until the job's idle timeout. A session that never got JOIN_OK says LEAVE
+        too, which withdraws its JOIN. Nothing else holds the socket (no thread, no reference cycle),
+        so it is closed here, not by the garbage collector.
         """
         if self.closed:
             return
-        if self._epoch is not None:
-            leave = HEADER.pack(MAGIC, PROTOCOL_VERSION, PacketType.LEAVE, 0, 0, self.job_id, self.worker_id,
-                                self.num_workers, 0, self._epoch, 0, 0, 0, 0, self._tag)
+        if self._epoch is not None or self._joining:
+            leave = pack_header(PacketType.LEAVE, job_id=self.job_id, worker_id=self.worker_id,
+                                num_workers=self.num_workers, nonce=self.nonce, epoch=self._epoch or 0,
+                                tag=self._tag)
             for _ in range(2):
                 try:
                     self._sock.send(leave)
@@ -483,10 +501,11 @@ class InaSession:
     def _ensure_joined(self, deadline: float) -> None:
         if self._epoch is not None:
             return
-        join = HEADER.pack(MAGIC, PROTOCOL_VERSION, PacketType.JOIN, 0, 0, self.job_id, self.worker_id,
-                           self.num_workers, 0, 0, 0, 0, 0, 0, self._tag)
-        retx = HEADER.pack(MAGIC, PROTOCOL_VERSION, PacketType.JOIN, FLAG_RETX, 0, self.job_id,
-                           self.worker_id, self.num_workers, 0, 0, 0, 0, 0, 0, self._tag)
+        ident = dict(job_id=self.job_id, worker_id=self.worker_id, num_workers=self.num_workers,
+                     nonce=self.nonce, tag=self._tag)
+        join = pack_header(PacketType.JOIN, **ident)
+        retx = pack_header(PacketType.JOIN, flags=FLAG_RETX, **ident)
+        self._joining = True
         self._tx(join)
         backoff, unanswered = 0, 0
         next_send = time.monotonic() + self._rto
@@ -506,17 +525,20 @@ class InaSession:
             if got is None:
                 continue
             h, payload = got
-            if h.ptype == PacketType.JOIN_OK and h.job_id == self.job_id and h.num_workers == self.num_workers:
+            if h.job_id != self.job_id or h.nonce != self.nonce:
+                self.counters["stale_received"] += 1
+                continue
+            if h.ptype == PacketType.JOIN_OK and h.num_workers == self.num_workers:
                 tags = np.frombuffer(payload, dtype="<u4")
                 if len(tags) == self.num_workers and int(tags[self.worker_id]) == self._tag:
                     self._epoch = h.epoch
                     self.window = max(1, min(self.window, h.slot))  # h.slot = data slots in the partition
                     self._uses = [0] * (self.window + 1)
                     return
-            elif h.ptype == PacketType.STATUS and h.job_id == self.job_id:
+            elif h.ptype == PacketType.STATUS:
                 self._missing = self._bitmap_missing(h)
                 unanswered = 0
-            elif h.ptype == PacketType.ERROR and h.job_id == self.job_id:
+            elif h.ptype == PacketType.ERROR:
                 self._raise_switch_error(h, self._round)
             self.counters["stale_received"] += 1
 
@@ -594,20 +616,21 @@ class InaSession:
         saturated = False
         next_chunk = 0
         done = 0
-        job, wid, n, epoch, tag = self.job_id, self.worker_id, self.num_workers, self._epoch, self._tag
+        job, nonce, epoch = self.job_id, self.nonce, self._epoch
         assert epoch is not None
-        pack = HEADER.pack
         seg = FLAG_SEGMENTED if self.segmented_results and not ctrl else 0
+        ident = dict(dtype=dcode, job_id=job, worker_id=self.worker_id, num_workers=self.num_workers, nonce=nonce,
+                     epoch=epoch, round=rnd, exponent=exponent, tag=self._tag)
 
         def send(slot: int, p: _Pending, retx: bool) -> None:
             if p.packet is None:
                 lo = p.chunk * per
                 hi = min(lo + per, total)
-                p.packet = bytearray(pack(MAGIC, PROTOCOL_VERSION, ptype, p.shadow | seg, dcode, job, wid, n, slot,
-                                          epoch, rnd, p.chunk, hi - lo, exponent, tag))
+                p.packet = bytearray(pack_header(ptype, flags=p.shadow | seg, slot=slot, seq=p.chunk, count=hi - lo,
+                                                 **ident))
                 p.packet += payload_of(lo, hi)
             if retx:
-                p.packet[_FLAGS_OFFSET] = p.shadow | FLAG_RETX | seg
+                p.packet[FLAGS_OFFSET] = p.shadow | FLAG_RETX | seg
             self._tx(p.packet)
 
         def start(slot: int, chunk: int, now: float) -> None:
@@ -667,8 +690,8 @@ class InaSession:
             if got is None:
                 continue
             h, payload = got
-            if h.job_id != job or h.epoch != epoch:
-                if h.ptype == PacketType.ERROR and h.job_id == job:
+            if h.job_id != job or h.nonce != nonce or h.epoch != epoch:
+                if h.ptype == PacketType.ERROR and h.job_id == job and h.nonce == nonce:
                     self._raise_switch_error(h, rnd)
                 self.counters["stale_received"] += 1
                 continue
@@ -769,8 +792,17 @@ class InaSession:
             why = ("the switch has no free slot partition for this job; start it with a larger "
                    "--pool-slots or fewer concurrent jobs")
         elif h.exponent == ERR_BAD_WORKERS:
-            why = (f"the switch registered job {self.job_id} with a different number of workers; every "
-                   "rank must pass the same num_workers, and concurrent jobs need distinct job ids")
+            why = (f"the switch runs job {self.job_id} (this identity) with a different number of workers; "
+                   "every rank must pass the same num_workers, and concurrent jobs need distinct identities "
+                   "(job_id, nonce)")
+        elif h.exponent == ERR_JOB_RUNNING:
+            why = (f"the switch refused this JOIN: worker {self.worker_id} of job {self.job_id} (this identity) "
+                   "is joined with another session in a running incarnation; a job's identity (job_id, nonce) "
+                   "serves one job at a time: close the old sessions first, or use a new identity (a new "
+                   "process group draws one)")
+        elif h.exponent == ERR_PENDING_LIMIT:
+            why = ("the switch refused this JOIN: this address already holds the most incomplete joins the "
+                   "switch allows (--max-pending-per-source)")
         else:
             why = f"the switch reported error code {h.exponent}"
         raise CommError(f"{_OP} seq={rnd} job {self.job_id} worker {self.worker_id}: {why}", op=_OP, seq=rnd,
@@ -835,8 +867,8 @@ class InaSession:
         return self._parse(pkt, len(pkt))
 
     def _parse(self, buf: Any, nbytes: int) -> tuple[Header, Any] | None:
-        if (nbytes > HEADER_SIZE and buf[_FLAGS_OFFSET] & FLAG_SEGMENTED
-                and nbytes > HEADER_SIZE + 4 * int.from_bytes(buf[_COUNT_OFFSET:_COUNT_OFFSET + 4], "big")):
+        if (nbytes > HEADER_SIZE and buf[FLAGS_OFFSET] & FLAG_SEGMENTED
+                and nbytes > HEADER_SIZE + 4 * int.from_bytes(buf[COUNT_OFFSET:COUNT_OFFSET + 4], "big")):
             return self._parse_coalesced(buf, nbytes)
         try:
             h = parse_header(buf, nbytes, allowed=PacketType.TO_WORKER)
@@ -862,8 +894,8 @@ class InaSession:
         if h0.ptype != PacketType.RESULT or not h0.flags & FLAG_SEGMENTED or h0.count != SEGMENT_LANES:
             return None
         rows = np.frombuffer(buf, dtype=np.uint8, count=nfull * SEGMENT_BYTES).reshape(nfull, SEGMENT_BYTES)
-        head = rows[:, :HEADER_SIZE - 4]
-        tags = rows[:, HEADER_SIZE - 4:HEADER_SIZE].copy().view(">u4").ravel()
+        head = np.concatenate((rows[:, :TAG_OFFSET], rows[:, TAG_OFFSET + 4:HEADER_SIZE]), axis=1)
+        tags = rows[:, TAG_OFFSET:TAG_OFFSET + 4].copy().view(">u4").ravel()
         if not ((head == head[0]).all() and np.array_equal(
                 tags, h0.tag + SEGMENT_LANES * np.arange(nfull, dtype=np.int64))):
             return None
@@ -899,7 +931,7 @@ class InaSession:
             if nbytes - pos < HEADER_SIZE:
                 self.counters["malformed_received"] += 1
                 break
-            length = HEADER_SIZE + 4 * int.from_bytes(view[pos + _COUNT_OFFSET:pos + _COUNT_OFFSET + 4], "big")
+            length = HEADER_SIZE + 4 * int.from_bytes(view[pos + COUNT_OFFSET:pos + COUNT_OFFSET + 4], "big")
             length = min(length, nbytes - pos)
             try:
                 h = parse_header(view[pos:pos + length], length, allowed=PacketType.TO_WORKER)
@@ -913,8 +945,9 @@ class InaSession:
             return None
         h0 = pieces[0][0]
         merged = h0.ptype == PacketType.RESULT and all(
-            h.flags & FLAG_SEGMENTED and (h.job_id, h.epoch, h.round, h.seq, h.slot, h.flags, h.exponent, h.dtype)
-            == (h0.job_id, h0.epoch, h0.round, h0.seq, h0.slot, h0.flags, h0.exponent, h0.dtype)
+            h.flags & FLAG_SEGMENTED
+            and (h.job_id, h.nonce, h.epoch, h.round, h.seq, h.slot, h.flags, h.exponent, h.dtype)
+            == (h0.job_id, h0.nonce, h0.epoch, h0.round, h0.seq, h0.slot, h0.flags, h0.exponent, h0.dtype)
             and h.tag == h0.tag + i * SEGMENT_LANES and (h.count == SEGMENT_LANES or i == len(pieces) - 1)
             for i, (h, _) in enumerate(pieces))
         if merged:
@@ -924,7 +957,7 @@ class InaSession:
 
 
 def ina_all_reduce(tensor: torch.Tensor, *, address: tuple[str, int], job_id: int, worker_id: int,
-                   num_workers: int, op: str = "sum", timeout: float = 60.0,
+                   num_workers: int, op: str = "sum", timeout: float = 60.0, nonce: int = 0,
                    session: InaSession | None = None, **session_options: Any) -> torch.Tensor:
     """All-reduce ``tensor`` in place through the in-network aggregation switch at ``address``.
 
@@ -932,7 +965,7 @@ def ina_all_reduce(tensor: torch.Tensor, *, address: tuple[str, int], job_id: in
     DDP hook. Pass a long-lived ``session`` (one per process group and rank) to keep the socket and
     the job's epoch across calls; without one, a session is opened, joined and closed per call, which
     costs one extra round trip (the JOIN handshake) and is correct because every call starts a new
-    epoch of the job on the switch.
+    epoch of the job on the switch (the previous call's sessions have left).
 
     Args:
         tensor: fp32, fp16 or bf16; reduced in place (non-contiguous tensors too).
@@ -942,7 +975,9 @@ def ina_all_reduce(tensor: torch.Tensor, *, address: tuple[str, int], job_id: in
         num_workers: the job's size.
         op: "sum" or "avg".
         timeout: seconds for the call.
-        session: an open session to reuse; it must match address, job_id, worker_id and num_workers.
+        nonce: the rest of the job's identity (see :class:`InaSession`), the same on every worker.
+        session: an open session to reuse; it must match address, job_id, nonce, worker_id and
+            num_workers.
         **session_options: further :class:`InaSession` arguments (window, faults, ...), used only when
             no session is given.
 
@@ -950,26 +985,54 @@ def ina_all_reduce(tensor: torch.Tensor, *, address: tuple[str, int], job_id: in
         ``tensor``.
     """
     if session is not None:
-        if (session.address, session.job_id, session.worker_id, session.num_workers) != (
-                (str(address[0]), int(address[1])), job_id, worker_id, num_workers):
-            raise ValueError(f"{_OP}: the session is for {session.address} job {session.job_id} worker "
-                             f"{session.worker_id}/{session.num_workers}, not {address} job {job_id} worker "
-                             f"{worker_id}/{num_workers}")
+        if (session.address, session.job_id, session.nonce, session.worker_id, session.num_workers) != (
+                (str(address[0]), int(address[1])), job_id, nonce, worker_id, num_workers):
+            raise ValueError(f"{_OP}: the session is for {session.address} job {session.job_id} (nonce "
+                             f"{session.nonce:#x}) worker {session.worker_id}/{session.num_workers}, not "
+                             f"{address} job {job_id} (nonce {nonce:#x}) worker {worker_id}/{num_workers}")
         return session.all_reduce(tensor, op, timeout=timeout)
-    with InaSession(address, job_id=job_id, worker_id=worker_id, num_workers=num_workers, timeout=timeout,
-                    **session_options) as s:
+    with InaSession(address, job_id=job_id, worker_id=worker_id, num_workers=num_workers, nonce=nonce,
+                    timeout=timeout, **session_options) as s:
         return s.all_reduce(tensor, op, timeout=timeout)
 
 
-def _job_id_for(group: Any) -> int:
-    """A job id every rank of ``group`` derives alike, with no communication: from its group name.
+def draw_identity(job_id: int | None = None) -> tuple[int, int]:
+    """A fresh job identity (job id, nonce) for rank 0 to share: a random id (unless given) and 64 bits.
 
-    Two trainings that share one switch and both call ``algorithm="ina"`` on groups of the same name
-    would collide; they should use the ``"ina"`` backend instead, whose job ids are agreed through
-    the store (random per group).
+    Two independent jobs draw the same identity with probability about 2**-64 (2**-80 with random ids),
+    so jobs that share a switch never share a partition, whatever their group names.
     """
-    name = str(getattr(group, "group_name", "") or "WORLD")
-    return 1 + zlib.crc32(f"commopt-ina-collective:{name}".encode()) % 0xFFFF
+    if job_id is None:
+        job_id = 1 + secrets.randbelow(0xFFFF)
+    if not 0 <= job_id <= 0xFFFF:
+        raise ValueError(f"{_OP}: job_id={job_id} must fit 16 bits")
+    return job_id, secrets.randbits(64)
+
+
+def agree_identity(group: Any, device: Any, timeout: float | None, job_id: int | None = None) -> tuple[int, int]:
+    """The job identity drawn on ``group``'s rank 0 (:func:`draw_identity`), broadcast to its ranks.
+
+    A collective on ``group`` (every rank calls it at the same point, like the first collective it
+    precedes), as an int64 tensor on ``device`` (the group's device: CPU for gloo, the CUDA device for
+    NCCL), bounded by ``timeout`` seconds.
+
+    Raises:
+        CommTimeoutError: a rank did not arrive within ``timeout``.
+    """
+    import torch.distributed as dist
+
+    from ..topology import setup_wait
+
+    pair = [0, 0]
+    if dist.get_rank(group) == 0:
+        jid, nonce = draw_identity(job_id)
+        pair = [jid, nonce - (1 << 64) if nonce >> 63 else nonce]  # int64 two's complement
+    t = torch.tensor(pair, dtype=torch.int64, device=device)
+    if dist.get_world_size(group) > 1:
+        src = dist.get_global_rank(group, 0) if group is not None else 0
+        setup_wait(dist.broadcast(t, src=src, group=group, async_op=True), timeout, "ina/join")
+    jid, nonce = (int(v) for v in t.tolist())
+    return jid, nonce & MAX_NONCE
 
 
 _SESSIONS_LOCK = threading.Lock()
@@ -979,18 +1042,33 @@ def _session_key(pg: Any, address: tuple[str, int], rank: int, size: int) -> tup
     return (id(pg), str(getattr(pg, "group_name", "") or "WORLD"), address, rank, size)
 
 
-def _session_for(pg: Any, address: tuple[str, int], rank: int, size: int) -> InaSession:
-    """The cached session of ``pg`` on the switch at ``address`` (joined on first use).
+def _identity_key(pg: Any) -> tuple:
+    return ("ina-identity", id(pg), str(getattr(pg, "group_name", "") or "WORLD"))
 
-    Reusing one session saves the JOIN round trip and the socket set-up on every call. The entry
-    holds a weak reference to the group: a destroyed group whose id() is reused by a new one does not
-    inherit its session.
-    """
+
+def _group_ref(pg: Any) -> Callable[[], Any]:
     import weakref
 
+    try:
+        return weakref.ref(pg)
+    except TypeError:
+        return (lambda: pg)  # noqa: E731 - not weakly referenceable: keep the group alive with it
+
+
+def _session_for(pg: Any, address: tuple[str, int], rank: int, size: int, device: Any,
+                 timeout: float | None) -> InaSession:
+    """The cached session of ``pg`` on the switch at ``address`` (joined on first use).
+
+    Reusing one session saves the JOIN round trip and the socket set-up on every call. The group's
+    job identity is agreed once, by a broadcast over ``pg`` on its first INA all-reduce, and kept
+    for the group's lifetime: a session dropped after a failure is replaced under the same identity
+    without another collective (the ranks may be out of step then), and the switch starts its new
+    incarnation once every rank's old session has left. The entries hold a weak reference to the
+    group: a destroyed group whose id() is reused by a new one inherits neither.
+    """
     from ..topology import _REGISTRY
 
-    key = _session_key(pg, address, rank, size)
+    key, ikey = _session_key(pg, address, rank, size), _identity_key(pg)
     with _SESSIONS_LOCK:
         entry = _REGISTRY.ina_sessions.get(key)
         if entry is not None:
@@ -999,13 +1077,20 @@ def _session_for(pg: Any, address: tuple[str, int], rank: int, size: int) -> Ina
                 return session
             del _REGISTRY.ina_sessions[key]
             session.close()
-        session = InaSession(address, job_id=_job_id_for(pg), worker_id=rank, num_workers=size)
-        try:
-            ref = weakref.ref(pg)
-        except TypeError:
-            ref = (lambda: pg)  # noqa: E731 - not weakly referenceable: keep the group alive with it
+        ident = _REGISTRY.ina_sessions.get(ikey)
+        identity = ident.identity if isinstance(ident, _CachedIdentity) and ident.ref() is pg else None
+    if identity is None:
+        # Outside the lock: a collective that may wait up to the timeout must not block other groups.
+        identity = agree_identity(pg, device, timeout)
+    session = InaSession(address, job_id=identity[0], nonce=identity[1], worker_id=rank, num_workers=size)
+    with _SESSIONS_LOCK:
+        ref = _group_ref(pg)
+        _REGISTRY.ina_sessions[ikey] = _CachedIdentity(ref, identity)
+        old = _REGISTRY.ina_sessions.get(key)
         _REGISTRY.ina_sessions[key] = _CachedSession(ref, session)
-        return session
+    if old is not None:
+        old.close()  # type: ignore[attr-defined]
+    return session
 
 
 class _CachedSession(tuple):
@@ -1016,6 +1101,19 @@ class _CachedSession(tuple):
 
     def close(self) -> None:
         self[1].close()
+
+
+class _CachedIdentity:
+    """A group's agreed job identity in the registry; ``close()`` (from destroy()) has nothing to free."""
+
+    __slots__ = ("ref", "identity")
+
+    def __init__(self, ref: Callable[[], Any], identity: tuple[int, int]):
+        self.ref = ref
+        self.identity = identity
+
+    def close(self) -> None:
+        pass
 
 
 def _drop_session(pg: Any, address: tuple[str, int], rank: int, size: int, session: InaSession) -> None:
@@ -1037,9 +1135,11 @@ def ina_all_reduce_for(prepared: Any, red: Any, group: Any, topology: Any, timeo
     through the switch named by ``topology.ina_switch`` ("host:port", from ``Topology.from_env()``
     reading ``COMMOPT_INA_SWITCH``), then runs ``finish(prepared)``. When ``group`` is an ``"ina"``
     process group, its long-lived session is used; otherwise a long-lived session per (group, switch,
-    rank) is joined on first use under a job id derived from the group's name, kept in commopt's one
-    process-wide cache (``topology._REGISTRY.ina_sessions``) and closed by ``commopt.comm.destroy()``.
-    A session broken by a failure (a timeout) is dropped, so the next call joins a new epoch.
+    rank) is joined on first use under a job identity (random job id and nonce) that rank 0 draws and
+    broadcasts over ``group`` within ``timeout``, kept in commopt's one process-wide cache
+    (``topology._REGISTRY.ina_sessions``) and closed by ``commopt.comm.destroy()``. So two
+    independent worlds on one switch never share a job, whatever their group names. A session broken
+    by a failure (a timeout) is dropped, so the next call joins a new epoch.
 
     Returns:
         A completed future holding the result, or holding the error (so hooks see it on ``wait()``).
@@ -1064,9 +1164,10 @@ def ina_all_reduce_for(prepared: Any, red: Any, group: Any, topology: Any, timeo
                                 "`commopt-bench ina-switch`", op=_OP, ranks=[rank])
             host, _, port = str(spec).rpartition(":")
             address = (host.strip("[]"), int(port))
-            session = _session_for(pg, address, rank, size)
+            call_timeout = timeout if timeout is not None else 60.0
+            session = _session_for(pg, address, rank, size, prepared.flat.device, call_timeout)
             try:
-                session.all_reduce(prepared.flat, "sum", timeout=timeout if timeout is not None else 60.0)
+                session.all_reduce(prepared.flat, "sum", timeout=call_timeout)
             except BaseException:
                 if session._broken is not None or session.closed:
                     _drop_session(pg, address, rank, size, session)
