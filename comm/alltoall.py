@@ -56,11 +56,15 @@ from .collectives import (
     _flat_future,
     _Prepared,
     _then_finish,
+    agree,
+    check_group,
+    check_timeout,
+    checked,
     engine,
     resolve_topology,
     validate_same,
 )
-from .engine import Phase, all_of, as_timedelta
+from .engine import Phase, all_of, as_timedelta, wait
 from .errors import CollectiveMismatchError, TopologyError
 from .topology import _REGISTRY, Topology, setup_wait
 
@@ -151,6 +155,11 @@ def _normalise(output: torch.Tensor | None, input: torch.Tensor, in_splits: Spli
             # torch's rule: splits not given on a side split that side evenly.
             rows = output.shape[0] if output is not None else input.shape[0]
             outs, problem = _even(rows, world, "output")
+            if problem is None and even and rows != input.shape[0]:
+                # Even on every rank means rank i sends input_i.rows / p to rank j, which expects
+                # output_j.rows / p: consistent only when every input and output has the same rows.
+                problem = (f"output has {rows} rows but input {input.shape[0]}; with even splits both must "
+                           f"have the same rows (pass in_splits/out_splits for an uneven exchange)")
     return _Args(ins, outs, even, problem)
 
 
@@ -275,7 +284,7 @@ def _flat(out_work: torch.Tensor, src: torch.Tensor, args: _Args, p: _Prepared, 
     engine().count(f"{_NAME}/flat", (sum(args.in_splits) - args.in_splits[rank]) * row_bytes)
     work = dist.all_to_all_single(_byte_rows(out_work), _byte_rows(src), args.out_splits, args.in_splits,
                                   group=group, async_op=True)
-    return _flat_future(work, p, f"{_NAME}/flat", timeout)
+    return _flat_future(work, p, f"{_NAME}/flat", timeout, group)
 
 
 def _exchange(out_b: torch.Tensor, in_b: torch.Tensor, recv: list[int], send: list[int], group,
@@ -463,6 +472,8 @@ def all_to_all(output: torch.Tensor | None, input: torch.Tensor, *, in_splits: S
         TopologyError: ``algorithm="2d"`` on nodes of unequal size.
     """
     _check_tensor(_NAME, input, "input")
+    check_group(_NAME, group)
+    timeout = check_timeout(_NAME, timeout)
     if output is not None:
         _check_tensor(_NAME, output, "output")
         if output.dtype != input.dtype:
@@ -474,6 +485,11 @@ def all_to_all(output: torch.Tensor | None, input: torch.Tensor, *, in_splits: S
     world = dist.get_world_size(group) if dist.is_initialized() else 1
     args = _normalise(output, input, in_splits, out_splits, world)
     agreed_bytes = None
+    # Both splits given without validation: this rank checks what its peers will send against its
+    # out_splits (the same small exchange as for in_splits alone), and every rank learns the verdict
+    # before any payload moves (a row count larger than the buffer would make gloo abort).
+    explicit = args.problem is None and out_splits is not None and not args.even and not validate and world > 1
+    split_problem = None
     if validate and world > 1:
         validate_same(_NAME, input[:0] if input.dim() else input, algorithm=algorithm, op="none", group=group,
                       timeout=timeout)
@@ -483,12 +499,16 @@ def all_to_all(output: torch.Tensor | None, input: torch.Tensor, *, in_splits: S
         agreed_bytes = total_rows * _row_bytes(input) / world
     elif args.problem:
         raise ValueError(f"{_NAME}: {args.problem}")
-    elif args.out_splits is None and world > 1:
+    elif (args.out_splits is None or explicit) and world > 1:
         # Rows from each peer, plus each peer's total, which gives every rank the same mean size.
         send = torch.tensor([[s, input.shape[0]] for s in args.in_splits], dtype=torch.int64)
         recv = torch.empty_like(send)
         setup_wait(dist.all_to_all_single(recv, send, group=group, async_op=True), timeout, f"{_NAME}/splits")
-        args.out_splits = recv[:, 0].tolist()
+        sent_to_me = recv[:, 0].tolist()
+        if explicit and sent_to_me != args.out_splits:
+            split_problem = (f"out_splits={args.out_splits} but the peers send {sent_to_me} rows "
+                             f"(in_splits[{dist.get_rank(group)}] of each rank)")
+        args.out_splits = args.out_splits if explicit else sent_to_me
         agreed_bytes = float(recv[:, 1].sum()) * _row_bytes(input) / world
     if args.out_splits is None:  # world_size 1
         args.out_splits = list(args.in_splits)
@@ -506,6 +526,16 @@ def all_to_all(output: torch.Tensor | None, input: torch.Tensor, *, in_splits: S
             output.copy_(input)
         return _done(output) if async_op else output
     algo, topo, agreed_bytes = _choose(algorithm, input, topology, group, world, agreed_bytes, timeout)
+    check = None
+    if not validate:
+        # Even splits: every rank must send and receive the same rows; uneven ones agree through the
+        # split exchange (or, with both given, the verdict above).
+        check = agree(_NAME, numel=input.shape[0] if args.even else -1, dtype=input.dtype, op="none",
+                      algorithm=algo, group=group, device=input.device, timeout=timeout,
+                      row_bytes=_row_bytes(input), problem=split_problem)
+        if explicit:
+            wait(check, timeout, op=f"{_NAME}/agree")
+            check = None
     copy_back = not output.is_contiguous()
     out_work = output.contiguous() if copy_back else output
     # _finish writes a copy back through the caller's strides from a 1-D work buffer.
@@ -519,7 +549,7 @@ def all_to_all(output: torch.Tensor | None, input: torch.Tensor, *, in_splits: S
                 agreed_bytes = _mean_bytes(input, group, world, timeout)
             chunks = cost.alltoall_chunks(agreed_bytes, topo, cost.model_for(topo, timeout=timeout))
         fut = _two_d(out_work, src, args, p, topo, chunks, timeout, blocking=not async_op)
-    return _deliver(fut, async_op, timeout, f"{_NAME}/{algo}")
+    return _deliver(checked(fut, check), async_op, timeout, f"{_NAME}/{algo}")
 
 
 # --------------------------------------------------------------------------------- autograd

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import threading
 from dataclasses import dataclass
 from typing import Callable, Union
 
@@ -91,6 +92,30 @@ def _check_tensor(name: str, t, what: str = "tensor") -> None:
     if t.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"{name}: dtype {t.dtype} is not supported; supported: "
                         f"{', '.join(str(d) for d in SUPPORTED_DTYPES)}")
+
+
+def check_group(name: str, group) -> None:
+    """``group`` must be a ProcessGroup or None (WORLD); a name such as ``"WORLD"`` is not one."""
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"{name}: group must be a torch.distributed ProcessGroup or None (WORLD), got "
+                        f"{type(group).__name__} {group!r}; pass dist.group.WORLD, None or a group from "
+                        f"dist.new_group()")
+
+
+def check_timeout(name: str, timeout) -> float | None:
+    """``timeout`` as seconds: None or ``inf`` wait without a bound of commopt's own (the group's
+    timeout still applies); anything else must be a positive finite number."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(f"{name}: timeout must be a number of seconds or None, got {type(timeout).__name__} "
+                        f"{timeout!r}")
+    if math.isinf(timeout) and timeout > 0:
+        return None
+    if not timeout > 0:  # also NaN
+        raise ValueError(f"{name}: timeout must be a positive number of seconds (or None / inf for no bound "
+                         f"of commopt's own), got {timeout!r}")
+    return float(timeout)
 
 
 def _check_op_dtype(name: str, op: str, dtype: torch.dtype) -> None:
@@ -190,6 +215,107 @@ def _describe(rank: int, row: list[int]) -> str:
             f"dtype={text(row[4])} device={text(row[5])} ndim={row[6]} numel={row[8]}")
 
 
+# --------------------------------------------------------------------------------- agreement
+_ALGO_CODES = ("flat", "hierarchical", "leader", "ina", "2d")
+_HEADER = ("collective", "element count", "dtype", "reduce op", "algorithm", "row bytes")
+
+
+def agree(kind: str, *, numel: int, dtype: torch.dtype, op: str, algorithm: str, group, device: torch.device,
+          timeout: float | None, row_bytes: int = 0, problem: str | None = None) -> torch.futures.Future:
+    """Start the cheap mismatch check of a call that is not validated; a Future of None that fails
+    with ``CollectiveMismatchError`` when the ranks' calls differ.
+
+    One MAX all-reduce of six (value, -value) pairs (collective, element count, dtype, reduce op,
+    algorithm, row width) and a flag on ``group``, issued on the caller's thread just before the
+    payload, so it runs beside the payload instead of in front of it: ranks agree when every max
+    equals minus the max of the negations and no rank raised the flag (``problem``: what this rank
+    found wrong with the call against its peers, e.g. split sizes). Without it a mismatch can return
+    normally with wrong values: gloo receives a shorter message into a longer buffer without
+    complaint, and padding hides a count that differs by less than the node size. Unlike
+    ``validate=True`` it cannot name the odd ranks, only the range of values. A mismatch that makes
+    gloo receive a longer message than the buffer still aborts that process (gloo's own failure,
+    as with plain torch): the check runs beside the payload, not before it.
+    """
+    values = (_FINGERPRINT_OPS[kind], numel, SUPPORTED_DTYPES.index(dtype), _code(op),
+              _ALGO_CODES.index(algorithm), row_bytes)
+    header = torch.tensor([v for x in values for v in (x, -x)] + [int(problem is not None)], dtype=torch.int64,
+                          device=device if device.type == "cuda" else "cpu")
+    engine().count(f"{kind}/agree", cost.ALGORITHM_FACTORS["allreduce"](dist.get_world_size(group))
+                   * header.numel() * 8)
+    work = dist.all_reduce(header, op=ReduceOp.MAX, group=group, async_op=True)
+    fut = work.get_future()
+    if timeout is not None:
+        fut = engine().watch(fut, timeout, op=f"{kind}/agree")
+
+    def verify(_value) -> None:
+        got = header.cpu().tolist()
+        diffs = []
+        for i, field in enumerate(_HEADER):
+            hi, lo = got[2 * i], -got[2 * i + 1]
+            if hi != lo:
+                if field == "collective":
+                    inv = {v: k for k, v in _FINGERPRINT_OPS.items()}
+                    lo, hi = inv.get(lo, lo), inv.get(hi, hi)
+                elif field == "dtype":
+                    lo, hi = SUPPORTED_DTYPES[lo], SUPPORTED_DTYPES[hi]
+                elif field == "algorithm":
+                    lo, hi = _ALGO_CODES[lo], _ALGO_CODES[hi]
+                elif field == "reduce op":
+                    lo, hi = (c.to_bytes(7, "little").rstrip(b"\0").decode() for c in (lo, hi))
+                diffs.append(f"{field} ({lo} on some rank, {hi} on another)")
+        if got[-1]:
+            diffs.append("what some rank expects from its peers" + (f" (this rank: {problem})" if problem else ""))
+        if diffs:
+            raise CollectiveMismatchError(
+                f"{kind}: the ranks' calls differ in {', '.join(diffs)}; this rank called it with "
+                f"{numel} elements of {dtype} (op {op}, algorithm {algorithm}). Every rank must issue the same "
+                f"collective with the same shape and dtype; pass validate=True to name the ranks that differ",
+                op=kind)
+
+    return chain(fut, verify)
+
+
+def checked(payload: torch.futures.Future, check: torch.futures.Future | None) -> torch.futures.Future:
+    """``payload``'s outcome once ``check`` (from :func:`agree`) has passed; a mismatch found by the
+    check fails the result at once, even while the payload is still in flight (a mismatch can stall
+    it), and takes precedence over the payload's own failure. A check that itself failed (timeout, a
+    dead peer) leaves the verdict to the payload."""
+    if check is None:
+        return payload
+    out: torch.futures.Future = torch.futures.Future()
+    lock = threading.Lock()
+    claimed = [False]
+
+    def settle(_f: torch.futures.Future) -> None:
+        outcome = None
+        with lock:
+            if claimed[0] or not check.done():
+                return
+            try:
+                check.value()
+            except CollectiveMismatchError as exc:
+                outcome = ("err", exc)
+            except Exception:  # noqa: BLE001 - the check could not run: the payload decides
+                pass
+            if outcome is None:
+                if not payload.done():
+                    return
+                try:
+                    outcome = ("ok", payload.value())
+                except Exception as exc:  # noqa: BLE001 - forwarded unchanged
+                    outcome = ("err", exc)
+            # Claimed under the lock, delivered outside it (the result's callbacks are the caller's).
+            claimed[0] = True
+        if outcome[0] == "ok":
+            out.set_result(outcome[1])
+        else:
+            out.set_exception(outcome[1])
+
+    check.add_done_callback(settle)
+    payload.add_done_callback(settle)
+    return out
+
+
 # --------------------------------------------------------------------------------- helpers
 @dataclass
 class _Prepared:
@@ -203,6 +329,9 @@ class _Prepared:
 
 
 def _prepare(tensor: torch.Tensor, op: str, world: int) -> tuple[_Prepared, ReduceOp]:
+    # The reduction writes the storage as torch's own collectives do, invisibly to autograd: through
+    # a detached alias, so that AVG's division works on a leaf that requires grad like SUM does.
+    result, tensor = tensor, tensor.detach()
     copy_back = not tensor.is_contiguous()
     # A strided tensor is reduced through one packed copy (kernels.flatten) and written back
     # through its strides by kernels.unflatten in _finish.
@@ -212,7 +341,7 @@ def _prepare(tensor: torch.Tensor, op: str, world: int) -> tuple[_Prepared, Redu
         # Sum of booleans is logical OR (as in NCCL); reduce their bytes with MAX / MIN.
         flat = flat.view(torch.uint8)
         red = ReduceOp.MIN if op == "min" else ReduceOp.MAX
-        return _Prepared(tensor, work, flat, None, copy_back), red
+        return _Prepared(result, work, flat, None, copy_back), red
     red = {"sum": ReduceOp.SUM, "avg": ReduceOp.SUM, "max": ReduceOp.MAX, "min": ReduceOp.MIN}[op]
     scale_after = None
     if op == "avg":
@@ -220,14 +349,14 @@ def _prepare(tensor: torch.Tensor, op: str, world: int) -> tuple[_Prepared, Redu
             flat.div_(world)  # before the reduction: fp16 sums of 4 x 40 000 would overflow
         else:
             scale_after = 1.0 / world
-    return _Prepared(tensor, work, flat, scale_after, copy_back), red
+    return _Prepared(result, work, flat, scale_after, copy_back), red
 
 
 def _finish(p: _Prepared) -> torch.Tensor:
     if p.scale_after is not None:
         p.flat.mul_(p.scale_after)
     if p.copy_back:
-        kernels.unflatten(p.work, [p.tensor], [0])
+        kernels.unflatten(p.work, [p.tensor.detach()], [0])
     return p.tensor
 
 
@@ -251,7 +380,10 @@ def _deliver(fut: torch.futures.Future, async_op: bool, timeout: float | None, o
 
 def _blocking(fn: Callable[[], object], timeout) -> None:
     """Issue a collective and wait for it, with the engine's timeout."""
-    work = fn()
+    _wait_work(fn(), timeout)
+
+
+def _wait_work(work, timeout) -> None:
     td = as_timedelta(timeout)
     if td is None:
         work.wait()
@@ -277,7 +409,8 @@ def _flat_all_reduce(p: _Prepared, red: ReduceOp, group, topo: Topology | None, 
     return _flat_future(work, p, "all_reduce/flat", timeout)
 
 
-def _flat_future(work, p: _Prepared, op: str, timeout: float | None = None) -> torch.futures.Future:
+def _flat_future(work, p: _Prepared, op: str, timeout: float | None = None,
+                 group=None) -> torch.futures.Future:
     """The group's own async work as a Future of the caller's tensor; failures become CommErrors,
     and with ``timeout`` the future fails with ``CommTimeoutError`` when the work does not finish.
 
@@ -300,16 +433,14 @@ def _flat_future(work, p: _Prepared, op: str, timeout: float | None = None) -> t
     try:
         fut = work.get_future()
     except RuntimeError:
-        # Some backends' works have no future (gloo's reduce-scatter): wait here instead; the call
-        # still honours async_op by returning a completed future.
-        fut = torch.futures.Future()
-        try:
-            work.wait()
-            fut.set_result(None)
-        except Exception as exc:  # noqa: BLE001 - delivered through the future like async errors
-            fut.set_exception(exc)
-    if timeout is not None:
-        fut = engine().watch(fut, timeout, op=op)
+        # Some backends' works have no future (gloo's reduce-scatter): the group's engine worker
+        # waits for it, bounded by the timeout (a bare wait() would not be). Only the wait moves to
+        # the worker; the work was issued here, in the caller's order.
+        fut = engine().submit([Phase("wait", lambda: _wait_work(work, timeout), group if group is not None
+                                     else dist.group.WORLD)], op=op)
+    else:
+        if timeout is not None:
+            fut = engine().watch(fut, timeout, op=op)
     out: torch.futures.Future = torch.futures.Future()
     fut.add_done_callback(finish)
     return out
@@ -525,6 +656,8 @@ def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, *, group=None, topology: T
     """
     name = "all_reduce"
     _check_tensor(name, tensor)
+    check_group(name, group)
+    timeout = check_timeout(name, timeout)
     op_name = _op_name(op)
     if validate and dist.is_initialized() and dist.get_world_size(group) > 1:
         validate_same(name, tensor, algorithm=algorithm, op=op_name, group=group, timeout=timeout)
@@ -538,8 +671,10 @@ def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, *, group=None, topology: T
     topo = None if algorithm == "flat" else resolve_topology(topology, group, timeout)
     nbytes = tensor.numel() * tensor.element_size()
     algo = "flat" if topo is None else select_algorithm("allreduce", algorithm, nbytes, topo, timeout)
+    check = None if validate else agree(name, numel=tensor.numel(), dtype=tensor.dtype, op=op_name, algorithm=algo,
+                                        group=group, device=tensor.device, timeout=timeout)
     p, red = _prepare(tensor, op_name, world)
-    fut = ALGORITHMS[algo](p, red, group, topo, timeout, blocking=not async_op)
+    fut = checked(ALGORITHMS[algo](p, red, group, topo, timeout, blocking=not async_op), check)
     return _deliver(fut, async_op, timeout, f"all_reduce/{algo}")
 
 
@@ -575,6 +710,8 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM, *
     (3) reduce-scatter inter-node along the rail on 1/L of the data.
     """
     name = "reduce_scatter"
+    check_group(name, group)
+    timeout = check_timeout(name, timeout)
     world = dist.get_world_size(group) if dist.is_initialized() else 1
     _check_rs_ag(name, input, output, world, "input", "output")
     op_name = _op_name(op)
@@ -583,13 +720,15 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM, *
     _check_op_dtype(name, op_name, input.dtype)
     if world == 1 or output.numel() == 0:
         if world == 1:
-            output.copy_(input.reshape(output.shape))
+            output.detach().copy_(input.reshape(output.shape))
         return _done(output) if async_op else output
     topo = None if algorithm == "flat" else resolve_topology(topology, group, timeout)
     algo = "flat" if topo is None else select_algorithm("reduce_scatter", algorithm,
                                                 input.numel() * input.element_size(), topo, timeout)
+    check = None if validate else agree(name, numel=output.numel(), dtype=output.dtype, op=op_name, algorithm=algo,
+                                        group=group, device=output.device, timeout=timeout)
     p, red = _prepare(output, op_name, world)
-    src = input.contiguous().view(-1)
+    src = input.detach().contiguous().view(-1)
     if src.dtype == torch.bool:
         src = src.view(torch.uint8)
     if op_name == "avg" and src.dtype in _LOW_PRECISION:
@@ -600,8 +739,8 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM, *
     if algo == "flat":
         engine().count("reduce_scatter/flat", (world - 1) * n * esize)
         fut = _flat_future(_reduce_scatter_single(p.flat, src, op=red, group=group, async_op=True),
-                           p, "reduce_scatter/flat", timeout)
-        return _deliver(fut, async_op, timeout, "reduce_scatter/flat")
+                           p, "reduce_scatter/flat", timeout, group)
+        return _deliver(checked(fut, check), async_op, timeout, "reduce_scatter/flat")
     local, nodes = topo.local_size, topo.num_nodes
     order = _rail_order(topo)
     staged = src.view(world, n)[torch.tensor(order)].reshape(-1)
@@ -614,7 +753,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM, *
               rail.rail, (nodes - 1) * n * esize),
     ]
     fut = engine().submit(phases, op="reduce_scatter/hierarchical", device=input.device, blocking=not async_op)
-    return _deliver(_then_finish(fut, p), async_op, timeout, "reduce_scatter/hierarchical")
+    return _deliver(checked(_then_finish(fut, p), check), async_op, timeout, "reduce_scatter/hierarchical")
 
 
 # --------------------------------------------------------------------------------- all-gather
@@ -627,19 +766,23 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, *, group=None, topolog
     NIC per rank), (2) all-gather intra-node, (3) permute the blocks into rank order.
     """
     name = "all_gather"
+    check_group(name, group)
+    timeout = check_timeout(name, timeout)
     world = dist.get_world_size(group) if dist.is_initialized() else 1
     _check_rs_ag(name, output, input, world, "output", "input")
     if validate and world > 1:
         validate_same(name, input, algorithm=algorithm, op="none", group=group, timeout=timeout)
     if world == 1 or input.numel() == 0:
         if world == 1:
-            output.copy_(input.reshape(output.shape))
+            output.detach().copy_(input.reshape(output.shape))
         return _done(output) if async_op else output
     topo = None if algorithm == "flat" else resolve_topology(topology, group, timeout)
     algo = "flat" if topo is None else select_algorithm("all_gather", algorithm,
                                                 output.numel() * output.element_size(), topo, timeout)
+    check = None if validate else agree(name, numel=input.numel(), dtype=input.dtype, op="none", algorithm=algo,
+                                        group=group, device=input.device, timeout=timeout)
     p, _ = _prepare(output, "sum", world)
-    src = input.contiguous().view(-1)
+    src = input.detach().contiguous().view(-1)
     if src.dtype == torch.bool:
         src = src.view(torch.uint8)
     n = src.numel()
@@ -647,8 +790,8 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, *, group=None, topolog
     if algo == "flat":
         engine().count("all_gather/flat", (world - 1) * n * esize)
         fut = _flat_future(_all_gather_single(p.flat, src, group=group, async_op=True),
-                           p, "all_gather/flat", timeout)
-        return _deliver(fut, async_op, timeout, "all_gather/flat")
+                           p, "all_gather/flat", timeout, group)
+        return _deliver(checked(fut, check), async_op, timeout, "all_gather/flat")
     local, nodes = topo.local_size, topo.num_nodes
     rail, ag = topo.groups("hier-ag-rail", timeout), topo.groups("hier-ag-intra", timeout)
     mid = src.new_empty(nodes * n)
@@ -667,4 +810,4 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, *, group=None, topolog
 
     phases.append(Phase("permute", permute))
     fut = engine().submit(phases, op="all_gather/hierarchical", device=input.device, blocking=not async_op)
-    return _deliver(_then_finish(fut, p), async_op, timeout, "all_gather/hierarchical")
+    return _deliver(checked(_then_finish(fut, p), check), async_op, timeout, "all_gather/hierarchical")

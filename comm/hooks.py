@@ -15,12 +15,14 @@ States are checkpointable: ``state_dict()`` holds plain tensors and numbers (loa
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
-from .collectives import SUPPORTED_DTYPES, all_reduce, validate_same
-from .compression import ErrorFeedback, reduce_tensors
+from .collectives import SUPPORTED_DTYPES, all_reduce, check_group, check_timeout, validate_same
+from .compression import Compressor, ErrorFeedback, reduce_tensors
 from .engine import chain
 from .topology import Topology
 
@@ -45,14 +47,20 @@ class AllReduceState:
         seed: the seed of all compressor randomness, identical on every rank (never the global RNG).
         check_finite: with a compressor, raise ``NonFiniteError`` on every rank when any rank's bucket
             holds NaN/Inf; by default such a step is reduced exactly (NaN propagates, residuals kept).
+
+    Raises:
+        TypeError: ``topology`` is not a ``Topology`` (a spec string is not: build it with
+            ``Topology.from_spec`` once the process group exists), ``compressor`` is not a compressor
+            instance, ``process_group`` is not a ProcessGroup, or ``seed`` is not an int.
+        ValueError: an unknown ``algorithm`` (or one that cannot carry the compressor), a negative
+            ``warmup_steps``, or a ``timeout`` that is not positive.
     """
 
     def __init__(self, topology: Topology | None = None, algorithm: str = "auto", compressor=None, *,
                  process_group=None, error_feedback: bool = True, warmup_steps: int = 0,
                  validate: bool = False, timeout: float | None = None, seed: int = 0,
                  check_finite: bool = False):
-        if warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
+        _check_arguments(topology, algorithm, compressor, process_group, warmup_steps, timeout, seed)
         self.topology = topology
         self.algorithm = algorithm
         self.compressor = compressor
@@ -61,7 +69,7 @@ class AllReduceState:
         self.feedback: ErrorFeedback | None = ErrorFeedback() if error_feedback else None
         self.warmup_steps = int(warmup_steps)
         self.validate = validate
-        self.timeout = timeout
+        self.timeout = check_timeout("AllReduceState", timeout)
         self.seed = int(seed)
         self.check_finite = bool(check_finite)
         self.step = 0  # optimizer steps completed (the last bucket of a step advances it)
@@ -128,6 +136,37 @@ class AllReduceState:
 
     def __setstate__(self, d: dict) -> None:
         self.__dict__.update(d)
+
+
+_ALGORITHMS = ("auto", "flat", "hierarchical", "leader", "ina")
+_COMPRESSED_ALGORITHMS = ("auto", "flat", "hierarchical")
+
+
+def _check_arguments(topology, algorithm, compressor, process_group, warmup_steps, timeout, seed) -> None:
+    """Every argument of :class:`AllReduceState` checked when it is built, not mid-backward."""
+    name = "AllReduceState"
+    if topology is not None and not isinstance(topology, Topology):
+        raise TypeError(f"{name}: topology must be a commopt.comm.Topology or None (detected), got "
+                        f"{type(topology).__name__} {topology!r}; build one after init_process_group, e.g. "
+                        f"Topology.from_spec('2x2') or Topology.from_env()")
+    if not isinstance(algorithm, str) or algorithm not in _ALGORITHMS:
+        raise ValueError(f"{name}: unknown algorithm {algorithm!r}; choose one of {list(_ALGORITHMS)}")
+    if compressor is not None:
+        if not isinstance(compressor, Compressor):
+            hint = " (a class: instantiate it)" if isinstance(compressor, type) else ""
+            raise TypeError(f"{name}: compressor must be a commopt.comm.compression compressor instance or None, "
+                            f"got {type(compressor).__name__} {compressor!r}{hint}; e.g. "
+                            f"compression.FP16Compressor() or compression.PowerSGDCompressor(rank=4)")
+        if algorithm not in _COMPRESSED_ALGORITHMS:
+            raise ValueError(f"{name}: algorithm {algorithm!r} cannot carry a compressor; with a compressor use "
+                             f"one of {list(_COMPRESSED_ALGORITHMS)} ('hierarchical' compresses the inter-node "
+                             f"phase only)")
+    check_group(name, process_group)
+    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, numbers.Integral) or warmup_steps < 0:
+        raise ValueError(f"{name}: warmup_steps must be an int >= 0, got {warmup_steps!r}")
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise TypeError(f"{name}: seed must be an int (the same on every rank), got {type(seed).__name__}")
+    check_timeout(name, timeout)
 
 
 def check_result(bucket, result) -> torch.Tensor:
@@ -215,12 +254,17 @@ def register(ddp_model, state: AllReduceState) -> None:
 
     Raises:
         NotImplementedError: the model has sparse gradients (``nn.Embedding(sparse=True)``).
-        TypeError: a parameter has a dtype commopt cannot reduce.
+        TypeError: ``ddp_model`` is not a ``DistributedDataParallel`` model, ``state`` is not an
+            :class:`AllReduceState`, or a parameter has a dtype commopt cannot reduce.
     """
     from torch.nn.parallel import DistributedDataParallel
 
     if not isinstance(ddp_model, DistributedDataParallel):
         raise TypeError(f"register expects a DistributedDataParallel model, got {type(ddp_model).__name__}")
+    if not isinstance(state, AllReduceState):
+        raise TypeError(f"register expects an AllReduceState as its state, got {type(state).__name__} {state!r}; "
+                        f"pass hooks.AllReduceState(...) (for a hook of your own use "
+                        f"ddp_model.register_comm_hook)")
     for name, module in ddp_model.module.named_modules():
         if getattr(module, "sparse", False) is True:
             raise NotImplementedError(
