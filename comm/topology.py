@@ -2,12 +2,15 @@
 
 A node is a set of ranks joined by a fast link (NVLink, or loopback on one machine); nodes are
 joined by slower links (NICs). Ranks of a node need not be contiguous and nodes need not be equal
-in size. ``Topology.groups(role)`` creates the intra-node groups and the inter-node "rail" groups
-(the ranks with the same local index on every node), collectively and in the same order on every
-rank, once per layout and role: the one process-wide cache of commopt, released by
-``commopt.comm.destroy()``. Each multi-phase algorithm uses one role per phase, so that every
-process group only ever carries one phase of one algorithm and the order in which phases reach a
-group is the submission order on every rank (DESIGN 2).
+in size. The constructors (``from_spec``, ``from_nodes``, ``from_env``, ``detect``) need the
+process group their ranks refer to, except for a layout of one rank; ``from_env`` takes the
+launcher's real placement (torchrun's node-by-node, MPI's as exchanged between the ranks) and
+never assumes one the launcher did not promise. ``Topology.groups(role)`` creates the intra-node
+groups and the inter-node "rail" groups (the ranks with the same local index on every node),
+collectively and in the same order on every rank, once per layout and role: the one process-wide
+cache of commopt, released by ``commopt.comm.destroy()``. Each multi-phase algorithm uses one role
+per phase, so that every process group only ever carries one phase of one algorithm and the order
+in which phases reach a group is the submission order on every rank (DESIGN 2).
 """
 
 from __future__ import annotations
@@ -469,14 +472,16 @@ class Topology:
             TopologyError: the nodes do not cover ranks 0..world_size-1 exactly once, or they hold more
                 than one rank and ``torch.distributed.init_process_group`` has not been called yet.
         """
-        return cls._build(nodes, group, "Topology.from_nodes", "nodes", extra)
+        return cls._build(nodes, group, "Topology.from_nodes", None, extra)
 
     @classmethod
-    def _build(cls, nodes, group, where: str, what: str, extra: dict) -> Topology:
+    def _build(cls, nodes, group, where: str, what: str | None, extra: dict) -> Topology:
+        """The topology of ``nodes`` over ``group``; ``what`` names the source in messages (None: the nodes)."""
         _check_group(group, where)
         canon = _canonical_nodes(nodes, where, sort=True)
-        layout = ";".join(",".join(str(r) for r in n) for n in canon)
-        _require_initialized(where, f"{what} {layout!r}" if what == "nodes" else what, sum(len(n) for n in canon))
+        if what is None:
+            what = "nodes " + repr(";".join(",".join(str(r) for r in n) for n in canon))
+        _require_initialized(where, what, sum(len(n) for n in canon))
         rank, size = _group_rank_size(group, where)
         return cls(nodes=canon, rank=rank, world_size=size, group=group, **extra)
 
