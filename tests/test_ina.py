@@ -39,14 +39,18 @@ from commopt.comm.ina import (
     quantize,
 )
 from commopt.comm.ina.protocol import (
+    ERR_BAD_WORKERS,
+    ERR_JOB_RUNNING,
     HEADER,
     MAGIC,
     MAX_PAYLOAD_ELEMS,
     PROTOCOL_VERSION,
     PacketType,
     pack_header,
+    parse_header,
 )
-from commopt.comm.ina.worker import block_shift, headroom_bits, max_exponent
+from commopt.comm.ina.switch import DEFAULT_MAX_PENDING_PER_SOURCE
+from commopt.comm.ina.worker import block_shift, draw_identity, headroom_bits, max_exponent
 
 GUARD = 60.0  # wall-clock guard per multi-worker run (seconds)
 _JOB = iter(range(1000, 60000))
@@ -629,4 +633,153 @@ def test_jobs_share_the_switch_through_partitions():
         assert sw.stats()["jobs_refused"] == 1 and sw.stats()["jobs_released"] == 2
         ys = _inputs(2, 100, torch.float32, seed=3)
         for t in _run(2, lambda w: _session(sw.address, 13, w, 2).all_reduce(ys[w].clone())):
+            _check(t, ys, "sum")
+
+
+def _delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    return {k: after[k] - before.get(k, 0) for k in after}
+
+
+def test_two_jobs_sharing_a_job_id_stay_apart(switch):
+    """FAULTS row 25: two independent jobs with the same job id (as two worlds with the same group
+    name had) but their own drawn nonces aggregate at the same time on one switch: job A sends 1.0
+    and job B 100.0 on every call, and each gets exactly its own sum, 2.0 and 200.0, on every call;
+    the two identities differ; packets with the job id and a foreign nonce are refused and counted."""
+    job = next(_JOB)
+    nonces = (draw_identity()[1], draw_identity()[1])
+    assert nonces[0] != nonces[1]
+    members = [(j, w) for j in (0, 1) for w in (0, 1)]
+    values = (1.0, 100.0)
+    before = switch.stats()
+    sessions = [_session(switch.address, job, w, 2, nonce=nonces[j], payload_elems=1024, window=4)
+                for j, w in members]
+    barrier = threading.Barrier(4)
+
+    def body(i: int) -> list[torch.Tensor]:
+        out = []
+        for _ in range(4):
+            barrier.wait(GUARD / 2)  # every call of one job overlaps a call of the other
+            t = torch.full((3000,), values[members[i][0]])
+            sessions[i].all_reduce(t)
+            out.append(t)
+        return out
+
+    try:
+        results = _run(4, body)
+        during = switch.stats()
+        with _raw_socket() as raw:
+            foreign = (nonces[0] ^ nonces[1]) or 1
+            raw.sendto(pack_header(PacketType.DATA, dtype=1, job_id=job, num_workers=2, slot=1, nonce=foreign,
+                                   epoch=sessions[0]._epoch, count=10) + np.ones(10, dtype="<i4").tobytes(),
+                       switch.address)
+        for t in _run(4, lambda i: sessions[i].all_reduce(torch.full((3000,), values[members[i][0]]))):
+            assert t.unique().numel() == 1
+    finally:
+        for sess in sessions:
+            sess.close()
+    for i, (j, _) in enumerate(members):
+        for t in results[i]:
+            assert torch.equal(t, torch.full((3000,), 2 * values[j])), (j, t[:3])
+    d = _delta(before, during)
+    assert d["epochs"] == 2 and d["jobs_active"] == 2 and d["foreign_dropped"] == 0, d
+    d = _delta(during, switch.stats())
+    assert d["identity_refused"] == 1 and d["foreign_dropped"] == 1 and d["jobs_released"] == 2, d
+
+
+def test_forged_join_and_leave_cannot_touch_a_running_job(switch):
+    """FAULTS row 28: forged JOINs for a running job (the issue's one-worker JOIN, re-JOINs of its
+    workers with other sessions, a JOIN with more workers) and forged LEAVEs of its workers are refused
+    and counted, each JOIN answered with an ERROR to the forger only; the running job keeps its epoch
+    and worker count and its next all-reduces are exact. The forger knows the job's identity here,
+    the worst case."""
+    n, job = 2, next(_JOB)
+    nonce = draw_identity()[1]
+    xs = _inputs(n, 5000, torch.float32, seed=31)
+    sessions = [_session(switch.address, job, w, n, nonce=nonce, payload_elems=1024, window=4) for w in range(n)]
+    forged = [dict(worker_id=0, num_workers=1), dict(worker_id=0, num_workers=2),
+              dict(worker_id=1, num_workers=2), dict(worker_id=2, num_workers=3)]
+    try:
+        for t in _run(n, lambda w: sessions[w].all_reduce(xs[w].clone())):
+            _check(t, xs, "sum")
+        epoch = sessions[0]._epoch
+        before = switch.stats()
+        codes = []
+        with _raw_socket() as raw:
+            raw.settimeout(10.0)
+            for i, fields in enumerate(forged):
+                raw.sendto(pack_header(PacketType.JOIN, job_id=job, nonce=nonce, tag=0xF00D + i, **fields),
+                           switch.address)
+            for w in range(n):
+                raw.sendto(pack_header(PacketType.LEAVE, job_id=job, worker_id=w, num_workers=n, nonce=nonce,
+                                       epoch=epoch, tag=0xBAD0 + w), switch.address)
+            buf = bytearray(65536)
+            for _ in forged:
+                nbytes = raw.recv_into(buf)
+                h = parse_header(buf, nbytes, allowed=PacketType.TO_WORKER)
+                assert h.ptype == PacketType.ERROR and (h.job_id, h.nonce) == (job, nonce), h
+                codes.append(h.exponent)
+        assert sorted(codes) == sorted([ERR_BAD_WORKERS, ERR_JOB_RUNNING, ERR_JOB_RUNNING, ERR_BAD_WORKERS])
+        d = _delta(before, switch.stats())
+        assert d["joins_refused"] == len(forged) and d["leaves_refused"] == n and d["epochs"] == 0, d
+        for seed in (32, 33, 34):
+            ys = _inputs(n, 5000, torch.float32, seed=seed)
+            for t in _run(n, lambda w, ys=ys: sessions[w].all_reduce(ys[w].clone())):
+                _check(t, ys, "sum")
+        assert [s._epoch for s in sessions] == [epoch] * n
+        assert _delta(before, switch.stats())["epochs"] == 0
+    finally:
+        for sess in sessions:
+            sess.close()
+
+
+def _wait_for(switch: SwitchProcess, pred: Callable[[dict[str, int]], bool], seconds: float) -> dict[str, int]:
+    deadline = time.monotonic() + seconds
+    while True:
+        stats = switch.stats()
+        if pred(stats) or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.1)
+
+
+def _reduce_once(address: tuple[str, int], job: int, w: int, x: torch.Tensor, **kw: Any) -> torch.Tensor:
+    with _session(address, job, w, 2, **kw) as s:  # closed: its LEAVE frees the partition
+        return s.all_reduce(x.clone())
+
+
+def test_join_flood_is_bounded_and_released_within_seconds():
+    """FAULTS row 28: a flood of JOINs that never complete: sixteen for unused job ids from one socket
+    (the issue's attack) take at most max_pending_per_source partitions and the rest are refused and
+    counted, while a real job still joins at once; sixteen from eight sockets take the pool's four
+    partitions, and every abandoned JOIN releases its partition within seconds (the join timeout),
+    after which a real job succeeds."""
+    join_timeout = 1.0
+    with SwitchProcess(pool_slots=64, partition_size=16, join_timeout=join_timeout) as sw:  # 4 partitions
+        with _raw_socket() as raw:
+            for j in range(16):
+                raw.sendto(pack_header(PacketType.JOIN, job_id=100 + j, num_workers=2, tag=1), sw.address)
+            s = sw.stats()
+            assert s["jobs_active"] == DEFAULT_MAX_PENDING_PER_SOURCE, s
+            assert s["joins_refused"] == 16 - DEFAULT_MAX_PENDING_PER_SOURCE and s["jobs_refused"] == 0, s
+            xs = _inputs(2, 2000, torch.float32, seed=40)
+            for t in _run(2, lambda w: _reduce_once(sw.address, 100, w, xs[w], nonce=7)):
+                _check(t, xs, "sum")
+        s = _wait_for(sw, lambda st: st["jobs_active"] == 0, join_timeout + 8.0)
+        assert s["jobs_active"] == 0 and s["pending_released"] == DEFAULT_MAX_PENDING_PER_SOURCE, s
+        socks = [_raw_socket() for _ in range(8)]
+        try:
+            before = sw.stats()
+            for i, sock in enumerate(socks):
+                for k in range(2):
+                    sock.sendto(pack_header(PacketType.JOIN, job_id=200 + 2 * i + k, num_workers=3, tag=1),
+                                sw.address)
+            d = _delta(before, sw.stats())
+            assert d["jobs_active"] == 4 and d["jobs_refused"] == 12, d
+        finally:
+            for sock in socks:
+                sock.close()
+        s = _wait_for(sw, lambda st: st["jobs_active"] == 0, join_timeout + 8.0)
+        assert s["jobs_active"] == 0 and _delta(before, s)["pending_released"] == 4, s
+        assert sw.is_alive()
+        ys = _inputs(2, 2000, torch.float32, seed=41)
+        for t in _run(2, lambda w: _reduce_once(sw.address, 200, w, ys[w])):
             _check(t, ys, "sum")

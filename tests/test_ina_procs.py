@@ -196,6 +196,99 @@ def test_ddp_on_ina_backend_matches_gloo():
     assert stats["results_sent"] > 0 and stats["epochs"] >= 12  # DDP + 10 cycles + the adapter
 
 
+def _world_rank(world: str, rank: int, tmp: str, address: str, value: float, barrier: Any, results: Any) -> None:
+    """One rank of one of two independent 2-rank worlds: the public all_reduce(algorithm="ina")."""
+    faulthandler.dump_traceback_later(GUARD - 10, exit=True)
+    try:
+        import gc
+
+        os.environ["COMMOPT_INA_SWITCH"] = address
+        os.environ["COMMOPT_NODES"] = "0,1"
+        torch.set_num_threads(1)
+        import torch.distributed as dist
+
+        from commopt.comm import Topology, all_reduce, destroy
+        from commopt.comm.ina import InaSession
+        from commopt.comm.topology import _REGISTRY
+
+        def init(name: str) -> None:
+            dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tmp, f"{world}-{name}"), 2),
+                                    rank=rank, world_size=2, timeout=timedelta(seconds=60))
+
+        def identities() -> list[tuple[int, int]]:
+            return [(e[1].job_id, e[1].nonce) for e in _REGISTRY.ina_sessions.values() if isinstance(e, tuple)]
+
+        init("main")
+        sums = []
+        for _ in range(5):
+            barrier.wait(GUARD / 2)  # each call of one world overlaps a call of the other
+            t = torch.full((5000,), value)
+            all_reduce(t, algorithm="ina", topology=Topology.from_env(), timeout=30)
+            sums.append(sorted(set(t.tolist())))
+        identity = identities()
+        destroy()
+        dist.destroy_process_group()
+        # FAULTS row 30, the INA part: init -> ina all_reduce -> destroy with the collector off leaks no
+        # socket, file descriptor or thread (sessions close explicitly; nothing cyclic holds them).
+        gc.disable()
+        counts = []
+        for c in range(4):
+            init(f"cycle{c}")
+            t = torch.full((100,), value)
+            all_reduce(t, algorithm="ina", topology=Topology.from_env(), timeout=30)
+            assert torch.equal(t, torch.full((100,), 2 * value))
+            destroy()
+            dist.destroy_process_group()
+            counts.append((len(os.listdir("/proc/self/fd")), threading.active_count()))
+        open_sessions = sum(1 for o in gc.get_objects() if isinstance(o, InaSession) and not o.closed)
+        gc.enable()
+        results.put((rank if world == "A" else 2 + rank, "ok", (world, sums, identity, counts, open_sessions)))
+    except BaseException as e:  # noqa: BLE001 - reported to the test with its text
+        import traceback
+
+        results.put((rank if world == "A" else 2 + rank, "err", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+
+
+def test_two_worlds_on_one_switch_never_share_a_job():
+    """FAULTS row 25: two independent 2-rank worlds (spawned, each with its own FileStore; their
+    WORLD groups have the same name, from which job ids used to be derived) call
+    all_reduce(t, algorithm="ina", topology=Topology.from_env()) at the same time on one switch:
+    world A sends 1.0 and world B 100.0, and on every call A gets exactly 2.0 and B exactly 200.0; the
+    ranks of a world agree on one job identity and the two worlds never share it. Then (FAULTS row 30,
+    INA part) init -> ina all_reduce -> destroy cycles with the garbage collector off leave no file
+    descriptor, thread or open session behind."""
+    ctx = mp.get_context("spawn")
+    with SwitchProcess() as sw, tempfile.TemporaryDirectory() as tmp:
+        results = ctx.Queue()
+        barrier = ctx.Barrier(4)
+        address = f"{sw.address[0]}:{sw.address[1]}"
+        procs = [ctx.Process(target=_world_rank, args=(world, r, tmp, address, value, barrier, results),
+                             daemon=True, name=f"{world}{r}")
+                 for world, value in (("A", 1.0), ("B", 100.0)) for r in range(2)]
+        for p in procs:
+            p.start()
+        try:
+            out = _collect(procs, results, 4, GUARD)
+        finally:
+            _reap(procs)
+        stats = sw.stats()
+    by_world: dict[str, list[Any]] = {"A": [], "B": []}
+    for _, _, (world, sums, identity, counts, open_sessions) in out:
+        expected = 2.0 if world == "A" else 200.0
+        assert sums == [[expected]] * 5, f"world {world}: got {sums}, expected only {expected} on every call"
+        assert len(identity) == 1, identity
+        by_world[world].append(identity[0])
+        first, last = counts[0], counts[-1]
+        assert last[0] <= first[0] and last[1] == first[1], f"world {world}: fds/threads {counts}"
+        assert open_sessions == 0
+    id_a0, id_a1 = by_world["A"]
+    id_b0, id_b1 = by_world["B"]
+    assert id_a0 == id_a1 and id_b0 == id_b1, "the ranks of a world must share one job identity"
+    assert id_a0 != id_b0, f"two independent worlds share the job identity {id_a0}"
+    assert stats["foreign_dropped"] == 0 and stats["joins_refused"] == 0, stats
+    assert stats["epochs"] == 2 + 2 * 4 and stats["jobs_active"] == 0, stats
+
+
 def _doomed_worker(address: tuple[str, int], job: int, started: Any) -> None:
     torch.set_num_threads(1)
     with InaSession(address, job_id=job, worker_id=2, num_workers=3, timeout=60.0) as s:
