@@ -783,3 +783,35 @@ def test_join_flood_is_bounded_and_released_within_seconds():
         ys = _inputs(2, 2000, torch.float32, seed=41)
         for t in _run(2, lambda w: _reduce_once(sw.address, 200, w, ys[w])):
             _check(t, ys, "sum")
+
+
+def test_abandoned_join_for_an_ended_job_is_released():
+    """FAULTS row 28: the JOIN of a job's next incarnation that never completes (worker 0 left and
+    rejoined, worker 1 left and never came back) holds the job's partition only until the join
+    timeout; then the pending JOIN is dropped and the partition freed, and both are counted."""
+    sw = Switch(pool_slots=32, partition_size=16, join_timeout=0.2)  # in-process: handle() directly
+    sinks = [_raw_socket() for _ in range(2)]
+    try:
+        addrs = [s.getsockname() for s in sinks]
+
+        def feed(ptype: int, w: int, tag: int, epoch: int = 0) -> None:
+            pkt = bytearray(pack_header(ptype, job_id=5, worker_id=w, num_workers=2, nonce=9, epoch=epoch, tag=tag))
+            sw.handle(pkt, len(pkt), addrs[w])
+
+        feed(PacketType.JOIN, 0, 10)
+        feed(PacketType.JOIN, 1, 11)
+        assert sw.stats()["epochs"] == 1 and sw.stats()["jobs_active"] == 1
+        feed(PacketType.LEAVE, 0, 10, epoch=1)  # worker 0's session closed: the incarnation is over
+        feed(PacketType.JOIN, 0, 20)  # its next session joins; worker 1's never does
+        feed(PacketType.LEAVE, 1, 11, epoch=1)  # every worker left, but a JOIN is pending
+        s = sw.stats()
+        assert s["jobs_active"] == 1 and s["joins_refused"] == 0 and s["jobs_released"] == 0, s
+        time.sleep(0.3)
+        sw._housekeeping()
+        s = sw.stats()
+        assert s["jobs_active"] == 0 and s["pending_released"] == 1 and s["jobs_released"] == 1, s
+        assert s["epochs"] == 1 and s["leaves_refused"] == 0
+    finally:
+        sw.close()
+        for sock in sinks:
+            sock.close()
