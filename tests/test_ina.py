@@ -511,6 +511,11 @@ def test_protocol_header_roundtrip():
         pack_header(PacketType.DATA, job_id=70000)
     with pytest.raises(struct.error):
         pack_header(PacketType.DATA, nonce=2**64)
+    # The identity travels as int64 lanes in the agreeing broadcast: every nonce survives the trip.
+    from commopt.comm.ina.worker import identity_of, identity_tensor
+
+    for ident in ((1, 0), (65535, 2**64 - 1), (7, 2**63), (3, 2**63 - 1)):
+        assert identity_of(identity_tensor(ident)) == ident
     assert math.isclose(error_bound(30, 2), 2.0**-30)
 
 

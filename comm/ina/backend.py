@@ -36,8 +36,7 @@ from torch.futures import Future
 
 from ..errors import CommError, CommTimeoutError
 from .faults import FaultConfig
-from .protocol import MAX_NONCE
-from .worker import InaSession, draw_identity
+from .worker import InaSession, draw_identity, identity_of, identity_tensor
 
 __all__ = ["BACKEND_NAME", "InaOptions", "InaProcessGroup", "parse_address", "register_backend"]
 
@@ -133,11 +132,7 @@ class InaProcessGroup(dist.ProcessGroup):
         A broadcast rather than the store: a store reused by a later group of the same name could
         hand a rank the previous group's key before rank 0 overwrote it.
         """
-        pair = [0, 0]
-        if rank == 0:
-            jid, nonce = draw_identity(job_id)
-            pair = [jid, nonce - (1 << 64) if nonce >> 63 else nonce]  # int64 two's complement
-        t = torch.tensor(pair, dtype=torch.int64)
+        t = identity_tensor(draw_identity(job_id) if rank == 0 else (0, 0))
         opts = dist.BroadcastOptions()
         opts.rootRank, opts.rootTensor = 0, 0
         try:
@@ -146,8 +141,7 @@ class InaProcessGroup(dist.ProcessGroup):
             raise CommTimeoutError(f"init_process_group('ina'): agreeing on the job identity failed on rank "
                                    f"{rank}: {e}; every rank must create the group", op="init/ina", seq=0,
                                    ranks=[rank]) from e
-        jid, nonce = (int(v) for v in t.tolist())
-        return jid, nonce & MAX_NONCE
+        return identity_of(t)
 
     @staticmethod
     def _make_gloo(store: dist.Store, rank: int, size: int, timeout: timedelta,

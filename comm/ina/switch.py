@@ -222,10 +222,6 @@ class _Job:
         self.last_active = time.monotonic()
         self.left = 0  # bitmap of workers of the current epoch that sent LEAVE
 
-    @property
-    def key(self) -> tuple[int, int]:
-        return self.job_id, self.nonce
-
     def running(self, now: float, idle_timeout: float) -> bool:
         """All workers joined, none left, traffic within the idle timeout: no JOIN may touch it."""
         return self.established and self.left == 0 and now - self.last_active <= idle_timeout
@@ -464,7 +460,6 @@ class Switch:
                 self._error(h, ERR_NO_PARTITION, addr)
                 return
             job = self.jobs[key] = _Job(h.job_id, h.nonce, part, h.num_workers, self.partition_size, addr)
-            job.pending_n = h.num_workers
             grave = self._graves.pop(key, None)
             if grave is not None:
                 job.epoch, job.retired = grave

@@ -102,6 +102,8 @@ __all__ = [
     "ina_all_reduce_for",
     "draw_identity",
     "agree_identity",
+    "identity_tensor",
+    "identity_of",
     "max_exponent",
     "headroom_bits",
     "block_shift",
@@ -1023,16 +1025,23 @@ def agree_identity(group: Any, device: Any, timeout: float | None, job_id: int |
 
     from ..topology import setup_wait
 
-    pair = [0, 0]
-    if dist.get_rank(group) == 0:
-        jid, nonce = draw_identity(job_id)
-        pair = [jid, nonce - (1 << 64) if nonce >> 63 else nonce]  # int64 two's complement
-    t = torch.tensor(pair, dtype=torch.int64, device=device)
+    t = identity_tensor(draw_identity(job_id) if dist.get_rank(group) == 0 else (0, 0), device)
     if dist.get_world_size(group) > 1:
         src = dist.get_global_rank(group, 0) if group is not None else 0
         setup_wait(dist.broadcast(t, src=src, group=group, async_op=True), timeout, "ina/join")
-    jid, nonce = (int(v) for v in t.tolist())
-    return jid, nonce & MAX_NONCE
+    return identity_of(t)
+
+
+def identity_tensor(identity: tuple[int, int], device: Any = "cpu") -> torch.Tensor:
+    """(job id, nonce) as two int64 lanes (the nonce in two's complement), to broadcast."""
+    job_id, nonce = identity
+    return torch.tensor([job_id, nonce - (1 << 64) if nonce >> 63 else nonce], dtype=torch.int64, device=device)
+
+
+def identity_of(t: torch.Tensor) -> tuple[int, int]:
+    """The inverse of :func:`identity_tensor`."""
+    job_id, nonce = (int(v) for v in t.tolist())
+    return job_id, nonce & MAX_NONCE
 
 
 _SESSIONS_LOCK = threading.Lock()
