@@ -26,6 +26,7 @@ memory is a separate object (``feedback.ErrorFeedback``), keyed by parameter, ne
 from __future__ import annotations
 
 import hashlib
+import numbers
 import warnings
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -35,8 +36,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
+from ..collectives import all_reduce as exact_all_reduce
+from ..collectives import check_group, check_timeout
+from ..engine import chain, wait
+from ..errors import CollectiveMismatchError
+from ..topology import Topology
+from .feedback import ErrorFeedback
+
 __all__ = ["Compressor", "Job", "Round", "derive_seed", "wait_work", "all_gather_single",
-           "reduce_scatter_single", "compute_dtype", "as_bytes", "all_finite"]
+           "reduce_scatter_single", "compute_dtype", "as_bytes", "all_finite", "TAG_LEN", "tag_of", "check_tag"]
 
 # torch 2.13 renamed the tensor variants; older releases (>= 2.3) have only the old names.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -58,11 +66,47 @@ def derive_seed(seed: int, *parts: int | str) -> int:
 
 
 def wait_work(work, timeout: float | None) -> None:
-    """Wait for an async collective; with ``timeout`` the backend raises after that many seconds."""
+    """Wait for an async collective; with ``timeout`` the backend raises after that many seconds.
+
+    ``work.wait(timedelta)`` is bounded for every collective compression issues except gloo's
+    reduce-scatter, whose work ignores the timeout (and never reports ``is_completed()``): the
+    exchange therefore never waits on one (``exchange.py`` reduce-scatters point-to-point on gloo).
+    """
     if timeout is None:
         work.wait()
     else:
         work.wait(timedelta(seconds=float(timeout)))
+
+
+#: Elements of the tag an optimistic round appends to its first all-reduced payload (see ``Job.tag``).
+TAG_LEN = 64
+
+
+def tag_of(signature: int) -> torch.Tensor:
+    """The tag of a 32-bit ``signature``: each bit and its complement, as 0/1 values (float64).
+
+    Summed over the ranks, a position where this rank holds 0 stays exactly 0 (in any floating
+    dtype, with any number of ranks) only if every rank holds 0 there: every bit agrees.
+    """
+    bits = [(signature >> k) & 1 for k in range(TAG_LEN // 2)]
+    return torch.tensor(bits + [1 - b for b in bits], dtype=torch.float64)
+
+
+def check_tag(job: Job, reduced: torch.Tensor, op: str) -> None:
+    """Raise ``CollectiveMismatchError`` when the reduced tag shows that the ranks' signatures differ.
+
+    Every rank of the group sees it: two ranks that differ in a bit both hold a 1 at one of its two
+    positions, which is a 0 on every rank that agrees with either of them.
+    """
+    if job.tag is None:
+        return
+    zero = (job.tag == 0).to(reduced.device)
+    if bool((reduced.ne(0) & zero).any()):
+        raise CollectiveMismatchError(
+            f"the ranks of this compressed exchange (a group of {job.n}) hold different tensors, dtypes, "
+            f"compressor settings or steps (this rank: {job.what}); pass tensors of the same shapes and "
+            f"dtype, and the same compressor settings and step, on every rank (AllReduceState(validate=True) "
+            f"names the ranks that differ)", op=op)
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -120,6 +164,12 @@ class Job:
         nonfinite: set by an optimistic compressor's round when its reduced result (identical on
             every rank of the group) holds NaN/Inf; later rounds then do nothing, ``out`` is not
             meaningful and the exchange reduces ``x`` exactly instead.
+        tag: optimistic compressors only (they run no agreed check first): ``TAG_LEN`` values
+            (``tag_of`` of the signature of the tensors, dtype, settings and step) that the first
+            round appends to its all-reduced payload and checks with ``check_tag`` right after, so
+            that ranks holding different tensors raise ``CollectiveMismatchError`` instead of
+            returning wrong values. None: no tag (the exchange's check phase compared them).
+        what: this rank's tensors in words, for that error.
     """
 
     x: torch.Tensor
@@ -143,6 +193,8 @@ class Job:
     dest_scale: float = 1.0
     dest_written: bool = False
     nonfinite: bool = False
+    tag: torch.Tensor | None = None
+    what: str = ""
 
 
 @dataclass
@@ -224,10 +276,11 @@ class Compressor:
         ``check_finite=True``.
 
         Args:
-            tensor: any shape, contiguous or not (reduced through a copy, written back).
+            tensor: a dense ``torch.Tensor`` of any shape, contiguous or not (reduced through a copy,
+                written back), the same shape and dtype on every rank.
             op: ``ReduceOp.SUM`` or ``ReduceOp.AVG``.
             group: the process group (None: WORLD).
-            topology: its layout (None: detected when ``algorithm`` needs it).
+            topology: its layout, built over ``group`` (None: detected when ``algorithm`` needs it).
             algorithm: ``"flat"``, ``"hierarchical"`` (compress the inter-node phase only) or ``"auto"``.
             async_op: return a Future of ``tensor``.
             error_feedback: an ``ErrorFeedback`` whose residual for ``key`` is added before
@@ -236,22 +289,36 @@ class Compressor:
             step: the step number seeding randomness; None counts this compressor's calls.
             seed: the seed shared by all ranks.
             check_finite: raise ``NonFiniteError`` instead of falling back to an exact reduction.
-            timeout: seconds each collective may take.
+            timeout: seconds each wait may take, for the creation of the groups on the first call too,
+                before ``CommTimeoutError`` (a rank that never enters); None or ``inf``: no bound of
+                commopt's own (the group's own timeout still applies).
 
         Returns:
             ``tensor``, or a Future of it when ``async_op``.
+
+        Raises:
+            TypeError: ``tensor`` is not a dense ``torch.Tensor`` (a list, None, a NumPy array, a
+                sparse tensor), or another argument has the wrong type; raised at the call, before
+                anything moves, and ``tensor`` is left unchanged.
+            ValueError: an unsupported ``op`` or ``algorithm``, a negative ``step``, a ``timeout``
+                that is not positive, or a ``topology`` of another group.
+            CollectiveMismatchError: the ranks passed tensors of different sizes, dtypes or shapes
+                (or compressors of different settings): raised on every rank, ``tensor`` unchanged.
+            CommTimeoutError: a wait passed ``timeout``.
+            NonFiniteError: ``check_finite=True`` and a rank holds NaN/Inf.
         """
-        from ..collectives import all_reduce as exact_all_reduce
-        from ..engine import wait
         from .exchange import reduce_tensors
 
+        name = f"{type(self).__name__}.all_reduce"
+        timeout = self._check_call(name, tensor, group, topology, algorithm, error_feedback, key, step, seed,
+                                   timeout)
         if not tensor.is_floating_point():
             return exact_all_reduce(tensor, op, group=group, topology=topology,
                                     algorithm="flat" if algorithm == "auto" else algorithm,
                                     async_op=async_op, timeout=timeout)
         if op not in (ReduceOp.SUM, ReduceOp.AVG):
-            raise ValueError(f"{type(self).__name__}.all_reduce: op {op} is not supported; compressors "
-                             f"reduce with ReduceOp.SUM or ReduceOp.AVG")
+            raise ValueError(f"{name}: op {op} is not supported; compressors reduce with ReduceOp.SUM or "
+                             f"ReduceOp.AVG")
         if step is None:
             step = self._calls
         self._calls += 1
@@ -261,24 +328,55 @@ class Compressor:
         if not dist.is_initialized() or dist.get_world_size(group) == 1 or tensor.numel() == 0:
             done.set_result(tensor)
             return done if async_op else tensor
-        work = tensor if tensor.is_contiguous() else tensor.contiguous()
+        # In place like torch.distributed, also on a tensor that requires grad (no autograd record).
+        target = tensor.detach()
+        work = target if target.is_contiguous() else target.contiguous()
         fut = reduce_tensors(self, [work], [key], group=group, topology=topology, algorithm=algorithm,
                              average=op == ReduceOp.AVG, step=step, seed=seed, feedback=error_feedback,
                              check_finite=check_finite, timeout=timeout)
 
-        def finish(f: torch.futures.Future | None = None) -> torch.Tensor:
-            if f is not None:
-                f.value()
-            if work is not tensor:
-                tensor.copy_(work)
+        def finish(_value=None) -> torch.Tensor:
+            if work is not target:
+                target.copy_(work)
             return tensor
 
         if async_op:
-            return fut.then(finish)
-        # Waiting on the engine's own future re-raises the phase's exception with its type
-        # (NonFiniteError, CommTimeoutError); a chained future would wrap it in a RuntimeError.
+            # chain, not Future.then: the caller's wait() re-raises the phase's exception with its
+            # type (NonFiniteError, CommTimeoutError, CollectiveMismatchError), not a RuntimeError.
+            return chain(fut, finish)
         wait(fut, None, op=f"compress/{self.name}")
         return finish()
+
+    @staticmethod
+    def _check_call(name: str, tensor, group, topology, algorithm, error_feedback, key, step, seed,
+                    timeout) -> float | None:
+        """Every argument of ``all_reduce``, checked at the call on every rank, before anything moves
+        or changes; returns the timeout in seconds (None: no bound of commopt's own)."""
+        if not isinstance(tensor, torch.Tensor):
+            hint = " (convert it with torch.as_tensor(...) and reduce that)" if tensor is not None else ""
+            raise TypeError(f"{name}: tensor must be a torch.Tensor, got {type(tensor).__name__}{hint}")
+        if tensor.layout != torch.strided:
+            raise TypeError(f"{name}: tensors of layout {tensor.layout} are not supported (only dense, strided "
+                            f"tensors are compressed); reduce tensor.to_dense(), or the sparse tensor's values "
+                            f"with torch.distributed directly")
+        check_group(name, group)
+        if topology is not None and not isinstance(topology, Topology):
+            raise TypeError(f"{name}: topology must be a commopt.comm.Topology or None (detected), got "
+                            f"{type(topology).__name__} {topology!r}; e.g. Topology.from_spec('2x2')")
+        if not isinstance(algorithm, str) or algorithm not in ("flat", "hierarchical", "auto"):
+            raise ValueError(f"{name}: algorithm {algorithm!r} is not supported; use 'flat', 'hierarchical' "
+                             f"(compresses the inter-node phase only) or 'auto'")
+        if error_feedback is not None and not isinstance(error_feedback, ErrorFeedback):
+            raise TypeError(f"{name}: error_feedback must be a compression.ErrorFeedback or None, got "
+                            f"{type(error_feedback).__name__}")
+        if not isinstance(key, str):
+            raise TypeError(f"{name}: key must be a str (the stable name of this tensor's residual), got "
+                            f"{type(key).__name__} {key!r}")
+        if step is not None and (isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0):
+            raise ValueError(f"{name}: step must be an int >= 0 (the same on every rank) or None, got {step!r}")
+        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+            raise TypeError(f"{name}: seed must be an int (the same on every rank), got {type(seed).__name__}")
+        return check_timeout(name, timeout)
 
     def warn_biased(self) -> None:
         if not self._warned:

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
-from .base import Compressor, Job, Round, all_finite, wait_work
+from .base import TAG_LEN, Compressor, Job, Round, all_finite, check_tag, wait_work
 
 __all__ = ["FP16Compressor", "BF16Compressor"]
 
@@ -67,16 +67,25 @@ class _CastCompressor(Compressor):
 
     def _exchange(self, job: Job) -> int:
         s = self.scale(job.scale_hint, job.total_ranks)
-        wire = torch.empty(job.x.numel(), dtype=self.wire, device=job.x.device)
+        numel = job.x.numel()
+        # Optimistic: the input's tag rides at the end of the wire (TAG_LEN elements), checked
+        # right after the all-reduce (no check phase compared the ranks' inputs).
+        tail = 0 if job.tag is None else TAG_LEN
+        buf = torch.empty(numel + tail, dtype=self.wire, device=job.x.device)
+        wire = buf[:numel]
         torch.mul(job.x, s, out=wire)  # computed in fp32, rounded once: (x * s).to(wire)
+        if tail:
+            buf[numel:].copy_(job.tag)
         if job.sent is not None:
             job.sent.copy_(wire).div_(s)
-        wait_work(dist.all_reduce(wire, op=ReduceOp.SUM, group=job.group, async_op=True), job.timeout)
+        wait_work(dist.all_reduce(buf, op=ReduceOp.SUM, group=job.group, async_op=True), job.timeout)
+        if tail:
+            check_tag(job, buf[numel:], f"compress/{self.name}/all_reduce")
         if self.optimistic:
             job.nonfinite = not all_finite(wire)
         # The exchange decodes (SUM = wire / s) while writing the result, folded with the averaging.
         job.out, job.out_scale = wire, 1.0 / s
-        return self.payload_bytes(job.x.numel(), job.n)
+        return self.payload_bytes(numel + tail, job.n)
 
     def roundtrip(self, x: torch.Tensor, *, step: int = 0, seed: int = 0, salt: int = 0) -> torch.Tensor:
         return x.to(self.wire).to(x.dtype)

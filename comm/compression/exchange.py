@@ -39,6 +39,9 @@ largest, and the reduce-scatter hands every local rank the node sum of whole mat
 
 from __future__ import annotations
 
+import functools
+import time
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -47,17 +50,20 @@ from torch.distributed import ReduceOp
 
 from ... import kernels
 from .. import cost
+from ..collectives import engine, resolve_topology
 from ..engine import Phase
-from ..errors import NonFiniteError, TopologyError
+from ..errors import CollectiveMismatchError, NonFiniteError, TopologyError
 from ..topology import Topology
 from .base import (
     Compressor,
     Job,
     all_finite,
     all_gather_single,
+    check_tag,
     compute_dtype,
     derive_seed,
     reduce_scatter_single,
+    tag_of,
     wait_work,
 )
 from .feedback import ErrorFeedback
@@ -165,16 +171,20 @@ def _unstage(buf: torch.Tensor, tensors: list[torch.Tensor], layout: Layout) -> 
     kernels.unflatten(src, tensors, layout.offsets)
 
 
-def _resolve(algorithm: str, group, topology: Topology | None) -> Topology | None:
-    """The hierarchical topology, or None for a flat exchange."""
-    from ..collectives import resolve_topology
+def _same_group(a, b) -> bool:
+    """Whether two process-group arguments name the same group (None is WORLD)."""
+    world = dist.group.WORLD
+    return (world if a is None else a) is (world if b is None else b)
 
+
+def _resolve(algorithm: str, group, topology: Topology | None, timeout: float | None = None) -> Topology | None:
+    """The hierarchical topology, or None for a flat exchange (detecting it is bounded by ``timeout``)."""
     if algorithm == "flat":
         return None
     if algorithm not in ("hierarchical", "auto"):
         raise ValueError(f"compressed all-reduce: algorithm {algorithm!r} is not supported; use 'flat', "
                          f"'hierarchical' (compresses the inter-node phase only) or 'auto'")
-    topo = resolve_topology(topology, group)
+    topo = resolve_topology(topology, group, timeout)
     if not topo.is_uniform:
         if algorithm == "hierarchical":
             raise TopologyError(f"compressed hierarchical all-reduce needs nodes of equal size, got "
@@ -184,6 +194,89 @@ def _resolve(algorithm: str, group, topology: Topology | None) -> Topology | Non
     if topo.num_nodes == 1 or topo.local_size == 1:
         return None  # one level only: nothing to keep exact
     return topo
+
+
+# ----------------------------------------------------------------------------- agreement on the input
+# Without validation, ranks holding different tensors must still fail loudly, never return wrong
+# values: gloo fails on collectives of different lengths (a C++ abort on one side, an error on the
+# other) but not on different tensors of equal staged length (block alignment pads [100] and [200]
+# to the same vector), nor on fp32 and fp64 buffers of equal bytes. So every exchange compares a
+# signature of its input on every rank, in a collective it runs anyway: the check phase's MAX
+# all-reduce carries [s, -s, h, -h] (s = element count and dtype, h = a 52-bit hash of the shapes,
+# dtype, compressor settings, step decision and op); optimistic exchanges append a tag of h to their
+# first all-reduced payload (``base.tag_of``) and, in hierarchical mode, all-reduce [s, -s, h, -h]
+# over the node alongside the intra-node reduce-scatter (no rail collective of its own).
+_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+
+
+def _dtype_code(dtype: torch.dtype) -> int:
+    return _DTYPES.index(dtype) + 1 if dtype in _DTYPES else 15
+
+
+def _describe(s: int) -> str:
+    code = s % 16
+    return f"{s // 16} elements of {_DTYPES[code - 1] if 1 <= code <= len(_DTYPES) else 'another dtype'}"
+
+
+def _signature(compressor: Compressor, tensors: list[torch.Tensor], active: bool, average: bool) -> tuple[int, int]:
+    """(s, h): the element count and dtype code, and a 52-bit hash of everything the exchange's
+    collectives depend on (exact in float64, so a MAX all-reduce compares them)."""
+    dtype = tensors[0].dtype
+    s = sum(t.numel() for t in tensors) * 16 + _dtype_code(dtype)
+    dims = [tuple(t.shape) for t in tensors] if compressor.needs_matrices else [t.numel() for t in tensors]
+    h = derive_seed(0, "compress-signature", repr(sorted(compressor.config().items())), str(dtype),
+                    int(active), int(average), *map(str, dims))
+    return s, h & ((1 << 52) - 1)
+
+
+def _agreement(s: int, h: int, device: torch.device) -> torch.Tensor:
+    """What a MAX all-reduce of the signature reduces: [s, -s, h, -h] (max and minus min)."""
+    return torch.tensor([s, -s, h, -h], dtype=torch.float64, device=device)
+
+
+def _disagreement(values: torch.Tensor, mine: int, what: str, op: str) -> CollectiveMismatchError | None:
+    """The error for MAX-reduced [s, -s, h, -h] whose max and min differ, else None (agreed)."""
+    smax, smin, hmax, hmin = (int(v) for v in values.tolist())
+    smin, hmin = -smin, -hmin
+    if smax == smin and hmax == hmin:
+        return None
+    if smax != smin:
+        detail = f"from {_describe(smin)} to {_describe(smax)}"
+    else:
+        detail = f"{_describe(mine)} everywhere, but different shapes, compressor settings, steps or ops"
+    return CollectiveMismatchError(
+        f"the ranks of this compressed all-reduce hold different tensors: {detail} (this rank: {what}); "
+        f"pass tensors of the same shapes and dtype, and the same compressor settings, step and op, on every "
+        f"rank (AllReduceState(validate=True) names the ranks that differ)", op=op)
+
+
+def _deadline(timeout: float | None) -> float | None:
+    return None if timeout is None else time.monotonic() + timeout
+
+
+def _wait_until(work, deadline: float | None) -> None:
+    """``wait_work`` bounded by a deadline shared by several works (one phase: one timeout)."""
+    wait_work(work, None if deadline is None else max(1e-3, deadline - time.monotonic()))
+
+
+def _post_reduce_scatter(inp: torch.Tensor, group) -> tuple[list, torch.Tensor, torch.Tensor]:
+    """Post a reduce-scatter over ``group`` as point-to-point transfers: (works, this rank's own
+    block of ``inp``, the other ranks' blocks as received, once the works complete).
+
+    gloo's own reduce-scatter is an all-reduce in disguise (slower than direct transfers, which send
+    the optimal (L-1)/L), and its work ignores ``wait(timeout)``: a rank that never arrives would
+    block the worker until the group's own timeout. Point-to-point works honour it.
+    """
+    size, me = dist.get_world_size(group), dist.get_rank(group)
+    ranks = dist.get_process_group_ranks(group)
+    blocks = inp.view(size, -1)
+    others = [j for j in range(size) if j != me]
+    parts = blocks.new_empty(len(others), blocks.shape[1])
+    works = []
+    for k, j in enumerate(others):
+        works.append(dist.isend(blocks[j], ranks[j], group=group))
+        works.append(dist.irecv(parts[k], ranks[j], group=group))
+    return works, blocks[me], parts
 
 
 @dataclass
@@ -222,8 +315,10 @@ def reduce_tensors(compressor: Compressor, tensors: list[torch.Tensor], keys: li
     Returns:
         A Future completing with None once ``tensors`` hold the result.
     """
-    from ..collectives import engine
-
+    if topology is not None and not _same_group(topology.group, group):
+        raise ValueError(f"compress/{compressor.name}: the topology describes another process group than "
+                         f"group={group!r}; build it over the group reduced over, e.g. "
+                         f"Topology.from_spec(spec, group=group), or pass group=topology.group")
     dtypes = {t.dtype for t in tensors}
     if len(dtypes) != 1 or not tensors[0].is_floating_point():
         raise TypeError(f"compress/{compressor.name}: tensors must share one floating dtype, got "
@@ -234,7 +329,7 @@ def reduce_tensors(compressor: Compressor, tensors: list[torch.Tensor], keys: li
     order = sorted(range(len(keys)), key=lambda i: keys[i])
     tensors, keys = [tensors[i] for i in order], [keys[i] for i in order]
     world = dist.get_world_size(group)
-    topo = _resolve(algorithm, group, topology)
+    topo = _resolve(algorithm, group, topology, timeout)
     flat_topo = Topology.from_spec(f"1x{world}", group=group)
     name = compressor.name
     optimistic = bool(compressor.optimistic)
@@ -243,17 +338,17 @@ def reduce_tensors(compressor: Compressor, tensors: list[torch.Tensor], keys: li
     role = f"cmp-{name}-opt" if optimistic else f"cmp-{name}"
     if topo is not None:
         local, local_rank = topo.local_size, topo.local_rank
-        rs_group = topo.groups(f"{role}-rs").intra
-        ag_group = topo.groups(f"{role}-ag").intra
-        round_groups = [topo.groups(f"{role}-{i}").rail for i in range(compressor.n_rounds)]
-        exact_group = topo.groups(f"{role}-exact").rail if optimistic else None
+        rs_group = topo.groups(f"{role}-rs", timeout).intra
+        ag_group = topo.groups(f"{role}-ag", timeout).intra
+        round_groups = [topo.groups(f"{role}-{i}", timeout).rail for i in range(compressor.n_rounds)]
+        exact_group = topo.groups(f"{role}-exact", timeout).rail if optimistic else None
         rail_size = topo.num_nodes
     else:
         local, local_rank, rs_group, ag_group = 1, 0, None, None
-        round_groups = [flat_topo.groups(f"{role}-{i}").intra for i in range(compressor.n_rounds)]
-        exact_group = flat_topo.groups(f"{role}-exact").intra if optimistic else None
+        round_groups = [flat_topo.groups(f"{role}-{i}", timeout).intra for i in range(compressor.n_rounds)]
+        exact_group = flat_topo.groups(f"{role}-exact", timeout).intra if optimistic else None
         rail_size = world
-    check_group = None if optimistic else flat_topo.groups("cmp-check").intra
+    check_group = None if optimistic else flat_topo.groups("cmp-check", timeout).intra
 
     numels = [t.numel() for t in tensors]
     layout = layout_for(compressor, numels, local_size=local, local_rank=local_rank, rail_size=rail_size)
@@ -278,6 +373,13 @@ def reduce_tensors(compressor: Compressor, tensors: list[torch.Tensor], keys: li
     salt = derive_seed(seed, keys[0] if keys else "", len(keys), layout.lo)
     ctx = _Ctx()
     esize = cdtype.itemsize
+    sig, sig_hash = _signature(compressor, tensors, active, average)
+    what = (f"{_describe(sig)} in {len(tensors)} tensor(s)"
+            + (f" of shapes {[tuple(t.shape) for t in tensors[:3]]}{'...' if len(tensors) > 3 else ''}"
+               if compressor.needs_matrices else ""))
+    tag = tag_of(sig_hash) if optimistic else None
+    # gloo's reduce-scatter cannot be waited for with a bound (see _post_reduce_scatter); NCCL's can.
+    native_rs = rs_group is not None and dist.get_backend(rs_group) == "nccl"
 
     def nonfinite_error() -> NonFiniteError:
         return NonFiniteError(
@@ -286,24 +388,49 @@ def reduce_tensors(compressor: Compressor, tensors: list[torch.Tensor], keys: li
             f"a loss scaler, or pass check_finite=False to reduce such steps exactly", op=f"compress/{name}")
 
     def check() -> int:
+        """MAX over the group of [non-finite flag, max |x|, s, -s, h, -h] (the signature: see above)."""
         finite = torch.isfinite(staged)
-        flags = torch.zeros(2, dtype=torch.float64)
+        flags = torch.zeros(6, dtype=torch.float64, device=device)
         if staged.numel():
             flags[0] = float(not bool(finite.all()))
             flags[1] = float(torch.where(finite, staged.abs(), 0).max())
+        flags[2:] = _agreement(sig, sig_hash, device)
         wait_work(dist.all_reduce(flags, op=ReduceOp.MAX, group=check_group, async_op=True), timeout)
+        err = _disagreement(flags[2:], sig, what, f"compress/{name}/check")
+        if err is not None:
+            raise err  # every rank holds the same MAX: every rank raises, before any payload moved
         ctx.nonfinite, ctx.amax = bool(flags[0] > 0), float(flags[1])
         if ctx.nonfinite and check_finite:
             raise nonfinite_error()
         return int(cost.ALGORITHM_FACTORS["allreduce"](world) * flags.numel() * flags.element_size())
 
     def reduce_scatter() -> int:
+        deadline = _deadline(timeout)
         ctx.shard = staged.new_empty(layout.hi - layout.lo)
-        wait_work(reduce_scatter_single(ctx.shard, staged, op=ReduceOp.SUM, group=rs_group, async_op=True),
-                  timeout)
+        nbytes = (local - 1) * ctx.shard.numel() * esize
+        agree = None
+        if optimistic:  # no check phase ran: the node agrees on its input alongside the exchange
+            values = _agreement(sig, sig_hash, device)
+            agree = dist.all_reduce(values, op=ReduceOp.MAX, group=rs_group, async_op=True)
+            nbytes += int(cost.ALGORITHM_FACTORS["allreduce"](local) * values.numel() * values.element_size())
+        if native_rs:
+            works = [reduce_scatter_single(ctx.shard, staged, op=ReduceOp.SUM, group=rs_group, async_op=True)]
+        else:
+            works, mine, parts = _post_reduce_scatter(staged, rs_group)
+        if agree is not None:
+            _wait_until(agree, deadline)
+            err = _disagreement(values, sig, what, f"compress/{name}/reduce_scatter")
+            if err is not None:
+                raise err  # on every rank of the node; the other nodes' ranks time out on the rail
+        for w in works:
+            _wait_until(w, deadline)
+        if not native_rs:
+            torch.add(mine, parts[0], out=ctx.shard)
+            for k in range(1, parts.shape[0]):
+                ctx.shard.add_(parts[k])
         # Counted apart (op "compress/<name>/intra"): these bytes cross the fast intra-node links,
         # the op's own count is what crosses the scarce inter-node ones.
-        engine().count(f"compress/{name}/intra", (local - 1) * ctx.shard.numel() * esize)
+        engine().count(f"compress/{name}/intra", nbytes)
         return 0
 
     def first_round(group) -> int:
@@ -313,11 +440,22 @@ def reduce_tensors(compressor: Compressor, tensors: list[torch.Tensor], keys: li
             # Exact fallback (non-finite step, compression not started or not worth it): the same
             # collective on every rank of the group, because the decision was agreed or shape-made.
             shard = ctx.shard if ctx.shard is not None else staged_vec()[layout.lo: layout.hi]
-            if group is not None and shard.numel():
-                wait_work(dist.all_reduce(shard, op=ReduceOp.SUM, group=group, async_op=True), timeout)
             ctx.exact = True
-            ctx.job = Job(x=shard, out=shard, sent=None, group=group, n=n, rank=0, step=step, seed=seed)
-            return int(cost.ALGORITHM_FACTORS["allreduce"](n) * shard.numel() * esize)
+            ctx.job = Job(x=shard, out=shard, sent=None, group=group, n=n, rank=0, step=step, seed=seed,
+                          tag=tag, what=what)
+            if group is None:
+                return 0
+            if tag is None:  # the check phase compared the ranks' inputs
+                if shard.numel():
+                    wait_work(dist.all_reduce(shard, op=ReduceOp.SUM, group=group, async_op=True), timeout)
+                return int(cost.ALGORITHM_FACTORS["allreduce"](n) * shard.numel() * esize)
+            # Optimistic (PowerSGD before start_iter): the tag rides with the payload (a copy; such
+            # steps send the whole vector anyway).
+            buf = torch.cat([shard, tag.to(dtype=shard.dtype, device=shard.device)])
+            wait_work(dist.all_reduce(buf, op=ReduceOp.SUM, group=group, async_op=True), timeout)
+            check_tag(ctx.job, buf[shard.numel():], f"compress/{name}/{rounds[0].name}")
+            shard.copy_(buf[: shard.numel()])
+            return int(cost.ALGORITHM_FACTORS["allreduce"](n) * buf.numel() * esize)
         shard = ctx.shard if ctx.shard is not None or lazy else staged[layout.lo: layout.hi]
         x = shard
         if use_ef and optimistic and (topo is None or compressor.needs_matrices):
@@ -350,7 +488,7 @@ def reduce_tensors(compressor: Compressor, tensors: list[torch.Tensor], keys: li
                               if uses_server else None),
                       timeout=timeout, scale_hint=ctx.amax, total_ranks=world,
                       dest=[tensors[i] for i in layout.owned] if direct else None,
-                      dest_scale=1.0 / world if average else 1.0)
+                      dest_scale=1.0 / world if average else 1.0, tag=tag, what=what)
         return rounds[0].fn(ctx.job)
 
     def later_round(i: int, group) -> int:
@@ -479,11 +617,19 @@ def _scaled(out: torch.Tensor, factor: float, dtype: torch.dtype, divide: bool, 
 
 
 def _phase(name: str, group, body) -> Phase:
-    """A phase whose byte count is known only once it ran (it may fall back to an exact reduction)."""
+    """A phase whose byte count is known only once it ran (it may fall back to an exact reduction).
+
+    Its ``fn`` holds the phase only weakly: a phase whose function refers back to it is a reference
+    cycle, which would keep the phase, its closures and their process groups alive after
+    ``commopt.comm.destroy()`` until the garbage collector happens to run (sockets and threads).
+    """
     phase = Phase(name, None, group)
-
-    def fn() -> None:
-        phase.nbytes = int(body(group) or 0)
-
-    phase.fn = fn
+    phase.fn = functools.partial(_run_counted, weakref.ref(phase), body, group)
     return phase
+
+
+def _run_counted(phase_ref: weakref.ref, body, group) -> None:
+    nbytes = int(body(group) or 0)
+    phase = phase_ref()
+    if phase is not None:
+        phase.nbytes = nbytes

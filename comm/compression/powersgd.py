@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
-from .base import Compressor, Job, Round, all_finite, derive_seed, wait_work
+from .base import TAG_LEN, Compressor, Job, Round, all_finite, check_tag, derive_seed, wait_work
 
 __all__ = ["PowerSGDCompressor"]
 
@@ -144,8 +144,12 @@ class PowerSGDCompressor(Compressor):
             batches.setdefault(group_key, []).append((key, off, dims))
         n_exact = sum(n for _, n, _ in exact)
         sizes = [len(entries) * entries[0][2][0] * entries[0][2][2] for entries in batches.values()]
-        # One buffer: the exact elements, then every batch's P, computed straight into it.
-        buf = x.new_empty(n_exact + sum(sizes))
+        # One buffer: the exact elements, then every batch's P, computed straight into it, then the
+        # input's tag (checked right after the all-reduce: no check phase compared the inputs).
+        tail = 0 if job.tag is None else TAG_LEN
+        buf = x.new_empty(n_exact + sum(sizes) + tail)
+        if tail:
+            buf[buf.numel() - tail:].copy_(job.tag)
         pos = 0
         for off, n, _ in exact:
             buf[pos: pos + n].copy_(x[off: off + n])
@@ -165,6 +169,8 @@ class PowerSGDCompressor(Compressor):
             plan.append((entries, m, p))
         if buf.numel():
             wait_work(dist.all_reduce(buf, op=ReduceOp.SUM, group=job.group, async_op=True), job.timeout)
+        if tail:
+            check_tag(job, buf[buf.numel() - tail:], f"compress/{self.name}/all_reduce_p")
         # The reduced buffer is identical on every rank: NaN/Inf anywhere in x reaches it (through
         # the exact elements or P's rows), so every rank agrees whether to fall back (optimistic).
         job.nonfinite = not all_finite(buf)
