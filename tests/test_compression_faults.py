@@ -162,3 +162,112 @@ def test_compressed_rank_never_enters():
             else:
                 assert kind == "CommTimeoutError", (rank, label, kind, msg)
             assert TIMEOUT - 0.5 <= elapsed <= TIMEOUT + SLACK, (rank, label, elapsed, msg)
+
+
+# ------------------------------------------------------------------------------------------ mismatch
+def _mismatch_cases():
+    """(label, compressor factory, algorithm, this rank's tensors from (rank, generator)), for ranks
+    whose inputs differ in a way gloo itself does not notice (equal staged lengths or bytes)."""
+    def vec(n, dtype=torch.float32):
+        return lambda rank, g: [torch.randn(n, generator=g, dtype=torch.float64).to(dtype)]
+
+    def odd(rank_fn, a, b):  # rank 0 holds ``a``, the others ``b``
+        return lambda rank, g: (a if rank_fn(rank) else b)(rank, g)
+
+    cases = []
+    for algo in ("flat", "hierarchical"):  # the issue's case: padded to the same staged length
+        cases.append((f"int8/[100] vs [200]/{algo}", lambda: C.QuantizeCompressor(8), algo,
+                      odd(lambda r: r == 0, vec(100), vec(200))))
+    for name, make in (("topk", lambda: C.TopKCompressor(1.0)), ("randomk", lambda: C.RandomKCompressor(1.0)),
+                       ("sign", lambda: C.SignCompressor()), ("onebit", lambda: C.OneBitCompressor()),
+                       ("int4", lambda: C.QuantizeCompressor(4, 64))):
+        cases.append((f"{name}/[100] vs [200]/flat", make, "flat", odd(lambda r: r == 0, vec(100), vec(200))))
+    cases.append(("int8/fp64 vs fp32/flat", lambda: C.QuantizeCompressor(8), "flat",
+                  odd(lambda r: r == 0, vec(256, torch.float64), vec(256))))
+    # Optimistic compressors (no check phase): the same elements in another dtype (flat), and
+    # sizes that differ only within a node while every rail agrees (hierarchical, ranks 0/2 vs 1/3).
+    for name, make in (("fp16", C.FP16Compressor), ("bf16", C.BF16Compressor)):
+        cases.append((f"{name}/fp64 vs fp32/flat", make, "flat",
+                      odd(lambda r: r == 0, vec(300, torch.float64), vec(300))))
+        cases.append((f"{name}/[99] vs [100] by local rank/hierarchical", make, "hierarchical",
+                      odd(lambda r: r % 2 == 0, vec(99), vec(100))))
+    # PowerSGD: fp64 [4032] and fp32 [8128] make payloads of equal bytes, 4096 fp64 and 8192 fp32
+    # with the tag (gloo then sums the bytes as different dtypes and returns normally), before
+    # start_iter (the exact step) and after; by local rank, another tensor in the bucket.
+    for start in (10, 0):
+        cases.append((f"powersgd(start_iter={start})/fp64 [4032] vs fp32 [8128]/flat",
+                      lambda start=start: C.PowerSGDCompressor(rank=2, start_iter=start), "flat",
+                      odd(lambda r: r == 0, vec(4032, torch.float64), vec(8128))))
+    cases.append(("powersgd/[24x16] vs [24x16, 8] by local rank/hierarchical",
+                  lambda: C.PowerSGDCompressor(rank=2, start_iter=0), "hierarchical",
+                  lambda rank, g: [torch.randn(24, 16, generator=g)]
+                  + ([torch.randn(8, generator=g)] if rank % 2 else [])))
+    return cases
+
+
+def _mismatches() -> dict:
+    from commopt.comm.errors import CollectiveMismatchError
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for label, make, algo, inputs in _mismatch_cases():
+        topo = _fresh_topology()
+        tensors = inputs(rank, torch.Generator().manual_seed(rank))
+        before = [t.clone() for t in tensors]
+        c = make()
+        keys = [f"t{i}" for i in range(len(tensors))]
+        try:
+            C.reduce_tensors(c, tensors, keys, group=topo.group, topology=topo, algorithm=algo,
+                             feedback=C.ErrorFeedback(), timeout=20).wait()
+            got = "returned normally"
+        except CollectiveMismatchError as exc:
+            got = "CollectiveMismatchError" if "hold different tensors" in str(exc) else str(exc)
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            got = f"{type(exc).__name__}: {exc}"
+        unchanged = all(torch.equal(a, b) for a, b in zip(tensors, before))
+        # The groups are still in step: the same compressor on agreeing inputs is right (rank + 1
+        # everywhere: every compressor here reduces constant blocks exactly, up to rounding).
+        y = torch.full((1024,), rank + 1.0)  # whole sign and quantization blocks, no padding
+        c.all_reduce(y, group=topo.group, topology=topo, algorithm=algo, error_feedback=C.ErrorFeedback(),
+                     step=20, timeout=20)
+        out[label] = (got, unchanged, float((y - world * (world + 1) / 2).abs().max()))
+    return out
+
+
+def test_mismatch_without_validation_raises_everywhere(ranks):
+    """FAULTS rows 1 and 3 without validation: ranks whose inputs differ in size, dtype or shape
+    but whose staged payloads have equal lengths (which gloo does not notice) raise
+    CollectiveMismatchError on every rank, with the input unchanged, instead of returning wrong
+    values; the groups stay in step (the next call is right). Checked compressors carry the input's
+    signature in their check phase; optimistic ones (fp16, bf16, PowerSGD) in their first payload
+    and, in hierarchical mode, in a node-wide agreement beside the reduce-scatter."""
+    res = ranks(4, _mismatches, timeout=180)
+    labels = [label for label, *_ in _mismatch_cases()]
+    for rank, got in enumerate(res):
+        assert list(got) == labels
+        for label, (outcome, unchanged, err) in got.items():
+            assert outcome == "CollectiveMismatchError", (rank, label, outcome)
+            assert unchanged, (rank, label, "a failed call changed its input")
+            assert err <= 1e-5 * 10, (rank, label, "the call after the mismatch is wrong", err)
+
+
+def _sizes_differ_flat_fp16():
+    rank = dist.get_rank()
+    y = torch.randn(100 if rank == 0 else 200)
+    try:
+        C.FP16Compressor().all_reduce(y, timeout=TIMEOUT)
+    except Exception as exc:  # noqa: BLE001 - the test inspects it
+        return f"raised {type(exc).__name__}"
+    return "returned normally"
+
+
+def test_optimistic_sizes_differ_flat_ends_loudly():
+    """FAULTS row 1 without validation, optimistic flat: fp16 payloads of different lengths (no
+    check phase runs first) end in gloo's own failure, which aborts the rank that receives too
+    much ("Received data size doesn't match expected size") and fails the others; no rank returns."""
+    pool = RankPool(2)
+    try:
+        res = pool.run(_sizes_differ_flat_fp16, timeout=TIMEOUT + SLACK + 20, allow_dead=True)
+    finally:
+        pool.close(graceful=False)
+    assert all(r is None or r.startswith("raised") for r in res), res
