@@ -2,8 +2,9 @@
 
 Rows covered here for the compressed paths (``compressor.all_reduce`` and the DDP hook with a
 compressor): 4 (a rank alive but never entering), 1/3 without validation (a size or dtype mismatch
-ends loudly, never a normal return with wrong values), 30 (lifecycle leaks) and bad input at the
-call. The plain collectives' rows are in test_faults.py.
+ends loudly, never a normal return with wrong values), 30 (lifecycle leaks) and the preamble's
+clear errors for bad input at the call (22: sparse tensors). The plain collectives' rows are in
+test_faults.py.
 
 Timeout tests need a fresh ``RankPool(4)`` (a timed-out collective leaves its groups out of step);
 to keep them few, one pool runs every case: each case reduces over a parent group of its own
@@ -288,6 +289,7 @@ def _compressed_lifecycle(store_dir: str, spec: str, cycles: int) -> dict:
     from commopt.comm.engine import Phase
 
     rank, world = dist.get_rank(), dist.get_world_size()
+    destroy()  # what earlier tests left in this pool's process (its derived groups die next)
     dist.destroy_process_group()  # the pool's own group; a fresh one is made at the end
     gc.collect()
     gc.disable()  # whatever a reference cycle holds stays held: it shows in the census
@@ -334,3 +336,77 @@ def test_compressed_lifecycle_leaks_nothing(ranks, tmp_path):
         for got in ranks(world, _compressed_lifecycle, str(tmp_path), spec, cycles, timeout=240):
             assert got["last"] == got["first"], (spec, got)
             assert got["held"] == [], (spec, got)
+
+
+# ------------------------------------------------------------------------------------------ bad input
+def _bad_inputs() -> dict:
+    import numpy as np
+    from torch.distributed import ReduceOp
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    other = dist.new_group(list(range(world)))
+    makes = [C.FP16Compressor, C.BF16Compressor, lambda: C.PowerSGDCompressor(start_iter=0),
+             lambda: C.TopKCompressor(1.0), lambda: C.RandomKCompressor(1.0), C.SignCompressor,
+             C.OneBitCompressor, C.QuantizeCompressor]
+    dense = torch.arange(6.0).view(2, 3)
+    calls = {  # label -> (tensor, keyword arguments, expected exception, words the message must hold)
+        "list": ([1.0, 2.0], {}, TypeError, ["torch.Tensor", "list", "torch.as_tensor"]),
+        "None": (None, {}, TypeError, ["torch.Tensor", "NoneType"]),
+        "ndarray": (np.ones(4, dtype=np.float32), {}, TypeError, ["torch.Tensor", "ndarray", "torch.as_tensor"]),
+        "sparse coo": (dense.to_sparse(), {}, TypeError, ["sparse_coo", "to_dense()"]),
+        "sparse csr": (dense.to_sparse_csr(), {}, TypeError, ["sparse_csr", "to_dense()"]),
+        "op MAX": (dense, {"op": ReduceOp.MAX}, ValueError, ["ReduceOp.SUM", "AVG"]),
+        "algorithm": (dense, {"algorithm": "ring"}, ValueError, ["'ring'", "'hierarchical'"]),
+        "error_feedback": (dense, {"error_feedback": {}}, TypeError, ["ErrorFeedback"]),
+        "key": (dense, {"key": 3}, TypeError, ["key must be a str"]),
+        "step": (dense, {"step": -1}, ValueError, ["step must be an int >= 0"]),
+        "timeout": (dense, {"timeout": 0}, ValueError, ["positive number of seconds"]),
+        "topology str": (dense, {"topology": "1x2"}, TypeError, ["Topology.from_spec"]),
+        "group str": (dense, {"group": "WORLD"}, TypeError, ["ProcessGroup"]),
+        "topology of another group": (dense, {"topology": Topology.from_spec(f"1x{world}", group=other)},
+                                      ValueError, ["another process group", "group=topology.group"]),
+    }
+    out = {}
+    for make in makes:
+        c = make()
+        for label, (tensor, kwargs, kind, words) in calls.items():
+            before = tensor.clone() if isinstance(tensor, torch.Tensor) else None
+            for async_op in (False, True):
+                try:
+                    c.all_reduce(tensor, async_op=async_op, **kwargs)
+                    got = "returned"
+                except kind as exc:
+                    missing = [w for w in words if w not in str(exc)]
+                    got = "ok" if not missing else f"message lacks {missing}: {exc}"
+                except Exception as exc:  # noqa: BLE001 - reported
+                    got = f"{type(exc).__name__}: {exc}"
+                if before is not None and not torch.equal(tensor.to_dense(), before.to_dense()):
+                    got = "input changed"
+                out[f"{c!r}/{label}/async={async_op}"] = got
+        # Nothing moved and nothing was counted: the next good call (lossless on constants) is right.
+        y = torch.full((1024,), rank + 1.0)
+        c.all_reduce(y, error_feedback=C.ErrorFeedback())
+        out[f"{c!r}/after"] = "ok" if torch.allclose(y, torch.full((1024,), world * (world + 1) / 2),
+                                                     rtol=1e-5) else f"wrong: {y[:4]}"
+        out[f"{c!r}/calls"] = "ok" if c.state_dict()["calls"] == 1 else f"counted {c.state_dict()['calls']}"
+    # The tensor-list entry point of the hook.
+    for label, args in (("reduce_tensors list of lists", ([[1.0]], ["a"])),
+                        ("reduce_tensors keys", ([torch.ones(4)], [1])),
+                        ("reduce_tensors non-contiguous", ([torch.ones(4, 4).t()], ["a"]))):
+        try:
+            C.reduce_tensors(C.FP16Compressor(), *args)
+            out[label] = "returned"
+        except TypeError:
+            out[label] = "ok"
+    return out
+
+
+def test_bad_input_is_a_clear_error_at_the_call(ranks):
+    """FAULTS preamble ("fails the same way on every rank, quickly, ... says what to do") and row 22
+    (sparse tensors) for bad input: ``compressor.all_reduce`` of a list, None, a NumPy array or a sparse tensor, and
+    each bad argument, raises TypeError/ValueError at the call (also with ``async_op=True``), on
+    every rank, saying what to do; the input is unchanged, the step counter did not move, and the
+    next good call is right (nothing was sent)."""
+    for got in ranks(2, _bad_inputs, timeout=120):
+        bad = {label: outcome for label, outcome in got.items() if outcome != "ok"}
+        assert not bad, bad

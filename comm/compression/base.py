@@ -321,11 +321,11 @@ class Compressor:
                              f"ReduceOp.AVG")
         if step is None:
             step = self._calls
-        self._calls += 1
         if self.biased and error_feedback is None:
             self.warn_biased()
         done: torch.futures.Future = torch.futures.Future()
         if not dist.is_initialized() or dist.get_world_size(group) == 1 or tensor.numel() == 0:
+            self._calls += 1
             done.set_result(tensor)
             return done if async_op else tensor
         # In place like torch.distributed, also on a tensor that requires grad (no autograd record).
@@ -334,6 +334,7 @@ class Compressor:
         fut = reduce_tensors(self, [work], [key], group=group, topology=topology, algorithm=algorithm,
                              average=op == ReduceOp.AVG, step=step, seed=seed, feedback=error_feedback,
                              check_finite=check_finite, timeout=timeout)
+        self._calls += 1  # a call refused before anything moved (bad input, a cold timeout) counts no step
 
         def finish(_value=None) -> torch.Tensor:
             if work is not target:

@@ -315,8 +315,21 @@ def reduce_tensors(compressor: Compressor, tensors: list[torch.Tensor], keys: li
     Returns:
         A Future completing with None once ``tensors`` hold the result.
     """
+    where = f"compress/{getattr(compressor, 'name', compressor)}"
+    if not isinstance(compressor, Compressor):
+        raise TypeError(f"{where}: compressor must be a commopt.comm.compression compressor instance, got "
+                        f"{type(compressor).__name__}")
+    if not isinstance(tensors, (list, tuple)) or not tensors or not all(
+            isinstance(t, torch.Tensor) and t.layout == torch.strided and t.is_contiguous() for t in tensors):
+        raise TypeError(f"{where}: tensors must be a non-empty list of dense, contiguous torch.Tensors, got "
+                        f"{[type(t).__name__ for t in tensors] if isinstance(tensors, (list, tuple)) else tensors!r}; "
+                        f"for one tensor of any layout use compressor.all_reduce(tensor)")
+    if not isinstance(keys, (list, tuple)) or len(keys) != len(tensors) or not all(isinstance(k, str) for k in keys):
+        raise TypeError(f"{where}: keys must be a list of {len(tensors)} str (one stable key per tensor), got {keys!r}")
+    if len({t.device for t in tensors}) != 1:
+        raise ValueError(f"{where}: tensors must be on one device, got {sorted({str(t.device) for t in tensors})}")
     if topology is not None and not _same_group(topology.group, group):
-        raise ValueError(f"compress/{compressor.name}: the topology describes another process group than "
+        raise ValueError(f"{where}: the topology describes another process group than "
                          f"group={group!r}; build it over the group reduced over, e.g. "
                          f"Topology.from_spec(spec, group=group), or pass group=topology.group")
     dtypes = {t.dtype for t in tensors}
