@@ -436,11 +436,12 @@ def _flat_future(work, p: _Prepared, op: str, timeout: float | None = None,
         # Some backends' works have no future (gloo's reduce-scatter): the group's engine worker
         # waits for it, bounded by the timeout (a bare wait() would not be). Only the wait moves to
         # the worker; the work was issued here, in the caller's order.
+        # gloo's wait(timeout) on such a work is not reliably bounded either: the deadline is the
+        # watchdog's, and the worker is left to the group's own timeout.
         fut = engine().submit([Phase("wait", lambda: _wait_work(work, timeout), group if group is not None
                                      else dist.group.WORLD)], op=op)
-    else:
-        if timeout is not None:
-            fut = engine().watch(fut, timeout, op=op)
+    if timeout is not None:
+        fut = engine().watch(fut, timeout, op=op)
     out: torch.futures.Future = torch.futures.Future()
     fut.add_done_callback(finish)
     return out

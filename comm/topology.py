@@ -737,10 +737,11 @@ def _new_group(ranks: list[int], timeout: timedelta | None):
     """``dist.new_group(ranks, timeout=...)``, its failure a ``CommTimeoutError`` naming the group.
 
     On gloo a member waits in the group's full-mesh rendezvous for every other member, bounded by
-    ``timeout`` (torch's default, 30 minutes, when None); non-members return at once.
+    ``timeout`` (torch's default, 30 minutes, when None); non-members return at once. The group's
+    operations then time out as WORLD's do.
     """
     try:
-        return dist.new_group(ranks, timeout=timeout)
+        group = dist.new_group(ranks, timeout=timeout)
     except RuntimeError as exc:  # gloo: "Wait timeout"; the store: DistStoreError (a RuntimeError)
         rank = dist.get_rank()
         after = "" if timeout is None else f" within {timeout.total_seconds():g} s"
@@ -750,6 +751,23 @@ def _new_group(ranks: list[int], timeout: timedelta | None):
             "the ranks' process groups are now out of step: call commopt.comm.destroy() and "
             "torch.distributed.destroy_process_group(), then start again", op="topology.groups",
             ranks=ranks) from exc
+    if timeout is not None and group is not None and group is not dist.GroupMember.NON_GROUP_MEMBER:
+        # The creation timeout bounded the rendezvous; the group's later collectives get WORLD's
+        # timeout, not the first caller's (a 2 s bound for one call must not become every call's).
+        world_timeout = _backend_timeout(dist.group.WORLD)
+        if world_timeout is not None:
+            dist.distributed_c10d._set_pg_timeout(world_timeout, group)
+    return group
+
+
+def _backend_timeout(group) -> timedelta | None:
+    """The operation timeout ``group`` was created with (gloo and NCCL keep it in their options)."""
+    try:
+        backend = group._get_backend(torch.device("cpu") if dist.get_backend(group) == "gloo"
+                                     else torch.device("cuda"))
+        return backend.options._timeout
+    except (AttributeError, RuntimeError, ValueError):
+        return None
 
 
 class _Registry:

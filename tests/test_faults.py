@@ -13,6 +13,7 @@ import os
 import signal
 import threading
 import time
+from datetime import timedelta
 
 import pytest
 import torch
@@ -228,3 +229,109 @@ def test_lifecycle_leaks_nothing(ranks, tmp_path):
     res = ranks(2, _lifecycle, str(tmp_path), 20, timeout=240)
     for first, last, leaked in res:
         assert not leaked, (first, last)
+
+
+# --------------------------------------------------------------------------------- every entry point
+_ENTRY_POINTS = [
+    ("all_reduce", "flat"), ("all_reduce", "hierarchical"), ("all_reduce", "leader"),
+    ("reduce_scatter", "flat"), ("reduce_scatter", "hierarchical"),
+    ("all_gather", "flat"), ("all_gather", "hierarchical"),
+    ("all_to_all", "flat"), ("all_to_all", "2d"),
+    ("hook", "flat"), ("hook", "hierarchical"),
+]
+
+
+def _call(entry: str, algo: str, topo, timeout: float, async_op: bool, ddp=None):
+    """One call of a public entry point on a 2x2 world (the same on every rank)."""
+    from commopt.comm import all_gather, all_to_all, reduce_scatter
+
+    n = 4096
+    if entry == "all_reduce":
+        out = all_reduce(torch.ones(n), topology=topo, algorithm=algo, timeout=timeout, async_op=async_op)
+    elif entry == "reduce_scatter":
+        out = reduce_scatter(torch.empty(n), torch.ones(4 * n), topology=topo, algorithm=algo, timeout=timeout,
+                             async_op=async_op)
+    elif entry == "all_gather":
+        out = all_gather(torch.empty(4 * n), torch.ones(n), topology=topo, algorithm=algo, timeout=timeout,
+                         async_op=async_op)
+    elif entry == "all_to_all":
+        out = all_to_all(torch.empty(n), torch.ones(n), topology=topo, algorithm=algo, timeout=timeout,
+                         async_op=async_op)
+    else:
+        ddp(torch.ones(2, 8)).sum().backward()
+        return None
+    return out.wait() if async_op else out
+
+
+def _absent_matrix(store_dir: str, cases: list, timeout: float):
+    """Each case in a fresh 4-rank world: rank 1 is alive but never enters the call (cold: the first
+    call of its kind, groups not yet made; warm: after one good call). The others must raise a
+    CommError (CommTimeoutError where commopt's own bound fired) within timeout + slack."""
+    rank = dist.get_rank()
+    dist.destroy_process_group()  # the pool's own group; the pool is replaced after this test
+    results = []
+    for i, (entry, algo, warm, async_op) in enumerate(cases):
+        os.makedirs(store_dir, exist_ok=True)
+        store = dist.FileStore(os.path.join(store_dir, f"case{i}"), 4)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=4)
+        topo = Topology.from_spec("2x2")
+        ddp = None
+        if entry == "hook":
+            torch.manual_seed(0)
+            ddp = DDP(nn.Linear(8, 4))
+            hooks.register(ddp, hooks.AllReduceState(topo, algorithm=algo, timeout=timeout))
+        # Warm DDP: two steps, so that DDP's own bucket rebuild (a broadcast of its own at the second
+        # forward) is behind us and the only collectives left are the hook's.
+        for _ in range(warm * (2 if entry == "hook" else 1)):
+            _call(entry, algo, topo, timeout, async_op, ddp)
+        outcome = None
+        if rank == 1:
+            # Alive, and holding its connections open until the others have given up.
+            store.wait(["given-up"], timedelta(seconds=timeout + SLACK + 30))
+        else:
+            start = time.monotonic()
+            try:
+                _call(entry, algo, topo, timeout, async_op, ddp)
+                outcome = ("returned", time.monotonic() - start, "")
+            except Exception as exc:  # noqa: BLE001 - the test inspects what was raised
+                outcome = (type(exc).__name__, time.monotonic() - start, str(exc)[:300])
+            if store.add("gave-up", 1) == 3:
+                store.set("given-up", "1")
+        results.append(outcome)
+        destroy()
+        dist.destroy_process_group()
+    dist.init_process_group("gloo", store=dist.FileStore(os.path.join(store_dir, "final"), 4), rank=rank,
+                            world_size=4)
+    return results
+
+
+def test_every_entry_point_bounded_by_its_timeout(tmp_path):
+    """FAULTS row 4, for every public entry point and algorithm, cold (group creation) and warm, sync and
+    async: with one rank alive but absent, every other rank raises within timeout + slack (never a
+    hang: gloo's future-less reduce-scatter and the creation of derived groups are bounded too)."""
+    timeout = 1.5
+    cases = [(e, a, warm, False) for e, a in _ENTRY_POINTS if e != "hook" for warm in (False, True)]
+    cases += [("reduce_scatter", "flat", True, True), ("all_reduce", "hierarchical", False, True),
+              ("all_to_all", "2d", True, True)]
+    # DDP is not reusable in a process once a backward has failed (its reducer keeps the failed
+    # step), so each hook case gets processes of its own.
+    batches = [cases] + [[("hook", a, warm, False)] for e, a in _ENTRY_POINTS if e == "hook" for warm in (False, True)]
+    pool = RankPool(4)
+    res: list[list] = [[] for _ in range(4)]
+    try:
+        for i, batch in enumerate(batches):
+            if i:
+                pool.restart()
+            got = pool.run(_absent_matrix, str(tmp_path / f"batch{i}"), batch, timeout,
+                           timeout=len(batch) * (timeout + SLACK) + 60)
+            for rank in range(4):
+                res[rank] += got[rank]
+    finally:
+        pool.close(graceful=False)
+    cases = [c for batch in batches for c in batch]
+    for rank in (0, 2, 3):
+        for case, (kind, elapsed, msg) in zip(cases, res[rank]):
+            assert kind in ("CommTimeoutError", "CommError", "RuntimeError"), (rank, case, kind, msg)
+            if kind == "RuntimeError":  # DDP wraps a hook's failure; the original type stays in its text
+                assert case[0] == "hook" and "CommTimeoutError" in msg or "CommError" in msg, (rank, case, msg)
+            assert elapsed <= timeout + SLACK, (rank, case, elapsed)
