@@ -218,14 +218,14 @@ def _describe(s: int) -> str:
     return f"{s // 16} elements of {_DTYPES[code - 1] if 1 <= code <= len(_DTYPES) else 'another dtype'}"
 
 
-def _signature(compressor: Compressor, tensors: list[torch.Tensor], active: bool, average: bool) -> tuple[int, int]:
+def _signature(compressor: Compressor, dtype: torch.dtype, numels: list[int], shapes: list[tuple[int, ...]],
+               active: bool, average: bool) -> tuple[int, int]:
     """(s, h): the element count and dtype code, and a 52-bit hash of everything the exchange's
-    collectives depend on (exact in float64, so a MAX all-reduce compares them)."""
-    dtype = tensors[0].dtype
-    s = sum(t.numel() for t in tensors) * 16 + _dtype_code(dtype)
-    dims = [tuple(t.shape) for t in tensors] if compressor.needs_matrices else [t.numel() for t in tensors]
+    collectives depend on (exact in float64, so a MAX all-reduce compares them); the shapes count
+    only for matrix compressors (element-wise ones reduce same-sized tensors of any shape alike)."""
+    s = sum(numels) * 16 + _dtype_code(dtype)
     h = derive_seed(0, "compress-signature", repr(sorted(compressor.config().items())), str(dtype),
-                    int(active), int(average), *map(str, dims))
+                    int(active), int(average), repr(shapes if compressor.needs_matrices else numels))
     return s, h & ((1 << 52) - 1)
 
 
@@ -386,10 +386,10 @@ def reduce_tensors(compressor: Compressor, tensors: list[torch.Tensor], keys: li
     salt = derive_seed(seed, keys[0] if keys else "", len(keys), layout.lo)
     ctx = _Ctx()
     esize = cdtype.itemsize
-    sig, sig_hash = _signature(compressor, tensors, active, average)
+    all_shapes = [tuple(t.shape) for t in tensors] if compressor.needs_matrices else []
+    sig, sig_hash = _signature(compressor, tensors[0].dtype, numels, all_shapes, active, average)
     what = (f"{_describe(sig)} in {len(tensors)} tensor(s)"
-            + (f" of shapes {[tuple(t.shape) for t in tensors[:3]]}{'...' if len(tensors) > 3 else ''}"
-               if compressor.needs_matrices else ""))
+            + (f" of shapes {all_shapes[:3]}{'...' if len(tensors) > 3 else ''}" if all_shapes else ""))
     tag = tag_of(sig_hash) if optimistic else None
     # gloo's reduce-scatter cannot be waited for with a bound (see _post_reduce_scatter); NCCL's can.
     native_rs = rs_group is not None and dist.get_backend(rs_group) == "nccl"
