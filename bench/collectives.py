@@ -75,7 +75,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--op", default="allreduce", help=f"comma list of {', '.join(_OPS)}")
     p.add_argument("--algo", default="flat,hierarchical", help="comma list: flat, hierarchical, leader, "
                    "ina, auto (allreduce); flat, hierarchical, auto (reduce_scatter, all_gather); flat, 2d, auto "
-                   "(alltoall)")
+                   "(alltoall); torch: plain torch.distributed, without commopt's agreement check (its cost)")
     p.add_argument("--sizes", default="1K:16M", type=parse_sizes,
                    help="bytes per rank: '1K,64K' or a doubling range '1K:16M' (alltoall: bytes per peer)")
     p.add_argument("--dtype", default="float32", choices=list(_DTYPES))
@@ -149,7 +149,10 @@ def _make_call(op: str, algo: str, count: int, dtype, redop, topo, validate: boo
 
         def call():
             buf.copy_(src)
-            all_reduce(buf, redop, topology=topo, algorithm=algo, validate=validate, timeout=timeout)
+            if algo == "torch":
+                dist.all_reduce(buf, redop)
+            else:
+                all_reduce(buf, redop, topology=topo, algorithm=algo, validate=validate, timeout=timeout)
 
         out = buf
     elif op == "reduce_scatter":
@@ -157,13 +160,19 @@ def _make_call(op: str, algo: str, count: int, dtype, redop, topo, validate: boo
         out = torch.empty(count, dtype=dtype)
 
         def call():
-            reduce_scatter(out, src, redop, topology=topo, algorithm=algo, validate=validate, timeout=timeout)
+            if algo == "torch":
+                dist.reduce_scatter_tensor(out, src, redop)
+            else:
+                reduce_scatter(out, src, redop, topology=topo, algorithm=algo, validate=validate, timeout=timeout)
     elif op == "all_gather":
         src = ((rank + 1) + base).to(dtype)
         out = torch.empty(world * count, dtype=dtype)
 
         def call():
-            all_gather(out, src, topology=topo, algorithm=algo, validate=validate, timeout=timeout)
+            if algo == "torch":
+                dist.all_gather_into_tensor(out, src)
+            else:
+                all_gather(out, src, topology=topo, algorithm=algo, validate=validate, timeout=timeout)
     else:
         from commopt.comm.alltoall import all_to_all
 
@@ -171,7 +180,10 @@ def _make_call(op: str, algo: str, count: int, dtype, redop, topo, validate: boo
         out = torch.empty(world * count, dtype=dtype)
 
         def call():
-            all_to_all(out, src, topology=topo, algorithm=algo, validate=validate)
+            if algo == "torch":
+                dist.all_to_all_single(out, src)
+            else:
+                all_to_all(out, src, topology=topo, algorithm=algo, validate=validate)
 
     def check(expected: torch.Tensor) -> int:
         if dtype.is_floating_point:
@@ -272,7 +284,7 @@ def _row(op, algo, val, size, count, dtype, redop, seconds, wrong, world, topo, 
     if world > 1 and topo.num_nodes > 1:
         kind = {"allreduce": "allreduce", "reduce_scatter": "reduce_scatter", "all_gather": "all_gather",
                 "alltoall": "alltoall"}[op]
-        chosen = algo
+        chosen = "flat" if algo == "torch" else algo  # torch's own collective: what flat issues
         if algo == "auto" and op != "alltoall":
             chosen = select_algorithm(kind, "auto", total, topo)
         row["chosen"] = chosen
