@@ -4,15 +4,20 @@ One code path serves the DDP hook (a bucket's gradients) and ``Compressor.all_re
 Phases, all through the comm engine (DESIGN 2, rule 1), each on a process group of its own role:
 
 flat:          (1) check   (2..) the compressor's rounds over the whole group   (3) unstage
-hierarchical:  (1) check   (2) reduce-scatter intra-node, exact   (3..) the compressor's rounds on the
-               rail (inter-node) group, on this rank's 1/L shard   (4) all-gather intra-node, exact
-               (5) unstage
+hierarchical:  (1) check   (2) reduce-scatter intra-node, exact (point-to-point transfers on gloo)
+               (3..) the compressor's rounds on the rail (inter-node) group, on this rank's 1/L shard
+               (4) all-gather intra-node, exact   (5) unstage
 
-(1) is a tiny all-reduce (MAX of [non-finite flag, max |x|]) over the whole group whose bytes are
-counted: it makes "some rank has a NaN/Inf" and "max |x|" values every rank agrees on (DESIGN 2,
-rule 2), for compressors that need an agreed scale (int8/int4, ``FP16Compressor(agreed_scale=True)``).
-A non-finite step reduces exactly (NaN propagates, AMP's skipped step) and leaves residuals
-untouched; ``check_finite=True`` raises ``NonFiniteError`` on every rank instead.
+(1) is a tiny all-reduce (MAX of [non-finite flag, max |x|, and the input's signature]) over the
+whole group whose bytes are counted: it makes "some rank has a NaN/Inf" and "max |x|" values every
+rank agrees on (DESIGN 2, rule 2), for compressors that need an agreed scale (int8/int4,
+``FP16Compressor(agreed_scale=True)``), and raises ``CollectiveMismatchError`` on every rank when the
+ranks' inputs differ (see "agreement on the input" below). A non-finite step reduces exactly (NaN
+propagates, AMP's skipped step) and leaves residuals untouched; ``check_finite=True`` raises
+``NonFiniteError`` on every rank instead.
+
+Every wait is bounded by the caller's ``timeout`` (the creation of the groups on the first call
+too): ``CommTimeoutError`` when a rank never arrives.
 
 Optimistic compressors (``compressor.optimistic``: the fp16/bf16 casts, PowerSGD) skip (1): their
 rounds' reduced results are identical on every rank of the round's group, so "is it non-finite" is
@@ -430,13 +435,18 @@ def reduce_tensors(compressor: Compressor, tensors: list[torch.Tensor], keys: li
             works = [reduce_scatter_single(ctx.shard, staged, op=ReduceOp.SUM, group=rs_group, async_op=True)]
         else:
             works, mine, parts = _post_reduce_scatter(staged, rs_group)
+        err = None
         if agree is not None:
             _wait_until(agree, deadline)
             err = _disagreement(values, sig, what, f"compress/{name}/reduce_scatter")
-            if err is not None:
-                raise err  # on every rank of the node; the other nodes' ranks time out on the rail
         for w in works:
-            _wait_until(w, deadline)
+            try:
+                _wait_until(w, deadline)  # even after a disagreement: no transfer is left writing
+            except (RuntimeError, TimeoutError):
+                if err is None:
+                    raise
+        if err is not None:
+            raise err  # on every rank of the node; the other nodes' ranks time out on the rail
         if not native_rs:
             torch.add(mine, parts[0], out=ctx.shard)
             for k in range(1, parts.shape[0]):
