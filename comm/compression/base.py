@@ -16,7 +16,9 @@ declares (GRACE's compressor/memory split, DESIGN 3):
   (the all-reduced fp16/bf16 cast, PowerSGD's all-reduced P and Q), so whether that result is
   non-finite is a value every rank already agrees on (DESIGN 2, rule 2): the exchange then runs no
   agreed check before reducing, and a round that finds its reduced result non-finite sets
-  ``job.nonfinite``; the exchange redoes that reduction exactly (fp32) from the kept input.
+  ``job.nonfinite``; the exchange redoes that reduction exactly (fp32) from the kept input. With no
+  check to compare the ranks' inputs either, the first round appends ``job.tag`` (``TAG_LEN``
+  values) to its all-reduced payload and calls ``check_tag`` on the result.
 
 ``rounds(job)`` returns those rounds as :class:`Round` objects: each runs on the comm engine's worker
 of its group, may compute locally, and issues at most one blocking collective. The error-feedback
