@@ -268,7 +268,8 @@ def agree(kind: str, *, numel: int, dtype: torch.dtype, op: str, algorithm: str,
         if diffs:
             raise CollectiveMismatchError(
                 f"{kind}: the ranks' calls differ in {', '.join(diffs)}; this rank called it with "
-                f"{numel} elements of {dtype} (op {op}, algorithm {algorithm}). Every rank must issue the same "
+                f"{f'{numel} elements' if numel >= 0 else 'uneven splits'} of {dtype} (op {op}, algorithm "
+                f"{algorithm}). Every rank must issue the same "
                 f"collective with the same shape and dtype; pass validate=True to name the ranks that differ",
                 op=kind)
 

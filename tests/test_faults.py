@@ -335,3 +335,88 @@ def test_every_entry_point_bounded_by_its_timeout(tmp_path):
             if kind == "RuntimeError":  # DDP wraps a hook's failure; the original type stays in its text
                 assert case[0] == "hook" and "CommTimeoutError" in msg or "CommError" in msg, (rank, case, msg)
             assert elapsed <= timeout + SLACK, (rank, case, elapsed)
+
+
+# --------------------------------------------------------------------------------- mismatch, no validation
+def _mismatched_call(case: str, rank: int, topo):
+    """One call whose arguments differ across ranks (``validate=False``): returns the result or raises."""
+    from commopt.comm import all_to_all, reduce_scatter
+
+    if case == "hierarchical [7] vs [8]":  # the padding to a multiple of L hid the 8th element of rank 0
+        return all_reduce(torch.ones(7 if rank == 0 else 8), topology=topo, algorithm="hierarchical", timeout=TIMEOUT)
+    if case == "hierarchical, node 0 [7], node 1 [8]":  # every node agrees inside itself
+        return all_reduce(torch.ones(7 if rank < 2 else 8), topology=topo, algorithm="hierarchical",
+                          timeout=TIMEOUT)
+    if case == "flat [7] vs [8]":  # gloo's own ring returned wrong sums on two ranks
+        return all_reduce(torch.ones(7 if rank == 0 else 8), topology=topo, algorithm="flat", timeout=TIMEOUT)
+    if case == "flat SUM vs MAX":
+        return all_reduce(torch.ones(8), dist.ReduceOp.MAX if rank == 3 else dist.ReduceOp.SUM, topology=topo,
+                          algorithm="flat", timeout=TIMEOUT)
+    if case == "reduce_scatter flat [7] vs [8]":
+        n = 7 if rank == 0 else 8
+        return reduce_scatter(torch.empty(n), torch.ones(4 * n), topology=topo, algorithm="flat", timeout=TIMEOUT)
+    if case == "all_to_all 2d, rows of 2 vs 3":  # returned uninitialised memory on one rank
+        w = 2 if rank == 0 else 3
+        return all_to_all(torch.empty(4, w), torch.ones(4, w), topology=topo, algorithm="2d", timeout=TIMEOUT)
+    if case == "all_to_all flat, out_splits disagree":
+        out_splits = [2, 1, 1, 1] if rank == 2 else [1, 1, 1, 1]
+        return all_to_all(torch.empty(sum(out_splits)), torch.ones(4), in_splits=[1, 1, 1, 1], out_splits=out_splits,
+                          topology=topo, algorithm="flat", timeout=TIMEOUT)
+    raise AssertionError(case)
+
+
+def _mismatch_matrix(store_dir: str, cases: list[str], reinit: bool = True):
+    rank = dist.get_rank()
+    dist.destroy_process_group()  # the pool's own group; the pool is replaced after this test
+    results = []
+    for i, case in enumerate(cases):
+        dist.init_process_group("gloo", store=dist.FileStore(os.path.join(store_dir, f"m{i}"), 4), rank=rank,
+                                world_size=4)
+        try:
+            value = _mismatched_call(case, rank, Topology.from_spec("2x2"))
+            results.append(("returned", value.tolist()))
+        except Exception as exc:  # noqa: BLE001 - the test inspects what was raised
+            results.append((type(exc).__name__, str(exc)[:800]))
+        destroy()
+        dist.destroy_process_group()
+    if reinit:  # not after a case that may kill a rank: the pool is replaced then
+        dist.init_process_group("gloo", store=dist.FileStore(os.path.join(store_dir, "final"), 4), rank=rank,
+                                world_size=4)
+    return results
+
+
+def test_mismatch_without_validation_ends_loudly(tmp_path):
+    """FAULTS row 1 (and 2 for the reduce op) with validation off: a call whose size, reduce op or
+    split sizes differ across ranks raises CollectiveMismatchError on every rank (the agreement
+    check beside the payload), never a normal return with wrong values."""
+    cases = ["hierarchical [7] vs [8]", "hierarchical, node 0 [7], node 1 [8]", "flat [7] vs [8]",
+             "flat SUM vs MAX", "reduce_scatter flat [7] vs [8]", "all_to_all flat, out_splits disagree"]
+    pool = RankPool(4)
+    try:
+        res = pool.run(_mismatch_matrix, str(tmp_path), cases, timeout=len(cases) * (TIMEOUT + SLACK) + 60)
+    finally:
+        pool.close(graceful=False)
+    for rank in range(4):
+        for case, (kind, detail) in zip(cases, res[rank]):
+            assert kind == "CollectiveMismatchError", (rank, case, kind, detail)
+            assert "pass validate=True to name the ranks" in detail, detail
+    assert "element count (7 on some rank, 8 on another)" in res[3][0][1]
+    assert "reduce op (sum on some rank, max on another)" in res[0][3][1]
+    assert "out_splits=[2, 1, 1, 1] but the peers send [1, 1, 1, 1]" in res[2][5][1]
+
+
+def test_mismatch_that_gloo_aborts_never_returns_wrong_values(tmp_path):
+    """FAULTS row 1 with validation off, where gloo itself sees the difference: a rank that receives a
+    longer message than its buffer is aborted by gloo (as with plain torch); every other rank raises
+    (CollectiveMismatchError, or a CommError once its peer is gone), none returns normally."""
+    pool = RankPool(4)
+    try:
+        res = pool.run(_mismatch_matrix, str(tmp_path), ["all_to_all 2d, rows of 2 vs 3"], False,
+                       timeout=TIMEOUT + SLACK + 60, allow_dead=True)
+    finally:
+        pool.close(graceful=False)
+    for rank, r in enumerate(res):
+        if r is None:
+            continue  # aborted by gloo: loud
+        kind, detail = r[0]
+        assert kind in ("CollectiveMismatchError", "CommError", "CommTimeoutError"), (rank, kind, detail)
