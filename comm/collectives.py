@@ -680,7 +680,7 @@ def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, *, group=None, topology: T
         return _done(tensor) if async_op else tensor
     if compressor is not None and tensor.is_floating_point():
         return compressor.all_reduce(tensor, op=op, group=group, topology=topology, algorithm=algorithm,
-                                     async_op=async_op)
+                                     async_op=async_op, timeout=timeout)
     world = dist.get_world_size(group)
     topo = None if algorithm == "flat" else resolve_topology(topology, group, timeout)
     nbytes = tensor.numel() * tensor.element_size()

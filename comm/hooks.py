@@ -228,7 +228,7 @@ def allreduce_hook(state: AllReduceState, bucket) -> torch.futures.Future:
     if compressor is not None and buf.is_floating_point() and buf.numel():
         if state.validate:
             validate_same("all_reduce", buf, algorithm=f"{state.algorithm}+{compressor.name}", op="avg",
-                          group=group)
+                          group=group, timeout=state.timeout)
         keys = [state.key_of(p) for p in bucket.parameters()]
         if compressor.layout_free:  # one flat vector, cast in place of a staged copy (casts)
             more = ", ..." if len(keys) > 3 else ""

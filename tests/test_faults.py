@@ -196,37 +196,55 @@ def test_exception_in_hook_reaches_backward(ranks):
 
 
 def _lifecycle(store_dir: str, cycles: int):
+    import gc
+
     import torch.distributed as dist
 
+    from commopt.comm import all_to_all
+    from commopt.comm.compression import PowerSGDCompressor
+
     rank = dist.get_rank()
+    destroy()  # commopt's groups of earlier tests in this pool, before their parent goes
     dist.destroy_process_group()  # the pool's own group; the pool is replaced after this test
 
     def census():
-        return len(os.listdir("/proc/self/fd")), threading.active_count()
+        # OS threads (gloo's and the engine's), descriptors (sockets, listeners included).
+        return len(os.listdir("/proc/self/fd")), len(os.listdir("/proc/self/task"))
 
     counts = []
-    for i in range(cycles):
-        store = dist.FileStore(os.path.join(store_dir, f"c{i}"), 2)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
-        topo = Topology.from_spec("1x2")
-        t = torch.ones(1000)
-        all_reduce(t, topology=topo, algorithm="hierarchical")
-        all_reduce(t, topology=topo, algorithm="leader", async_op=True).wait()
-        assert t[0].item() == 4.0
-        destroy()
-        dist.destroy_process_group()
-        del store
-        counts.append(census())
+    gc.disable()  # nothing may depend on the collector: no cycle may hold a group, thread or socket
+    try:
+        for i in range(cycles):
+            store = dist.FileStore(os.path.join(store_dir, f"c{i}"), 4)
+            dist.init_process_group("gloo", store=store, rank=rank, world_size=4)
+            topo = Topology.from_spec("2x2")
+            t = torch.ones(1000)
+            all_reduce(t, topology=topo, algorithm="hierarchical")
+            all_reduce(t, topology=topo, algorithm="leader", async_op=True).wait()
+            assert t[0].item() == 16.0
+            out = all_to_all(torch.empty(8), torch.full((8,), float(rank)), topology=topo, algorithm="2d")
+            assert out.tolist() == [float(r) for r in range(4) for _ in range(2)]
+            g = torch.ones(16, 8)
+            PowerSGDCompressor(rank=1, start_iter=0).all_reduce(g, topology=topo, algorithm="hierarchical")
+            destroy()
+            dist.destroy_process_group()
+            del store
+            counts.append(census())
+    finally:
+        gc.enable()
     leaked = counts[-1][0] > counts[1][0] + 2 or counts[-1][1] > counts[1][1]
     # Leave the pool's rank with a working WORLD group again for the tests that follow.
-    dist.init_process_group("gloo", store=dist.FileStore(os.path.join(store_dir, "final"), 2), rank=rank,
-                            world_size=2)
+    dist.init_process_group("gloo", store=dist.FileStore(os.path.join(store_dir, "final"), 4), rank=rank,
+                            world_size=4)
     return counts[1], counts[-1], leaked
 
 
 def test_lifecycle_leaks_nothing(ranks, tmp_path):
-    """FAULTS row 30: 20 cycles of init -> ops -> destroy leak no threads or file descriptors."""
-    res = ranks(2, _lifecycle, str(tmp_path), 20, timeout=240)
+    """FAULTS row 30: 20 cycles of init -> hierarchical, async leader, 2-D all-to-all, hierarchical
+    PowerSGD -> destroy on a 2x2, with the garbage collector off, leak no OS threads or file
+    descriptors (sockets and listeners included). The INA paths: test_ina_procs.py; the other
+    compressors: test_compression_faults.py."""
+    res = ranks(4, _lifecycle, str(tmp_path), 20, timeout=300)
     for first, last, leaked in res:
         assert not leaked, (first, last)
 
@@ -420,3 +438,54 @@ def test_mismatch_that_gloo_aborts_never_returns_wrong_values(tmp_path):
             continue  # aborted by gloo: loud
         kind, detail = r[0]
         assert kind in ("CollectiveMismatchError", "CommError", "CommTimeoutError"), (rank, kind, detail)
+
+
+# --------------------------------------------------------------------------------- bad input
+def _bad_input():
+    rank = dist.get_rank()
+    errors = {}
+    t = torch.ones(4)
+    for label, call in [
+        ("group='WORLD'", lambda: all_reduce(t, group="WORLD")),
+        ("timeout=-1", lambda: all_reduce(t, timeout=-1)),
+        ("timeout='3'", lambda: all_reduce(t, timeout="3")),
+        ("AllReduceState(compressor='fp16')", lambda: hooks.AllReduceState(compressor="fp16")),
+        ("AllReduceState(topology='2x2')", lambda: hooks.AllReduceState(topology="2x2")),
+        ("AllReduceState(process_group='x')", lambda: hooks.AllReduceState(process_group="x")),
+        ("AllReduceState(algorithm='ring')", lambda: hooks.AllReduceState(algorithm="ring")),
+    ]:
+        try:
+            call()
+            errors[label] = None
+        except (TypeError, ValueError) as exc:
+            errors[label] = (type(exc).__name__, str(exc))
+    ddp = DDP(nn.Linear(4, 2))
+    for label, state in [("register(ddp, {})", {}), ("register(ddp, None)", None)]:
+        try:
+            hooks.register(ddp, state)
+            errors[label] = None
+        except TypeError as exc:
+            errors[label] = ("TypeError", str(exc))
+    # timeout=inf means no bound of commopt's own; a leaf that requires grad averages like torch's
+    # own collectives write it (invisibly to autograd), and SUM and AVG agree.
+    inf = all_reduce(torch.full((3,), float(rank)), timeout=float("inf")).tolist()
+    leaf = torch.full((5,), float(rank + 1), requires_grad=True)
+    all_reduce(leaf, dist.ReduceOp.AVG)
+    return errors, inf, leaf.detach().tolist(), leaf.requires_grad, leaf.is_leaf
+
+
+def test_bad_input_is_a_clear_error_on_every_rank(ranks):
+    """Bad arguments (the matrix's clear-error rule, row 3 for types): a TypeError or ValueError at the
+    call, on every rank, saying what to pass; nothing hangs, and the input is not changed."""
+    for errors, inf, leaf, requires_grad, is_leaf in ranks(2, _bad_input, timeout=60):
+        for label, err in errors.items():
+            assert err is not None, f"{label} was accepted"
+        assert errors["group='WORLD'"][0] == "TypeError" and "ProcessGroup or None" in errors["group='WORLD'"][1]
+        assert errors["timeout=-1"][0] == "ValueError"
+        assert errors["timeout='3'"][0] == "TypeError"
+        assert "FP16Compressor()" in errors["AllReduceState(compressor='fp16')"][1]
+        assert "Topology.from_spec('2x2')" in errors["AllReduceState(topology='2x2')"][1]
+        assert errors["AllReduceState(algorithm='ring')"][0] == "ValueError"
+        assert "AllReduceState" in errors["register(ddp, {})"][1]
+        assert inf == [1.0, 1.0, 1.0]
+        assert leaf == [1.5] * 5 and requires_grad and is_leaf
