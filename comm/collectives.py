@@ -226,15 +226,17 @@ def agree(kind: str, *, numel: int, dtype: torch.dtype, op: str, algorithm: str,
     with ``CollectiveMismatchError`` when the ranks' calls differ.
 
     One MAX all-reduce of six (value, -value) pairs (collective, element count, dtype, reduce op,
-    algorithm, row width) and a flag on ``group``, issued on the caller's thread just before the
-    payload, so it runs beside the payload instead of in front of it: ranks agree when every max
-    equals minus the max of the negations and no rank raised the flag (``problem``: what this rank
+    algorithm, row width) and a flag on ``group`` itself, issued on the caller's thread just before
+    the payload and waited for only with it: ranks agree when every max equals minus the max of the
+    negations and no rank raised the flag (``problem``: what this rank
     found wrong with the call against its peers, e.g. split sizes). Without it a mismatch can return
     normally with wrong values: gloo receives a shorter message into a longer buffer without
     complaint, and padding hides a count that differs by less than the node size. Unlike
     ``validate=True`` it cannot name the odd ranks, only the range of values. A mismatch that makes
     gloo receive a longer message than the buffer still aborts that process (gloo's own failure,
-    as with plain torch): the check runs beside the payload, not before it.
+    as with plain torch): the check runs beside the payload, not before it. (A group of its own
+    for the check measured no faster on gloo and made the first flat call create a group, a
+    collective that pairs up wrongly where the ranks' first unvalidated calls differ.)
     """
     values = (_FINGERPRINT_OPS[kind], numel, SUPPORTED_DTYPES.index(dtype), _code(op),
               _ALGO_CODES.index(algorithm), row_bytes)
@@ -242,7 +244,7 @@ def agree(kind: str, *, numel: int, dtype: torch.dtype, op: str, algorithm: str,
                           device=device if device.type == "cuda" else "cpu")
     engine().count(f"{kind}/agree", cost.ALGORITHM_FACTORS["allreduce"](dist.get_world_size(group))
                    * header.numel() * 8)
-    work = dist.all_reduce(header, op=ReduceOp.MAX, group=_agree_group(group, timeout), async_op=True)
+    work = dist.all_reduce(header, op=ReduceOp.MAX, group=group, async_op=True)
     fut = work.get_future()
     if timeout is not None:
         fut = engine().watch(fut, timeout, op=f"{kind}/agree")
@@ -274,18 +276,6 @@ def agree(kind: str, *, numel: int, dtype: torch.dtype, op: str, algorithm: str,
                 op=kind)
 
     return chain(fut, verify)
-
-
-def _agree_group(group, timeout: float | None):
-    """A group of the same ranks as ``group`` that carries only agreement checks: on a group of its
-    own the check runs in parallel with the payload (one gloo group runs its works one at a time,
-    which made the check cost a full extra latency: flat all-reduce 1.8-2.3x plain torch's at
-    1 KiB-1 MiB on a 2x2 over loopback). Derived groups exist only for WORLD (``Topology.groups``);
-    a subgroup checks on itself."""
-    world = dist.get_world_size(group)
-    if group is not None and group is not dist.group.WORLD and world != dist.get_world_size():
-        return group
-    return Topology.from_spec(f"1x{world}").groups("agree", timeout).intra
 
 
 def checked(payload: torch.futures.Future, check: torch.futures.Future | None) -> torch.futures.Future:
