@@ -7,10 +7,13 @@ import package ``commopt``; ``commopt`` itself is a namespace package without ``
 from setuptools import setup
 
 _FOLDERS = {"comm": "comm", "kernels": "kernels", "schedules": "schedules", "bench": "bench"}
-_SUBPACKAGES = ["comm.compression", "comm.ina"]
+_SUBPACKAGES = ["comm.compression", "comm.ina", "comm.integrations"]
 
 _MPI = ["mpi4py>=3.1", "mpich"]
 _PLOT = ["matplotlib>=3.5"]
+# Optional frameworks (commopt.comm.integrations); none of them may replace the installed torch.
+_LIGHTNING = ["pytorch-lightning>=2.1"]
+_TRANSFORMERS = ["transformers>=4.40", "accelerate>=0.30"]
 
 setup(
     name="commopt",
@@ -30,7 +33,9 @@ setup(
         "cuda12": ["cupy-cuda12x"],
         "cuda13": ["cupy-cuda13x"],
         "plot": _PLOT,
-        "dev": _MPI + _PLOT + ["pytest>=7", "ruff"],
+        "lightning": _LIGHTNING,
+        "transformers": _TRANSFORMERS,
+        "dev": _MPI + _PLOT + _LIGHTNING + _TRANSFORMERS + ["pytest>=7", "ruff"],
     },
     entry_points={"console_scripts": ["commopt-bench = commopt.bench.__main__:main"]},
 )

@@ -1,0 +1,18 @@
+"""commopt.comm.integrations: thin adapters for the frameworks people train with (DESIGN 3).
+
+Each submodule imports its framework only when it is itself imported, so importing this package
+costs nothing and never fails because a framework is missing:
+
+- ``commopt.comm.integrations.lightning``: :class:`CommHookCallback` for PyTorch Lightning
+  (``pip install commopt[lightning]``).
+- ``commopt.comm.integrations.transformers``: :class:`CommHookCallback` for the Hugging Face
+  ``Trainer`` (``pip install commopt[transformers]``).
+
+Both register :func:`commopt.comm.hooks.allreduce_hook` once the framework has wrapped the model in
+``DistributedDataParallel``, on any device, and build the state's topology only once the process
+group exists.
+"""
+
+from __future__ import annotations
+
+__all__: list[str] = []

@@ -1,0 +1,82 @@
+"""PyTorch Lightning: commopt's DDP comm hook through a ``Callback``, on any device.
+
+Lightning's own route, ``DDPStrategy(ddp_comm_state=..., ddp_comm_hook=...)``, registers the hook only
+when the root device is CUDA: on CPU it is silently ignored. And the moments a ``LightningModule``
+sees are either too early (``setup()``: the model is not wrapped yet) or need Lightning's internals.
+:class:`CommHookCallback` registers :func:`commopt.comm.hooks.allreduce_hook` in ``on_fit_start``,
+which Lightning calls after the strategy has initialised the process group and wrapped the model in
+``DistributedDataParallel`` and before the first training step, on every rank and device::
+
+    from commopt.comm.hooks import AllReduceState
+    from commopt.comm.integrations.lightning import CommHookCallback
+
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp",
+                         callbacks=[CommHookCallback(AllReduceState(algorithm="hierarchical"))])
+
+The topology is built then too, since no constructor works before ``init_process_group``: from
+``topology=`` ("2x4", or a list of nodes), else ``Topology.detect()`` (``COMMOPT_NODES``, torchrun's
+or MPI's placement, else host names). Lightning itself sets no ``LOCAL_WORLD_SIZE``, so ranks spawned
+on one machine (``strategy="ddp_spawn"``, or ``"ddp"`` started with ``python train.py``) are one
+node: for a logical layout on one machine pass ``topology="2x2"`` or set ``COMMOPT_NODES``.
+
+Works with the stock strategies that wrap in DDP (``"ddp"``, ``"ddp_spawn"``, ``"ddp_notebook"``,
+``DDPStrategy(...)``) from ``pytorch_lightning`` or ``lightning.pytorch``. With ``"ddp_spawn"`` each
+rank trains with a pickled copy of the state: read its counters inside the ranks (for example in
+``on_fit_end``), not in the launching process.
+
+Needs ``pip install commopt[lightning]``.
+"""
+
+from __future__ import annotations
+
+from ..hooks import AllReduceState
+from ._common import TopologyArg, check_arguments, register_on
+
+try:  # the standalone package first (commopt's extra), then the unified one
+    import pytorch_lightning as _pl
+except ImportError:
+    try:
+        import lightning.pytorch as _pl
+    except ImportError:
+        raise ImportError("commopt.comm.integrations.lightning needs PyTorch Lightning: "
+                          "pip install commopt[lightning] (or pip install pytorch-lightning)") from None
+
+__all__ = ["CommHookCallback"]
+
+_WHAT_TO_DO = ("use a strategy that wraps the model in DDP: strategy='ddp', 'ddp_spawn' or DDPStrategy(...) "
+               "with devices > 1 (with one device there is nothing to reduce: leave the callback out)")
+
+
+class CommHookCallback(_pl.Callback):
+    """Registers ``allreduce_hook`` with ``state`` once Lightning's DDP strategy has wrapped the model.
+
+    Lightning calls callbacks by hook name, so the same instance works with ``pytorch_lightning``
+    and ``lightning.pytorch`` trainers. Each ``fit`` wraps the model in a new DDP module, and the hook
+    is registered on each with the same state (its counters and error-feedback memory carry on).
+
+    Args:
+        state: the hook's :class:`commopt.comm.hooks.AllReduceState`; its ``topology`` may be None
+            (built at fit start).
+        topology: how to build the state's topology once the process group exists: a spec
+            (``"2x4"``, ``"2+1"``: ``Topology.from_spec``), explicit nodes (``[[0, 2], [1, 3]]``:
+            ``Topology.from_nodes``), or None for ``Topology.detect()``. Only when ``state.topology``
+            is None.
+
+    Raises:
+        TypeError: at construction, ``state`` is not an ``AllReduceState`` or ``topology`` is of
+            another type; at fit start, the strategy did not wrap the model in DDP (a single device,
+            FSDP, DeepSpeed, ...).
+        ValueError: at construction, both ``state.topology`` and ``topology`` are given.
+        RuntimeError: at fit start, the DDP model already has a comm hook (for instance
+            ``DDPStrategy(ddp_comm_hook=...)`` on CUDA): DDP accepts only one.
+        TopologyError: at fit start, ``topology`` does not fit the world (``"2x2"`` on 2 ranks).
+    """
+
+    def __init__(self, state: AllReduceState, *, topology: TopologyArg = None):
+        check_arguments("CommHookCallback", state, topology)
+        self.state = state
+        self.topology = topology
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        register_on("CommHookCallback", trainer.strategy.model, self.state, self.topology,
+                    f"the strategy is {type(trainer.strategy).__name__}: {_WHAT_TO_DO}")
