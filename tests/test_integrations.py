@@ -240,6 +240,167 @@ def test_lightning_callback_registers_hook_on_cpu(tmp_path):
     assert "not DistributedDataParallel" in r0["not_ddp"] and "strategy='ddp'" in r0["not_ddp"]
 
 
+
+# ------------------------------------------------------------------------------------ Hugging Face
+_HF_STEPS = 16
+
+
+class _Sequences(torch.utils.data.Dataset):
+    """Token sequences that count up by one from a random start (a bigram a tiny model learns in a few
+    steps), labels = inputs."""
+
+    def __init__(self, n: int = _WORLD * 4 * _HF_STEPS, length: int = 16, vocab: int = 64):
+        gen = torch.Generator().manual_seed(2)
+        start = torch.randint(0, vocab, (n, 1), generator=gen)
+        self.ids = (start + torch.arange(length)) % vocab
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def _gpt2(seed: int = 0):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    config = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0)
+    return GPT2LMHeadModel(config)
+
+
+def _hf_args(workdir: str, optim: str = "sgd"):
+    """SGD without clipping for the exact runs: the update is proportional to the reduced gradient, so
+    a hook that averaged wrongly could not hide behind Adam's or clipping's normalisation. AdamW (the
+    Trainer's default) where the point is that training progresses."""
+    from transformers import TrainingArguments
+
+    lr = 0.5 if optim == "sgd" else 1e-2
+    return TrainingArguments(output_dir=os.path.join(workdir, "hf"), use_cpu=True, max_steps=_HF_STEPS,
+                             per_device_train_batch_size=4, optim=optim, learning_rate=lr,
+                             lr_scheduler_type="constant", max_grad_norm=0.0, logging_steps=1,
+                             save_strategy="no", report_to="none", disable_tqdm=True, seed=0,
+                             dataloader_num_workers=0)
+
+
+def _lm_loss(model, data) -> float:
+    with torch.no_grad():
+        ids = data.ids
+        return float(model(input_ids=ids, labels=ids).loss)
+
+
+def _transformers_body(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+    from transformers import Trainer
+
+    out = {}
+    data = _Sequences()
+    init_loss = _lm_loss(_gpt2(), data)
+
+    model, args = _gpt2(), _hf_args(os.getcwd())
+    # README: Trainer
+    from commopt.comm.hooks import AllReduceState
+    from commopt.comm.integrations.transformers import CommHookCallback
+
+    state = AllReduceState(algorithm="hierarchical")
+    trainer = Trainer(model=model, args=args, train_dataset=data)
+    trainer.add_callback(CommHookCallback(state, trainer=trainer))
+    trainer.train()
+    # end README
+    assert dist.is_initialized() and dist.get_world_size() == world
+    out["exact"] = {"params": _params(model), "step": state.step, "buckets": state.buckets_reduced,
+                    "nodes": state.topology.num_nodes, "tied": model.lm_head.weight is model.transformer.wte.weight,
+                    "init_moved": _max_diff(_params(model), _params(_gpt2()))}
+
+    model = _gpt2()  # oracle: the same Trainer without the hook
+    Trainer(model=model, args=_hf_args(os.getcwd()), train_dataset=data).train()
+    out["plain"] = {"params": _params(model)}
+    model = _gpt2()  # and with AdamW, for the compressed run
+    Trainer(model=model, args=_hf_args(os.getcwd(), "adamw_torch"), train_dataset=data).train()
+    out["plain_adamw"] = {"params": _params(model), "loss": _lm_loss(model, data)}
+
+    model, args = _gpt2(), _hf_args(os.getcwd(), "adamw_torch")
+    # README: Trainer, compressed
+    from commopt.comm.compression import FP16Compressor
+
+    state = AllReduceState(algorithm="hierarchical", compressor=FP16Compressor())
+    trainer = Trainer(model=model, args=args, train_dataset=data)
+    trainer.add_callback(CommHookCallback(state, trainer=trainer, topology="2x1"))
+    trainer.train()
+    # end README
+    out["compressed"] = {"params": _params(model), "loss": _lm_loss(model, data), "init_loss": init_loss,
+                         "step": state.step, "buckets": state.buckets_reduced, "nodes": state.topology.num_nodes}
+
+    # Without its trainer the callback cannot reach the wrapper: a clear error before the first step.
+    trainer = Trainer(model=_gpt2(), args=_hf_args(os.getcwd()), train_dataset=data)
+    trainer.add_callback(CommHookCallback(AllReduceState()))
+    try:
+        trainer.train()
+    except RuntimeError as exc:
+        out["no_trainer"] = str(exc)
+
+    out["accelerate"] = {"hooked": _accelerate_loop(data, hooked=True), "plain": _accelerate_loop(data, hooked=False)}
+    return out
+
+
+def _accelerate_loop(data, hooked: bool) -> dict:
+    model = _gpt2()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    loader = torch.utils.data.DataLoader(data, batch_size=4)
+    state = None
+    # README: accelerate
+    from accelerate import Accelerator
+
+    from commopt.comm import Topology, hooks
+
+    accelerator = Accelerator(cpu=True)  # drop cpu=True on GPUs
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    if hooked:  # (not in the README)
+        state = hooks.AllReduceState(algorithm="hierarchical", topology=Topology.from_spec("2x1"))
+        hooks.register(model, state)
+    for batch in loader:
+        loss = model(**batch).loss
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+    # end README
+    return {"params": _params(accelerator.unwrap_model(model)), "step": state.step if state else 0,
+            "buckets": state.buckets_reduced if state else 0}
+
+
+@pytest.mark.frameworks
+@pytest.mark.skipif(not _HAVE_TRANSFORMERS, reason="needs transformers and accelerate (pip install "
+                    "commopt[transformers])")
+def test_transformers_trainer_and_accelerate_register_hook(tmp_path):
+    """A real ``transformers.Trainer`` on a tiny random GPT-2, 2 processes on gloo: with the callback,
+    the exact algorithm reproduces the Trainer's own parameters and hierarchical fp16 on a logical
+    2x1 trains; the accelerate route (``prepare``, then ``hooks.register``) likewise."""
+    ranks = _launch(_transformers_body, tmp_path, timeout=300)
+    r0 = ranks[0]
+    for r in ranks[1:]:
+        _assert_same_params(r["exact"]["params"], r0["exact"]["params"], "Trainer exact run, rank 1 vs 0")
+        _assert_same_params(r["compressed"]["params"], r0["compressed"]["params"], "Trainer fp16 run, rank 1 vs 0")
+
+    exact, plain, comp = r0["exact"], r0["plain"], r0["compressed"]
+    assert exact["init_moved"] > 1e-3  # it trained
+    _assert_same_params(exact["params"], plain["params"], "Trainer: hierarchical hook vs DDP's own all-reduce")
+    for run in (exact, comp):
+        assert run["step"] == _HF_STEPS and run["buckets"] >= _HF_STEPS, run
+    assert exact["tied"]  # GPT-2's lm_head is still the embedding
+    assert exact["nodes"] == 1 and comp["nodes"] == 2
+    assert comp["loss"] < 0.6 * comp["init_loss"], (comp["init_loss"], comp["loss"])
+    adamw = r0["plain_adamw"]
+    assert comp["loss"] < 1.1 * adamw["loss"], (adamw["loss"], comp["loss"])
+    assert _max_diff(comp["params"], adamw["params"]) > 0  # the fp16 reduction was used
+    assert "trainer=trainer" in r0["no_trainer"]
+
+    acc = r0["accelerate"]
+    steps = len(_Sequences()) // (_WORLD * 4)
+    assert acc["hooked"]["step"] == steps and acc["hooked"]["buckets"] >= steps
+    _assert_same_params(acc["hooked"]["params"], acc["plain"]["params"], "accelerate: hook vs DDP's own")
+    assert _max_diff(acc["plain"]["params"], _params(_gpt2())) > 1e-3  # it trained
+
 # ------------------------------------------------------------------------------------ without the frameworks
 _IMPORT_CHECK = r"""
 import sys
