@@ -790,20 +790,99 @@ def cleanup_leftovers(ip: str = "ip") -> list[str]:
 # Running the ranks
 
 
-def _pump(stream: IO[bytes], out: IO[bytes] | None, prefix: bytes, lock: threading.Lock) -> None:
-    """Copy ``stream`` to ``out`` line by line, each line prefixed (a rank's stdout or stderr)."""
+class _Console:
+    """The launcher's own streams, shared by the threads that copy the ranks' output to them.
+
+    Where a stream is a terminal, the line a rank keeps redrawing with carriage returns (its progress
+    bar: ``COMMOPT_PROGRESS=1``, see ``commopt.bench._progress``) is redrawn in place, prefixed, as
+    each redraw arrives; a whole line from any rank clears it first and draws it again afterwards,
+    so bars and lines never mix on one row. A stream whose reader went away (``| head``) is
+    written no more; the ranks' pipes are still drained, so no rank stalls on a full pipe.
+    """
+
+    _CLEAR = b"\r\x1b[K"  # to the start of the row, erase it
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._bar: tuple[IO[bytes], bytes] | None = None  # (stream, row) redrawn in place now
+        self.closed: set[int] = set()  # id() of the streams that failed
+
+    def line(self, out: IO[bytes], data: bytes) -> None:
+        """Write one whole line (``data`` ends with a newline) to ``out``."""
+        with self._lock:
+            bar = self._bar
+            if bar is not None:
+                self._write(bar[0], self._CLEAR)
+            self._write(out, data)
+            if bar is not None:
+                self._write(bar[0], self._CLEAR + bar[1])
+
+    def redraw(self, out: IO[bytes], row: bytes | None) -> None:
+        """Draw ``row`` in place of the bar on ``out``; None erases the bar."""
+        with self._lock:
+            self._write(out, self._CLEAR + (row or b""))
+            self._bar = (out, row) if row else None
+
+    def _write(self, out: IO[bytes], data: bytes) -> None:
+        if id(out) in self.closed:
+            return
+        try:
+            out.write(data)
+            out.flush()
+        except (BrokenPipeError, ValueError):
+            self.closed.add(id(out))  # the launcher's reader went away; the rank must not stall
+
+
+def _is_terminal(stream: IO[bytes] | None) -> bool:
+    try:
+        return stream is not None and stream.isatty()
+    except (AttributeError, ValueError, OSError):
+        return False
+
+
+def _last_row(text: bytes) -> bytes:
+    """What a terminal shows of ``text`` redrawn with carriage returns: its last non-blank part."""
+    parts = [p for p in text.split(b"\r") if p.strip()]
+    return parts[-1] if parts else b""
+
+
+def _pump(stream: IO[bytes], out: IO[bytes] | None, prefix: bytes, console: _Console) -> None:
+    """Copy ``stream`` to ``out`` line by line, each line prefixed (a rank's stdout or stderr).
+
+    Where ``out`` is a terminal, a row the rank redraws with carriage returns is shown as it is
+    redrawn (see :class:`_Console`); elsewhere lines are copied as they are, carriage returns and all.
+    """
+    live = _is_terminal(out)
+    read = getattr(stream, "read1", None) or stream.read  # whatever the pipe holds, up to 64 KiB
+    pending = b""
+    drawn = False  # this stream's bar is on the terminal
     with stream:
-        for line in iter(stream.readline, b""):
-            if out is None:
+        while True:
+            data = read(65536)
+            if not data:
+                break
+            if out is None or id(out) in console.closed:
                 continue  # keep draining: a full pipe would block the rank
-            if not line.endswith(b"\n"):
-                line += b"\n"
-            with lock:
-                try:
-                    out.write(prefix + line)
-                    out.flush()
-                except (BrokenPipeError, ValueError):
-                    out = None  # the launcher's reader went away (`| head`); the rank must not stall
+            pending += data
+            *lines, pending = pending.split(b"\n")
+            for line in lines:
+                if drawn:
+                    console.redraw(out, None)
+                    drawn = False
+                console.line(out, prefix + (_last_row(line) if live and b"\r" in line else line) + b"\n")
+            if live and b"\r" in pending:
+                # Keep only the row being drawn: a bar that never ends a line must not pile up here.
+                pending = pending[pending.rindex(b"\r"):]
+                row = _last_row(pending)
+                console.redraw(out, prefix + row if row else None)
+                drawn = bool(row)
+        if out is not None:
+            if drawn:
+                console.redraw(out, None)
+            if live and b"\r" in pending:
+                pending = _last_row(pending)
+            if pending:
+                console.line(out, prefix + pending + b"\n")
 
 
 def run_ranks(cluster: Cluster, layout: Sequence[Sequence[int]], command: Sequence[str],
@@ -813,7 +892,8 @@ def run_ranks(cluster: Cluster, layout: Sequence[Sequence[int]], command: Sequen
               poll_interval: float = 0.05) -> int:
     """Run ``command`` once per rank in its node's namespace and wait for all of them.
 
-    Output lines are prefixed ``[rank k]`` (stdout to ``stdout``, stderr to ``stderr``). When a
+    Output lines are prefixed ``[rank k]`` (stdout to ``stdout``, stderr to ``stderr``; on a
+    terminal, a rank's progress bar is redrawn in place, see :class:`_Console`). When a
     rank fails, the others are killed (a collective would otherwise wait forever for it) and the
     first failure's code is returned; a rank killed by signal S counts as 128 + S. An exception
     raised into this function (KeyboardInterrupt from a signal handler) kills all ranks first.
@@ -836,7 +916,7 @@ def run_ranks(cluster: Cluster, layout: Sequence[Sequence[int]], command: Sequen
     node_of = {rank: node for node, ranks in enumerate(layout) for rank in ranks}
     procs: list[subprocess.Popen] = []
     threads: list[threading.Thread] = []
-    lock = threading.Lock()
+    console = _Console()
     try:
         # Spawn all before any output thread exists (see Cluster.spawn).
         for rank in range(len(envs)):
@@ -844,7 +924,7 @@ def run_ranks(cluster: Cluster, layout: Sequence[Sequence[int]], command: Sequen
         pumps = [(stream, out, f"[rank {rank}] ".encode()) for rank, proc in enumerate(procs)
                  for stream, out in ((proc.stdout, stdout), (proc.stderr, stderr))]
         for stream, out, prefix in pumps + list(extra_streams):
-            thread = threading.Thread(target=_pump, args=(stream, out, prefix, lock), daemon=True)
+            thread = threading.Thread(target=_pump, args=(stream, out, prefix, console), daemon=True)
             thread.start()
             threads.append(thread)
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -902,8 +982,9 @@ def _build_parser() -> argparse.ArgumentParser:
                     "fabric by a tbf-shaped link, loopback inside a node; run COMMAND once per rank "
                     "inside its node, with RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, "
                     "MASTER_PORT, GLOO_SOCKET_IFNAME, COMMOPT_NODES, COMMOPT_LINK_RATE_BPS and "
-                    "COMMOPT_LINK_MEASURED_BPS set. Needs root (CAP_NET_ADMIN, CAP_SYS_ADMIN) and "
-                    "iproute2. Returns the first failing rank's exit code.")
+                    "COMMOPT_LINK_MEASURED_BPS set (and COMMOPT_PROGRESS=1 when this stderr is a "
+                    "terminal: rank 0's progress bar is redrawn there). Needs root (CAP_NET_ADMIN, "
+                    "CAP_SYS_ADMIN) and iproute2. Returns the first failing rank's exit code.")
     parser.add_argument("--nodes", type=int, help="number of nodes N")
     parser.add_argument("--ranks-per-node", type=int, default=1, help="ranks per node L (default 1)")
     parser.add_argument("--link-rate", default="1gbit",
@@ -1088,7 +1169,12 @@ def _run(args: argparse.Namespace, cluster: Cluster, layout: list[list[int]], co
         switch = cluster.start_switch(switch_argv, dict(os.environ), out=err)
         ina = f"{cluster.switch_address}:{_SWITCH_PORT}"
         extra.append((switch.stdout, err, b"[switch] "))
-    envs = rank_environments(layout, dict(os.environ), master_addr=cluster.node_address(0),
+    base_env = dict(os.environ)
+    if _is_terminal(err):
+        # The ranks' stderr is a pipe, so their progress bars would stay off; the pumps redraw them
+        # in place on this terminal (see _Console). An explicit COMMOPT_PROGRESS wins.
+        base_env.setdefault("COMMOPT_PROGRESS", "1")
+    envs = rank_environments(layout, base_env, master_addr=cluster.node_address(0),
                              master_port=_MASTER_PORT,
                              ifnames=[cluster.ifname(n) for n in range(args.nodes)],
                              link_rate_bps=rate, measured_bps=measured, ina_switch=ina)

@@ -3,11 +3,13 @@
 For each size, every requested algorithm is measured interleaved (iteration by iteration), so
 that the ratios printed side by side share the same machine state. Columns follow nccl-tests:
 ``size count type redop algo time(us) algbw(GB/s) busbw(GB/s) #wrong`` (time: the median over the
-iterations, of the slowest rank), then the alpha-beta bound
-of ``commopt.comm.cost`` and, inside the emulated cluster, link-level figures: the bytes one node's
-link must carry, link busbw (those bytes / time) and the efficiency against the configured and the
-measured link rate. The correctness check (on by default) compares every element with a value
-computed from rank arithmetic.
+iterations, of the slowest rank), then the alpha-beta bound of ``commopt.comm.cost`` where the
+topology has several nodes, and, where an inter-node link exists (the emulated cluster, a real
+multi-node job; not a logical ``--topology`` on one machine), link-level figures: the bytes one
+node's link must carry, link busbw (those bytes / time) and the efficiency against the configured
+and the measured link rate. Columns that do not apply to a run are left out. The correctness check
+(on by default) compares every element with a value computed from rank arithmetic. ``--json`` keeps
+the rows, ``--plot`` draws them (``commopt.bench.plot``).
 
 Launch: under ``mpirun -n N`` (rank and size from MPI; rendezvous through a FileStore whose path
 rank 0 broadcasts with mpi4py), under ``torchrun`` or ``commopt-bench cluster`` (env://), or with
@@ -29,6 +31,7 @@ import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 from ._launch import launch
+from ._progress import progress
 
 __all__ = ["main", "parse_sizes", "run_sweep"]
 
@@ -87,6 +90,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--topology", default=None, help="impose logical nodes, e.g. 2x2 (default: detect)")
     p.add_argument("--spawn", type=int, default=0, metavar="N", help="spawn N local ranks")
     p.add_argument("--json", default=None, metavar="PATH", help="write the rows and metadata as JSON")
+    p.add_argument("--plot", default=None, metavar="PNG", help="draw busbw against size per algorithm, with "
+                   "the cost model's bound, as a PNG (matplotlib: pip install commopt[plot]); "
+                   "`commopt-bench plot RESULTS.json` draws it later")
     p.add_argument("--validate", action="store_true", help="collectives with validate=True")
     p.add_argument("--compare-validate", action="store_true",
                    help="measure each algorithm with and without validate=True, interleaved")
@@ -216,11 +222,7 @@ def run_sweep(args, topo, log=print) -> list[dict]:
     variants = [(a, v) for a in algos for v in ((False, True) if args.compare_validate else (args.validate,))]
     model = cost.model_for(topo) if world > 1 else None
     rows: list[dict] = []
-    progress = None
-    if rank == 0 and sys.stderr.isatty():
-        from tqdm import tqdm
-
-        progress = tqdm(total=len(ops) * len(args.sizes), file=sys.stderr, leave=False, desc="sweep")
+    bar = progress(len(ops) * len(args.sizes), "sweep", rank=rank, unit="size")
     for op in ops:
         if op not in _OPS:
             raise SystemExit(f"unknown --op {op!r}; choose from {', '.join(_OPS)}")
@@ -266,10 +268,8 @@ def run_sweep(args, topo, log=print) -> list[dict]:
                 dist.all_reduce(wrong)
                 rows.append(_row(op, algo, val, size, count, dtype, args.redop, float(mean), int(wrong), world,
                                  topo, model, select_algorithm, cost))
-            if progress is not None:
-                progress.update()
-    if progress is not None:
-        progress.close()
+            bar.update()
+    bar.close()
     return rows
 
 
@@ -294,13 +294,14 @@ def _row(op, algo, val, size, count, dtype, redop, seconds, wrong, world, topo, 
 
                 if algo == "auto":  # what the call itself chose (the calibrated lines, when measured)
                     row["chosen"] = chosen = a2a.choose_algorithm(total, topo)
-                row["bound_us"] = a2a.predict(chosen, total, topo, model) * 1e6
+                bound = a2a.predict(chosen, total, topo, model)
                 link = a2a.link_bytes(chosen, total, topo)
             else:
-                row["bound_us"] = cost.predict(chosen, total, topo, model, op=kind) * 1e6
+                bound = cost.predict(chosen, total, topo, model, op=kind)
                 link = cost.link_bytes(chosen, total, topo, op=kind)
         except (ValueError, AttributeError, ImportError):
-            row["bound_us"], link = float("nan"), float("nan")
+            return row  # no model for this combination: its columns stay empty, never nan
+        row["bound_us"] = bound * 1e6
         row["link_bytes"] = link
         row["link_busbw"] = link / seconds / 1e9
         if topo.link_rate_bps:
@@ -308,25 +309,62 @@ def _row(op, algo, val, size, count, dtype, redop, seconds, wrong, world, topo, 
     return row
 
 
-def _print_table(rows: list[dict], measured_bps: float | None, log=print) -> None:
-    link = any("link_busbw" in r for r in rows)
-    head = (f"{'size':>10} {'count':>10} {'type':>8} {'redop':>6} {'algo':>13} {'time(us)':>11} "
-            f"{'algbw(GB/s)':>11} {'busbw(GB/s)':>11} {'#wrong':>7} {'bound(us)':>10}")
-    if link:
-        head += f" {'link(MB)':>9} {'linkbw(GB/s)':>12} {'eff(cfg)':>8} {'eff(meas)':>9}"
+def _columns(rows: list[dict], link: bool, measured_bps: float | None) -> list[tuple[str, int, object]]:
+    """The table's columns as (header, width, cell of a row): nccl-tests' own, then the bound where a
+    cost model gave one, then the link figures where an inter-node link exists (no column of nan)."""
+
+    def algo(r: dict) -> str:
+        if r.get("chosen") and r["algo"] == "auto":
+            return f"auto>{r['chosen'][:4]}"
+        return r["algo"] + ("+v" if r.get("validate") else "")
+
+    cols: list[tuple[str, int, object]] = [
+        ("size", 10, lambda r: f"{r['size']}"), ("count", 10, lambda r: f"{r['count']}"),
+        ("type", 8, lambda r: r["type"]), ("redop", 6, lambda r: r["redop"]), ("algo", 13, algo),
+        ("time(us)", 11, lambda r: f"{r['time_us']:.1f}"), ("algbw(GB/s)", 11, lambda r: f"{r['algbw']:.4f}"),
+        ("busbw(GB/s)", 11, lambda r: f"{r['busbw']:.4f}"), ("#wrong", 7, lambda r: f"{r['wrong']}")]
+
+    def every(key: str) -> bool:
+        return bool(rows) and all(key in r for r in rows)
+
+    if every("bound_us"):
+        cols.append(("bound(us)", 10, lambda r: f"{r['bound_us']:.1f}"))
+    if link and every("link_bytes"):
+        cols += [("link(MB)", 9, lambda r: f"{r['link_bytes'] / 1e6:.2f}"),
+                 ("linkbw(GB/s)", 12, lambda r: f"{r['link_busbw']:.4f}")]
+        if every("eff_cfg"):
+            cols.append(("eff(cfg)", 8, lambda r: f"{r['eff_cfg']:.3f}"))
+        if measured_bps:
+            cols.append(("eff(meas)", 9, lambda r: f"{r['link_busbw'] * 8e9 / measured_bps:.3f}"))
+    return cols
+
+
+def _print_table(rows: list[dict], measured_bps: float | None, log=print, *, link: bool = True) -> None:
+    """nccl-tests' columns, then those of :func:`_columns` that apply to this run.
+
+    Args:
+        rows: :func:`run_sweep`'s rows.
+        measured_bps: the probed link rate (``COMMOPT_LINK_MEASURED_BPS``), or None.
+        log: where lines go.
+        link: whether an inter-node link exists (False for a logical topology on one host).
+    """
+    cols = _columns(rows, link, measured_bps)
+    head = " ".join(f"{name:>{width}}" for name, width, _ in cols)
     log("#" + head[1:])
     for r in rows:
-        algo = r["algo"] + ("+v" if r.get("validate") else "")
-        if r.get("chosen") and r["algo"] == "auto":
-            algo = f"auto>{r['chosen'][:4]}"
-        line = (f"{r['size']:>10} {r['count']:>10} {r['type']:>8} {r['redop']:>6} {algo:>13} "
-                f"{r['time_us']:>11.1f} {r['algbw']:>11.4f} {r['busbw']:>11.4f} {r['wrong']:>7} "
-                f"{r.get('bound_us', float('nan')):>10.1f}")
-        if link:
-            eff_meas = (r["link_busbw"] * 8e9 / measured_bps) if measured_bps else float("nan")
-            line += (f" {r.get('link_bytes', 0) / 1e6:>9.2f} {r.get('link_busbw', 0):>12.4f} "
-                     f"{r.get('eff_cfg', float('nan')):>8.3f} {eff_meas:>9.3f}")
-        log(line)
+        log(" ".join(f"{cell(r):>{width}}" for _, width, cell in cols))
+
+
+def _inter_node_link(args, topo) -> bool:
+    """Whether the topology's nodes are joined by a real link whose figures mean something.
+
+    A layout imposed with ``--topology`` where neither the environment (``COMMOPT_NODES``: the
+    emulated cluster, a launcher) nor a link rate says it is real is taken as logical: under
+    ``--spawn`` its "nodes" share one machine's memory, and no byte crosses a link.
+    """
+    if topo.num_nodes < 2:
+        return False
+    return bool(topo.link_rate_bps) or not args.topology or bool(os.environ.get("COMMOPT_NODES"))
 
 
 def _print_ratios(rows: list[dict], log=print) -> None:
@@ -404,8 +442,9 @@ def _rank_body(args) -> int:
         from commopt.comm import alltoall as a2a
 
         a2a.calibrate(topo)  # measured flat / 2-D lines for this layout, which auto then prefers
+    link = _inter_node_link(args, topo)
     rows = run_sweep(args, topo, log)
-    _print_table(rows, measured, log)
+    _print_table(rows, measured, log, link=link)
     _print_ratios(rows, log)
     if topo.link_rate_bps:
         _print_fit(rows, topo, log)
@@ -413,10 +452,18 @@ def _rank_body(args) -> int:
         _print_alltoall_scale(log)
     wrong = sum(r["wrong"] for r in rows)
     log(f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}")
-    if rank == 0 and args.json:
-        meta = {"world_size": world, "topology": topo.layout, "link_rate_bps": topo.link_rate_bps,
-                "link_measured_bps": measured, "argv": sys.argv[1:]}
-        with open(args.json, "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    if rank == 0 and (args.json or args.plot):
+        meta = {"world_size": world, "topology": topo.layout, "num_nodes": topo.num_nodes,
+                "link_rate_bps": topo.link_rate_bps, "link_measured_bps": measured, "inter_node_link": link,
+                "dtype": args.dtype, "argv": sys.argv[1:]}
+        results = {"meta": meta, "rows": rows}
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1)
+        if args.plot:
+            from .plot import plot_collectives
+
+            if plot_collectives(results, args.plot) is not None:
+                log(f"# plot: {args.plot}")
     sys.stdout.flush()
     return 1 if wrong else 0

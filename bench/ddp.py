@@ -40,6 +40,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ._launch import launch
+from ._progress import progress
 
 __all__ = ["main", "HOOKS"]
 
@@ -81,6 +82,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--bucket-cap-mb", type=float, default=64.0, help="DDP bucket size cap (every hook)")
     p.add_argument("--timeout", type=float, default=300.0, help="collective timeout in seconds")
     p.add_argument("--json", default=None, help="write the results as JSON to this file (rank 0)")
+    p.add_argument("--plot", default=None, metavar="PNG", help="draw step time and final loss per hook, and "
+                   "the loss curves, as a PNG (matplotlib: pip install commopt[plot]); `commopt-bench plot "
+                   "RESULTS.json` draws it later")
     return p
 
 
@@ -217,10 +221,13 @@ def _rank_body(args) -> int:
     # Every hook trains side by side, one step each in turn (rotated every step), so that a load
     # spike on a shared machine hits all of them alike and the ratios between them stay honest.
     runs = [_setup(name, args, topo) for name in names]
+    bar = progress(args.steps, f"training {len(runs)} hooks", rank=dist.get_rank(), unit="step")
     for step in range(args.steps):
         k = step % len(runs)
         for run in runs[k:] + runs[:k]:
             _step(run, step, args)
+        bar.update()
+    bar.close()
     results = [_summary(run, args) for run in runs]
     if dist.get_rank() == 0:
         _report(results, args, topo)
@@ -264,6 +271,13 @@ def _report(results: list[dict], args, topo) -> None:
             a, b = by[ours], by[theirs]
             print(f"# step time {ours} / {theirs} = {a['step_ms'] / b['step_ms']:.3f} ({target}, interleaved); "
                   f"final loss {a['losses'][-1]:.4f} vs {b['losses'][-1]:.4f}")
+    data = {"args": vars(args), "layout": topo.layout, "world_size": dist.get_world_size(),
+            "link_rate_bps": topo.link_rate_bps, "results": results}
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"args": vars(args), "layout": topo.layout, "results": results}, f, indent=1)
+            json.dump(data, f, indent=1)
+    if args.plot:
+        from .plot import plot_ddp
+
+        if plot_ddp(data, args.plot) is not None:
+            print(f"# plot: {args.plot}")

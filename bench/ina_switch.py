@@ -30,6 +30,8 @@ import time
 import types
 from typing import Any
 
+from ._progress import progress
+
 __all__ = ["main"]
 
 
@@ -175,6 +177,7 @@ def _bench(args: argparse.Namespace) -> int:
               "per worker", flush=True)
     print(f"{'workers':>7} {'time(ms)':>9} {'MB/s/worker':>12} {'local(ms)':>10} {'retx':>6} "
           f"{'sw_pkts':>8} {'sw_retx':>8}", flush=True)
+    bar = progress(len(counts), "worker counts", unit="run")
     for n in counts:
         with SwitchProcess(args.host, 0, pool_slots=args.pool_slots, partition_size=args.partition_size) as sw:
             queue = ctx.Queue()
@@ -195,8 +198,11 @@ def _bench(args: argparse.Namespace) -> int:
         t = max(sorted(r[1])[len(r[1]) // 2] for r in results)  # median per worker, slowest worker
         local = max(r[2] for r in results)
         retx = sum(r[3]["retransmissions"] for r in results)
+        bar.clear()  # the row goes where the bar was; the bar comes back below it
         print(f"{n:>7} {t * 1e3:>9.1f} {nbytes / t / 1e6:>12.1f} {local * 1e3:>10.1f} {retx:>6} "
               f"{stats['packets']:>8} {stats['retransmissions']:>8}", flush=True)
+        bar.update()
+    bar.close()
     return 0
 
 

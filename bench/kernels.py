@@ -25,6 +25,8 @@ import torch
 
 import commopt.kernels as K
 
+from ._progress import progress
+
 __all__ = ["main", "parity_failures"]
 
 
@@ -200,10 +202,12 @@ def _bench_cpu(n: int, threads: list[int], repeat: int) -> list[dict]:
 
     rows = []
     cases = _cases(n, torch.device("cpu"))
+    bar = progress(len(threads) * len(cases), "kernels", unit="kernel")
     for t in threads:
         numba.set_num_threads(t)
         torch.set_num_threads(t)
         for name, moved, run in cases:
+            bar.set_postfix_str(f"{name}, {t} thread(s)")
             best = _interleaved({
                 "copy": (_copy_fn(moved, torch.device("cpu")), repeat),
                 "numba": (lambda run=run: run("cpu"), repeat),
@@ -215,6 +219,8 @@ def _bench_cpu(n: int, threads: list[int], repeat: int) -> list[dict]:
                 rate = moved / best[backend]
                 rows.append(dict(kernel=name, backend=backend, threads=t, bytes=moved, gbps=rate / 1e9,
                                  copy_gbps=copy / 1e9, ratio=rate / copy))
+            bar.update()
+    bar.close()
     return rows
 
 
@@ -222,11 +228,16 @@ def _bench_cuda(n: int, repeat: int) -> list[dict]:
     device = torch.device("cuda")
     best = _timer(device)
     rows = []
-    for name, moved, run in _cases(n, device):
+    cases = _cases(n, device)
+    bar = progress(len(cases), "kernels", unit="kernel")
+    for name, moved, run in cases:
+        bar.set_postfix_str(name)
         copy = moved / best(_copy_fn(moved, device), repeat)
         rate = moved / best(lambda run=run: run(None), repeat)
         rows.append(dict(kernel=name, backend="cuda", threads=0, bytes=moved, gbps=rate / 1e9, copy_gbps=copy / 1e9,
                          ratio=rate / copy))
+        bar.update()
+    bar.close()
     return rows
 
 

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ._launch import launch
+from ._progress import progress
 
 __all__ = ["main"]
 
@@ -53,6 +54,7 @@ def _body(args) -> int:
                      seed=1) for c in configs}
     x = torch.randn(args.tokens, args.d_model, generator=torch.Generator().manual_seed(rank)).requires_grad_()
     times: dict[tuple[str, int], list[float]] = {c: [] for c in configs}
+    bar = progress(args.warmup + args.iters, f"{len(configs)} configurations", rank=rank, unit="round")
     for it in range(args.warmup + args.iters):
         order = configs[it % len(configs):] + configs[:it % len(configs)]  # interleaved and rotated
         for c in order:
@@ -63,6 +65,8 @@ def _body(args) -> int:
             dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank's time
             if it >= args.warmup:
                 times[c].append(float(t))
+        bar.update()
+    bar.close()
     if rank == 0:
         print(f"# MoE forward+backward: {world} ranks, topology {topo.layout!r}, {args.tokens} tokens/rank, "
               f"d={args.d_model}, hidden={args.d_hidden}, {args.experts} experts, top-{args.top_k}, capacity "

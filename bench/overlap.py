@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._launch import launch
+from ._progress import progress
 
 __all__ = ["main", "TinyGPT"]
 
@@ -276,8 +277,10 @@ def _run(args) -> int:
 
     blocks = {"compute": compute_block, "comm": comm_block, "ddp": ddp_block, "overlap": odp_block,
               "contended": contended_block, "wrapper": solo_block}
+    bar = progress(1 + args.rounds, "warm-up, then rounds", rank=rank, unit="round")
     for fn in blocks.values():
         fn(args.warmup)
+    bar.update()
     opt_t.clear()
     steady.clear()
     res: dict[str, list[float]] = {k: [] for k in blocks}
@@ -285,6 +288,8 @@ def _run(args) -> int:
     for r in range(args.rounds):
         for k in names[r % len(names):] + names[: r % len(names)]:
             res[k].append(_agreed_max(blocks[k](args.steps)))
+        bar.update()
+    bar.close()
     res["overlap-steady"] = [_agreed_max(x) for x in steady]
     stats = odp.stats()
     if rank == 0 and args.trace:
@@ -337,9 +342,11 @@ def _run(args) -> int:
             (f"  same, per block of {args.steps} steps", m_block, math.nan),
             ("no overlap (predicted only)", math.nan, pred_none.iteration)]
     log(f"{'schedule':<34}{'measured ms':>12}{'predicted ms':>14}{'pred/meas':>11}")
+    def cell(value: float, width: int, digits: int) -> str:
+        return f"{value:>{width}.{digits}f}" if value == value else f"{'-':>{width}}"  # nan: not measured / predicted
+
     for name, meas, pred in rows:
-        ratio = pred / meas if meas == meas else math.nan
-        log(f"{name:<34}{meas * 1e3:>12.1f}{pred * 1e3:>14.1f}{ratio:>11.3f}")
+        log(f"{name:<34}{cell(meas * 1e3, 12, 1)}{cell(pred * 1e3, 14, 1)}{cell(pred / meas, 11, 3)}")
     for k, v in res.items():
         log(f"# per-round {k} ms: {[round(t * 1e3, 1) for t in v]}")
     log(f"# T_compute {t_compute * 1e3:.1f} ms, T_comm {t_comm * 1e3:.1f} ms (ratio {t_comm / t_compute:.2f}), "
