@@ -10,6 +10,7 @@ tests) may exist at the same time and are never counted or touched.
 from __future__ import annotations
 
 import importlib.util
+import io
 import json
 import os
 import select
@@ -229,6 +230,89 @@ def test_usage_errors_before_privileges():
     assert code == 2 and "COMMAND" in err
     code, _, err, _ = _run_cli("--nodes", "2", "--link-rate", "fast", command=["true"], timeout=30)
     assert code == 2 and "link rate" in err
+
+
+class _Terminal(io.BytesIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def _screen(data: bytes) -> list[str]:
+    """What a terminal shows after ``data``: carriage return, newline and erase-to-end-of-row."""
+    rows, col, i = [""], 0, 0
+    while i < len(data):
+        if data.startswith(b"\x1b[K", i):
+            rows[-1] = rows[-1][:col]
+            i += 3
+            continue
+        ch = data[i:i + 1].decode("latin-1")
+        if ch == "\r":
+            col = 0
+        elif ch == "\n":
+            rows.append("")
+            col = 0
+        else:
+            rows[-1] = rows[-1][:col].ljust(col) + ch + rows[-1][col + 1:]
+            col += 1
+        i += 1
+    return rows
+
+
+def _pumps(outs: list, console: cl._Console) -> tuple[list[int], list[threading.Thread]]:
+    """A pipe and a pump thread per ``(out, prefix)``; returns the write ends and the threads."""
+    writers, threads = [], []
+    for out, prefix in outs:
+        r, w = os.pipe()
+        thread = threading.Thread(target=cl._pump, args=(os.fdopen(r, "rb", buffering=0), out, prefix, console),
+                                  daemon=True)
+        thread.start()
+        writers.append(w)
+        threads.append(thread)
+    return writers, threads
+
+
+def _until(out: io.BytesIO, predicate, what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate(out.getvalue()):
+        if time.monotonic() > deadline:
+            pytest.fail(f"the pump did not write {what} within {timeout} s: {out.getvalue()!r}")
+        time.sleep(0.005)
+
+
+def test_pump_redraws_a_progress_bar_in_place_on_a_terminal():
+    """A rank's progress bar (carriage returns, no newline) is shown, prefixed, as it is redrawn;
+    another rank's line goes above it and the bar comes back; the table replaces the cleared bar."""
+    tty = _Terminal()
+    console = cl._Console()
+    (w0, w1), threads = _pumps([(tty, b"[rank 0] "), (tty, b"[rank 1] ")], console)
+    os.write(w0, b"\rsweep 1/2")
+    _until(tty, lambda v: b"[rank 0] sweep 1/2" in v, "the first bar")
+    os.write(w0, b"\rsweep 2/2")
+    _until(tty, lambda v: _screen(v)[-1] == "[rank 0] sweep 2/2", "the redrawn bar")
+    os.write(w1, b"a warning\n")
+    _until(tty, lambda v: b"a warning" in v, "rank 1's line")
+    assert _screen(tty.getvalue())[-2:] == ["[rank 1] a warning", "[rank 0] sweep 2/2"]
+    os.write(w0, b"\r" + b" " * 24 + b"\r")  # tqdm's close(leave=False)
+    _until(tty, lambda v: _screen(v)[-1] == "", "the cleared bar")
+    os.write(w0, b"# table\nlast")
+    for w in (w0, w1):
+        os.close(w)
+    for thread in threads:
+        thread.join(10)
+        assert not thread.is_alive()
+    assert _screen(tty.getvalue()) == ["[rank 1] a warning", "[rank 0] # table", "[rank 0] last", ""]
+
+
+def test_pump_copies_lines_unchanged_elsewhere():
+    """Not a terminal (a log, CI): lines are prefixed and copied byte for byte, carriage returns and
+    all; an unterminated last line gets its newline."""
+    log = io.BytesIO()
+    (w,), (thread,) = _pumps([(log, b"[rank 0] ")], cl._Console())
+    for chunk in (b"\rsweep 1/2", b"\rsweep 2/2\r    \r", b"# table\nrow 1\n", b"last"):
+        os.write(w, chunk)
+    os.close(w)
+    thread.join(10)
+    assert log.getvalue() == b"[rank 0] \rsweep 1/2\rsweep 2/2\r    \r# table\n[rank 0] row 1\n[rank 0] last\n"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -521,4 +605,38 @@ def test_gloo_all_reduce_inside_cluster(placement, sweep):
     for rank, rep in reports.items():
         assert rep["ok"] and rep["num_nodes"] == 2
         assert rep["node"] == (rank // 2 if placement == "contiguous" else rank % 2)
+    assert _leftovers(pid) == []
+
+
+@pytest.mark.netns
+@needs_netns
+def test_main_job_probe_finds_the_cluster_and_leaves_nothing(sweep):
+    """The main job's probe (issue 18): a one-node cluster built and torn down says the cluster can
+    run here, and none of this process's namespaces remain."""
+    from commopt.bench.__main__ import cluster_unavailable
+
+    assert cluster_unavailable() is None
+    assert _leftovers(os.getpid()) == []
+
+
+@pytest.mark.netns
+@needs_netns
+def test_collectives_table_inside_cluster_has_link_columns(tmp_path, sweep):
+    """Inside the cluster (2 nodes x 1 rank, probed link) the table has the bound, the link's bytes
+    and rate and both efficiencies, none of them nan, and the JSON says there is a link (issue 18)."""
+    path = tmp_path / "rows.json"
+    code, out, err, pid = _run_cli(
+        "--nodes", "2", "--link-rate", "200mbit", "--probe-seconds", "0.3", "--timeout", "100",
+        command=[sys.executable, "-m", "commopt.bench", "collectives", "--sizes", "64K", "--iters", "3",
+                 "--warmup", "1", "--no-calibrate", "--algo", "flat,torch", "--json", str(path)], timeout=120)
+    assert code == 0, out + err
+    lines = _rank_lines(out)[0]
+    header = next(line for line in lines if line.split()[:2] == ["#", "size"])
+    assert header.split()[-5:] == ["bound(us)", "link(MB)", "linkbw(GB/s)", "eff(cfg)", "eff(meas)"]
+    assert "nan" not in "\n".join(lines)
+    data = json.loads(path.read_text())
+    assert data["meta"]["inter_node_link"] is True and data["meta"]["link_rate_bps"] == 200_000_000
+    assert data["meta"]["link_measured_bps"] > 0
+    for row in data["rows"]:
+        assert row["link_bytes"] == pytest.approx(2 * 1 / 2 * 65536) and row["eff_cfg"] > 0 and row["wrong"] == 0
     assert _leftovers(pid) == []
