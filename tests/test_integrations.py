@@ -17,11 +17,14 @@ import io
 import multiprocessing as mp
 import os
 import queue
+import re
 import socket
 import subprocess
 import sys
+import textwrap
 import time
 import traceback
+from pathlib import Path
 
 import pytest
 import torch
@@ -157,20 +160,22 @@ def _lightning_model(pl):
 def _lightning_body(rank: int, world: int) -> dict:
     import pickle
 
-    import pytorch_lightning as pl
+    import pytorch_lightning
     import torch.distributed as dist
 
     out = {}
     assert not dist.is_initialized()  # the callbacks below are built before the process group exists
-    model, loader = _lightning_model(pl), _lightning_data()
+    model, loader = _lightning_model(pytorch_lightning), _lightning_data()
     init, init_loss = _params(model), _full_loss(model.net, loader)
 
     # README: Lightning, exact
+    import pytorch_lightning as pl
+
     from commopt.comm.hooks import AllReduceState
     from commopt.comm.integrations.lightning import CommHookCallback
 
     state = AllReduceState(algorithm="hierarchical")
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=12,
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_epochs=1,
                          callbacks=[CommHookCallback(state)])
     trainer.fit(model, loader)
     # end README
@@ -180,7 +185,7 @@ def _lightning_body(rank: int, world: int) -> dict:
 
     # Oracle: the same fit, DDP's own reduction.
     model, loader = _lightning_model(pl), _lightning_data()
-    pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=12).fit(model, loader)
+    pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_epochs=1).fit(model, loader)
     out["plain"] = {"params": _params(model), "loss": _full_loss(model.net, loader)}
 
     model, loader = _lightning_model(pl), _lightning_data()
@@ -188,7 +193,7 @@ def _lightning_body(rank: int, world: int) -> dict:
     from commopt.comm.compression import PowerSGDCompressor
 
     state = AllReduceState(algorithm="hierarchical", compressor=PowerSGDCompressor(rank=4, start_iter=2))
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=12,
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_epochs=1,
                          callbacks=[CommHookCallback(state, topology="2x1")])
     trainer.fit(model, loader)
     # end README
@@ -292,7 +297,6 @@ def _lm_loss(model, data) -> float:
 
 def _transformers_body(rank: int, world: int) -> dict:
     import torch.distributed as dist
-    from transformers import Trainer
 
     out = {}
     data = _Sequences()
@@ -300,6 +304,8 @@ def _transformers_body(rank: int, world: int) -> dict:
 
     model, args = _gpt2(), _hf_args(os.getcwd())
     # README: Trainer
+    from transformers import Trainer
+
     from commopt.comm.hooks import AllReduceState
     from commopt.comm.integrations.transformers import CommHookCallback
 
@@ -340,33 +346,48 @@ def _transformers_body(rank: int, world: int) -> dict:
     except RuntimeError as exc:
         out["no_trainer"] = str(exc)
 
-    out["accelerate"] = {"hooked": _accelerate_loop(data, hooked=True), "plain": _accelerate_loop(data, hooked=False)}
+    out["accelerate"] = {"hooked": _accelerate_hooked(), "plain": _accelerate_plain()}
     return out
 
 
-def _accelerate_loop(data, hooked: bool) -> dict:
+def _accelerate_inputs():
     model = _gpt2()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-    loader = torch.utils.data.DataLoader(data, batch_size=4)
-    state = None
-    # README: accelerate
-    from accelerate import Accelerator
+    return model, optimizer, torch.utils.data.DataLoader(_Sequences(), batch_size=4)
 
-    from commopt.comm import Topology, hooks
 
-    accelerator = Accelerator(cpu=True)  # drop cpu=True on GPUs
-    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    if hooked:  # (not in the README)
-        state = hooks.AllReduceState(algorithm="hierarchical", topology=Topology.from_spec("2x1"))
-        hooks.register(model, state)
+def _accelerate_train(accelerator, model, optimizer, loader) -> list[torch.Tensor]:
     for batch in loader:
         loss = model(**batch).loss
         accelerator.backward(loss)
         optimizer.step()
         optimizer.zero_grad()
+    return _params(accelerator.unwrap_model(model))
+
+
+def _accelerate_hooked() -> dict:
+    model, optimizer, loader = _accelerate_inputs()
+    # README: accelerate
+    from accelerate import Accelerator
+
+    from commopt.comm import Topology, hooks
+
+    accelerator = Accelerator(cpu=True)  # on GPUs: Accelerator()
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    state = hooks.AllReduceState(algorithm="hierarchical", topology=Topology.from_spec("2x1"))
+    hooks.register(model, state)
     # end README
-    return {"params": _params(accelerator.unwrap_model(model)), "step": state.step if state else 0,
-            "buckets": state.buckets_reduced if state else 0}
+    params = _accelerate_train(accelerator, model, optimizer, loader)
+    return {"params": params, "step": state.step, "buckets": state.buckets_reduced}
+
+
+def _accelerate_plain() -> dict:
+    from accelerate import Accelerator
+
+    model, optimizer, loader = _accelerate_inputs()
+    accelerator = Accelerator(cpu=True)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    return {"params": _accelerate_train(accelerator, model, optimizer, loader)}
 
 
 @pytest.mark.frameworks
@@ -444,3 +465,38 @@ def test_callback_arguments_are_checked_when_built():
     one = Topology.from_spec("1x1")  # a world of one needs no process group
     with pytest.raises(ValueError, match="pass one of them"):
         check_arguments("CommHookCallback", AllReduceState(topology=one), "1x1")
+
+
+
+# ------------------------------------------------------------------------------------ README
+_SECTION = "## With your framework"
+
+
+def _readme_snippets(text: str) -> list[str] | None:
+    """The python blocks of the README's framework section (None: the README has no such section)."""
+    start = text.find("\n" + _SECTION + "\n")
+    if start < 0:
+        return None
+    end = text.find("\n## ", start + 1)
+    section = text[start:end if end >= 0 else len(text)]
+    return [textwrap.dedent(b).strip() for b in re.findall(r"```python\n(.*?)```", section, re.S)]
+
+
+def _tested_snippets() -> list[str]:
+    """The blocks of this file between ``# README: ...`` and ``# end README``, dedented."""
+    source = Path(__file__).read_text(encoding="utf-8")
+    return [textwrap.dedent(b).strip() for b in re.findall(r"# README: [^\n]*\n(.*?)\n[ ]*# end README", source, re.S)]
+
+
+def test_readme_framework_snippets_are_the_tested_code():
+    """Every python snippet of the README's framework section is code the framework tests above run,
+    and every block those tests mark as README code is in the README: the two cannot drift apart."""
+    tested = _tested_snippets()
+    assert len(tested) == 5, tested  # Lightning x2, Trainer x2, accelerate
+    snippets = _readme_snippets((Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8"))
+    if snippets is None:
+        pytest.skip(f"README.md has no {_SECTION!r} section")
+    for snippet in snippets:
+        assert snippet in tested, f"this README snippet is not run by tests/test_integrations.py:\n{snippet}"
+    for block in tested:
+        assert block in snippets, f"this block is marked as README code but the README lacks it:\n{block}"

@@ -38,9 +38,9 @@ except ImportError:
 
 __all__ = ["CommHookCallback"]
 
-_WHAT_TO_DO = ("launch the Trainer on more than one process (torchrun --nproc-per-node N train.py, or accelerate "
-               "launch), where it wraps the model in DDP; with one process there is nothing to reduce: leave the "
-               "callback out")
+_WHAT_TO_DO = ("the Trainer wraps the model in DDP when it runs on more than one process without DeepSpeed or FSDP "
+               "(torchrun --nproc-per-node N train.py, or accelerate launch); with one process there is nothing to "
+               "reduce: leave the callback out")
 
 
 class CommHookCallback(_TrainerCallback):
@@ -81,4 +81,4 @@ class CommHookCallback(_TrainerCallback):
                                "receive the unwrapped one): trainer.add_callback(CommHookCallback(state, "
                                "trainer=trainer))")
         register_on("CommHookCallback", self.trainer.model_wrapped, self.state, self.topology,
-                    f"args.parallel_mode is {getattr(args, 'parallel_mode', None)}: {_WHAT_TO_DO}")
+                    _WHAT_TO_DO)
