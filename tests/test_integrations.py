@@ -210,6 +210,7 @@ def _lightning_body(rank: int, world: int) -> dict:
     # A strategy that does not wrap the model in DDP is a clear error at fit start.
     trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=pl.strategies.SingleDeviceStrategy("cpu"),
                          max_steps=1, callbacks=[CommHookCallback(AllReduceState())])
+    out["not_ddp"] = "fit raised no TypeError"
     try:
         trainer.fit(_lightning_model(pl), _lightning_data())
     except TypeError as exc:
@@ -242,7 +243,7 @@ def test_lightning_callback_registers_hook_on_cpu(tmp_path):
     assert comp["loss"] < 0.5 * exact["init_loss"], (exact["init_loss"], comp["loss"])
     assert comp["loss"] < 1.25 * plain["loss"], (plain["loss"], comp["loss"])
     assert r0["pickled"] == ("2x1", "hierarchical", 4)
-    assert "not DistributedDataParallel" in r0["not_ddp"] and "strategy='ddp'" in r0["not_ddp"]
+    assert "not DistributedDataParallel" in r0["not_ddp"] and "strategy='ddp'" in r0["not_ddp"], r0["not_ddp"]
 
 
 
@@ -341,6 +342,7 @@ def _transformers_body(rank: int, world: int) -> dict:
     # Without its trainer the callback cannot reach the wrapper: a clear error before the first step.
     trainer = Trainer(model=_gpt2(), args=_hf_args(os.getcwd()), train_dataset=data)
     trainer.add_callback(CommHookCallback(AllReduceState()))
+    out["no_trainer"] = "train() raised no RuntimeError"
     try:
         trainer.train()
     except RuntimeError as exc:
@@ -414,7 +416,7 @@ def test_transformers_trainer_and_accelerate_register_hook(tmp_path):
     adamw = r0["plain_adamw"]
     assert comp["loss"] < 1.1 * adamw["loss"], (adamw["loss"], comp["loss"])
     assert _max_diff(comp["params"], adamw["params"]) > 0  # the fp16 reduction was used
-    assert "trainer=trainer" in r0["no_trainer"]
+    assert "trainer=trainer" in r0["no_trainer"], r0["no_trainer"]
 
     acc = r0["accelerate"]
     steps = len(_Sequences()) // (_WORLD * 4)
