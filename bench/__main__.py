@@ -75,15 +75,15 @@ def cluster_unavailable() -> str | None:
     except OSError:
         cap_eff = 0
     if not (cap_eff >> cl.CAP_NET_ADMIN & 1 and cap_eff >> cl.CAP_SYS_ADMIN & 1):
-        return "it needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN) for network namespaces"
+        return "it needs root for network namespaces: CAP_NET_ADMIN and CAP_SYS_ADMIN"
     if ip is None or tc is None:
-        return "iproute2 (`ip`, `tc`) is not installed"
+        return "iproute2's `ip` and `tc` are not installed"
     try:
         with cl.Cluster(1, _LINK_RATE_BPS, ip=ip, tc=tc):
             pass
     except (cl.ClusterError, OSError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        return f"network namespaces are not usable here ({first})"
+        return f"network namespaces are not usable here: {first}"
     return None
 
 
@@ -98,8 +98,8 @@ def _main_job() -> int:
         # torch's c10d warns once per rank that the namespaces' addresses have no host name: noise here.
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     else:
-        print(f"# commopt-bench, the main job, on loopback: the emulated cluster cannot run ({reason}), so 4 "
-              "local ranks form a logical 2x2 whose nodes share this machine's memory: there is no slower "
+        print(f"# commopt-bench, the main job, on loopback: the emulated cluster cannot run here ({reason}). "
+              "4 local ranks form a logical 2x2 whose nodes share this machine's memory: there is no slower "
               "inter-node link for the hierarchy to spare, and its extra phases cost, so it cannot beat flat "
               f"here. To see it win on a 200 Mbit/s link, as root: {CLUSTER_COMMAND}", flush=True)
     module = importlib.import_module(f"commopt.bench.{SUBCOMMANDS[name][0]}")

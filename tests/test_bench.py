@@ -104,14 +104,14 @@ def test_main_job_runs_the_sweep_in_the_cluster_where_it_can(monkeypatch, capsys
 def test_main_job_on_loopback_says_why_in_one_line(monkeypatch, capsys):
     """Elsewhere: 4 local ranks on a logical 2x2, and one line saying why the hierarchy cannot win
     there and which command shows it."""
-    monkeypatch.setattr(bench_main, "cluster_unavailable", lambda: "it needs root (CAP_NET_ADMIN)")
+    monkeypatch.setattr(bench_main, "cluster_unavailable", lambda: "it needs root: CAP_NET_ADMIN")
     calls = _capture_subcommand(monkeypatch, coll)
     assert bench_main.main([]) == 0
     args = coll._parser().parse_args(calls[0])
     assert (args.spawn, args.topology, args.op, args.algo) == (4, "2x2", "allreduce", "flat,hierarchical,auto")
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 1
-    assert "it needs root (CAP_NET_ADMIN)" in lines[0] and "cannot beat flat" in lines[0]
+    assert "(it needs root: CAP_NET_ADMIN)" in lines[0] and "cannot beat flat" in lines[0]
     assert lines[0].endswith(bench_main.CLUSTER_COMMAND)
 
 
