@@ -185,10 +185,14 @@ def _hook_raises():
     return None
 
 
-def test_exception_in_hook_reaches_backward(ranks):
+def test_exception_in_hook_reaches_backward():
     """FAULTS row 6: the failing rank's backward carries the original type and message; the others
     raise instead of hanging."""
-    res = ranks(2, _hook_raises, timeout=TIMEOUT + SLACK + 60)
+    pool = RankPool(2)  # the ranks end out of step: processes of their own, not the shared pool's
+    try:
+        res = pool.run(_hook_raises, timeout=TIMEOUT + SLACK + 60)
+    finally:
+        pool.close(graceful=False)
     name, msg = res[1]
     assert "ZeroDivisionError" in msg and "injected failure in the comm hook" in msg
     assert res[0] is not None  # rank 0 did not hang: its next collective failed
