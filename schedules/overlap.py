@@ -77,7 +77,7 @@ from torch import nn
 from torch.distributed import ReduceOp
 
 from commopt.comm import cost
-from commopt.comm.collectives import all_reduce, resolve_topology
+from commopt.comm.collectives import all_reduce, reduce_consistent, resolve_topology
 from commopt.comm.errors import CommError, CommTimeoutError
 from commopt.comm.topology import Topology
 
@@ -790,8 +790,9 @@ class OverlapDataParallel(nn.Module):
             return reduce_tensors(self.compressor, views, keys, group=self._process_group, topology=self._topology,
                                   algorithm=self.algorithm, average=True, step=step.index, seed=self.seed,
                                   feedback=self._feedback, timeout=self.timeout)
-        return all_reduce(buf[c.start: c.stop], ReduceOp.AVG, group=self._streams[k % 2], topology=self._topology,
-                          algorithm=self.algorithm, async_op=True, timeout=self.timeout)
+        # Chunks come from the plan every rank shares: no agreement check per chunk.
+        return reduce_consistent(buf[c.start: c.stop], ReduceOp.AVG, group=self._streams[k % 2],
+                                 topology=self._topology, algorithm=self.algorithm, async_op=True, timeout=self.timeout)
 
     def _chunk_done(self, step: _Step, c, k: int, fut: torch.futures.Future) -> None:
         # Bookkeeping only (DESIGN 2, rule 1): the training thread steps the optimizer.
