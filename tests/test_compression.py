@@ -34,11 +34,18 @@ def _lossless():
 
 
 def _lossy():
-    """(compressor, relative error bound of one reduction of Gaussian data)."""
+    """(compressor, relative error bound of one reduction of Gaussian data).
+
+    Every bound is below 1.0, the relative error of returning zeros, so a compressor that returned
+    nothing fails (measured worst cases over the dtypes and 1x2 / 2x2 flat and hierarchical:
+    Q4 0.22, top-k 0.46, sign 0.61, 1-bit 0.83, PowerSGD rank 2 0.91; the data is seeded). Unbiased
+    random-k is the exception, checked by projection instead (its one-shot error at ratio 0.5 is
+    exactly 1.0: the kept half doubled, the rest dropped).
+    """
     return [(C.FP16Compressor(), 2e-3), (C.BF16Compressor(), 1e-2), (C.QuantizeCompressor(8), 3e-2),
-            (C.QuantizeCompressor(4, 64), 0.4), (C.TopKCompressor(0.3), 0.9), (C.RandomKCompressor(0.5), 1.5),
-            (C.SignCompressor(), 1.0), (C.OneBitCompressor(), 1.0),
-            (C.PowerSGDCompressor(rank=2, start_iter=0), 1.0)]
+            (C.QuantizeCompressor(4, 64), 0.3), (C.TopKCompressor(0.3), 0.6), (C.RandomKCompressor(0.5), None),
+            (C.SignCompressor(), 0.75), (C.OneBitCompressor(), 0.9),
+            (C.PowerSGDCompressor(rank=2, start_iter=0), 0.95)]
 
 
 # ------------------------------------------------------------------------------------------ bodies
@@ -62,7 +69,16 @@ def _body_matrix(topo_spec: str, algorithm: str) -> dict:
             y = inputs[rank].clone()
             c.all_reduce(y, topology=topo, algorithm=algorithm, error_feedback=ErrorFeedback())
             err = ((y.double() - exact).norm() / exact.norm()).item()
-            assert math.isfinite(err) and err <= bound + 4 * eps, (c, dtype, err)
+            if bound is None:
+                # Unbiased: the projection onto the exact sum is 1 in expectation (zeros give 0), and
+                # every kept coordinate is the exact sum over the keep ratio.
+                proj = (torch.dot(y.double().flatten(), exact.flatten()) / exact.norm() ** 2).item()
+                kept = y.double() != 0
+                assert 0.6 <= proj <= 1.4 and 0.3 <= kept.double().mean().item() <= 0.7, (c, dtype, proj)
+                scale = 1 / c.ratio
+                assert torch.allclose(y.double()[kept], exact[kept] * scale, rtol=8 * eps * world, atol=8 * eps), c
+            else:
+                assert bound < 1.0 and math.isfinite(err) and err <= bound + 4 * eps, (c, dtype, err)
             report[f"{c!r}/{dtype}"] = err
     # PowerSGD at full rank over several tensors (two of one shape, and a vector reduced exactly):
     # exact with and without batching same-shaped matrices into one bmm.
