@@ -43,7 +43,9 @@ def test_mpirun_failure_on_one_rank_ends_the_job():
     res = _mpirun(2, "--sizes", "1K", "--fail-rank", "1", timeout=120)
     assert res.returncode != 0
     assert "failure injected by --fail-rank" in res.stderr
-    assert time.monotonic() - start < 120
+    # Promptly: the whole job ends in seconds (about 2 s here); the subprocess guard above is only
+    # the hang backstop, so this bound must sit well inside it to mean anything.
+    assert time.monotonic() - start < 30
 
 
 # One rank of a placement test: rendezvous through a FileStore (no port), then the layout that
