@@ -652,8 +652,12 @@ def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, *, group=None, topology: T
             through its ``all_reduce`` (error feedback is the caller's, see ``hooks``).
         async_op: return a Future completing with ``tensor`` instead of waiting.
         validate: exchange a fingerprint first; ranks that disagree raise
-            ``CollectiveMismatchError`` on every rank before any payload moves.
-        timeout: seconds each phase may take before ``CommTimeoutError`` (None: the group's own).
+            ``CollectiveMismatchError`` on every rank before any payload moves, naming the ranks.
+            Without it, a small agreement check beside the payload (see :func:`agree`) still raises
+            ``CollectiveMismatchError`` on every rank when the ranks' calls differ.
+        timeout: seconds each phase may take before ``CommTimeoutError`` (None: the group's own; a
+            positive number, or ``inf`` for no bound of commopt's own). Group creation on a first
+            call is bounded by it too.
 
     Returns:
         ``tensor`` (reduced in place), or a ``Future`` of it when ``async_op``.
@@ -730,6 +734,14 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM, *
     ``hierarchical``: (1) permute the blocks so that each rail's blocks are contiguous,
     (2) reduce-scatter intra-node (local rank j keeps the node's sum of rail j's blocks),
     (3) reduce-scatter inter-node along the rail on 1/L of the data.
+
+    Args are those of :func:`all_reduce` (``output`` and ``input`` on one device, of one dtype;
+    ``input.numel() == world_size * output.numel()``): ``validate`` exchanges a fingerprint first,
+    and without it the agreement check beside the payload raises ``CollectiveMismatchError`` on every
+    rank when the ranks' calls differ; ``timeout`` bounds every wait (``CommTimeoutError``).
+
+    Returns:
+        ``output``, or a ``Future`` of it when ``async_op``.
     """
     name = "reduce_scatter"
     check_group(name, group)
@@ -786,6 +798,14 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, *, group=None, topolog
 
     ``hierarchical``: (1) all-gather inter-node along the rail (1/L of the final data crosses the
     NIC per rank), (2) all-gather intra-node, (3) permute the blocks into rank order.
+
+    Args are those of :func:`all_reduce` (``output`` and ``input`` on one device, of one dtype;
+    ``output.numel() == world_size * input.numel()``): ``validate`` exchanges a fingerprint first,
+    and without it the agreement check beside the payload raises ``CollectiveMismatchError`` on every
+    rank when the ranks' calls differ; ``timeout`` bounds every wait (``CommTimeoutError``).
+
+    Returns:
+        ``output``, or a ``Future`` of it when ``async_op``.
     """
     name = "all_gather"
     check_group(name, group)
