@@ -456,8 +456,11 @@ def all_to_all(output: torch.Tensor | None, input: torch.Tensor, *, in_splits: S
         validate: before any payload moves, exchange a fingerprint (dtype, device, row shape) and
             every rank's splits; mismatched dtypes or row shapes raise ``CollectiveMismatchError``,
             splits that disagree across ranks ``CollectiveMismatchError``, and a bad argument on any
-            rank ``ValueError``, on every rank. Without it a bad argument raises on its own rank only.
-            Splits must be passed on every rank or on none (``validate`` checks that too).
+            rank ``ValueError``, on every rank. Without it a bad argument raises on its own rank only,
+            and ranks whose calls differ (dtype, row width, rows of an even exchange, or out_splits
+            against what the peers send) raise ``CollectiveMismatchError`` on every rank through the
+            agreement check beside the payload (with both splits given: before it). Splits must be
+            passed on every rank or on none (``validate`` checks that too).
         timeout: seconds the exchange (each 2-D phase) may take before ``CommTimeoutError``.
         chunks: pipelining depth of ``2d``, the same on every rank. None: chosen by the cost model
             from the mean per-rank size (known to all for even splits, read from the split exchange
