@@ -67,13 +67,20 @@ class CostModel:
     intra: LinkModel
     inter: LinkModel
     chunks: int = 8  # the most chunks a pipelined all-reduce is cut into (see chunks_for)
+    #: The two levels share one resource (measured by :func:`calibrate`: together they take about as
+    #: long as apart, added up; loopback, where every "link" is the same few cores). The hierarchy
+    #: then moves the same bytes as flat in more phases and cannot win: ``choose`` picks flat.
+    shared: bool = False
 
     def to_dict(self) -> dict:
-        return {"intra": asdict(self.intra), "inter": asdict(self.inter), "chunks": self.chunks}
+        return {"intra": asdict(self.intra), "inter": asdict(self.inter), "chunks": self.chunks,
+                "shared": self.shared}
 
     @classmethod
     def from_dict(cls, d: dict) -> CostModel:
-        return cls(LinkModel(**d["intra"]), LinkModel(**d["inter"]), int(d.get("chunks", 8)))
+        chunks = int(d.get("chunks", 8))
+        # Caches written before the flag: one chunk was set only when the levels shared a resource.
+        return cls(LinkModel(**d["intra"]), LinkModel(**d["inter"]), chunks, bool(d.get("shared", chunks == 1)))
 
 
 # Defaults when nothing was measured: gloo over loopback inside a node (~20 us, ~3 GB/s), and a
@@ -229,7 +236,10 @@ def chunks_for(algorithm: str, nbytes: float, topo: Topology, model: CostModel) 
 
 def choose(candidates: list[str], nbytes: float, topo: Topology, model: CostModel,
            op: str = "allreduce") -> str:
-    """The candidate with the lowest predicted time (ties go to the earlier candidate)."""
+    """The candidate with the lowest predicted time (ties go to the earlier candidate); ``flat``
+    where the model's levels share one resource (``model.shared``: the hierarchy only adds phases)."""
+    if model.shared and "flat" in candidates and op != "alltoall":
+        return "flat"
     return min(candidates, key=lambda a: (predict(a, nbytes, topo, model, op), candidates.index(a)))
 
 
@@ -311,7 +321,8 @@ def calibrate(topology: Topology, *, cache_dir: str | os.PathLike | None = None,
     It also times both levels at once: pipelining chunks pays only when one level's transfer hides
     behind the other's. Where the levels take comparable times alone (within 5x) and together more
     than the slower one plus half the faster one (loopback: every "link" is the same few cores), they
-    share one resource and the model keeps one chunk (``chunks=1``).
+    share one resource: the model keeps one chunk (``chunks=1``) and says so (``shared``), and ``auto``
+    then runs flat (the hierarchy moves the same bytes in more phases).
     """
     groups = topology.groups("calibrate")
     levels, large = {}, {}
@@ -330,13 +341,14 @@ def calibrate(topology: Topology, *, cache_dir: str | os.PathLike | None = None,
         levels[name] = fit(list(sizes), times, messages=2 * (size - 1), bytes_factor=2 * (size - 1) / size * share)
     both = _time_both(groups.intra if topology.local_size > 1 else None,
                       groups.rail if len(groups.rail_ranks) > 1 else None, sizes[-1], reps, topology.group)
-    chunks = CostModel.chunks
+    chunks, shared = CostModel.chunks, False
     slow, fast = max(large.values(), default=0.0), min(large.values(), default=0.0)
     # Judged only on comparable levels: next to a level five times slower, the fast one's time is
     # within the slow one's noise (and pipelining there costs little).
     if both is not None and fast >= 0.2 * slow and both > slow + 0.5 * fast:
-        chunks = 1
-    model = CostModel(levels["intra"] or DEFAULT_INTRA, levels["inter"] or _inter_default(topology), chunks)
+        chunks, shared = 1, True
+    model = CostModel(levels["intra"] or DEFAULT_INTRA, levels["inter"] or _inter_default(topology), chunks,
+                      shared)
     model = _broadcast_model(model, topology)
     if topology.rank == 0:
         path = _cache_path(topology, cache_dir)
@@ -356,11 +368,11 @@ def _broadcast_model(model: CostModel, topo: Topology, timeout: float | None = N
     if topo.world_size == 1:
         return model
     t = torch.tensor([model.intra.alpha, model.intra.beta, model.inter.alpha, model.inter.beta,
-                      float(model.chunks)], dtype=torch.float64)
+                      float(model.chunks), float(model.shared)], dtype=torch.float64)
     setup_wait(dist.broadcast(t, src=topo.group_rank_to_global(0), group=topo.group, async_op=True), timeout,
                "cost.model_for")
     v = t.tolist()
-    return CostModel(LinkModel(v[0], v[1]), LinkModel(v[2], v[3]), int(v[4]))
+    return CostModel(LinkModel(v[0], v[1]), LinkModel(v[2], v[3]), int(v[4]), bool(v[5]))
 
 
 def model_for(topology: Topology, *, cache_dir: str | os.PathLike | None = None,
