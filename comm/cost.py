@@ -67,9 +67,9 @@ class CostModel:
     intra: LinkModel
     inter: LinkModel
     chunks: int = 8  # the most chunks a pipelined all-reduce is cut into (see chunks_for)
-    #: The two levels share one resource (measured by :func:`calibrate`: together they take about as
-    #: long as apart, added up; loopback, where every "link" is the same few cores). The hierarchy
-    #: then moves the same bytes as flat in more phases and cannot win: ``choose`` picks flat.
+    #: The two levels share one resource, or the node link is no slower than the intra-node level
+    #: (measured by :func:`calibrate`; loopback, where every "link" is the same few cores). The
+    #: hierarchy then moves the same bytes as flat in more phases and cannot win: ``choose`` picks flat.
     shared: bool = False
 
     def to_dict(self) -> dict:
@@ -347,6 +347,11 @@ def calibrate(topology: Topology, *, cache_dir: str | os.PathLike | None = None,
     # within the slow one's noise (and pipelining there costs little).
     if both is not None and fast >= 0.2 * slow and both > slow + 0.5 * fast:
         chunks, shared = 1, True
+    # A node link no slower than the intra-node level (loopback, where the rails' concurrent
+    # transfers even look faster than one intra-node pair): the hierarchy saves nothing there. The
+    # timing test above alone missed it in one of two calibrations of the same logical 2x2.
+    if levels["intra"] is not None and levels["inter"] is not None and levels["inter"].beta <= levels["intra"].beta:
+        shared = True
     model = CostModel(levels["intra"] or DEFAULT_INTRA, levels["inter"] or _inter_default(topology), chunks,
                       shared)
     model = _broadcast_model(model, topology)
