@@ -295,7 +295,10 @@ def _absent_matrix(store_dir: str, cases: list, timeout: float):
     for i, (entry, algo, warm, async_op) in enumerate(cases):
         os.makedirs(store_dir, exist_ok=True)
         store = dist.FileStore(os.path.join(store_dir, f"case{i}"), 4)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=4)
+        # gloo's own operation timeout short too: a work left stuck by the case ends in seconds, so
+        # that destroy_process_group() does not wait for it.
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=4,
+                                timeout=timedelta(seconds=timeout + SLACK))
         topo = Topology.from_spec("2x2")
         ddp = None
         if entry == "hook":
@@ -392,8 +395,10 @@ def _mismatch_matrix(store_dir: str, cases: list[str], reinit: bool = True):
     dist.destroy_process_group()  # the pool's own group; the pool is replaced after this test
     results = []
     for i, case in enumerate(cases):
+        # gloo's own operation timeout short too: a work left stuck by a mismatch (gloo's reduce-scatter
+        # never completes) ends in seconds, so that destroy_process_group() does not wait for it.
         dist.init_process_group("gloo", store=dist.FileStore(os.path.join(store_dir, f"m{i}"), 4), rank=rank,
-                                world_size=4)
+                                world_size=4, timeout=timedelta(seconds=TIMEOUT + 4))
         try:
             value = _mismatched_call(case, rank, Topology.from_spec("2x2"))
             results.append(("returned", value.tolist()))
