@@ -155,6 +155,16 @@ def _collect(procs: list[Any], results: Any, count: int, guard: float) -> list[A
     return sorted(out, key=lambda r: r[0])
 
 
+def _run(procs: list[Any], results: Any) -> list[Any]:
+    """Start ``procs``, collect one report from each within the guard, and reap them whatever happens."""
+    for p in procs:
+        p.start()
+    try:
+        return _collect(procs, results, len(procs), GUARD)
+    finally:
+        _reap(procs)
+
+
 def _reap(procs: list[Any]) -> None:
     for p in procs:
         p.join(10)
@@ -175,12 +185,7 @@ def test_ddp_on_ina_backend_matches_gloo():
         address = f"{sw.address[0]}:{sw.address[1]}"
         procs = [ctx.Process(target=_ddp_rank, args=(r, tmp, address, results), daemon=True, name=f"rank{r}")
                  for r in range(2)]
-        for p in procs:
-            p.start()
-        try:
-            out = _collect(procs, results, 2, GUARD)
-        finally:
-            _reap(procs)
+        out = _run(procs, results)
         stats = sw.stats()
     for rank, _, (ina, ref, extra) in out:
         for a, b in zip(ina, ref):
@@ -265,12 +270,7 @@ def test_two_worlds_on_one_switch_never_share_a_job():
         procs = [ctx.Process(target=_world_rank, args=(world, r, tmp, address, value, barrier, results),
                              daemon=True, name=f"{world}{r}")
                  for world, value in (("A", 1.0), ("B", 100.0)) for r in range(2)]
-        for p in procs:
-            p.start()
-        try:
-            out = _collect(procs, results, 4, GUARD)
-        finally:
-            _reap(procs)
+        out = _run(procs, results)
         stats = sw.stats()
     by_world: dict[str, list[Any]] = {"A": [], "B": []}
     for _, _, (world, sums, identity, counts, open_sessions) in out:
