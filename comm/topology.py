@@ -29,19 +29,20 @@ import torch.distributed as dist
 
 from .errors import CommTimeoutError, TopologyError
 
-__all__ = ["Topology", "Groups", "parse_rate", "ina_switch_from_env", "destroy", "setup_wait"]
+__all__ = ["Topology", "Groups", "parse_rate", "format_nodes", "ina_switch_from_env", "destroy", "setup_wait"]
 
 
 def parse_rate(text: str | int | float) -> float:
     """Parse a link rate such as ``"200mbit"``, ``"1gbit"``, ``"10GB"`` or ``"25e6"`` into bit/s.
 
-    Units follow tc: ``bit``/``kbit``/``mbit``/``gbit`` are bits, ``bps``/``kbps``/``mbps`` ... and
-    ``B``/``KB``/``MB``/``GB`` are bytes; a bare number is bits per second.
+    Units follow tc: ``bit``/``kbit``/``mbit``/``gbit``/``tbit`` are bits, ``bps``/``kbps``/``mbps`` ...
+    and ``B``/``KB``/``MB``/``GB`` are bytes; a bare number is bits per second. The one grammar of a
+    rate given as text, here and in ``commopt-bench cluster --link-rate``.
     """
     if isinstance(text, (int, float)):
         return float(text)
     s = text.strip().lower()
-    units = [("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3), ("bit", 1.0),
+    units = [("tbit", 1e12), ("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3), ("bit", 1.0),
              ("gbps", 8e9), ("mbps", 8e6), ("kbps", 8e3), ("bps", 8.0),
              ("gb", 8e9), ("mb", 8e6), ("kb", 8e3), ("b", 8.0)]
     for unit, mult in units:  # noqa: B007 - mult is used after the break
@@ -53,10 +54,17 @@ def parse_rate(text: str | int | float) -> float:
     try:
         value = float(number) * mult
     except ValueError:
-        raise ValueError(f"cannot parse link rate {text!r}: use e.g. '200mbit', '1gbit' or '25MB'") from None
+        value = float("nan")
+    if not value < float("inf"):  # not a number, or "nan"/"inf": no rate tc or the cost model can use
+        raise ValueError(f"cannot parse link rate {text!r}: use e.g. '200mbit', '1gbit' or '25MB'")
     if value <= 0:
         raise ValueError(f"link rate must be positive, got {text!r}")
     return value
+
+
+def format_nodes(nodes: list[list[int]] | tuple[tuple[int, ...], ...]) -> str:
+    """The ``COMMOPT_NODES`` text of a layout, e.g. ``"0,1;2,3"``: nodes by ``;``, their ranks by ``,``."""
+    return ";".join(",".join(str(r) for r in node) for node in nodes)
 
 
 def ina_switch_from_env() -> tuple[str, int] | None:
@@ -661,7 +669,7 @@ class Topology:
     @property
     def layout(self) -> str:
         """A canonical string of the nodes, e.g. ``"0,1;2,3"`` (the ``COMMOPT_NODES`` format)."""
-        return ";".join(",".join(str(r) for r in n) for n in self.nodes)
+        return format_nodes(self.nodes)
 
     def __repr__(self) -> str:
         return f"Topology(nodes={self.layout!r}, rank={self.rank}, world_size={self.world_size})"

@@ -22,6 +22,7 @@ from commopt.bench import __main__ as bench_main
 from commopt.bench import cluster as cl
 from commopt.bench import collectives as coll
 from commopt.bench._progress import progress, progress_enabled
+from commopt.bench.cluster.cli import _build_parser
 
 _SPAWN_TIMEOUT = 120.0
 
@@ -86,7 +87,7 @@ def test_main_job_runs_the_sweep_in_the_cluster_where_it_can(monkeypatch, capsys
     assert len(calls) == 1
     argv = calls[0]
     cut = argv.index("--")
-    launcher = cl._build_parser().parse_args(argv[:cut])
+    launcher = _build_parser().parse_args(argv[:cut])
     assert (launcher.nodes, launcher.ranks_per_node, cl.parse_rate(launcher.link_rate)) == (2, 2, 200_000_000)
     assert launcher.placement == "contiguous" and launcher.timeout > 0  # the main job can never hang
     inner = argv[cut + 1:]

@@ -1,4 +1,4 @@
-"""The emulated cluster (``commopt-bench cluster``, bench/cluster.py; issue 3, FAULTS rows 29, 30, 32).
+"""The emulated cluster (``commopt-bench cluster``, bench/cluster/; issue 3, FAULTS rows 29, 30, 32).
 
 Tests marked ``netns`` build real namespaces and skip without root/CAP_NET_ADMIN/CAP_SYS_ADMIN or
 iproute2. None asserts a rate or a time (DESIGN 7.9): the probe must report a *positive* rate, and
@@ -24,6 +24,8 @@ import time
 import pytest
 
 from commopt.bench import cluster as cl
+from commopt.bench.cluster import cli, launch, probe
+from commopt.comm.topology import format_nodes
 
 __all__: list[str] = []
 
@@ -173,8 +175,10 @@ def test_parse_rate_follows_tc_units():
     assert cl.parse_rate("1.5kbit") == 1500
     assert cl.parse_rate("25mbps") == 200_000_000  # tc: bps is bytes per second
     assert cl.parse_rate("12345") == 12345
-    for bad in ("fast", "0mbit", "-1gbit"):
-        with pytest.raises(ValueError):
+    assert cl.parse_rate("2tbit") == 2 * 10**12
+    assert cl.parse_rate("25MB") == 200_000_000  # topology's grammar, the one both use
+    for bad in ("fast", "0mbit", "-1gbit", "0.4bit", "nan", "inf"):
+        with pytest.raises(ValueError, match="link rate"):
             cl.parse_rate(bad)
 
 
@@ -186,7 +190,7 @@ def test_parse_rate_follows_tc_units():
     (1, 4, "interleaved", "0,1,2,3"),
 ])
 def test_placement_layouts(nodes, per_node, placement, expected):
-    assert cl.format_layout(cl.place_ranks(nodes, per_node, placement)) == expected
+    assert format_nodes(cl.place_ranks(nodes, per_node, placement)) == expected
 
 
 def test_rank_environments_replace_inherited_values():
@@ -225,6 +229,51 @@ def test_probe_deviation():
     assert probe.to_json()["links"] == {"n0->n1": 191_000_000, "n1->n0": 150_000_000}
 
 
+def test_package_imports_no_torch():
+    """The probe agent runs inside the package in every node: importing it must not pull in torch
+    (seconds of a cold import on a busy machine, within the deadline of the agent's first answer)."""
+    code = "import sys, commopt.bench.cluster.probe; assert 'torch' not in sys.modules, 'torch imported'"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    assert res.returncode == 0, res.stderr
+
+
+def test_probe_runs_as_a_module_over_loopback():
+    """The probe agent is a real module (``python -m commopt.bench.cluster.probe``): two agents on
+    loopback, no namespace and no root, go through the whole ring protocol (port, peer, transfer,
+    JSON report) and the launcher's side reads a positive rate for both transfers."""
+    help_ = subprocess.run([sys.executable, "-W", "error", "-m", "commopt.bench.cluster.probe", "--help"],
+                           capture_output=True, text=True, timeout=30)
+    assert help_.returncode == 0 and help_.stderr == ""  # -W error: runpy warns of no double import
+    assert "address" in help_.stdout and "seconds" in help_.stdout
+    argv = probe.agent_argv("127.0.0.1", 0.3)
+    assert argv[:3] == [sys.executable, "-m", "commopt.bench.cluster.probe"]
+    agents = [subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               bufsize=0) for _ in range(2)]
+    try:
+        links = probe.exchange(agents, ["127.0.0.1", "127.0.0.1"], 0.3)
+    finally:
+        for agent in agents:
+            if agent.poll() is None:
+                agent.kill()
+            agent.communicate(timeout=30)
+    assert [name for name, _ in links] == ["n1->n0", "n0->n1"]
+    assert all(rate > 0 for _, rate in links)
+    assert [agent.returncode for agent in agents] == [0, 0]
+
+
+def test_probe_agent_failure_is_a_cluster_error():
+    """An agent that cannot listen (an address that is not this machine's) fails the probe with a
+    ClusterError naming the node, not a hang or a traceback."""
+    agents = [subprocess.Popen(probe.agent_argv("192.0.2.1", 0.1), stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0)]
+    try:
+        with pytest.raises(cl.ClusterError, match="link probe on node 0"):
+            probe.exchange(agents, ["192.0.2.1"], 0.1)
+    finally:
+        agents[0].kill()
+        agents[0].communicate(timeout=30)
+
+
 def test_usage_errors_before_privileges():
     code, _, err, _ = _run_cli("--nodes", "2", timeout=30)  # no COMMAND
     assert code == 2 and "COMMAND" in err
@@ -258,12 +307,12 @@ def _screen(data: bytes) -> list[str]:
     return rows
 
 
-def _pumps(outs: list, console: cl._Console) -> tuple[list[int], list[threading.Thread]]:
+def _pumps(outs: list, console: launch._Console) -> tuple[list[int], list[threading.Thread]]:
     """A pipe and a pump thread per ``(out, prefix)``; returns the write ends and the threads."""
     writers, threads = [], []
     for out, prefix in outs:
         r, w = os.pipe()
-        thread = threading.Thread(target=cl._pump, args=(os.fdopen(r, "rb", buffering=0), out, prefix, console),
+        thread = threading.Thread(target=launch._pump, args=(os.fdopen(r, "rb", buffering=0), out, prefix, console),
                                   daemon=True)
         thread.start()
         writers.append(w)
@@ -283,7 +332,7 @@ def test_pump_redraws_a_progress_bar_in_place_on_a_terminal():
     """A rank's progress bar (carriage returns, no newline) is shown, prefixed, as it is redrawn;
     another rank's line goes above it and the bar comes back; the table replaces the cleared bar."""
     tty = _Terminal()
-    console = cl._Console()
+    console = launch._Console()
     (w0, w1), threads = _pumps([(tty, b"[rank 0] "), (tty, b"[rank 1] ")], console)
     os.write(w0, b"\rsweep 1/2")
     _until(tty, lambda v: b"[rank 0] sweep 1/2" in v, "the first bar")
@@ -307,7 +356,7 @@ def test_pump_copies_lines_unchanged_elsewhere():
     """Not a terminal (a log, CI): lines are prefixed and copied byte for byte, carriage returns and
     all; an unterminated last line gets its newline."""
     log = io.BytesIO()
-    (w,), (thread,) = _pumps([(log, b"[rank 0] ")], cl._Console())
+    (w,), (thread,) = _pumps([(log, b"[rank 0] ")], launch._Console())
     for chunk in (b"\rsweep 1/2", b"\rsweep 2/2\r    \r", b"# table\nrow 1\n", b"last"):
         os.write(w, chunk)
     os.close(w)
@@ -478,14 +527,14 @@ def test_sigterm_mid_setup_leaves_nothing(sweep):
 
 def test_interrupt_deferred_inside_shield():
     """A signal during a process start is raised once the start is tracked, not in the middle."""
-    interrupts = cl._Interrupts()
-    with pytest.raises(cl._Interrupted):
+    interrupts = cli._Interrupts()
+    with pytest.raises(cli._Interrupted):
         with interrupts.shield():
             with interrupts.shield():
                 interrupts.handler(signal.SIGINT, None)  # deferred, not raised here
             reached = True
     assert reached
-    with pytest.raises(cl._Interrupted):
+    with pytest.raises(cli._Interrupted):
         interrupts.handler(signal.SIGTERM, None)
 
 

@@ -1,0 +1,270 @@
+"""``commopt-bench cluster``: an emulated multi-node cluster on one Linux box, around a command.
+
+On one machine every rank talks over unshaped loopback, where no topology-aware algorithm can win.
+The cluster gives each *node* its own network namespace and joins it to a star fabric through a
+rate-limited link, so traffic inside a node stays on loopback (the "NVLink") while traffic between
+nodes crosses a real, shaped link (the "NIC"). Then it runs a command once per rank inside its node's
+namespace (DESIGN 6)::
+
+    commopt-bench cluster --nodes 2 --ranks-per-node 2 --link-rate 200mbit -- \\
+        commopt-bench collectives --op allreduce --algo flat,hierarchical,auto --sizes 1M,4M,16M
+
+:func:`main`: (1) checks the usage, then the privileges; (2) builds the cluster (``netns``); (3) probes
+each link's achieved rate (``probe``) and prints it with the configured one; (4) runs the ranks, their
+output prefixed (``launch``); (5) tears everything down, whatever happens, a signal included. Only
+this module reads environment variables (DESIGN 7.6).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from typing import IO
+
+from ._proc import ClusterError
+from .host import check_requirements, cleanup_leftovers, parse_cap_eff
+from .launch import _is_terminal, _note, place_ranks, rank_environments, run_ranks
+from .netns import _MAX_NODES, Cluster, parse_rate
+
+__all__ = ["main"]
+
+# The namespaces are fresh, so nothing listens in them yet: fixed ports below the ephemeral range
+# (32768+) are free by construction and cannot collide with gloo's own connections.
+_MASTER_PORT = 29500
+_SWITCH_PORT = 29600
+_WARN_DEVIATION = 0.15
+
+
+class _Interrupted(BaseException):
+    """Raised by the signal handlers so that every ``finally`` on the way out runs."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="commopt-bench cluster",
+        usage="commopt-bench cluster --nodes N --ranks-per-node L --link-rate RATE [options] "
+              "-- COMMAND...\n       commopt-bench cluster --cleanup",
+        description="Emulate N nodes on this machine: one network namespace per node joined to a star "
+                    "fabric by a tbf-shaped link, loopback inside a node; run COMMAND once per rank "
+                    "inside its node, with RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, "
+                    "MASTER_PORT, GLOO_SOCKET_IFNAME, COMMOPT_NODES, COMMOPT_LINK_RATE_BPS and "
+                    "COMMOPT_LINK_MEASURED_BPS set (and COMMOPT_PROGRESS=1 when this stderr is a "
+                    "terminal: rank 0's progress bar is redrawn there). Needs root (CAP_NET_ADMIN, "
+                    "CAP_SYS_ADMIN) and iproute2. Returns the first failing rank's exit code.")
+    parser.add_argument("--nodes", type=int, help="number of nodes N")
+    parser.add_argument("--ranks-per-node", type=int, default=1, help="ranks per node L (default 1)")
+    parser.add_argument("--link-rate", default="1gbit",
+                        help="rate of each node's link, each direction, in tc units: 200mbit, 1gbit "
+                             "(bps/kbps/mbps are BYTES per second, as in tc). Default 1gbit")
+    parser.add_argument("--placement", choices=("contiguous", "interleaved"), default="contiguous",
+                        help="contiguous: ranks node by node (0,1;2,3); interleaved: rank r on node "
+                             "r %% N (0,2;1,3), the pathological placement")
+    parser.add_argument("--switch-node", action="store_true",
+                        help="add a switch namespace whose link to the fabric is shaped at N x the node "
+                             "rate (a real switch has one NIC-speed port per node); run `commopt-bench "
+                             "ina-switch` in it and export COMMOPT_INA_SWITCH=host:port")
+    parser.add_argument("--probe-seconds", type=float, default=1.0,
+                        help="duration of the link-rate probe before the run (0 skips it); default 1. "
+                             "It reports TCP goodput, about 4.5%% below the configured rate on a "
+                             "perfect link (tbf counts the headers), and exports it as "
+                             "COMMOPT_LINK_MEASURED_BPS")
+    parser.add_argument("--strict", action="store_true",
+                        help="refuse to run when the probed rate is more than 15%% off the configured one")
+    parser.add_argument("--delay", type=float, default=0.0, metavar="MS",
+                        help="delay in ms added at each shaped link end (a node-to-node packet crosses "
+                             "two ends); needs the netem qdisc, which is detected: the kernels we "
+                             "target lack it, so this fails clearly there")
+    parser.add_argument("--timeout", type=float, default=None, metavar="S",
+                        help="kill all ranks after S seconds and return 124")
+    parser.add_argument("--record", metavar="FILE",
+                        help="append the cluster/probe JSON record to FILE (it is also printed)")
+    parser.add_argument("--cleanup", action="store_true",
+                        help="remove namespaces and processes left by launchers that died (SIGKILL), "
+                             "then exit; clusters of running launchers are left alone")
+    return parser
+
+
+class _Interrupts:
+    """SIGINT/SIGTERM/SIGHUP handling: raise :class:`_Interrupted`, except inside :meth:`shield`.
+
+    Inside a shield (a process start, an ``ip`` command: milliseconds) the signal is remembered
+    and raised when the outermost shield exits, once what was started is tracked for teardown.
+    """
+
+    def __init__(self):
+        self._depth = 0
+        self._pending: int | None = None
+
+    def handler(self, signum: int, frame: object) -> None:
+        if self._depth:
+            self._pending = self._pending or signum
+            return
+        raise _Interrupted(signum)
+
+    @contextlib.contextmanager
+    def shield(self) -> Iterator[None]:
+        self._depth += 1
+        try:
+            yield
+        finally:
+            self._depth -= 1
+            if not self._depth and self._pending is not None:
+                signum, self._pending = self._pending, None
+                raise _Interrupted(signum)
+
+
+def main(argv: list[str]) -> int:
+    """Entry point of ``commopt-bench cluster``; see ``--help``.
+
+    Returns:
+        0, the first failing rank's exit code, 124 on --timeout, 128 + signal when interrupted,
+        2 for usage errors, 3 when the cluster cannot be built or --strict refuses the link.
+    """
+    argv = list(argv)
+    command: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, command = argv[:cut], argv[cut + 1:]
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    err = sys.stderr.buffer
+    # Usage first, so that a typo is reported as such even without privileges.
+    if not args.cleanup:
+        if args.nodes is None or not command:
+            parser.print_usage(sys.stderr)
+            return _fail("--nodes and a COMMAND after `--` are required", 2)
+        try:
+            rate = parse_rate(args.link_rate)
+            layout = place_ranks(args.nodes, args.ranks_per_node, args.placement)
+            if not 1 <= args.nodes <= _MAX_NODES:
+                raise ValueError(f"--nodes must be in 1..{_MAX_NODES}, got {args.nodes}")
+            if args.delay < 0 or args.probe_seconds < 0:
+                raise ValueError("--delay and --probe-seconds must not be negative")
+        except ValueError as e:
+            return _fail(str(e), 2)
+        if args.switch_node and importlib.util.find_spec("commopt.bench.ina_switch") is None:
+            return _fail("--switch-node runs `commopt-bench ina-switch`, which this installation "
+                         "does not have yet (commopt.bench.ina_switch is missing)", 3)
+    ip, tc = shutil.which("ip"), shutil.which("tc")
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            cap_eff = parse_cap_eff(f.read())
+    except OSError:
+        cap_eff = 0
+    try:
+        check_requirements(cap_eff, ip, tc)
+    except ClusterError as e:
+        return _fail(str(e), 3)
+
+    if args.cleanup:
+        try:
+            removed = cleanup_leftovers(ip)
+        except ClusterError as e:
+            return _fail(str(e), 3)
+        print(f"[cluster] removed {len(removed)} leftover namespace(s)"
+              + (": " + " ".join(removed) if removed else ""), flush=True)
+        return 0
+
+    interrupts = _Interrupts()
+    cluster = Cluster(args.nodes, rate, switch_node=args.switch_node, delay_ms=args.delay, ip=ip, tc=tc,
+                      shield=interrupts.shield)
+    old = {s: signal.signal(s, interrupts.handler) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        return _run(args, cluster, layout, command, rate, err)
+    except _Interrupted as e:
+        _note(err, f"interrupted by {signal.Signals(e.signum).name}; tearing down")
+        return 128 + e.signum
+    except ClusterError as e:
+        return _fail(str(e), 3)
+    finally:
+        # A second Ctrl-C must not cut the teardown short.
+        for s in old:
+            signal.signal(s, signal.SIG_IGN)
+        t0 = time.monotonic()
+        try:
+            cluster.down()
+        except ClusterError as e:
+            _fail(f"{e}\nRun `commopt-bench cluster --cleanup` as root.", 3)
+        _note(err, f"torn down in {time.monotonic() - t0:.2f} s")
+        for s, handler in old.items():
+            signal.signal(s, handler)
+
+
+def _fail(message: str, code: int) -> int:
+    print(f"commopt-bench cluster: error: {message}", file=sys.stderr, flush=True)
+    return code
+
+
+def _run(args: argparse.Namespace, cluster: Cluster, layout: list[list[int]], command: list[str],
+         rate: int, err: IO[bytes]) -> int:
+    """Build, probe, run (the part of main() that the teardown in main() guards)."""
+    from commopt.comm.topology import format_nodes  # already imported by parse_rate()
+
+    t0 = time.monotonic()
+    cluster.up()
+    _note(err, f"{args.nodes} node(s) x {args.ranks_per_node} rank(s), {args.placement}, link "
+               f"{rate / 1e6:g} Mbit/s, layout {format_nodes(layout)}, prefix {cluster.prefix}, "
+               f"up in {time.monotonic() - t0:.2f} s")
+    record: dict[str, object] = {"nodes": args.nodes, "ranks_per_node": args.ranks_per_node,
+                                 "placement": args.placement, "layout": format_nodes(layout),
+                                 "link_rate_bps": rate, "switch_node": args.switch_node}
+    measured = None
+    if args.probe_seconds > 0 and args.nodes >= 2:
+        probe = cluster.probe(args.probe_seconds)
+        measured = probe.bps
+        record.update(probe.to_json())
+        links = ", ".join(f"{name} {bps / 1e6:.1f}" for name, bps in probe.links)
+        print(f"[cluster] link probe: {measured / 1e6:.1f} Mbit/s measured vs {rate / 1e6:g} Mbit/s "
+              f"configured (ratio {measured / rate:.3f}; per link, Mbit/s: {links})", flush=True)
+        if probe.deviation > _WARN_DEVIATION:
+            banner = "!" * 78
+            print(f"{banner}\n[cluster] WARNING: the measured link rate ({measured / 1e6:.1f} Mbit/s) is "
+                  f"{probe.deviation:.0%} off the configured {rate / 1e6:g} Mbit/s (> 15 %).\n"
+                  f"[cluster] Figures measured in this cluster will not reflect the configured link "
+                  f"(busy CPUs? try a lower --link-rate).\n{banner}", file=sys.stderr, flush=True)
+            if args.strict:
+                _fail("--strict: refusing to run on this link", 3)
+                record["refused"] = True
+                _emit_record(record, args.record)
+                return 3
+    elif args.nodes < 2:
+        _note(err, "one node: no link to probe")
+    _emit_record(record, args.record)
+    ina, extra = None, []
+    if args.switch_node:
+        switch_argv = [sys.executable, "-m", "commopt.bench", "ina-switch", "--host",
+                       str(cluster.switch_address), "--port", str(_SWITCH_PORT)]
+        switch = cluster.start_switch(switch_argv, dict(os.environ), out=err)
+        ina = f"{cluster.switch_address}:{_SWITCH_PORT}"
+        extra.append((switch.stdout, err, b"[switch] "))
+    base_env = dict(os.environ)
+    if _is_terminal(err):
+        # The ranks' stderr is a pipe, so their progress bars would stay off; the pumps redraw them
+        # in place on this terminal (see _Console). An explicit COMMOPT_PROGRESS wins.
+        base_env.setdefault("COMMOPT_PROGRESS", "1")
+    envs = rank_environments(layout, base_env, master_addr=cluster.node_address(0),
+                             master_port=_MASTER_PORT,
+                             ifnames=[cluster.ifname(n) for n in range(args.nodes)],
+                             link_rate_bps=rate, measured_bps=measured, ina_switch=ina)
+    return run_ranks(cluster, layout, command, envs, timeout=args.timeout, stdout=sys.stdout.buffer,
+                     stderr=err, extra_streams=extra)
+
+
+def _emit_record(record: dict[str, object], path: str | None) -> None:
+    line = json.dumps({"commopt_cluster": record}, sort_keys=True)
+    print(line, flush=True)
+    if path:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(line + "\n")
