@@ -113,8 +113,7 @@ def main(argv: list[str] | None = None) -> int:
 
 # ------------------------------------------------------------------------------------ measuring
 def _topology(args):
-    from commopt.comm import Topology
-    from commopt.comm.collectives import resolve_topology
+    from commopt.comm import Topology, context
 
     if args.topology:
         extra = {}
@@ -122,7 +121,7 @@ def _topology(args):
         if env is not None:
             extra = {"link_rate_bps": env.link_rate_bps, "ina_switch": env.ina_switch}
         return Topology.from_spec(args.topology, **extra)
-    return resolve_topology(None, None)
+    return context().topology(None, None)
 
 
 def _expected(op: str, redop: str, world: int, rank: int, count: int, dtype) -> torch.Tensor:
@@ -210,8 +209,8 @@ def _agree_iters(seconds: float, requested: int) -> int:
 
 def run_sweep(args, topo, log=print) -> list[dict]:
     """Measure every (op, size, algorithm) and return one row per combination."""
-    from commopt.comm import cost
-    from commopt.comm.collectives import engine, select_algorithm
+    from commopt.comm import context, cost
+    from commopt.comm.collectives import select_algorithm
 
     rank, world = dist.get_rank(), dist.get_world_size()
     dtype = _DTYPES[args.dtype]
@@ -241,7 +240,7 @@ def run_sweep(args, topo, log=print) -> list[dict]:
                 first = max(first, time.perf_counter() - t0)
             iters = _agree_iters(first, args.iters)
             times = {k: [] for k in calls}
-            engine().reset_stats()
+            context().engine().reset_stats()
             keys = list(calls)
             for it in range(iters):
                 # Interleaved, rotated every iteration and reversed every other round, so that every
@@ -404,10 +403,9 @@ def _print_fit(rows: list[dict], topo, log=print) -> None:
 def _print_alltoall_scale(log=print) -> None:
     """The cost model's 2-D / flat all-to-all time ratio at scale, with this run's fitted model."""
     from commopt.comm import alltoall as a2a
-    from commopt.comm import cost
-    from commopt.comm.topology import _REGISTRY
+    from commopt.comm import context
 
-    fitted = next(iter(v for v in _REGISTRY.models.values() if isinstance(v, cost.CostModel)), None)
+    fitted = next(iter(context().cost_models.values()), None)
     for label, model in (("defaults", None), ("this run's model", fitted)):
         if label != "defaults" and model is None:
             continue

@@ -101,12 +101,11 @@ def main(argv: list[str] | None = None) -> int:
 
 # ------------------------------------------------------------------------------------ measuring
 def _topology(args):
-    from commopt.comm import Topology
-    from commopt.comm.collectives import resolve_topology
+    from commopt.comm import Topology, context
 
     if args.topology:
         return Topology.from_spec(args.topology)
-    return resolve_topology(None, None)
+    return context().topology(None, None)
 
 
 def _make_hook(name: str, args, topo, model: nn.Module):
@@ -163,11 +162,11 @@ def _setup(name: str, args, topo) -> dict:
 def _step(run: dict, step: int, args) -> None:
     """One timed training step of ``run`` on the data of ``step`` (the same for every hook)."""
     from commopt.bench.models import synthetic_tokens
-    from commopt.comm.collectives import engine
+    from commopt.comm import context
 
     vocab = 256
     data = synthetic_tokens(args.batch, args.seq_len, vocab, seed=10_000 * step + dist.get_rank())
-    then = engine().bytes_sent()
+    then = context().engine().bytes_sent()
     before = sum(then.values())
     before_inter = sum(v for k, v in then.items() if not k.endswith("/intra"))
     ddp, opt = run["ddp"], run["opt"]
@@ -179,7 +178,7 @@ def _step(run: dict, step: int, args) -> None:
     loss.backward()
     opt.step()
     run["times"].append(time.perf_counter() - t0)
-    now = engine().bytes_sent()
+    now = context().engine().bytes_sent()
     run["sent"].append(sum(now.values()) - before)
     run["inter"].append(sum(v for k, v in now.items() if not k.endswith("/intra")) - before_inter)
     mean = loss.detach().clone()

@@ -10,7 +10,8 @@ from __future__ import annotations
 from . import compression, cost, errors, hooks
 from .alltoall import all_to_all
 from .collectives import all_gather, all_reduce, reduce_scatter
-from .topology import Topology, destroy
+from .runtime import context, destroy
+from .topology import Topology
 
-__all__ = ["Topology", "all_reduce", "reduce_scatter", "all_gather", "all_to_all", "destroy", "hooks", "compression",
-           "errors", "cost"]
+__all__ = ["Topology", "all_reduce", "reduce_scatter", "all_gather", "all_to_all", "context", "destroy", "hooks",
+           "compression", "errors", "cost"]

@@ -45,28 +45,13 @@ from typing import Union
 import torch
 import torch.distributed as dist
 
-from commopt.kernels import permute_chunks
-
-from . import cost
-from .collectives import (
-    _blocking,
-    _check_tensor,
-    _deliver,
-    _done,
-    _flat_future,
-    _Prepared,
-    _then_finish,
-    agree,
-    check_group,
-    check_timeout,
-    checked,
-    engine,
-    resolve_topology,
-    validate_same,
-)
-from .engine import Phase, all_of, as_timedelta, wait
+from . import algorithms, cost
+from .algorithms._transport import Prepared, done, row_bytes
+from .collectives import _check_tensor, _deliver, agree, check_group, check_timeout, checked, validate_same
+from .engine import wait, wait_work
 from .errors import CollectiveMismatchError, TopologyError
-from .topology import _REGISTRY, Topology, setup_wait
+from .runtime import context
+from .topology import Topology
 
 __all__ = [
     "all_to_all",
@@ -163,15 +148,6 @@ def _normalise(output: torch.Tensor | None, input: torch.Tensor, in_splits: Spli
     return _Args(ins, outs, even, problem)
 
 
-def _row_bytes(t: torch.Tensor) -> int:
-    return math.prod(t.shape[1:]) * t.element_size()
-
-
-def _byte_rows(t: torch.Tensor) -> torch.Tensor:
-    """``t`` (contiguous) as a (rows, row_bytes) uint8 view: every dtype moves exactly as bytes."""
-    return t.reshape(t.shape[0], math.prod(t.shape[1:])).view(torch.uint8)
-
-
 # --------------------------------------------------------------------------------- split exchange
 def exchange_splits(in_splits: Splits, *, group=None, validate: bool = False,
                     timeout: float | None = None) -> list[int]:
@@ -191,7 +167,7 @@ def exchange_splits(in_splits: Splits, *, group=None, validate: bool = False,
         return list(ins)
     send = torch.tensor(ins, dtype=torch.int64)
     recv = torch.empty_like(send)
-    setup_wait(dist.all_to_all_single(recv, send, group=group, async_op=True), timeout, f"{_NAME}/splits")
+    wait_work(dist.all_to_all_single(recv, send, group=group, async_op=True), timeout, f"{_NAME}/splits")
     return recv.tolist()
 
 
@@ -210,7 +186,7 @@ def _agree(problem: str | None, ins: list[int], outs: list[int] | None, out_rows
     row += outs if outs is not None and len(outs) == world and not problem else [-1] * world
     mine = torch.tensor(row, dtype=torch.int64)
     gathered = [torch.empty_like(mine) for _ in range(world)]
-    setup_wait(dist.all_gather(gathered, mine, group=group, async_op=True), timeout, f"{_NAME}/validate")
+    wait_work(dist.all_gather(gathered, mine, group=group, async_op=True), timeout, f"{_NAME}/validate")
     rows = [g.tolist() for g in gathered]
     bad = [r for r in range(world) if rows[r][0]]
     if bad:
@@ -251,9 +227,9 @@ def _agree(problem: str | None, ins: list[int], outs: list[int] | None, out_rows
 def _mean_bytes(input: torch.Tensor, group, world: int, timeout: float | None) -> float:
     """The mean per-rank input size, agreed by every rank through one 8-byte all-reduce: uneven
     splits make local sizes differ, and a choice made from a local size would differ across ranks."""
-    total = torch.tensor([input.shape[0] * _row_bytes(input)], dtype=torch.int64)
-    engine().count(f"{_NAME}/agree", 8)
-    setup_wait(dist.all_reduce(total, group=group, async_op=True), timeout, f"{_NAME}/agree")
+    total = torch.tensor([input.shape[0] * row_bytes(input)], dtype=torch.int64)
+    context().engine().count(f"{_NAME}/agree", 8)
+    wait_work(dist.all_reduce(total, group=group, async_op=True), timeout, f"{_NAME}/agree")
     return float(total.item()) / world
 
 
@@ -263,7 +239,7 @@ def _choose(algorithm: str, input: torch.Tensor, topology: Topology | None, grou
         raise ValueError(f"{_NAME}: unknown algorithm {algorithm!r}; choose one of {list(ALGORITHMS) + ['auto']}")
     if algorithm == "flat":
         return "flat", None, agreed_bytes
-    topo = resolve_topology(topology, group, timeout)
+    topo = context().topology(topology, group, timeout)
     if algorithm == "2d" and not topo.is_uniform:
         raise TopologyError(
             f"algorithm '2d' needs nodes of equal size, got node sizes {[len(n) for n in topo.nodes]} "
@@ -277,162 +253,6 @@ def _choose(algorithm: str, input: torch.Tensor, topology: Topology | None, grou
     if agreed_bytes is None:
         agreed_bytes = _mean_bytes(input, group, world, timeout)
     return choose_algorithm(agreed_bytes, topo, timeout=timeout), topo, agreed_bytes
-
-
-def _flat(out_work: torch.Tensor, src: torch.Tensor, args: _Args, p: _Prepared, group, rank: int,
-          row_bytes: int, timeout: float | None) -> torch.futures.Future:
-    engine().count(f"{_NAME}/flat", (sum(args.in_splits) - args.in_splits[rank]) * row_bytes)
-    work = dist.all_to_all_single(_byte_rows(out_work), _byte_rows(src), args.out_splits, args.in_splits,
-                                  group=group, async_op=True)
-    return _flat_future(work, p, f"{_NAME}/flat", timeout, group)
-
-
-def _exchange(out_b: torch.Tensor, in_b: torch.Tensor, recv: list[int], send: list[int], group,
-              timeout) -> None:
-    """``all_to_all_single(out_b, in_b, recv, send, group)``, blocking; on gloo as concurrent
-    point-to-point transfers, every send and receive in flight at once.
-
-    gloo's all-to-all serves its peers one at a time: on a 2-rank rail group it moved 8 MiB each
-    way in 716 ms where isend/irecv took 347 ms (the emulated 200 Mbit/s link, both directions at
-    full rate). The 2-D phases run on such small groups (the rail has one rank per node).
-    """
-    if dist.get_backend(group) != "gloo":
-        _blocking(lambda: dist.all_to_all_single(out_b, in_b, recv, send, group=group, async_op=True), timeout)
-        return
-    me = dist.get_rank(group)
-    ops = []
-    i_off = o_off = 0
-    for peer, (n_in, n_out) in enumerate(zip(send, recv)):
-        if peer == me:
-            out_b.narrow(0, o_off, n_out).copy_(in_b.narrow(0, i_off, n_in))
-        else:
-            if n_out:
-                ops.append(dist.P2POp(dist.irecv, out_b.narrow(0, o_off, n_out), group=group, group_peer=peer))
-            if n_in:
-                ops.append(dist.P2POp(dist.isend, in_b.narrow(0, i_off, n_in), group=group, group_peer=peer))
-        i_off += n_in
-        o_off += n_out
-    td = as_timedelta(timeout)
-    for work in dist.batch_isend_irecv(ops) if ops else []:
-        if td is None:
-            work.wait()
-        else:
-            work.wait(td)
-
-
-def _part(rows: int, c: int, chunks: int) -> int:
-    """Rows of pipeline chunk ``c`` of a block of ``rows`` rows: [rows*c//chunks, rows*(c+1)//chunks)."""
-    return rows * (c + 1) // chunks - rows * c // chunks
-
-
-def _two_d(out_work: torch.Tensor, src: torch.Tensor, args: _Args, p: _Prepared, topo: Topology, chunks: int,
-           timeout, blocking: bool = False) -> torch.futures.Future:
-    """Submit the 2-D phases; see the module docstring for why each exists."""
-    nodes, world = topo.nodes, topo.world_size
-    n_nodes, local = topo.num_nodes, topo.local_size
-    me_local = topo.local_rank
-    ins, outs = args.in_splits, args.out_splits
-    node_of = {r: k for k, nd in enumerate(nodes) for r in nd}
-    # Rail j's members in rail-group order (torch orders a new group's ranks by rank).
-    rails = [sorted(nd[j] for nd in nodes) for j in range(local)]
-    my_rail = rails[me_local]
-    # One role per phase (the engine refuses a queue with two feeders); created in this order on
-    # every rank, whatever the splits, so group creation never diverges.
-    intra_g = topo.groups("a2a-intra", timeout).intra
-    # Two rail streams, alternating chunks: while one synchronises with its rail peer (or scatters
-    # its chunk), the other keeps the node link busy (NCCL runs several channels for the same reason).
-    inter_gs = [topo.groups(role, timeout).rail for role in ("a2a-inter", "a2a-inter-b")]
-    meta_g = topo.groups("a2a-meta", timeout).intra  # used on the caller's thread only
-    me_q = my_rail.index(topo.rank)
-
-    # m[s][q]: rows local peer s sends to my_rail[q]; known locally for even splits.
-    if args.even:
-        m = [[ins[0]] * n_nodes for _ in range(local)]
-    else:
-        send = torch.tensor([[ins[d] for d in rails[j]] for j in range(local)], dtype=torch.int64)
-        recv = torch.empty_like(send)
-        setup_wait(dist.all_to_all_single(recv, send, group=meta_g, async_op=True), timeout, f"{_NAME}/2d/meta")
-        m = recv.tolist()
-
-    rb = _row_bytes(src)
-    src_b, out_b = _byte_rows(src), _byte_rows(out_work)
-    in_off = [sum(ins[:d]) for d in range(world)]
-    out_off = [sum(outs[:i]) for i in range(world)]
-    # (0)'s order: destination local index j, then rail position; (3)'s: what lands from rail
-    # position q is from local index s of q's node.
-    dests = [d for j in range(local) for d in rails[j]]
-    src_of = [nodes[node_of[my_rail[q]]][s] for q in range(n_nodes) for s in range(local)]
-    pos_in_buf = {r: k for k, r in enumerate(src_of)}
-    # Node-by-node placement: (0) and/or (3) are the identity for one chunk, and the data is sent
-    # from the input or lands in the output directly.
-    send_direct = chunks == 1 and dests == list(range(world))
-    recv_direct = chunks == 1 and src_of == list(range(world))
-    staged = src_b if send_direct else torch.empty_like(src_b)
-    landing = out_b if recv_direct else src_b.new_empty((sum(outs), rb))
-
-    def gather(a: torch.Tensor, c: int) -> None:
-        """(0) for chunk c: with one chunk a permute kernel; pipelined, chunk c's rows of every block
-        (one concatenation), so that chunk c+1's gather overlaps chunk c's exchanges."""
-        if chunks == 1:
-            permute_chunks(src_b, ins, dests, out=a)
-        else:
-            torch.cat([src_b.narrow(0, in_off[d] + ins[d] * c // chunks, _part(ins[d], c, chunks))
-                       for d in dests], out=a)
-
-    def scatter(r: torch.Tensor, c: int) -> None:
-        """(3) for chunk c: into source-rank order; pipelined, each block to its rows of the output
-        right after chunk c's rail exchange, overlapping the later chunks' intra-node exchange."""
-        if chunks == 1:
-            permute_chunks(r, [outs[i] for i in src_of], [pos_in_buf[i] for i in range(world)], out=out_b)
-            return
-        k = 0
-        for i in src_of:
-            n = _part(outs[i], c, chunks)
-            if n:
-                out_b.narrow(0, out_off[i] + outs[i] * c // chunks, n).copy_(r.narrow(0, k, n))
-            k += n
-
-    order1 = [s * n_nodes + q for q in range(n_nodes) for s in range(local)]
-    futures = []
-    a_off = r_off = 0
-    for c in range(chunks):
-        send1 = [sum(_part(ins[d], c, chunks) for d in rails[j]) for j in range(local)]
-        mc = [[_part(m[s][q], c, chunks) for q in range(n_nodes)] for s in range(local)]
-        recv1 = [sum(row) for row in mc]
-        send2 = [sum(mc[s][q] for s in range(local)) for q in range(n_nodes)]
-        recv2 = [sum(_part(outs[src_of[q * local + s]], c, chunks) for s in range(local)) for q in range(n_nodes)]
-        a = staged[a_off:a_off + sum(send1)]
-        r = landing[r_off:r_off + sum(recv2)]
-        a_off += sum(send1)
-        r_off += sum(recv2)
-        b = src_b.new_empty((sum(recv1), rb))
-        mid = src_b.new_empty((sum(recv1), rb))
-        sizes1 = [mc[s][q] for s in range(local) for q in range(n_nodes)]
-
-        def intra(a=a, b=b, recv1=recv1, send1=send1):
-            _exchange(b, a, recv1, send1, intra_g, timeout)
-
-        def regroup(b=b, mid=mid, sizes1=sizes1):
-            permute_chunks(b, sizes1, order1, out=mid)
-
-        inter_g = inter_gs[c % 2]
-
-        def inter(mid=mid, r=r, recv2=recv2, send2=send2, inter_g=inter_g):
-            _exchange(r, mid, recv2, send2, inter_g, timeout)
-
-        # Local phases run inline: "gather" on the submitting thread (chunk c+1's gather overlaps
-        # chunk c's exchanges), "regroup" on the intra-node worker, "scatter" on the rail worker.
-        phases = [] if send_direct else [Phase("gather", lambda a=a, c=c: gather(a, c))]
-        phases += [
-            Phase("intra", intra, intra_g, (sum(send1) - send1[me_local]) * rb),
-            Phase("regroup", regroup),
-            Phase("inter", inter, inter_g, (sum(send2) - send2[me_q]) * rb),
-        ]
-        if not recv_direct:
-            phases.append(Phase("scatter", lambda r=r, c=c: scatter(r, c)))
-        futures.append(engine().submit(phases, op=f"{_NAME}/2d", device=src.device,
-                                       blocking=blocking and chunks == 1))
-    return _then_finish(all_of(futures, None), p)
 
 
 # --------------------------------------------------------------------------------- public
@@ -499,35 +319,35 @@ def all_to_all(output: torch.Tensor | None, input: torch.Tensor, *, in_splits: S
         args.out_splits, total_rows = _agree(args.problem, args.in_splits, args.out_splits,
                                              None if output is None else output.shape[0], args.even, group, world,
                                              timeout)
-        agreed_bytes = total_rows * _row_bytes(input) / world
+        agreed_bytes = total_rows * row_bytes(input) / world
     elif args.problem:
         raise ValueError(f"{_NAME}: {args.problem}")
     elif (args.out_splits is None or explicit) and world > 1:
         # Rows from each peer, plus each peer's total, which gives every rank the same mean size.
         send = torch.tensor([[s, input.shape[0]] for s in args.in_splits], dtype=torch.int64)
         recv = torch.empty_like(send)
-        setup_wait(dist.all_to_all_single(recv, send, group=group, async_op=True), timeout, f"{_NAME}/splits")
+        wait_work(dist.all_to_all_single(recv, send, group=group, async_op=True), timeout, f"{_NAME}/splits")
         sent_to_me = recv[:, 0].tolist()
         if explicit and sent_to_me != args.out_splits:
             split_problem = (f"out_splits={args.out_splits} but the peers send {sent_to_me} rows "
                              f"(in_splits[{dist.get_rank(group)}] of each rank)")
         args.out_splits = args.out_splits if explicit else sent_to_me
-        agreed_bytes = float(recv[:, 1].sum()) * _row_bytes(input) / world
+        agreed_bytes = float(recv[:, 1].sum()) * row_bytes(input) / world
     if args.out_splits is None:  # world_size 1
         args.out_splits = list(args.in_splits)
     if args.even:
-        agreed_bytes = input.shape[0] * _row_bytes(input)
+        agreed_bytes = input.shape[0] * row_bytes(input)
     rows_out = sum(args.out_splits)
     if output is None:
         output = input.new_empty((rows_out,) + tuple(input.shape[1:]))
     elif output.shape[0] != rows_out:
         raise ValueError(f"{_NAME}: output has {output.shape[0]} rows but the peers send {rows_out} "
                          f"(out_splits={args.out_splits}); allocate sum(out_splits) rows or pass output=None")
-    if world == 1 or _row_bytes(input) == 0:
+    if world == 1 or row_bytes(input) == 0:
         # One rank: a copy. Zero-width rows: nothing to move on any rank (row shapes agree).
         if world == 1 and rows_out:
             output.copy_(input)
-        return _done(output) if async_op else output
+        return done(output) if async_op else output
     algo, topo, agreed_bytes = _choose(algorithm, input, topology, group, world, agreed_bytes, timeout)
     check = None
     if not validate:
@@ -535,23 +355,24 @@ def all_to_all(output: torch.Tensor | None, input: torch.Tensor, *, in_splits: S
         # split exchange (or, with both given, the verdict above).
         check = agree(_NAME, numel=input.shape[0] if args.even else -1, dtype=input.dtype, op="none",
                       algorithm=algo, group=group, device=input.device, timeout=timeout,
-                      row_bytes=_row_bytes(input), problem=split_problem)
+                      row_bytes=row_bytes(input), problem=split_problem)
         if explicit:
             wait(check, timeout, op=f"{_NAME}/agree")
             check = None
     copy_back = not output.is_contiguous()
     out_work = output.contiguous() if copy_back else output
     # _finish writes a copy back through the caller's strides from a 1-D work buffer.
-    p = _Prepared(output, out_work.view(-1), out_work.view(-1), None, copy_back)
-    src = input.contiguous()
-    if algo == "flat":
-        fut = _flat(out_work, src, args, p, group, dist.get_rank(group), _row_bytes(input), timeout)
-    else:
+    p = Prepared(output, out_work.view(-1), out_work.view(-1), None, copy_back)
+    ctx = context()
+    if algo != "flat":
+        ctx.prepare(topo, (algo,), timeout)
         if chunks is None:
             if agreed_bytes is None:
                 agreed_bytes = _mean_bytes(input, group, world, timeout)
-            chunks = cost.alltoall_chunks(agreed_bytes, topo, cost.model_for(topo, timeout=timeout))
-        fut = _two_d(out_work, src, args, p, topo, chunks, timeout, blocking=not async_op)
+            chunks = algorithms.get(algo).chunks(cost.model_for(topo, timeout=timeout), "alltoall", agreed_bytes, topo)
+    call = algorithms.Call("alltoall", p, None, group, topo, timeout, not async_op, ctx, chunks or 1,
+                           input.contiguous(), args)
+    fut = algorithms.get(algo).start(call)
     return _deliver(checked(fut, check), async_op, timeout, f"{_NAME}/{algo}")
 
 
@@ -653,7 +474,7 @@ def choose_algorithm(nbytes: float, topology: Topology, model: cost.CostModel | 
     if topology.num_nodes in (1, topology.world_size) or not topology.is_uniform:
         return "flat"
     if model is None:
-        fitted = _REGISTRY.models.get(_calibration_key(topology))
+        fitted = context().alltoall_fits.get(_calibration_key(topology))
         if fitted is not None:
             return min(ALGORITHMS, key=lambda a: (fitted[a].time(nbytes), ALGORITHMS.index(a)))
         model = cost.model_for(topology, timeout=timeout)
@@ -706,7 +527,7 @@ def calibrate(topology: Topology, *, sizes: tuple[int, int] = (16 * 1024, 4 << 2
     dist.broadcast(flat, src=topology.group_rank_to_global(0), group=group)
     values = flat.tolist()
     fits = {a: cost.LinkModel(values[2 * i], values[2 * i + 1]) for i, a in enumerate(ALGORITHMS)}
-    _REGISTRY.models[_calibration_key(topology)] = fits
+    context().alltoall_fits.put(_calibration_key(topology), fits)
     return fits
 
 

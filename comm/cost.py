@@ -15,7 +15,6 @@ once per topology so every rank chooses the same algorithm (DESIGN 2, rule 2).
 from __future__ import annotations
 
 import json
-import math
 import os
 import threading
 import time
@@ -25,7 +24,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .topology import _REGISTRY, Topology, setup_wait
+from . import algorithms
+from .algorithms import ALGORITHM_FACTORS
+from .algorithms.base import COPY_BETA, PHASE_HANDOFF
+from .engine import wait_work
+from .runtime import context
+from .topology import Topology
 
 __all__ = [
     "LinkModel",
@@ -38,9 +42,10 @@ __all__ = [
     "fit",
     "calibrate",
     "model_for",
+    "chunks_for",
     "ALGORITHM_FACTORS",
     "COPY_BETA",
-    "alltoall_chunks",
+    "PHASE_HANDOFF",
 ]
 
 
@@ -88,150 +93,32 @@ class CostModel:
 DEFAULT_INTRA = LinkModel(alpha=20e-6, beta=1 / 3e9)
 DEFAULT_INTER = LinkModel(alpha=50e-6, beta=1 / 1.25e9)
 
-# Seconds to hand a phase from one engine worker thread to the next (a queue put and a thread
-# wake-up on a busy host). Charged per phase of a pipelined chunk: on equal levels it makes one chunk
-# (which a blocking call runs on its own thread, with no hand-off) the choice, and it is negligible
-# against the inter-node time that pipelining hides on a real link.
-PHASE_HANDOFF = 0.2e-3
-
-# Seconds per byte of a local copy (the permutes of the 2-D all-to-all): host memory, ~10 GB/s.
-COPY_BETA = 1 / 10e9
-
-# Per-rank traffic of ring-based collectives on p ranks, as a fraction of the buffer: used by the
-# byte counters and the nccl-tests "bus bandwidth" (busbw = algbw * factor).
-ALGORITHM_FACTORS = {
-    "allreduce": lambda p: 2 * (p - 1) / p,
-    "reduce_scatter": lambda p: (p - 1) / p,
-    "all_gather": lambda p: (p - 1) / p,
-    "alltoall": lambda p: (p - 1) / p,
-}
-
-
-def _ring_crossings(topo: Topology) -> int:
-    """The most ring edges (r -> r+1 mod p) that leave one node: the load on its NIC."""
-    p = topo.world_size
-    worst = 0
-    for node in topo.nodes:
-        members = set(node)
-        worst = max(worst, sum(1 for r in node if (r + 1) % p not in members))
-    return worst
-
 
 def link_bytes(algorithm: str, nbytes: float, topo: Topology, op: str = "allreduce") -> float:
-    """Bytes one node's link carries in each direction for ``op`` of an ``nbytes`` buffer.
+    """Bytes the busiest node link carries in each direction for ``op`` of an ``nbytes`` buffer, as
+    the algorithm's own :meth:`~commopt.comm.algorithms.Algorithm.traffic` says.
 
     For reduce-scatter and all-gather, ``nbytes`` is the size of the whole (world-sized) buffer.
     """
-    p, n = topo.world_size, topo.num_nodes
-    if n == 1 or p == 1:
-        return 0.0
-    local = max(len(nd) for nd in topo.nodes)
-    if algorithm in ("flat", "ina"):
-        if algorithm == "ina":
-            # Each worker sends its buffer once to the switch and gets the result once.
-            return nbytes * local if op == "allreduce" else 0.0
-        ring = ALGORITHM_FACTORS[op](p) if op != "alltoall" else 1.0
-        if op == "alltoall":
-            # Every rank sends (p - L)/p of its buffer off-node.
-            return nbytes * local * (p - local) / p
-        return _ring_crossings(topo) * ring * nbytes
-    if algorithm == "hierarchical":
-        if op == "allreduce":
-            return 2 * (n - 1) / n * nbytes
-        return (n - 1) / n * nbytes  # rail phase on 1/L of the data, L rails per node
-    if algorithm == "leader":
-        return 2 * (n - 1) / n * nbytes
-    if algorithm == "2d":
-        return nbytes * local * (p - local) / p
-    raise ValueError(f"no link model for algorithm {algorithm!r}")
+    return algorithms.get(algorithm).traffic(op, nbytes, topo).link_bytes()
 
 
 def predict(algorithm: str, nbytes: float, topo: Topology, model: CostModel | None = None,
             op: str = "allreduce") -> float:
     """Predicted seconds of ``op`` with ``algorithm`` on ``nbytes`` (the per-rank buffer for
-    all-reduce; the whole world-sized buffer for reduce-scatter and all-gather).
-
-    Phases: flat = one ring over p ranks, bottlenecked by the busiest node link; hierarchical =
-    (1) intra reduce-scatter, (2) inter all-reduce on 1/L of the data per rail, all rails sharing the
-    node link, (3) intra all-gather, pipelined over ``model.chunks`` chunks; leader = (1) intra
-    reduce to the leader, (2) leaders' all-reduce, (3) intra broadcast.
-    """
-    model = model or CostModel(DEFAULT_INTRA, DEFAULT_INTER)
-    p, n = topo.world_size, topo.num_nodes
-    if p == 1 or nbytes == 0:
-        return 0.0
-    ia, ea = model.intra, model.inter
-    local = max(len(nd) for nd in topo.nodes)
-    rounds = 2 if op == "allreduce" else 1
-    if algorithm == "flat":
-        if n == 1:
-            return ia.time(ALGORITHM_FACTORS[op](p) * nbytes, rounds * (p - 1))
-        worst_alpha = max(ia.alpha, ea.alpha)
-        return rounds * (p - 1) * worst_alpha + max(
-            ALGORITHM_FACTORS[op](p) * nbytes * ia.beta, link_bytes("flat", nbytes, topo, op) * ea.beta)
-    if algorithm == "hierarchical" and op != "allreduce":
-        intra = ia.time((local - 1) / local * nbytes, local - 1) if local > 1 else 0.0
-        return intra + (ea.time(link_bytes(algorithm, nbytes, topo, op), n - 1) if n > 1 else 0.0)
-    if algorithm in ("hierarchical", "leader"):
-        return _pipeline_time(algorithm, nbytes, topo, model, chunks_for(algorithm, nbytes, topo, model))
-    if algorithm == "ina":
-        return ea.time(2 * nbytes * local, 2)
-    if algorithm == "2d" and op == "alltoall":
-        return _alltoall_2d(nbytes, topo, model, alltoall_chunks(nbytes, topo, model))
-    raise ValueError(f"no cost formula for algorithm {algorithm!r}")
+    all-reduce and all-to-all; the whole world-sized buffer for reduce-scatter and all-gather): the
+    algorithm's own :meth:`~commopt.comm.algorithms.Algorithm.cost` (its docstring lists the phases)."""
+    algo = algorithms.get(algorithm)
+    reason = algo.supports(topo, op)
+    if reason is not None:
+        raise ValueError(f"no cost formula: {reason}")
+    return algo.cost(model or CostModel(DEFAULT_INTRA, DEFAULT_INTER), op, nbytes, topo)
 
 
-def _alltoall_2d(nbytes: float, topo: Topology, model: CostModel, chunks: int) -> float:
-    """The 2-D all-to-all of an ``nbytes`` per-rank buffer cut into ``chunks`` pipelined chunks.
-
-    Phases: a local permute (one copy), then per chunk (1) intra-node exchange of (L-1)/L of the chunk
-    in L-1 messages plus the permute between the phases, (2) inter-node exchange along the rail in N-1
-    messages, all rails sharing the node link; the chunks pipeline, so the time is the sum of the
-    stages plus (chunks-1) times the slower one; then the final permute (one copy).
-    """
-    n = topo.num_nodes
-    local = max(len(nd) for nd in topo.nodes)
-    c = nbytes / chunks
-    intra = model.intra.time((local - 1) / local * c, local - 1) + c * COPY_BETA if local > 1 else 0.0
-    inter = model.inter.time(link_bytes("2d", c, topo, "alltoall"), n - 1) if n > 1 else 0.0
-    handoffs = 2 * chunks * PHASE_HANDOFF if chunks > 1 else 0.0  # a blocking single chunk runs inline
-    return 2 * nbytes * COPY_BETA + intra + inter + (chunks - 1) * max(intra, inter) + handoffs
-
-
-def alltoall_chunks(nbytes: float, topo: Topology, model: CostModel) -> int:
-    """The pipelining depth (1..``model.chunks``) the model predicts fastest for a 2-D all-to-all
-    of ``nbytes`` per rank: more chunks hide the intra-node phase, each costs N-1 + L-1 more messages.
-    """
-    best = min(range(1, max(1, model.chunks) + 1), key=lambda k: (_alltoall_2d(nbytes, topo, model, k), k))
-    return best
-
-
-def _pipeline_time(algorithm: str, nbytes: float, topo: Topology, model: CostModel, chunks: int) -> float:
-    ia, ea = model.intra, model.inter
-    n = topo.num_nodes
-    local = max(len(nd) for nd in topo.nodes)
-    c = nbytes / chunks
-    if algorithm == "hierarchical":
-        intra = ia.time((local - 1) / local * c, local - 1) if local > 1 else 0.0
-        inter = ea.time(link_bytes("hierarchical", c, topo), 2 * (n - 1)) if n > 1 else 0.0
-    else:
-        steps = math.ceil(math.log2(local)) if local > 1 else 0
-        intra = ia.time(c * steps, steps)
-        inter = ea.time(link_bytes("leader", c, topo), 2 * (n - 1)) if n > 1 else 0.0
-    # Chunks overlap across levels only: a chunk's reduce-scatter (or reduce) and another chunk's
-    # all-gather (or broadcast) share the intra-node link, so the bottleneck per extra chunk is the
-    # busier of the intra-node link (both intra phases) and the inter-node link.
-    handoffs = 3 * chunks * PHASE_HANDOFF if chunks > 1 else 0.0
-    return (intra + inter + intra) + (chunks - 1) * max(2 * intra, inter) + handoffs
-
-
-def chunks_for(algorithm: str, nbytes: float, topo: Topology, model: CostModel) -> int:
-    """How many chunks to pipeline a hierarchical or leader all-reduce over (at most
-    ``model.chunks``): the count with the lowest predicted time. Pipelining pays only when one
-    level is slower than the other; on equal levels the extra phases' latency makes one chunk best.
-    """
-    options = [c for c in (1, 2, 4, 8, 16) if c <= max(1, model.chunks)]
-    return min(options, key=lambda c: (_pipeline_time(algorithm, nbytes, topo, model, c), c))
+def chunks_for(algorithm: str, nbytes: float, topo: Topology, model: CostModel, op: str = "allreduce") -> int:
+    """How many chunks the algorithm pipelines ``op`` over (at most ``model.chunks``): the count
+    with the lowest predicted time."""
+    return algorithms.get(algorithm).chunks(model, op, nbytes, topo)
 
 
 def choose(candidates: list[str], nbytes: float, topo: Topology, model: CostModel,
@@ -324,7 +211,7 @@ def calibrate(topology: Topology, *, cache_dir: str | os.PathLike | None = None,
     share one resource: the model keeps one chunk (``chunks=1``) and says so (``shared``), and ``auto``
     then runs flat (the hierarchy moves the same bytes in more phases).
     """
-    groups = topology.groups("calibrate")
+    groups = context().groups(topology, "calibrate")
     levels, large = {}, {}
     for name, group, size in (("intra", groups.intra, topology.local_size),
                               ("inter", groups.rail, len(groups.rail_ranks))):
@@ -359,7 +246,7 @@ def calibrate(topology: Topology, *, cache_dir: str | os.PathLike | None = None,
         path = _cache_path(topology, cache_dir)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(model.to_dict()))
-    _REGISTRY.models[(topology.layout, id(topology.group))] = model
+    context().cost_models.put((topology.layout, id(topology.group)), model)
     return model
 
 
@@ -374,7 +261,7 @@ def _broadcast_model(model: CostModel, topo: Topology, timeout: float | None = N
         return model
     t = torch.tensor([model.intra.alpha, model.intra.beta, model.inter.alpha, model.inter.beta,
                       float(model.chunks), float(model.shared)], dtype=torch.float64)
-    setup_wait(dist.broadcast(t, src=topo.group_rank_to_global(0), group=topo.group, async_op=True), timeout,
+    wait_work(dist.broadcast(t, src=topo.group_rank_to_global(0), group=topo.group, async_op=True), timeout,
                "cost.model_for")
     v = t.tolist()
     return CostModel(LinkModel(v[0], v[1]), LinkModel(v[2], v[3]), int(v[4]), bool(v[5]))
@@ -387,7 +274,7 @@ def model_for(topology: Topology, *, cache_dir: str | os.PathLike | None = None,
     Resolved once per topology (one tiny broadcast from rank 0), then kept in commopt's cache.
     """
     key = (topology.layout, id(topology.group))
-    model = _REGISTRY.models.get(key)
+    model = context().cost_models.get(key)
     if model is not None:
         return model
     model = CostModel(DEFAULT_INTRA, _inter_default(topology))
@@ -399,5 +286,5 @@ def model_for(topology: Topology, *, cache_dir: str | os.PathLike | None = None,
             except (ValueError, KeyError, TypeError):
                 pass  # a corrupt cache falls back to defaults; calibrate() rewrites it
     model = _broadcast_model(model, topology, timeout)
-    _REGISTRY.models[key] = model
+    context().cost_models.put(key, model)
     return model

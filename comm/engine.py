@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from .errors import CommError, CommTimeoutError
 
-__all__ = ["Engine", "Phase", "wait", "all_of", "chain"]
+__all__ = ["Engine", "Phase", "wait", "wait_work", "all_of", "chain"]
 
 _DIRECT = "direct submission"
 
@@ -49,9 +49,11 @@ class Phase:
         name: label for profiles and errors ("reduce_scatter").
         fn: the work; issues at most one blocking collective on ``group``. Called with no arguments
             on the worker thread of ``group`` (or inline on the previous phase's thread when
-            ``group`` is None: local work, or a phase this rank takes no part in).
+            ``group`` is None: local work, or a phase this rank takes no part in). When it returns
+            an int, that is the bytes it sent (the transport counts the tensors it posts).
         group: the process group whose queue runs the phase.
-        nbytes: the bytes this rank sends in the phase (counted when the phase succeeds).
+        nbytes: the bytes this rank sends in the phase, for an ``fn`` that returns none (counted
+            when the phase succeeds).
     """
 
     name: str
@@ -223,13 +225,14 @@ class Engine:
     def _run_phase(self, item: _Op, phase: Phase) -> bool:
         try:
             with torch.profiler.record_function(f"commopt/{item.op}/{phase.name}"):
-                phase.fn()
+                sent = phase.fn()
         except Exception as exc:  # noqa: BLE001 - forwarded to the future with its type and text
             self._fail(item, phase, exc)
             return False
-        if phase.nbytes:
+        nbytes = sent if isinstance(sent, int) and not isinstance(sent, bool) else phase.nbytes
+        if nbytes:
             with self._lock:
-                self._bytes[item.op] += int(phase.nbytes)
+                self._bytes[item.op] += int(nbytes)
         return True
 
     def _finish(self, item: _Op) -> None:
@@ -448,6 +451,37 @@ def wait(future: torch.futures.Future, timeout: float | None = None, *, op: str 
                                f"the collective or may have died", op=op,
                                ranks=[dist.get_rank()] if dist.is_initialized() else None)
     return future.wait()
+
+
+def wait_work(work, timeout: float | None, op: str | None = None, *, deadline: float | None = None) -> None:
+    """Wait for a backend work (``dist.*(async_op=True)``): the one wait with a timeout.
+
+    Args:
+        work: the backend's work.
+        timeout: seconds (None: the group's own timeout).
+        op: for setup collectives on the caller's thread (layout checks, model broadcasts, split
+            exchanges): any failure becomes a ``CommTimeoutError`` naming ``op`` and saying what to
+            check. None inside an engine phase, which wraps failures itself.
+        deadline: a ``time.monotonic()`` deadline shared by several works of one phase (one
+            phase, one timeout); overrides ``timeout``.
+
+    gloo's ``wait(timedelta)`` is bounded for every work with a future; its reduce-scatter's is not
+    (``collectives`` hands such works to the engine and its watchdog, compression avoids them).
+    """
+    if deadline is not None:
+        timeout = max(1e-3, deadline - time.monotonic())
+    try:
+        if timeout is None:
+            work.wait()
+        else:
+            work.wait(timedelta(seconds=float(timeout)))
+    except RuntimeError as exc:
+        if op is None:
+            raise
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        raise CommTimeoutError(f"setup collective failed or timed out on rank {rank}: {type(exc).__name__}: "
+                               f"{exc}. Another rank did not reach this collective or died", op=op,
+                               ranks=[rank]) from exc
 
 
 def as_timedelta(timeout: float | timedelta | None) -> timedelta | None:

@@ -5,12 +5,12 @@ joined by slower links (NICs). Ranks of a node need not be contiguous and nodes 
 in size. The constructors (``from_spec``, ``from_nodes``, ``from_env``, ``detect``) need the
 process group their ranks refer to, except for a layout of one rank; ``from_env`` takes the
 launcher's real placement (torchrun's node-by-node, MPI's as exchanged between the ranks) and
-never assumes one the launcher did not promise. ``Topology.groups(role)`` creates the intra-node
-groups and the inter-node "rail" groups (the ranks with the same local index on every node),
-collectively and in the same order on every rank, once per layout and role: the one process-wide
-cache of commopt, released by ``commopt.comm.destroy()``. Each multi-phase algorithm uses one role
-per phase, so that every process group only ever carries one phase of one algorithm and the order
-in which phases reach a group is the submission order on every rank (DESIGN 2).
+never assumes one the launcher did not promise. A topology is plain data: the derived intra-node
+and inter-node "rail" groups (the ranks with the same local index on every node) are created by the
+runtime context (``commopt.comm.context().groups(topology, role)``), collectively and in the same
+order on every rank, once per layout and role. Each multi-phase algorithm uses one role per phase,
+so that every process group only ever carries one phase of one algorithm and the order in which
+phases reach a group is the submission order on every rank (DESIGN 2).
 """
 
 from __future__ import annotations
@@ -20,16 +20,15 @@ import numbers
 import os
 import socket
 import sys
-import threading
 from dataclasses import dataclass, field
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from .errors import CommTimeoutError, TopologyError
+from .engine import wait_work
+from .errors import TopologyError
 
-__all__ = ["Topology", "Groups", "parse_rate", "format_nodes", "ina_switch_from_env", "destroy", "setup_wait"]
+__all__ = ["Topology", "Groups", "parse_rate", "format_nodes", "ina_switch_from_env"]
 
 
 def parse_rate(text: str | int | float) -> float:
@@ -268,7 +267,7 @@ def _exchange_rows(row: list[int], group, timeout: float | None, op: str) -> lis
     size = dist.get_world_size(group)
     mine = torch.tensor(row, dtype=torch.int64)
     out = [torch.zeros_like(mine) for _ in range(size)]
-    setup_wait(dist.all_gather(out, mine, group=group, async_op=True), timeout, op)
+    wait_work(dist.all_gather(out, mine, group=group, async_op=True), timeout, op)
     return [[int(v) for v in t.tolist()] for t in out]
 
 
@@ -686,7 +685,7 @@ class Topology:
         digest = hashlib.sha1(self.layout.encode()).digest()[:8]
         mine = torch.tensor([int.from_bytes(digest, "little", signed=True)], dtype=torch.int64)
         out = [torch.zeros_like(mine) for _ in range(self.world_size)]
-        setup_wait(dist.all_gather(out, mine, group=self.group, async_op=True), timeout, "topology.validate")
+        wait_work(dist.all_gather(out, mine, group=self.group, async_op=True), timeout, "topology.validate")
         values = [int(t.item()) for t in out]
         if len(set(values)) > 1:
             mine_v = values[self.rank]
@@ -696,194 +695,7 @@ class Topology:
                 f"{others} have a different layout; build the topology from the same spec (or "
                 f"COMMOPT_NODES) on every rank", op="topology.groups", ranks=others)
 
-    def groups(self, role: str = "default", timeout: float | None = None) -> Groups:
-        """This rank's intra-node and rail groups for ``role``, created once per layout and role.
-
-        Creation is collective over WORLD (torch's rule for ``new_group``): every rank must call
-        ``groups`` with the same roles in the same order. The first call of a layout and role
-        validates that all ranks agree on it (``TopologyError`` on every rank otherwise), then
-        creates the groups; threads of one process asking for the same new role create it once.
-
-        Args:
-            role: the phase role (one group per phase role, DESIGN 2).
-            timeout: seconds that the layout check and each ``new_group`` may wait for the other
-                ranks (None: the group's own timeout for the check, torch's default for creation).
-                It is also the created groups' own timeout.
-
-        Raises:
-            TopologyError: the ranks disagree on the layout, or the topology is over a subgroup.
-            CommTimeoutError: a rank did not arrive within ``timeout``; the process groups are then
-                out of step across ranks and the process group must be re-initialised.
-        """
-        return _REGISTRY.groups(self, role, timeout)
-
     def group_rank_to_global(self, rank: int) -> int:
         if self.group is None or not dist.is_initialized():
             return rank
         return dist.get_global_rank(self.group, rank)
-
-
-def setup_wait(work, timeout: float | None, op: str) -> None:
-    """Wait for a setup collective (layout check, model broadcast) within ``timeout`` seconds.
-
-    Setup runs on the calling thread before any payload moves; without a bound it would wait for
-    the group's own timeout (30 minutes by default) when a rank never arrives.
-    """
-    try:
-        if timeout is None:
-            work.wait()
-        else:
-            work.wait(timedelta(seconds=timeout))
-    except RuntimeError as exc:
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        raise CommTimeoutError(f"setup collective failed or timed out on rank {rank}: {type(exc).__name__}: "
-                               f"{exc}. Another rank did not reach this collective or died", op=op,
-                               ranks=[rank]) from exc
-
-
-def _new_group(ranks: list[int], timeout: timedelta | None):
-    """``dist.new_group(ranks, timeout=...)``, its failure a ``CommTimeoutError`` naming the group.
-
-    On gloo a member waits in the group's full-mesh rendezvous for every other member, bounded by
-    ``timeout`` (torch's default, 30 minutes, when None); non-members return at once. The group's
-    operations then time out as WORLD's do.
-    """
-    try:
-        group = dist.new_group(ranks, timeout=timeout)
-    except RuntimeError as exc:  # gloo: "Wait timeout"; the store: DistStoreError (a RuntimeError)
-        rank = dist.get_rank()
-        after = "" if timeout is None else f" within {timeout.total_seconds():g} s"
-        raise CommTimeoutError(
-            f"creating the process group of ranks {ranks} failed{after} on rank {rank}: {type(exc).__name__}: "
-            f"{exc}. A rank of {ranks} did not reach Topology.groups() for this layout and role, or died; "
-            "the ranks' process groups are now out of step: call commopt.comm.destroy() and "
-            "torch.distributed.destroy_process_group(), then start again", op="topology.groups",
-            ranks=ranks) from exc
-    if timeout is not None and group is not None and group is not dist.GroupMember.NON_GROUP_MEMBER:
-        # The creation timeout bounded the rendezvous; the group's later collectives get WORLD's
-        # timeout, not the first caller's (a 2 s bound for one call must not become every call's).
-        world_timeout = _backend_timeout(dist.group.WORLD)
-        if world_timeout is not None:
-            dist.distributed_c10d._set_pg_timeout(world_timeout, group)
-    return group
-
-
-def _backend_timeout(group) -> timedelta | None:
-    """The operation timeout ``group`` was created with (gloo and NCCL keep it in their options)."""
-    try:
-        backend = group._get_backend(torch.device("cpu") if dist.get_backend(group) == "gloo"
-                                     else torch.device("cuda"))
-        return backend.options._timeout
-    except (AttributeError, RuntimeError, ValueError):
-        return None
-
-
-class _Registry:
-    """The one process-wide cache of commopt (DESIGN 3): derived process groups and the engine.
-
-    Keyed by (layout, parent group, role). Released by ``destroy()``.
-    """
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._create_lock = threading.Lock()
-        self._groups: dict[tuple, Groups] = {}
-        self._engine = None
-        # Cost models resolved per (layout, parent group) and topologies detected per group: both
-        # agreed across ranks by a collective, so they are computed once, not on every call.
-        self.models: dict[tuple, object] = {}
-        self.detected: dict[int | None, Topology] = {}
-        # Per-group sequence numbers of validated collectives (validate=True fingerprints).
-        self.validate_seq: dict[int | None, object] = {}
-        # Long-lived in-network aggregation sessions of all_reduce(algorithm="ina"), one per
-        # (group, switch) (see comm/ina/worker.py); closed here, by destroy().
-        self.ina_sessions: dict[tuple, object] = {}
-
-    def groups(self, topo: Topology, role: str, timeout: float | None = None) -> Groups:
-        parent_key = id(topo.group) if topo.group is not None else None
-        key = (topo.layout, parent_key, role)
-        with self._lock:
-            cached = self._groups.get(key)
-        if cached is not None:
-            return cached
-        # One creation at a time per process, the lookup repeated under the creation lock: two threads
-        # asking for the same new key would otherwise both create its groups, and this rank's
-        # new_group calls would no longer pair with the other ranks'. Creation blocks on other ranks,
-        # so it holds its own lock, never self._lock (engine() and destroy() take that one).
-        with self._create_lock:
-            with self._lock:
-                cached = self._groups.get(key)
-            if cached is not None:
-                return cached
-            result = self._create(topo, timeout)
-            with self._lock:
-                self._groups[key] = result
-            return result
-
-    @staticmethod
-    def _create(topo: Topology, timeout: float | None) -> Groups:
-        if topo.group is not None and dist.get_world_size(topo.group) != dist.get_world_size():
-            raise TopologyError(
-                f"derived groups of a topology over a subgroup (size {topo.world_size} of "
-                f"{dist.get_world_size()}) are not supported: torch creates groups collectively over "
-                f"WORLD; use algorithm='flat' on subgroups", op="topology.groups")
-        # Every rank reaches this point for a new key together (creation is collective), so every
-        # rank validates: a check skipped on one rank only would leave the others waiting.
-        topo.validate(timeout)
-        td = None if timeout is None else timedelta(seconds=timeout)
-        to_global = topo.group_rank_to_global
-        intra = rail = None
-        intra_ranks: tuple[int, ...] = ()
-        rail_ranks: tuple[int, ...] = ()
-        # Every rank creates every group, in the same order (node order, then rail order).
-        for node in topo.nodes:
-            g = _new_group([to_global(r) for r in node], td) if len(node) > 1 else None
-            if topo.rank in node:
-                intra, intra_ranks = g, tuple(node)
-        max_local = max(len(n) for n in topo.nodes)
-        for j in range(max_local):
-            members = [n[j] for n in topo.nodes if len(n) > j]
-            g = _new_group([to_global(r) for r in members], td) if len(members) > 1 else None
-            if topo.rank in members:
-                rail, rail_ranks = g, tuple(members)
-        return Groups(intra=intra, rail=rail, intra_ranks=intra_ranks, rail_ranks=rail_ranks)
-
-    def engine(self):
-        from .engine import Engine
-
-        with self._lock:
-            if self._engine is None:
-                self._engine = Engine()
-            return self._engine
-
-    def destroy(self) -> None:
-        with self._lock:
-            engine, self._engine = self._engine, None
-            groups, self._groups = self._groups, {}
-            self.models = {}
-            self.detected = {}
-            self.validate_seq = {}
-            sessions, self.ina_sessions = self.ina_sessions, {}
-        for session in sessions.values():
-            session.close()  # type: ignore[attr-defined]
-        if engine is not None:
-            engine.shutdown()
-        if dist.is_initialized():
-            for g in groups.values():
-                for pg in (g.intra, g.rail):
-                    if pg is not None:
-                        try:
-                            dist.destroy_process_group(pg)
-                        except (ValueError, RuntimeError):
-                            pass  # already destroyed with the default group
-
-
-_REGISTRY = _Registry()
-
-
-def destroy() -> None:
-    """Release commopt's process-wide state: derived process groups and the engine's threads.
-
-    Call before ``dist.destroy_process_group()``; safe to call twice.
-    """
-    _REGISTRY.destroy()

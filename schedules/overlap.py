@@ -76,8 +76,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ReduceOp
 
-from commopt.comm import cost
-from commopt.comm.collectives import all_reduce, reduce_consistent, resolve_topology
+from commopt.comm import context, cost
+from commopt.comm.collectives import all_reduce, reduce_consistent
 from commopt.comm.errors import CommError, CommTimeoutError
 from commopt.comm.topology import Topology
 
@@ -256,7 +256,7 @@ class OverlapDataParallel(nn.Module):
             self._rank = dist.get_rank(process_group)
             # The user's topology (or the detected one) keeps its group: hierarchical phases run on
             # its derived role groups; only flat reductions and plan broadcasts use the private group.
-            self._topology = resolve_topology(topology, process_group) if algorithm != "flat" else topology
+            self._topology = context().topology(topology, process_group) if algorithm != "flat" else topology
             with torch.no_grad():
                 for t in itertools.chain(module.parameters(), module.buffers()):
                     dist.broadcast(t.data, src=self._src, group=self._group)
@@ -516,7 +516,7 @@ class OverlapDataParallel(nn.Module):
             return cost.DEFAULT_INTRA, "intra-node defaults (one process: nothing is sent)"
         topo = self._topology
         if topo is None:  # flat without a topology: detect one for the model (collective, as all ranks construct)
-            topo = resolve_topology(None, self._process_group, self.timeout)
+            topo = context().topology(None, self._process_group, self.timeout)
         model = cost.model_for(topo, timeout=self.timeout)
         if topo.num_nodes > 1:
             return model.inter, f"inter-node link ({topo!r})"

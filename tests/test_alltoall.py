@@ -276,8 +276,8 @@ def test_autograd_gradients(ranks, spec):
 
 
 def _calibrated() -> tuple:
+    from commopt.comm import context
     from commopt.comm.alltoall import _calibration_key
-    from commopt.comm.topology import _REGISTRY
 
     topo = Topology.from_spec("2x2")
     fits = calibrate(topo, sizes=(4096, 65536), reps=1)
@@ -292,7 +292,7 @@ def _calibrated() -> tuple:
         assert torch.equal(all_to_all(None, x, topology=topo), _oracle(x, [2] * 4, [2] * 4))
         assert calibrate(Topology.from_spec("1x4")) == {}
     finally:
-        _REGISTRY.models.pop(_calibration_key(topo), None)  # later tests use the level model
+        context().alltoall_fits.pop(_calibration_key(topo))  # later tests use the level model
     return choices, tuple((m.alpha, m.beta) for m in fits.values())
 
 

@@ -14,8 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
-from commopt.comm import Topology, all_gather, all_reduce, reduce_scatter
-from commopt.comm.collectives import engine
+from commopt.comm import Topology, all_gather, all_reduce, context, reduce_scatter
 from commopt.comm.errors import CollectiveMismatchError, TopologyError
 
 FLOATS = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
@@ -173,7 +172,7 @@ def _world_one():
     # A group of size 1 inside a 2-rank world: identity, no communication (FAULTS row 7).
     rank = dist.get_rank()
     solo = [dist.new_group([0]), dist.new_group([1])][rank]
-    before = engine().bytes_sent()
+    before = context().engine().bytes_sent()
     t = torch.arange(5.0)
     for algo in ("flat", "hierarchical", "leader", "auto"):
         assert all_reduce(t, ReduceOp.AVG, group=solo, algorithm=algo) is t
@@ -183,7 +182,7 @@ def _world_one():
     reduce_scatter(out, t, group=solo)
     all_gather(out, t, group=solo)
     assert torch.equal(out, t) and torch.equal(t, torch.arange(5.0))
-    assert engine().bytes_sent() == before
+    assert context().engine().bytes_sent() == before
     return True
 
 
@@ -285,11 +284,11 @@ def test_validation_catches_mismatch(ranks, kind):
 
 def _byte_counts():
     topo = Topology.from_spec("2x2")
-    engine().reset_stats()
+    context().engine().reset_stats()
     n = 1 << 16  # fp32: 256 KiB, one chunk
     all_reduce(torch.ones(n), topology=topo, algorithm="hierarchical")
     all_reduce(torch.ones(n), topology=topo, algorithm="flat")
-    return engine().bytes_sent()
+    return context().engine().bytes_sent()
 
 
 def test_bytes_on_the_wire_are_counted(ranks):

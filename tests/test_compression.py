@@ -16,9 +16,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
-from commopt.comm import Topology
+from commopt.comm import Topology, context
 from commopt.comm import compression as C
-from commopt.comm.collectives import engine
 from commopt.comm.compression import ErrorFeedback
 from commopt.comm.errors import NonFiniteError
 
@@ -472,10 +471,10 @@ def _body_engine_bytes() -> dict:
     out = {}
     for label, c in (("fp16", C.FP16Compressor()), ("fp16-agreed", C.FP16Compressor(agreed_scale=True)),
                      ("quantize", C.QuantizeCompressor(8)), ("onebit", C.OneBitCompressor())):
-        engine().reset_stats()
+        context().engine().reset_stats()
         c.all_reduce(torch.randn(1 << 16, generator=torch.Generator().manual_seed(dist.get_rank())),
                      topology=topo, algorithm="hierarchical", error_feedback=ErrorFeedback())
-        sent = engine().bytes_sent()
+        sent = context().engine().bytes_sent()
         out[label] = (sent[f"compress/{c.name}"], sent[f"compress/{c.name}/intra"])
     return out
 

@@ -16,9 +16,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from commopt.comm import Topology
+from commopt.comm import Topology, context
 from commopt.comm import compression as C
-from commopt.comm.collectives import engine
 from commopt.comm.hooks import AllReduceState, allreduce_hook, check_result, register
 
 IN, HID, OUT = 16, 32, 4
@@ -98,14 +97,14 @@ def _body_convergence(steps: int) -> dict:
     topo = Topology.from_spec("2x2")
     base, _, _ = _train(None, steps, lr=0.3)
     out = {"none": (base[-1], 0)}
-    engine().reset_stats()
+    context().engine().reset_stats()
     _train(lambda: AllReduceState(topo, "hierarchical"), steps, lr=0.3)
-    exact_bytes = sum(engine().bytes_sent().values())
+    exact_bytes = sum(context().engine().bytes_sent().values())
     out["exact"] = (None, exact_bytes)
     for name, make in _compressors().items():
-        engine().reset_stats()
+        context().engine().reset_stats()
         losses, _, _ = _train(lambda m=make: AllReduceState(topo, "hierarchical", m()), steps, lr=0.3)
-        out[name] = (losses[-1], sum(engine().bytes_sent().values()))
+        out[name] = (losses[-1], sum(context().engine().bytes_sent().values()))
     return out
 
 

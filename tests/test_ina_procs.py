@@ -212,16 +212,15 @@ def _world_rank(world: str, rank: int, tmp: str, address: str, value: float, bar
         torch.set_num_threads(1)
         import torch.distributed as dist
 
-        from commopt.comm import Topology, all_reduce, destroy
+        from commopt.comm import Topology, all_reduce, context, destroy
         from commopt.comm.ina import InaSession
-        from commopt.comm.topology import _REGISTRY
 
         def init(name: str) -> None:
             dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tmp, f"{world}-{name}"), 2),
                                     rank=rank, world_size=2, timeout=timedelta(seconds=60))
 
         def identities() -> list[tuple[int, int]]:
-            return [(e[1].job_id, e[1].nonce) for e in _REGISTRY.ina_sessions.values() if isinstance(e, tuple)]
+            return [(e[1].job_id, e[1].nonce) for e in context().ina_sessions.values() if isinstance(e, tuple)]
 
         init("main")
         sums = []

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from commopt.comm import Topology
+from commopt.comm import Topology, context
 from commopt.comm.errors import CommTimeoutError, TopologyError
 from commopt.comm.topology import parse_rate
 
@@ -91,10 +91,10 @@ def _layouts(env_nodes):
     t = Topology.from_spec("2x2")
     out["spec"] = (t.node, t.local_rank, t.local_size, t.layout)
     t = Topology.from_nodes([[0, 2], [1, 3]])
-    g = t.groups()
+    g = context().groups(t, "default")
     out["interleaved"] = (t.node, t.local_rank, g.intra_ranks, g.rail_ranks)
     t = Topology.from_spec("3+1")
-    g = t.groups()
+    g = context().groups(t, "default")
     out["uneven"] = (t.is_uniform, g.intra_ranks, g.rail_ranks, g.intra is None)
     os.environ["COMMOPT_NODES"] = env_nodes
     try:
@@ -128,7 +128,7 @@ def _inconsistent():
     r = dist.get_rank()
     topo = Topology.from_spec("2x2") if r != 1 else Topology.from_nodes([[0, 2], [1, 3]])
     try:
-        topo.groups("inconsistent")
+        context().groups(topo, "inconsistent")
     except TopologyError as exc:
         return str(exc)
     return None
@@ -352,7 +352,7 @@ def _same_key_from_two_threads():
 
     def ask():
         try:
-            got.append(topo.groups("two-threads", timeout=20))
+            got.append(context().groups(topo, "two-threads", timeout=20))
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(repr(exc))
 
@@ -388,7 +388,7 @@ def _one_rank_stays_away(flag_dir):
     if r != 3:
         start = time.monotonic()
         try:
-            Topology.from_spec("2x2", group=copy).groups("stays-away-1", timeout=CREATE_TIMEOUT)
+            context().groups(Topology.from_spec("2x2", group=copy), "stays-away-1", timeout=CREATE_TIMEOUT)
             out["validate"] = None
         except CommTimeoutError as exc:
             out["validate"] = (time.monotonic() - start, str(exc))
@@ -404,7 +404,7 @@ def _one_rank_stays_away(flag_dir):
         os._exit(0)  # the others' process groups are out of step: the pool is replaced (allow_dead)
     start = time.monotonic()
     try:
-        topo.groups("stays-away-2", timeout=CREATE_TIMEOUT)
+        context().groups(topo, "stays-away-2", timeout=CREATE_TIMEOUT)
         out["create"] = None
     except CommTimeoutError as exc:
         out["create"] = (time.monotonic() - start, exc.ranks, str(exc))
@@ -426,4 +426,4 @@ def test_group_creation_is_bounded_by_its_timeout(ranks, tmp_path):
         assert CREATE_TIMEOUT - 0.5 <= elapsed < CREATE_TIMEOUT + SLACK, (r, elapsed)
         # Rank 2 waits for rank 3 in its node's group; ranks 0 and 1 then wait for rank 2 in their rails.
         assert group_ranks == [[0, 2], [1, 3], [2, 3]][r], (r, msg)
-        assert "op=topology.groups" in msg and "did not reach Topology.groups()" in msg and "destroy()" in msg
+        assert "op=topology.groups" in msg and "did not reach the same group creation" in msg and "destroy()" in msg

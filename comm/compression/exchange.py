@@ -55,9 +55,9 @@ from torch.distributed import ReduceOp
 
 from ... import kernels
 from .. import cost
-from ..collectives import engine, resolve_topology
 from ..engine import Phase
 from ..errors import CollectiveMismatchError, NonFiniteError, TopologyError
+from ..runtime import context
 from ..topology import Topology
 from .base import (
     Compressor,
@@ -189,7 +189,7 @@ def _resolve(algorithm: str, group, topology: Topology | None, timeout: float | 
     if algorithm not in ("hierarchical", "auto"):
         raise ValueError(f"compressed all-reduce: algorithm {algorithm!r} is not supported; use 'flat', "
                          f"'hierarchical' (compresses the inter-node phase only) or 'auto'")
-    topo = resolve_topology(topology, group, timeout)
+    topo = context().topology(topology, group, timeout)
     if not topo.is_uniform:
         if algorithm == "hierarchical":
             raise TopologyError(f"compressed hierarchical all-reduce needs nodes of equal size, got "
@@ -356,17 +356,17 @@ def reduce_tensors(compressor: Compressor, tensors: list[torch.Tensor], keys: li
     role = f"cmp-{name}-opt" if optimistic else f"cmp-{name}"
     if topo is not None:
         local, local_rank = topo.local_size, topo.local_rank
-        rs_group = topo.groups(f"{role}-rs", timeout).intra
-        ag_group = topo.groups(f"{role}-ag", timeout).intra
-        round_groups = [topo.groups(f"{role}-{i}", timeout).rail for i in range(compressor.n_rounds)]
-        exact_group = topo.groups(f"{role}-exact", timeout).rail if optimistic else None
+        rs_group = context().groups(topo, f"{role}-rs", timeout).intra
+        ag_group = context().groups(topo, f"{role}-ag", timeout).intra
+        round_groups = [context().groups(topo, f"{role}-{i}", timeout).rail for i in range(compressor.n_rounds)]
+        exact_group = context().groups(topo, f"{role}-exact", timeout).rail if optimistic else None
         rail_size = topo.num_nodes
     else:
         local, local_rank, rs_group, ag_group = 1, 0, None, None
-        round_groups = [flat_topo.groups(f"{role}-{i}", timeout).intra for i in range(compressor.n_rounds)]
-        exact_group = flat_topo.groups(f"{role}-exact", timeout).intra if optimistic else None
+        round_groups = [context().groups(flat_topo, f"{role}-{i}", timeout).intra for i in range(compressor.n_rounds)]
+        exact_group = context().groups(flat_topo, f"{role}-exact", timeout).intra if optimistic else None
         rail_size = world
-    check_group = None if optimistic else flat_topo.groups("cmp-check", timeout).intra
+    check_group = None if optimistic else context().groups(flat_topo, "cmp-check", timeout).intra
 
     numels = [t.numel() for t in tensors]
     layout = layout_for(compressor, numels, local_size=local, local_rank=local_rank, rail_size=rail_size)
@@ -453,7 +453,7 @@ def reduce_tensors(compressor: Compressor, tensors: list[torch.Tensor], keys: li
                 ctx.shard.add_(parts[k])
         # Counted apart (op "compress/<name>/intra"): these bytes cross the fast intra-node links,
         # the op's own count is what crosses the scarce inter-node ones.
-        engine().count(f"compress/{name}/intra", nbytes)
+        context().engine().count(f"compress/{name}/intra", nbytes)
         return 0
 
     def first_round(group) -> int:
@@ -586,7 +586,7 @@ def reduce_tensors(compressor: Compressor, tensors: list[torch.Tensor], keys: li
             ctx.averaged = average
         job.out, job.out_scale = staged, 1.0  # the shard's result is gathered into the staged vector
         wait_work(all_gather_single(staged, out.contiguous(), group=ag_group, async_op=True), timeout)
-        engine().count(f"compress/{name}/intra", (local - 1) * out.numel() * esize)
+        context().engine().count(f"compress/{name}/intra", (local - 1) * out.numel() * esize)
         if optimistic and (check_finite or use_ef) and not all_finite(staged):
             # Every rank of every rail now holds this same full vector: the decision is agreed.
             ctx.full_nonfinite = True
@@ -627,7 +627,7 @@ def reduce_tensors(compressor: Compressor, tensors: list[torch.Tensor], keys: li
         phases.append(_phase("all_gather", ag_group, lambda g: all_gather()))
     phases.append(Phase("residuals", keep_residuals))
     phases.append(Phase("unstage", finish))
-    return engine().submit(phases, op=f"compress/{name}", result=None, device=device)
+    return context().engine().submit(phases, op=f"compress/{name}", result=None, device=device)
 
 
 def _scaled(out: torch.Tensor, factor: float, dtype: torch.dtype, divide: bool, world: int) -> torch.Tensor:

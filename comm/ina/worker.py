@@ -1023,12 +1023,12 @@ def agree_identity(group: Any, device: Any, timeout: float | None, job_id: int |
     """
     import torch.distributed as dist
 
-    from ..topology import setup_wait
+    from ..engine import wait_work
 
     t = identity_tensor(draw_identity(job_id) if dist.get_rank(group) == 0 else (0, 0), device)
     if dist.get_world_size(group) > 1:
         src = dist.get_global_rank(group, 0) if group is not None else 0
-        setup_wait(dist.broadcast(t, src=src, group=group, async_op=True), timeout, "ina/join")
+        wait_work(dist.broadcast(t, src=src, group=group, async_op=True), timeout, "ina/join")
     return identity_of(t)
 
 
@@ -1065,7 +1065,7 @@ def _group_ref(pg: Any) -> Callable[[], Any]:
 
 
 def _session_for(pg: Any, address: tuple[str, int], rank: int, size: int, device: Any,
-                 timeout: float | None) -> InaSession:
+                 timeout: float | None, sessions: Any) -> InaSession:
     """The cached session of ``pg`` on the switch at ``address`` (joined on first use).
 
     Reusing one session saves the JOIN round trip and the socket set-up on every call. The group's
@@ -1075,18 +1075,16 @@ def _session_for(pg: Any, address: tuple[str, int], rank: int, size: int, device
     incarnation once every rank's old session has left. The entries hold a weak reference to the
     group: a destroyed group whose id() is reused by a new one inherits neither.
     """
-    from ..topology import _REGISTRY
-
     key, ikey = _session_key(pg, address, rank, size), _identity_key(pg)
     with _SESSIONS_LOCK:
-        entry = _REGISTRY.ina_sessions.get(key)
+        entry = sessions.get(key)
         if entry is not None:
             ref, session = entry  # type: ignore[misc]
             if ref() is pg and not session.closed and session._broken is None:
                 return session
-            del _REGISTRY.ina_sessions[key]
+            sessions.pop(key)
             session.close()
-        ident = _REGISTRY.ina_sessions.get(ikey)
+        ident = sessions.get(ikey)
         identity = ident.identity if isinstance(ident, _CachedIdentity) and ident.ref() is pg else None
     if identity is None:
         # Outside the lock: a collective that may wait up to the timeout must not block other groups.
@@ -1094,9 +1092,8 @@ def _session_for(pg: Any, address: tuple[str, int], rank: int, size: int, device
     session = InaSession(address, job_id=identity[0], nonce=identity[1], worker_id=rank, num_workers=size)
     with _SESSIONS_LOCK:
         ref = _group_ref(pg)
-        _REGISTRY.ina_sessions[ikey] = _CachedIdentity(ref, identity)
-        old = _REGISTRY.ina_sessions.get(key)
-        _REGISTRY.ina_sessions[key] = _CachedSession(ref, session)
+        sessions.put(ikey, _CachedIdentity(ref, identity))
+        old = sessions.put(key, _CachedSession(ref, session))
     if old is not None:
         old.close()  # type: ignore[attr-defined]
     return session
@@ -1125,19 +1122,18 @@ class _CachedIdentity:
         pass
 
 
-def _drop_session(pg: Any, address: tuple[str, int], rank: int, size: int, session: InaSession) -> None:
-    from ..topology import _REGISTRY
-
+def _drop_session(pg: Any, address: tuple[str, int], rank: int, size: int, session: InaSession,
+                  sessions: Any) -> None:
     key = _session_key(pg, address, rank, size)
     with _SESSIONS_LOCK:
-        entry = _REGISTRY.ina_sessions.get(key)
+        entry = sessions.get(key)
         if entry is not None and entry[1] is session:  # type: ignore[index]
-            del _REGISTRY.ina_sessions[key]
+            sessions.pop(key)
     session.close()
 
 
 def ina_all_reduce_for(prepared: Any, red: Any, group: Any, topology: Any, timeout: float | None, *,
-                       finish: Callable[[Any], torch.Tensor]) -> torch.futures.Future:
+                       finish: Callable[[Any], torch.Tensor], sessions: Any) -> torch.futures.Future:
     """``all_reduce(..., algorithm="ina")``: the adapter the collective layer's registry calls.
 
     Sums ``prepared.flat`` (contiguous, AVG already turned into SUM plus a scale by the caller)
@@ -1146,7 +1142,7 @@ def ina_all_reduce_for(prepared: Any, red: Any, group: Any, topology: Any, timeo
     process group, its long-lived session is used; otherwise a long-lived session per (group, switch,
     rank) is joined on first use under a job identity (random job id and nonce) that rank 0 draws and
     broadcasts over ``group`` within ``timeout``, kept in commopt's one process-wide cache
-    (``topology._REGISTRY.ina_sessions``) and closed by ``commopt.comm.destroy()``. So two
+    (``sessions``: the runtime context's ``ina_sessions``) and closed by ``commopt.comm.destroy()``. So two
     independent worlds on one switch never share a job, whatever their group names. A session broken
     by a failure (a timeout) is dropped, so the next call joins a new epoch.
 
@@ -1174,12 +1170,12 @@ def ina_all_reduce_for(prepared: Any, red: Any, group: Any, topology: Any, timeo
             host, _, port = str(spec).rpartition(":")
             address = (host.strip("[]"), int(port))
             call_timeout = timeout if timeout is not None else 60.0
-            session = _session_for(pg, address, rank, size, prepared.flat.device, call_timeout)
+            session = _session_for(pg, address, rank, size, prepared.flat.device, call_timeout, sessions)
             try:
                 session.all_reduce(prepared.flat, "sum", timeout=call_timeout)
             except BaseException:
                 if session._broken is not None or session.closed:
-                    _drop_session(pg, address, rank, size, session)
+                    _drop_session(pg, address, rank, size, session, sessions)
                 raise
         fut.set_result(finish(prepared))
     except (CommError, ValueError, TypeError, OSError) as e:

@@ -1,0 +1,208 @@
+"""What every algorithm is: one object with ``supports``, ``roles``, ``traffic``, ``cost`` and ``start``.
+
+An algorithm knows its phases and their bytes; it knows nothing of caches or calibration. The
+caller (``collectives``, ``alltoall``) builds a :class:`Call` holding the prepared tensors, the
+process groups the context created for the algorithm's roles, the engine and the pipelining
+depth the cost model chose, and hands it to :meth:`Algorithm.start`, which returns a Future.
+
+Everything that needs to know what an algorithm moves asks :meth:`Algorithm.traffic`: the cost
+model's link bytes, ``auto``, the simulator's traffic matrix and the benchmarks' link columns. The
+engine counts what each phase actually sends (the bytes of the tensors it posts), and a test holds
+the two equal for every algorithm.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+from torch.distributed import ReduceOp
+
+from ..topology import Groups, Topology
+
+if TYPE_CHECKING:
+    from ..cost import CostModel
+    from ..engine import Engine
+    from ..runtime import Context
+    from ._transport import Prepared
+
+__all__ = ["Algorithm", "Call", "Traffic", "SWITCH", "COLLECTIVES", "ALGORITHM_FACTORS", "PHASE_HANDOFF",
+           "COPY_BETA", "pipeline_time", "pad_to"]
+
+COLLECTIVES = ("allreduce", "reduce_scatter", "all_gather", "alltoall")
+
+# Per-rank traffic of ring-based collectives on p ranks, as a fraction of the buffer: the flat
+# algorithms' bytes and the nccl-tests "bus bandwidth" (busbw = algbw * factor).
+ALGORITHM_FACTORS: dict[str, Callable[[int], float]] = {
+    "allreduce": lambda p: 2 * (p - 1) / p,
+    "reduce_scatter": lambda p: (p - 1) / p,
+    "all_gather": lambda p: (p - 1) / p,
+    "alltoall": lambda p: (p - 1) / p,
+}
+
+# Seconds to hand a phase from one engine worker thread to the next (a queue put and a thread
+# wake-up on a busy host). Charged per phase of a pipelined chunk: on equal levels it makes one chunk
+# (which a blocking call runs on its own thread, with no hand-off) the choice, and it is negligible
+# against the inter-node time that pipelining hides on a real link.
+PHASE_HANDOFF = 0.2e-3
+# Seconds per byte of a local copy (the permutes of the 2-D all-to-all): host memory, ~10 GB/s.
+COPY_BETA = 1 / 10e9
+
+SWITCH = -1  # the in-network aggregation switch, as an endpoint of Traffic.pairs
+
+
+def pad_to(nbytes: float, itemsize: int, multiple: int) -> float:
+    """``nbytes`` rounded up to a whole number of ``multiple`` elements of ``itemsize`` bytes (the
+    zero padding the hierarchical phases add to a buffer that does not divide by the node size)."""
+    unit = itemsize * multiple
+    return math.ceil(nbytes / unit) * unit if unit > 1 else nbytes
+
+
+def pipeline_time(intra: float, inter: float, chunks: int) -> float:
+    """Three-phase pipeline (intra, inter, intra) over ``chunks`` chunks of per-chunk stage times.
+
+    Chunks overlap across levels only: a chunk's first intra-node phase and another chunk's last
+    one share the intra-node link, so the bottleneck per extra chunk is the busier of the
+    intra-node link (both intra phases) and the inter-node link.
+    """
+    handoffs = 3 * chunks * PHASE_HANDOFF if chunks > 1 else 0.0
+    return (intra + inter + intra) + (chunks - 1) * max(2 * intra, inter) + handoffs
+
+
+@dataclass
+class Traffic:
+    """The bytes one call puts on every link: ``pairs[(src, dst)]`` bytes rank ``src`` sends to
+    rank ``dst`` (ranks of the topology's group; :data:`SWITCH` for the aggregation switch)."""
+
+    topology: Topology
+    pairs: dict[tuple[int, int], float] = field(default_factory=dict)
+
+    def add(self, src: int, dst: int, nbytes: float) -> None:
+        if src != dst and nbytes:
+            self.pairs[(src, dst)] = self.pairs.get((src, dst), 0.0) + nbytes
+
+    def ring(self, members: list[int], nbytes: float) -> None:
+        """A ring over ``members`` (in that order) in which each member sends ``nbytes`` to the next."""
+        if len(members) > 1:
+            for i, r in enumerate(members):
+                self.add(r, members[(i + 1) % len(members)], nbytes)
+
+    def sent(self, rank: int) -> float:
+        """Bytes ``rank`` sends in the call (what the engine counts on that rank)."""
+        return sum(v for (s, _), v in self.pairs.items() if s == rank)
+
+    def matrix(self) -> torch.Tensor:
+        """``[p, p]`` float64: bytes rank i sends to rank j (traffic to and from a switch left out)."""
+        p = self.topology.world_size
+        m = torch.zeros(p, p, dtype=torch.float64)
+        for (s, d), v in self.pairs.items():
+            if s >= 0 and d >= 0:
+                m[s, d] += v
+        return m
+
+    def link_bytes(self) -> float:
+        """The bytes the busiest node link carries in one direction (the switch is off every node)."""
+        worst = 0.0
+        for node in self.topology.nodes:
+            members = set(node)
+            out = sum(v for (s, d), v in self.pairs.items() if s in members and d not in members)
+            inn = sum(v for (s, d), v in self.pairs.items() if d in members and s not in members)
+            worst = max(worst, out, inn)
+        return worst
+
+
+@dataclass
+class Call:
+    """One collective call, prepared by the public entry point for an algorithm.
+
+    Attributes:
+        collective: one of :data:`COLLECTIVES`.
+        prepared: the output's contiguous working view and how to finish the call.
+        red: the reduction (SUM, MAX or MIN; AVG was turned into SUM and a scale), None for data
+            movement.
+        group: the process group (None: WORLD).
+        topology: its layout (None for flat calls, which need none).
+        timeout: seconds each wait may take (None: the group's own).
+        blocking: the caller waits at once (a single chunk may then run on the caller's thread).
+        context: the process's runtime context (engine, derived groups, INA sessions).
+        chunks: the pipelining depth the cost model chose.
+        src: the input as a contiguous 1-D view (reduce-scatter, all-gather), or its rows (all-to-all).
+        args: the all-to-all's normalised splits.
+    """
+
+    collective: str
+    prepared: Prepared
+    red: ReduceOp | None
+    group: Any
+    topology: Topology | None
+    timeout: float | None
+    blocking: bool
+    context: Context
+    chunks: int = 1
+    src: torch.Tensor | None = None
+    args: Any = None
+
+    @property
+    def engine(self) -> Engine:
+        return self.context.engine()
+
+    def groups(self, role: str) -> Groups:
+        """The derived groups of ``role`` (created up front by ``Context.prepare``)."""
+        return self.context.groups(self.topology, role, self.timeout)
+
+
+class Algorithm:
+    """The interface every algorithm module implements once (DESIGN 3)."""
+
+    name: str = ""
+    collectives: tuple[str, ...] = ()
+    needs_uniform: bool = False
+
+    def roles(self, topology: Topology) -> tuple[str, ...]:
+        """The group roles (one process group per phase role, DESIGN 2) the algorithm uses."""
+        return ()
+
+    def supports(self, topology: Topology, collective: str) -> str | None:
+        """None when the algorithm runs ``collective`` on ``topology``, else why not."""
+        if collective not in self.collectives:
+            return f"algorithm {self.name!r} does not implement {collective}"
+        if self.needs_uniform and not topology.is_uniform:
+            return (f"algorithm {self.name!r} needs nodes of equal size, got node sizes "
+                    f"{[len(n) for n in topology.nodes]} ({topology.layout})")
+        return None
+
+    def traffic(self, collective: str, nbytes: float, topology: Topology, *, itemsize: int = 1) -> Traffic:
+        """What one call moves. ``nbytes``: the per-rank buffer (all-reduce, all-to-all) or the whole
+        world-sized buffer (reduce-scatter, all-gather); ``itemsize`` for the padding to whole elements."""
+        raise NotImplementedError
+
+    def cost(self, model: CostModel, collective: str, nbytes: float, topology: Topology) -> float:
+        """Predicted seconds of one call under the level ``model`` (same ``nbytes`` as :meth:`traffic`)."""
+        raise NotImplementedError
+
+    def chunks(self, model: CostModel, collective: str, nbytes: float, topology: Topology) -> int:
+        """The pipelining depth with the lowest predicted time (1 for unpipelined algorithms)."""
+        return 1
+
+    def start(self, call: Call) -> torch.futures.Future:
+        """Issue the call's phases; a Future of the finished output."""
+        fn = {"allreduce": self.all_reduce, "reduce_scatter": self.reduce_scatter, "all_gather": self.all_gather,
+              "alltoall": self.all_to_all}[call.collective]
+        return fn(call)
+
+    def all_reduce(self, call: Call) -> torch.futures.Future:
+        raise NotImplementedError(self.supports(call.topology, "allreduce"))  # type: ignore[arg-type]
+
+    def reduce_scatter(self, call: Call) -> torch.futures.Future:
+        raise NotImplementedError(f"algorithm {self.name!r} does not implement reduce_scatter")
+
+    def all_gather(self, call: Call) -> torch.futures.Future:
+        raise NotImplementedError(f"algorithm {self.name!r} does not implement all_gather")
+
+    def all_to_all(self, call: Call) -> torch.futures.Future:
+        raise NotImplementedError(f"algorithm {self.name!r} does not implement alltoall")
+
+    def __repr__(self) -> str:
+        return f"<algorithm {self.name}>"

@@ -1,0 +1,172 @@
+"""``hierarchical``: two levels, the slow one carrying 1/L of the data. Needs nodes of equal size.
+
+- all-reduce: (1) reduce-scatter intra-node, (2) all-reduce inter-node on 1/L of the data, one
+  rail per local index, (3) all-gather intra-node; pipelined over chunks through the engine, so
+  chunk 2's intra-node phase overlaps chunk 1's inter-node phase;
+- reduce-scatter: (1) permute the blocks so that each rail's blocks are contiguous, (2) reduce-
+  scatter intra-node (local rank j keeps the node's sum of rail j's blocks), (3) reduce-scatter
+  inter-node along the rail on 1/L of the data;
+- all-gather: (1) all-gather inter-node along the rail (1/L of the final data crosses the NIC per
+  rank), (2) all-gather intra-node, (3) permute the blocks into rank order.
+
+On gloo the intra-node phases are concurrent point-to-point exchanges (``_transport.pairwise``);
+the rail all-reduce is the group's own. The compressed hierarchical reduction
+(``compression.exchange``) runs the same intra-node phases.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from ..engine import Phase
+from ..topology import Topology
+from ._transport import exchange_all_gather, exchange_reduce_scatter, pipelined, then_finish, wait_work
+from .base import ALGORITHM_FACTORS, Algorithm, Call, Traffic, pad_to, pipeline_time
+
+if TYPE_CHECKING:
+    from ..cost import CostModel
+
+__all__ = ["Hierarchical", "HIERARCHICAL", "rail_order"]
+
+_CHUNK_OPTIONS = (1, 2, 4, 8, 16)
+
+
+def rail_order(topo: Topology) -> list[int]:
+    """Group ranks in the order the hierarchical phases lay their blocks out: local index j major,
+    rail position (sorted group rank) minor. The rail groups order members by group rank."""
+    return [r for j in range(topo.local_size) for r in sorted(node[j] for node in topo.nodes)]
+
+
+def _rails(topo: Topology) -> list[list[int]]:
+    return [sorted(node[j] for node in topo.nodes) for j in range(max(len(n) for n in topo.nodes))]
+
+
+class Hierarchical(Algorithm):
+    name = "hierarchical"
+    collectives = ("allreduce", "reduce_scatter", "all_gather")
+    needs_uniform = True
+
+    def roles(self, topology: Topology) -> tuple[str, ...]:
+        return ("hier-rs", "hier-ar", "hier-ag", "hier-rs-rail", "hier-ag-rail", "hier-ag-intra")
+
+    # ----------------------------------------------------------------------------- model
+    def traffic(self, collective: str, nbytes: float, topology: Topology, *, itemsize: int = 1) -> Traffic:
+        t = Traffic(topology)
+        p, local, n = topology.world_size, topology.local_size, topology.num_nodes
+        if p == 1 or not nbytes:
+            return t
+        if collective == "allreduce":
+            shard = pad_to(nbytes, itemsize, local) / local
+            for node in topology.nodes:
+                for a in node:
+                    for b in node:
+                        t.add(a, b, 2 * shard)  # reduce-scatter, then all-gather
+            for rail in _rails(topology):
+                t.ring(rail, ALGORITHM_FACTORS["allreduce"](len(rail)) * shard)
+            return t
+        # reduce-scatter / all-gather of a world-sized buffer: n blocks per rail position.
+        block = nbytes / p
+        for node in topology.nodes:
+            for a in node:
+                for b in node:
+                    t.add(a, b, n * block)
+        for rail in _rails(topology):
+            for a in rail:
+                for b in rail:
+                    t.add(a, b, block)
+        return t
+
+    def cost(self, model: CostModel, collective: str, nbytes: float, topology: Topology) -> float:
+        if topology.world_size == 1 or not nbytes:
+            return 0.0
+        if collective != "allreduce":
+            local, n = topology.local_size, topology.num_nodes
+            intra = model.intra.time((local - 1) / local * nbytes, local - 1) if local > 1 else 0.0
+            link = self.traffic(collective, nbytes, topology).link_bytes()
+            return intra + (model.inter.time(link, n - 1) if n > 1 else 0.0)
+        return self._pipeline(model, nbytes, topology, self.chunks(model, collective, nbytes, topology))
+
+    def _pipeline(self, model: CostModel, nbytes: float, topology: Topology, chunks: int) -> float:
+        local, n = topology.local_size, topology.num_nodes
+        c = nbytes / chunks
+        intra = model.intra.time((local - 1) / local * c, local - 1) if local > 1 else 0.0
+        inter = model.inter.time(self.traffic("allreduce", c, topology).link_bytes(), 2 * (n - 1)) if n > 1 else 0.0
+        return pipeline_time(intra, inter, chunks)
+
+    def chunks(self, model: CostModel, collective: str, nbytes: float, topology: Topology) -> int:
+        """Pipelining pays only when one level is slower than the other; on equal levels the extra
+        phases' latency makes one chunk best."""
+        if collective != "allreduce":
+            return 1
+        options = [c for c in _CHUNK_OPTIONS if c <= max(1, model.chunks)]
+        return min(options, key=lambda c: (self._pipeline(model, nbytes, topology, c), c))
+
+    # ----------------------------------------------------------------------------- phases
+    def all_reduce(self, call: Call) -> torch.futures.Future:
+        topo, red, timeout = call.topology, call.red, call.timeout
+        rs, ar, ag = (call.groups(role) for role in ("hier-rs", "hier-ar", "hier-ag"))
+        local = topo.local_size
+
+        def phases(chunk: torch.Tensor) -> list[Phase]:
+            # This rank's shard is its own block of the chunk (a multiple of L): reduced there,
+            # all-reduced there, and sent from there, so no phase copies it.
+            shard = chunk.view(local, -1)[topo.local_rank] if local > 1 else chunk
+            out = []
+            if rs.intra is not None:
+                out.append(Phase("reduce_scatter",
+                                 lambda: exchange_reduce_scatter(shard, chunk, red, rs.intra, timeout), rs.intra))
+            if ar.rail is not None:
+                n = len(ar.rail_ranks)
+
+                def rail_all_reduce() -> int:
+                    wait_work(dist.all_reduce(shard, op=red, group=ar.rail, async_op=True), timeout)
+                    return int(ALGORITHM_FACTORS["allreduce"](n) * shard.numel() * shard.element_size())
+
+                out.append(Phase("all_reduce", rail_all_reduce, ar.rail))
+            if ag.intra is not None:
+                out.append(Phase("all_gather", lambda: exchange_all_gather(chunk, shard, ag.intra, timeout), ag.intra))
+            return out
+
+        return pipelined(call, local, phases, "hierarchical")
+
+    def reduce_scatter(self, call: Call) -> torch.futures.Future:
+        topo, red, timeout, p = call.topology, call.red, call.timeout, call.prepared
+        world, nodes, n = topo.world_size, topo.num_nodes, p.flat.numel()
+        staged = call.src.view(world, n)[torch.tensor(rail_order(topo))].reshape(-1)
+        rs, rail = call.groups("hier-rs"), call.groups("hier-rs-rail")
+        mid = staged.new_empty(nodes * n)
+        phases = [
+            Phase("reduce_scatter_intra", lambda: exchange_reduce_scatter(mid, staged, red, rs.intra, timeout),
+                  rs.intra),
+            Phase("reduce_scatter_inter", lambda: exchange_reduce_scatter(p.flat, mid, red, rail.rail, timeout),
+                  rail.rail),
+        ]
+        fut = call.engine.submit(phases, op="reduce_scatter/hierarchical", device=call.src.device,
+                                 blocking=call.blocking)
+        return then_finish(fut, p)
+
+    def all_gather(self, call: Call) -> torch.futures.Future:
+        topo, timeout, p, src = call.topology, call.timeout, call.prepared, call.src
+        world, nodes, n = topo.world_size, topo.num_nodes, src.numel()
+        rail, ag = call.groups("hier-ag-rail"), call.groups("hier-ag-intra")
+        mid = src.new_empty(nodes * n)
+        gathered = src.new_empty(world * n)
+        order = torch.tensor(rail_order(topo))
+
+        def permute() -> None:
+            # gathered holds blocks in rail order; block i belongs to group rank order[i].
+            p.flat.view(world, n)[order] = gathered.view(world, n)
+
+        phases = [
+            Phase("all_gather_inter", lambda: exchange_all_gather(mid, src, rail.rail, timeout), rail.rail),
+            Phase("all_gather_intra", lambda: exchange_all_gather(gathered, mid, ag.intra, timeout), ag.intra),
+            Phase("permute", permute),
+        ]
+        fut = call.engine.submit(phases, op="all_gather/hierarchical", device=src.device, blocking=call.blocking)
+        return then_finish(fut, p)
+
+
+HIERARCHICAL = Hierarchical()

@@ -1,0 +1,302 @@
+"""The runtime context: everything commopt keeps per process, in one typed object (DESIGN 3).
+
+One :class:`Context` per process holds the comm engine, the derived process groups per layout and
+role, the cost models (one typed cache per kind of model), the topologies detected per group, the
+sequence numbers of validated collectives and the in-network aggregation sessions, all under one
+lock. :func:`context` returns it; :func:`destroy` releases it (threads, groups, sessions) and the
+next use starts a fresh one. No other module keeps mutable module-level state (the CuPy module
+cache of ``commopt.kernels`` is per device and immutable once built).
+
+Process groups are created collectively: :meth:`Context.prepare` creates every group a set of
+algorithms needs before the first collective, so nothing is created inside the data path (a
+group created lazily by a first call pairs up wrongly across ranks whose first calls differ, and
+a background thread creating one would race the caller's own ``torch.distributed`` calls).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Iterable
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from . import algorithms
+from .engine import Engine
+from .errors import CommTimeoutError, TopologyError
+from .topology import Groups, Topology
+
+if TYPE_CHECKING:
+    from .cost import CostModel, LinkModel
+
+__all__ = ["Context", "Cache", "context", "destroy"]
+
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+class Cache(Generic[K, V]):
+    """One typed cache of the context: a dict guarded by the context's lock.
+
+    Entries with a ``close()`` method (INA sessions) are closed by :meth:`Context.destroy`.
+    Compound updates take ``context().lock`` around several calls (it is re-entrant).
+    """
+
+    def __init__(self, lock: threading.RLock):
+        self._lock = lock
+        self._data: dict[K, V] = {}
+
+    def get(self, key: K) -> V | None:
+        with self._lock:
+            return self._data.get(key)
+
+    def put(self, key: K, value: V) -> V | None:
+        """Store ``value``; returns the entry it replaced (the caller closes it if it must)."""
+        with self._lock:
+            old = self._data.get(key)
+            self._data[key] = value
+            return old
+
+    def pop(self, key: K, expected: V | None = None) -> V | None:
+        """Remove ``key`` (only if it still holds ``expected``, when given); returns what was removed."""
+        with self._lock:
+            value = self._data.get(key)
+            if value is None or (expected is not None and value is not expected):
+                return None
+            del self._data[key]
+            return value
+
+    def values(self) -> list[V]:
+        with self._lock:
+            return list(self._data.values())
+
+    def _drain(self) -> list[V]:
+        with self._lock:
+            values, self._data = list(self._data.values()), {}
+            return values
+
+
+class Context:
+    """commopt's per-process state. Use :func:`context`; never construct one yourself.
+
+    Attributes:
+        lock: the one (re-entrant) lock of every cache below.
+        cost_models: the level model ``auto`` uses, per (layout, parent group id).
+        alltoall_fits: the measured all-to-all lines of ``alltoall.calibrate``, per (layout, group id).
+        topologies: topologies detected per group id (None: WORLD).
+        ina_sessions: long-lived in-network aggregation sessions and agreed job identities.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        # Group creation blocks on the other ranks; it holds its own lock, never ``lock`` (which
+        # engine() and every cache take), so a rank waiting in new_group() blocks no other thread.
+        self._create_lock = threading.Lock()
+        self._engine: Engine | None = None
+        self._groups: dict[tuple, Groups] = {}
+        self._sequences: dict[int | None, itertools.count] = {}
+        self._closed = False
+        self.cost_models: Cache[tuple, CostModel] = Cache(self.lock)
+        self.alltoall_fits: Cache[tuple, dict[str, LinkModel]] = Cache(self.lock)
+        self.topologies: Cache[int | None, Topology] = Cache(self.lock)
+        self.ina_sessions: Cache[tuple, Any] = Cache(self.lock)
+
+    # ----------------------------------------------------------------------------- engine
+    def engine(self) -> Engine:
+        """The process's comm engine (started on first use)."""
+        with self.lock:
+            if self._engine is None:
+                self._engine = Engine()
+            return self._engine
+
+    def next_sequence(self, group) -> int:
+        """The next sequence number of a validated collective on ``group`` (None: WORLD)."""
+        key = id(group) if group is not None else None
+        with self.lock:
+            return next(self._sequences.setdefault(key, itertools.count()))
+
+    # ----------------------------------------------------------------------------- topologies
+    def topology(self, topology: Topology | None, group, timeout: float | None = None) -> Topology:
+        """``topology`` itself, or ``Topology.detect(group)`` computed once per group."""
+        if topology is not None:
+            return topology
+        key = id(group) if group is not None else None
+        topo = self.topologies.get(key)
+        if topo is None:
+            topo = Topology.detect(group, timeout=timeout)
+            self.topologies.put(key, topo)
+        return topo
+
+    # ----------------------------------------------------------------------------- groups
+    def groups(self, topology: Topology, role: str, timeout: float | None = None) -> Groups:
+        """This rank's intra-node and rail groups for ``role``, created once per layout and role.
+
+        Creation is collective over WORLD (torch's rule for ``new_group``): every rank must ask for
+        the same roles in the same order, which :meth:`prepare` does up front. The first request of
+        a layout and role validates that all ranks agree on the layout (``TopologyError`` on every
+        rank otherwise), then creates the groups; threads of one process asking for the same new
+        role create it once.
+
+        Args:
+            topology: the layout; its ``group`` must span WORLD (torch creates groups over WORLD).
+            role: the phase role (one group per phase role, DESIGN 2).
+            timeout: seconds the layout check and each ``new_group`` may wait for the other ranks
+                (None: the group's own timeout for the check, torch's default for creation).
+
+        Raises:
+            TopologyError: the ranks disagree on the layout, or the topology is over a subgroup.
+            CommTimeoutError: a rank did not arrive within ``timeout``; the process groups are then
+                out of step across ranks and the process group must be re-initialised.
+        """
+        key = (topology.layout, id(topology.group) if topology.group is not None else None, role)
+        with self.lock:
+            cached = self._groups.get(key)
+        if cached is not None:
+            return cached
+        # The lookup is repeated under the creation lock: two threads asking for the same new key
+        # would otherwise both create its groups, and this rank's new_group calls would no longer
+        # pair with the other ranks'.
+        with self._create_lock:
+            with self.lock:
+                cached = self._groups.get(key)
+            if cached is not None:
+                return cached
+            result = _create_groups(topology, timeout)
+            with self.lock:
+                self._groups[key] = result
+            return result
+
+    def prepare(self, topology: Topology, algorithm_names: Iterable[str] = ("flat", "hierarchical", "leader", "2d"),
+                timeout: float | None = None) -> None:
+        """Create every process group the named algorithms need on ``topology``, collectively.
+
+        Call it on every rank with the same arguments before the first collective (the public
+        entry points call it for the algorithm they run; wrappers such as OverlapDataParallel call
+        it at construction), so that no group is created inside the data path. Algorithms the
+        topology does not support are skipped (the same decision on every rank: it depends on the
+        layout only). A group of one rank, or a topology over a subgroup, needs no derived groups.
+        """
+        if topology.world_size == 1 or not dist.is_initialized():
+            return
+        if topology.group is not None and dist.get_world_size(topology.group) != dist.get_world_size():
+            return  # a subgroup runs flat only (see _create_groups)
+        for name in algorithm_names:
+            algo = algorithms.get(name)
+            for role in algo.roles(topology):
+                self.groups(topology, role, timeout)
+
+    # ----------------------------------------------------------------------------- lifecycle
+    def destroy(self) -> None:
+        """Stop the engine, close INA sessions and destroy the derived process groups."""
+        with self.lock:
+            self._closed = True
+            engine, self._engine = self._engine, None
+            groups, self._groups = self._groups, {}
+            self._sequences = {}
+        for cache in (self.cost_models, self.alltoall_fits, self.topologies):
+            cache._drain()
+        for session in self.ina_sessions._drain():
+            session.close()
+        if engine is not None:
+            engine.shutdown()
+        if dist.is_initialized():
+            for g in groups.values():
+                for pg in (g.intra, g.rail):
+                    if pg is not None:
+                        try:
+                            dist.destroy_process_group(pg)
+                        except (ValueError, RuntimeError):
+                            pass  # already destroyed with the default group
+
+
+_CONTEXT_LOCK = threading.Lock()
+_CONTEXT: list[Context] = []  # the process's context; a list so that destroy() can replace it
+
+
+def context() -> Context:
+    """The process's runtime context (created on first use, replaced after :func:`destroy`)."""
+    with _CONTEXT_LOCK:
+        if not _CONTEXT:
+            _CONTEXT.append(Context())
+        return _CONTEXT[0]
+
+
+def destroy() -> None:
+    """Release commopt's process-wide state: derived process groups, the engine's threads, INA
+    sessions, cached models and topologies.
+
+    Call before ``dist.destroy_process_group()``; safe to call twice.
+    """
+    with _CONTEXT_LOCK:
+        current = _CONTEXT.pop() if _CONTEXT else None
+    if current is not None:
+        current.destroy()
+
+
+# --------------------------------------------------------------------------------- group creation
+def _create_groups(topo: Topology, timeout: float | None) -> Groups:
+    if topo.group is not None and dist.get_world_size(topo.group) != dist.get_world_size():
+        raise TopologyError(
+            f"derived groups of a topology over a subgroup (size {topo.world_size} of "
+            f"{dist.get_world_size()}) are not supported: torch creates groups collectively over "
+            f"WORLD; use algorithm='flat' on subgroups", op="topology.groups")
+    # Every rank reaches this point for a new key together (creation is collective), so every
+    # rank validates: a check skipped on one rank only would leave the others waiting.
+    topo.validate(timeout)
+    td = None if timeout is None else timedelta(seconds=timeout)
+    to_global = topo.group_rank_to_global
+    intra = rail = None
+    intra_ranks: tuple[int, ...] = ()
+    rail_ranks: tuple[int, ...] = ()
+    # Every rank creates every group, in the same order (node order, then rail order).
+    for node in topo.nodes:
+        g = _new_group([to_global(r) for r in node], td) if len(node) > 1 else None
+        if topo.rank in node:
+            intra, intra_ranks = g, tuple(node)
+    max_local = max(len(n) for n in topo.nodes)
+    for j in range(max_local):
+        members = [n[j] for n in topo.nodes if len(n) > j]
+        g = _new_group([to_global(r) for r in members], td) if len(members) > 1 else None
+        if topo.rank in members:
+            rail, rail_ranks = g, tuple(members)
+    return Groups(intra=intra, rail=rail, intra_ranks=intra_ranks, rail_ranks=rail_ranks)
+
+
+def _new_group(ranks: list[int], timeout: timedelta | None):
+    """``dist.new_group(ranks, timeout=...)``, its failure a ``CommTimeoutError`` naming the group.
+
+    On gloo a member waits in the group's full-mesh rendezvous for every other member, bounded by
+    ``timeout`` (torch's default, 30 minutes, when None); non-members return at once. The group's
+    operations then time out as WORLD's do.
+    """
+    try:
+        group = dist.new_group(ranks, timeout=timeout)
+    except RuntimeError as exc:  # gloo: "Wait timeout"; the store: DistStoreError (a RuntimeError)
+        rank = dist.get_rank()
+        after = "" if timeout is None else f" within {timeout.total_seconds():g} s"
+        raise CommTimeoutError(
+            f"creating the process group of ranks {ranks} failed{after} on rank {rank}: {type(exc).__name__}: "
+            f"{exc}. A rank of {ranks} did not reach the same group creation for this layout and role, or "
+            "died; the ranks' process groups are now out of step: call commopt.comm.destroy() and "
+            "torch.distributed.destroy_process_group(), then start again", op="topology.groups",
+            ranks=ranks) from exc
+    if timeout is not None and group is not None and group is not dist.GroupMember.NON_GROUP_MEMBER:
+        # The creation timeout bounded the rendezvous; the group's later collectives get WORLD's
+        # timeout, not the first caller's (a 2 s bound for one call must not become every call's).
+        world_timeout = _backend_timeout(dist.group.WORLD)
+        if world_timeout is not None:
+            dist.distributed_c10d._set_pg_timeout(world_timeout, group)
+    return group
+
+
+def _backend_timeout(group) -> timedelta | None:
+    """The operation timeout ``group`` was created with (gloo and NCCL keep it in their options)."""
+    try:
+        backend = group._get_backend(torch.device("cpu") if dist.get_backend(group) == "gloo"
+                                     else torch.device("cuda"))
+        return backend.options._timeout
+    except (AttributeError, RuntimeError, ValueError):
+        return None
