@@ -7,11 +7,11 @@ and ``cost``.
 
 from __future__ import annotations
 
-from . import compression, cost, errors, hooks
+from . import algorithms, compression, cost, errors, hooks
 from .alltoall import all_to_all
 from .collectives import all_gather, all_reduce, reduce_scatter
 from .runtime import context, destroy
 from .topology import Topology
 
 __all__ = ["Topology", "all_reduce", "reduce_scatter", "all_gather", "all_to_all", "context", "destroy", "hooks",
-           "compression", "errors", "cost"]
+           "compression", "errors", "cost", "algorithms"]

@@ -33,7 +33,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from commopt.comm import cost
+from commopt.comm import algorithms, cost
 from commopt.comm.topology import Topology
 
 from .plan import BucketPlan, build_buckets, partition
@@ -391,75 +391,14 @@ def layers_from_model(module: nn.Module, example: torch.Tensor, *, repeats: int 
 
 # ------------------------------------------------------------------------------------- traffic
 def traffic_matrix(algorithm: str, nbytes: float, topology: Topology, op: str = "allreduce") -> torch.Tensor:
-    """Bytes rank i sends to rank j (``[p, p]``, float64) for one ``op`` of an ``nbytes`` buffer per rank.
-
-    Phases as the implementations run them: ``flat`` all-reduce = a ring over ranks 0..p-1
-    (2(p-1)/p of the buffer to the next rank); ``hierarchical`` = (1) intra-node reduce-scatter as
-    an exchange (S/L to every other local rank), (2) a ring along each rail on S/L, (3) intra-node
-    all-gather (S/L to every other local rank); ``leader`` = (1) reduce to the node's first rank,
-    (2) a ring among leaders, (3) broadcast; all-to-all ``flat`` = S/p to every rank; ``2d`` =
-    (1) intra-node: to local rank k everything bound for rail k, (2) along the rail: to each other
-    node L*S/p.
-    """
-    p = topology.world_size
-    m = torch.zeros(p, p, dtype=torch.float64)
-    if p == 1 or nbytes == 0:
-        return m
-    nodes = [list(n) for n in topology.nodes]
-    local = max(len(n) for n in nodes)
-
-    def ring(members: list[int], amount: float) -> None:
-        k = len(members)
-        if k < 2:
-            return
-        for i, r in enumerate(members):
-            m[r, members[(i + 1) % k]] += 2 * (k - 1) / k * amount
-
-    if op == "allreduce":
-        if algorithm in ("flat", "ina"):
-            ring(list(range(p)), nbytes)
-        elif algorithm == "hierarchical":
-            for node in nodes:
-                for a in node:
-                    for b in node:
-                        if a != b:
-                            m[a, b] += 2 * nbytes / len(node)  # reduce-scatter + all-gather
-            for j in range(local):
-                ring([n[j] for n in nodes if len(n) > j], nbytes / local)
-        elif algorithm == "leader":
-            leaders = [n[0] for n in nodes]
-            for node in nodes:
-                for r in node[1:]:
-                    m[r, node[0]] += nbytes
-                    m[node[0], r] += nbytes
-            ring(leaders, nbytes)
-        else:
-            raise ValueError(f"traffic_matrix: no all-reduce algorithm {algorithm!r}")
-    elif op == "alltoall":
-        share = nbytes / p
-        if algorithm == "flat":
-            m += share
-            m.fill_diagonal_(0)
-        elif algorithm == "2d":
-            if not topology.is_uniform:
-                raise ValueError("traffic_matrix: the 2-D all-to-all needs nodes of equal size")
-            n_nodes = len(nodes)
-            for node in nodes:
-                for a in node:
-                    for b in node:
-                        if a != b:
-                            m[a, b] += n_nodes * share  # what goes to rail k on every node
-            for j in range(local):
-                rail = [n[j] for n in nodes]
-                for a in rail:
-                    for b in rail:
-                        if a != b:
-                            m[a, b] += local * share
-        else:
-            raise ValueError(f"traffic_matrix: no all-to-all algorithm {algorithm!r}")
-    else:
-        raise ValueError(f"traffic_matrix: op {op!r}; use 'allreduce' or 'alltoall'")
-    return m
+    """Bytes rank i sends to rank j (``[p, p]``, float64) for one ``op`` of an ``nbytes`` buffer per rank:
+    the algorithm's own ``traffic()`` (``commopt.comm.algorithms``; its docstring lists the phases).
+    ``ina`` sends to a switch: ``[p + 1, p + 1]``, index p the switch."""
+    algo = algorithms.get(algorithm)
+    reason = algo.supports(topology, op)
+    if reason is not None:
+        raise ValueError(f"traffic_matrix: {reason}")
+    return algo.traffic(op, nbytes, topology).matrix()
 
 
 def iteration_traffic(layers: Sequence[Layer], algorithm: str, topology: Topology,
@@ -467,7 +406,8 @@ def iteration_traffic(layers: Sequence[Layer], algorithm: str, topology: Topolog
     """The traffic matrix of one iteration: every bucket's reduction (compression ratio applied)."""
     sched = schedule or Schedule()
     plan = _buckets(layers, sched)
-    total = torch.zeros(topology.world_size, topology.world_size, dtype=torch.float64)
+    total = None
     for b in plan.buckets:
-        total += traffic_matrix(algorithm, b.nbytes * sched.compression_ratio, topology)
-    return total
+        m = traffic_matrix(algorithm, b.nbytes * sched.compression_ratio, topology)
+        total = m if total is None else total + m
+    return total if total is not None else traffic_matrix(algorithm, 0, topology)

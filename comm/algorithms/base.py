@@ -93,13 +93,18 @@ class Traffic:
         """Bytes ``rank`` sends in the call (what the engine counts on that rank)."""
         return sum(v for (s, _), v in self.pairs.items() if s == rank)
 
+    @property
+    def uses_switch(self) -> bool:
+        return any(SWITCH in pair for pair in self.pairs)
+
     def matrix(self) -> torch.Tensor:
-        """``[p, p]`` float64: bytes rank i sends to rank j (traffic to and from a switch left out)."""
+        """Float64 bytes rank i sends to rank j: ``[p, p]``, or ``[p + 1, p + 1]`` when the traffic
+        goes through an aggregation switch (index p: the switch)."""
         p = self.topology.world_size
-        m = torch.zeros(p, p, dtype=torch.float64)
+        size = p + 1 if self.uses_switch else p
+        m = torch.zeros(size, size, dtype=torch.float64)
         for (s, d), v in self.pairs.items():
-            if s >= 0 and d >= 0:
-                m[s, d] += v
+            m[p if s == SWITCH else s, p if d == SWITCH else d] += v
         return m
 
     def link_bytes(self) -> float:
