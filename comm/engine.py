@@ -12,7 +12,7 @@ or the queue whose phases precede its phases). A queue fed by exactly one FIFO r
 that FIFO's completion order, which is its submission order, recursively down to the submitting
 thread, whose order is deterministic (DDP launches buckets in index order). A second feeder would
 make the order depend on timing, so the engine refuses it; algorithms use one process group per
-phase role (``Topology.groups(role)``) to satisfy that, and different groups still run in parallel:
+phase role (``context().groups(topology, role)``) to satisfy that, and different groups still run in parallel:
 bucket 2's intra-node reduce-scatter overlaps bucket 1's inter-node all-reduce.
 
 The engine also counts the bytes this rank sends per operation (the "bytes on the wire" of every
@@ -202,7 +202,7 @@ class Engine:
                 # Two feeders would make this queue's order depend on timing (DESIGN 2, rule 1).
                 raise RuntimeError(
                     f"commopt engine: queue {name} is fed by both {w.feeder!r} and {feeder!r}; "
-                    f"use a separate process group per phase role (Topology.groups(role))")
+                    f"use a separate process group per phase role (context().groups(topology, role))")
             return w
 
     def _run(self, item: _Op, worker: _Worker) -> None:

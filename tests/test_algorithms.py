@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from commopt.comm import Topology, all_gather, all_reduce, all_to_all, algorithms, context, cost, reduce_scatter
+from commopt.comm import Topology, algorithms, all_gather, all_reduce, all_to_all, context, cost, reduce_scatter
 from commopt.comm.collectives import select_algorithm
 
 # Sizes: odd (the hierarchy pads to a multiple of the node size), and 4 MiB of fp32 under a model
