@@ -44,6 +44,7 @@ from typing import Union
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
 from . import algorithms, cost
 from .algorithms._transport import Prepared, done, row_bytes
@@ -149,7 +150,7 @@ def _normalise(output: torch.Tensor | None, input: torch.Tensor, in_splits: Spli
 
 
 # --------------------------------------------------------------------------------- split exchange
-def exchange_splits(in_splits: Splits, *, group=None, validate: bool = False,
+def exchange_splits(in_splits: Splits, *, group: ProcessGroup | None = None, validate: bool = False,
                     timeout: float | None = None) -> list[int]:
     """Every rank's ``in_splits[rank]``: the rows this rank will receive from each peer.
 
@@ -257,8 +258,8 @@ def _choose(algorithm: str, input: torch.Tensor, topology: Topology | None, grou
 
 # --------------------------------------------------------------------------------- public
 def all_to_all(output: torch.Tensor | None, input: torch.Tensor, *, in_splits: Splits = None,
-               out_splits: Splits = None, group=None, topology: Topology | None = None, algorithm: str = "auto",
-               async_op: bool = False, validate: bool = False, timeout: float | None = None,
+               out_splits: Splits = None, group: ProcessGroup | None = None, topology: Topology | None = None,
+               algorithm: str = "auto", async_op: bool = False, validate: bool = False, timeout: float | None = None,
                chunks: int | None = None) -> Result:
     """Exchange rows of ``input`` with every rank of ``group``, like ``all_to_all_single``.
 
@@ -399,7 +400,7 @@ class _AllToAll(torch.autograd.Function):
 
 
 def all_to_all_autograd(input: torch.Tensor, in_splits: Splits = None, out_splits: Splits = None, *,
-                        group=None, topology: Topology | None = None, algorithm: str = "auto",
+                        group: ProcessGroup | None = None, topology: Topology | None = None, algorithm: str = "auto",
                         chunks: int | None = None, timeout: float | None = None) -> torch.Tensor:
     """A differentiable :func:`all_to_all` that allocates its output (for MoE dispatch and combine).
 

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import math
 import threading
-from typing import Union
+from typing import TYPE_CHECKING, Union
 
 import torch
 import torch.distributed as dist
-from torch.distributed import ReduceOp
+from torch.distributed import ProcessGroup, ReduceOp
 
 from . import algorithms, cost
 from .algorithms._transport import LOW_PRECISION, Prepared, done, prepare
@@ -28,6 +28,9 @@ from .engine import chain, wait, wait_work
 from .errors import CollectiveMismatchError, CommTimeoutError, TopologyError
 from .runtime import context
 from .topology import Topology
+
+if TYPE_CHECKING:
+    from .compression.base import Compressor
 
 __all__ = ["all_reduce", "reduce_consistent", "reduce_scatter", "all_gather", "SUPPORTED_DTYPES", "select_algorithm",
            "validate_same", "agree", "checked", "check_group", "check_timeout"]
@@ -58,7 +61,7 @@ def _check_tensor(name: str, t, what: str = "tensor") -> None:
                         f"{', '.join(str(d) for d in SUPPORTED_DTYPES)}")
 
 
-def check_group(name: str, group) -> None:
+def check_group(name: str, group: ProcessGroup | None) -> None:
     """``group`` must be a ProcessGroup or None (WORLD); a name such as ``"WORLD"`` is not one."""
     if group is not None and not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"{name}: group must be a torch.distributed ProcessGroup or None (WORLD), got "
@@ -96,14 +99,14 @@ def _code(text: str) -> int:
     return int.from_bytes(text.encode()[:7].ljust(7, b"\0"), "little")
 
 
-def fingerprint(kind: str, tensor: torch.Tensor, *, algorithm: str, op: str, group) -> list[int]:
+def fingerprint(kind: str, tensor: torch.Tensor, *, algorithm: str, op: str, group: ProcessGroup | None) -> list[int]:
     seq = context().next_sequence(group)
     shape_code = hash(tuple(tensor.shape)) & ((1 << 62) - 1)
     return [_FINGERPRINT_OPS.get(kind, 0), seq, _code(algorithm), _code(op), _code(str(tensor.dtype)[6:]),
             _code(tensor.device.type), tensor.dim(), shape_code, tensor.numel()]
 
 
-def validate_same(kind: str, tensor: torch.Tensor, *, algorithm: str, op: str, group,
+def validate_same(kind: str, tensor: torch.Tensor, *, algorithm: str, op: str, group: ProcessGroup | None,
                   extra: str = "", timeout: float | None = None) -> None:
     """Exchange a fingerprint of this collective; ``CollectiveMismatchError`` on every rank if the
     ranks disagree on op, sequence number, algorithm, reduce op, dtype, device or shape.
@@ -183,7 +186,8 @@ _ALGO_CODES = ("flat", "hierarchical", "leader", "ina", "2d")
 _HEADER = ("collective", "element count", "dtype", "reduce op", "algorithm", "row bytes")
 
 
-def agree(kind: str, *, numel: int, dtype: torch.dtype, op: str, algorithm: str, group, device: torch.device,
+def agree(kind: str, *, numel: int, dtype: torch.dtype, op: str, algorithm: str, group: ProcessGroup | None,
+          device: torch.device,
           timeout: float | None, row_bytes: int = 0, problem: str | None = None) -> torch.futures.Future:
     """Start the cheap mismatch check of a call that is not validated; a Future of None that fails
     with ``CollectiveMismatchError`` when the ranks' calls differ.
@@ -334,9 +338,9 @@ def _start(kind: str, algo: str, p: Prepared, red: ReduceOp | None, group, topo:
 
 
 # --------------------------------------------------------------------------------- all-reduce
-def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, *, group=None, topology: Topology | None = None,
-               algorithm: str = "auto", compressor=None, async_op: bool = False, validate: bool = False,
-               timeout: float | None = None) -> Result:
+def all_reduce(tensor: torch.Tensor, op: ReduceOp.RedOpType = ReduceOp.SUM, *, group: ProcessGroup | None = None,
+               topology: Topology | None = None, algorithm: str = "auto", compressor: Compressor | None = None,
+               async_op: bool = False, validate: bool = False, timeout: float | None = None) -> Result:
     """All-reduce ``tensor`` in place over ``group`` with a topology-aware algorithm.
 
     Args:
@@ -371,8 +375,9 @@ def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, *, group=None, topology: T
                              async_op=async_op, validate=validate, timeout=timeout, agree_sizes=True)
 
 
-def reduce_consistent(tensor: torch.Tensor, op=ReduceOp.SUM, *, group=None, topology: Topology | None = None,
-                      algorithm: str = "auto", compressor=None, async_op: bool = False, validate: bool = False,
+def reduce_consistent(tensor: torch.Tensor, op: ReduceOp.RedOpType = ReduceOp.SUM, *,
+                      group: ProcessGroup | None = None, topology: Topology | None = None, algorithm: str = "auto",
+                      compressor: Compressor | None = None, async_op: bool = False, validate: bool = False,
                       timeout: float | None = None, agree_sizes: bool = False) -> Result:
     """:func:`all_reduce` for callers whose ranks hold the same buffers by construction (DDP's buckets,
     which DDP checks across ranks when it wraps the model; OverlapDataParallel's plan, shared by
@@ -417,9 +422,9 @@ def _check_rs_ag(name: str, big: torch.Tensor, small: torch.Tensor, world: int, 
                          f"({world}) x {small_name}.numel() ({small.numel()}) = {world * small.numel()}")
 
 
-def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM, *, group=None,
-                   topology: Topology | None = None, algorithm: str = "auto", async_op: bool = False,
-                   validate: bool = False, timeout: float | None = None) -> Result:
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: ReduceOp.RedOpType = ReduceOp.SUM, *,
+                   group: ProcessGroup | None = None, topology: Topology | None = None, algorithm: str = "auto",
+                   async_op: bool = False, validate: bool = False, timeout: float | None = None) -> Result:
     """Reduce ``input`` (world_size blocks of ``output.numel()`` elements, in rank order) over the
     group and write this rank's reduced block into ``output``.
 
@@ -466,9 +471,9 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM, *
 
 
 # --------------------------------------------------------------------------------- all-gather
-def all_gather(output: torch.Tensor, input: torch.Tensor, *, group=None, topology: Topology | None = None,
-               algorithm: str = "auto", async_op: bool = False, validate: bool = False,
-               timeout: float | None = None) -> Result:
+def all_gather(output: torch.Tensor, input: torch.Tensor, *, group: ProcessGroup | None = None,
+               topology: Topology | None = None, algorithm: str = "auto",
+               async_op: bool = False, validate: bool = False, timeout: float | None = None) -> Result:
     """Gather every rank's ``input`` into ``output`` (world_size blocks, in rank order).
 
     ``hierarchical``: (1) all-gather inter-node along the rail (1/L of the final data crosses the

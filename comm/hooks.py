@@ -56,8 +56,9 @@ class AllReduceState:
             ``warmup_steps``, or a ``timeout`` that is not positive.
     """
 
-    def __init__(self, topology: Topology | None = None, algorithm: str = "auto", compressor=None, *,
-                 process_group=None, error_feedback: bool = True, warmup_steps: int = 0,
+    def __init__(self, topology: Topology | None = None, algorithm: str = "auto",
+                 compressor: Compressor | None = None, *, process_group: dist.ProcessGroup | None = None,
+                 error_feedback: bool = True, warmup_steps: int = 0,
                  validate: bool = False, timeout: float | None = None, seed: int = 0,
                  check_finite: bool = False):
         _check_arguments(topology, algorithm, compressor, process_group, warmup_steps, timeout, seed)
@@ -169,7 +170,7 @@ def _check_arguments(topology, algorithm, compressor, process_group, warmup_step
     check_timeout(name, timeout)
 
 
-def check_result(bucket, result) -> torch.Tensor:
+def check_result(bucket: dist.GradBucket, result: object) -> torch.Tensor:
     """The hook contract DDP relies on, checked before DDP copies the result (FAULTS row 14)."""
     buf = bucket.buffer()
     if isinstance(result, torch.futures.Future):
@@ -187,7 +188,7 @@ def check_result(bucket, result) -> torch.Tensor:
     return result
 
 
-def _views(bucket, buf: torch.Tensor) -> list[torch.Tensor]:
+def _views(bucket: dist.GradBucket, buf: torch.Tensor) -> list[torch.Tensor]:
     """Each parameter's gradient as a view of the bucket buffer (DDP lays them out back to back)."""
     params = bucket.parameters()
     total = sum(p.numel() for p in params)
@@ -201,7 +202,7 @@ def _views(bucket, buf: torch.Tensor) -> list[torch.Tensor]:
     return out
 
 
-def allreduce_hook(state: AllReduceState, bucket) -> torch.futures.Future:
+def allreduce_hook(state: AllReduceState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Average ``bucket.buffer()`` over the group with the state's algorithm (and compressor).
 
     With a compressor, floating buckets go through ``compression.reduce_tensors`` (agreed
@@ -250,7 +251,13 @@ def allreduce_hook(state: AllReduceState, bucket) -> torch.futures.Future:
 allreduce_hook.__annotations__["return"] = torch.futures.Future[torch.Tensor]
 
 
-def register(ddp_model, state: AllReduceState) -> None:
+
+# DDP compares the hook's annotations with the objects themselves (``dist.GradBucket``,
+# ``Future[Tensor]``); postponed annotations are strings, so the resolved ones are set here.
+allreduce_hook.__annotations__.update(bucket=dist.GradBucket, state=AllReduceState,
+                                      **{"return": torch.futures.Future[torch.Tensor]})
+
+def register(ddp_model: torch.nn.parallel.DistributedDataParallel, state: AllReduceState) -> None:
     """Validate ``ddp_model`` for ``state``, then ``ddp_model.register_comm_hook(state, allreduce_hook)``.
 
     Raises:
