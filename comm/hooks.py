@@ -246,12 +246,6 @@ def allreduce_hook(state: AllReduceState, bucket: dist.GradBucket) -> torch.futu
     return chain(fut, lambda value: check_result(bucket, value))
 
 
-# DDP checks the hook's return annotation by identity; `from __future__ import annotations` makes
-# it a string, so the real object is put back.
-allreduce_hook.__annotations__["return"] = torch.futures.Future[torch.Tensor]
-
-
-
 # DDP compares the hook's annotations with the objects themselves (``dist.GradBucket``,
 # ``Future[Tensor]``); postponed annotations are strings, so the resolved ones are set here.
 allreduce_hook.__annotations__.update(bucket=dist.GradBucket, state=AllReduceState,
