@@ -251,6 +251,7 @@ def allreduce_hook(state: AllReduceState, bucket: dist.GradBucket) -> torch.futu
 allreduce_hook.__annotations__.update(bucket=dist.GradBucket, state=AllReduceState,
                                       **{"return": torch.futures.Future[torch.Tensor]})
 
+
 def register(ddp_model: torch.nn.parallel.DistributedDataParallel, state: AllReduceState) -> None:
     """Validate ``ddp_model`` for ``state``, then ``ddp_model.register_comm_hook(state, allreduce_hook)``.
 
