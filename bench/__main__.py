@@ -28,6 +28,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "kernels": ("kernels", "throughput of the packing kernels against a plain copy"),
     "ddp": ("ddp", "a small GPT trained with DDP under each comm hook: step time, bytes, loss"),
     "ina-switch": ("ina_switch", "run the simulated in-network aggregation switch"),
+    "ina-overlap": ("ina_overlap", "DDP on the \"ina\" backend: is backward blocked by the switch?"),
     "overlap": ("overlap", "OverlapDataParallel vs DDP interleaved, with the simulator's prediction"),
     "simulate": ("simulate", "iteration simulator: step time and exposed communication per schedule"),
     "traffic": ("traffic", "traffic matrix (bytes between rank pairs) per algorithm, as heatmaps"),
