@@ -1,20 +1,23 @@
 """commopt.schedules: overlap schedulers, their plans, the autotuner and the iteration simulator.
 
 ``OverlapDataParallel`` (DESIGN 10) overlaps gradient reduction with backward and with the next
-forward, issuing chunks in an order every rank shares (``plan``, ``priority``); ``autotune`` picks
-bucket sizes, partition and credit from measured steps; ``simulator`` predicts iteration time and
-exposed communication at scales no laptop runs, and the traffic matrix of each algorithm.
+forward, issuing chunks in an order every rank shares (``plan``, ``priority``); ``profile`` holds
+the per-step timings re-planning reads, ``checkpoint`` the format of its per-bucket optimizers'
+checkpoint; ``autotune`` picks bucket sizes, partition and credit from measured steps; ``simulator``
+predicts iteration time and exposed communication at scales no laptop runs, and the traffic matrix
+of each algorithm.
 """
 
 from __future__ import annotations
 
-from . import plan, priority, simulator
+from . import checkpoint, plan, priority, profile, simulator
 from .autotune import TuneConfig, TuneResult, autotune
 from .overlap import OverlapDataParallel
 from .plan import BucketPlan, IssuePlan, broadcast_plan, build_buckets
 from .priority import credit_for, fifo_plan, partition_for, priority_plan
+from .profile import StepProfile
 from .simulator import Layer, Schedule, simulate, traffic_matrix
 
-__all__ = ["OverlapDataParallel", "autotune", "TuneConfig", "TuneResult", "BucketPlan", "IssuePlan", "build_buckets",
-           "broadcast_plan", "fifo_plan", "priority_plan", "partition_for", "credit_for", "Layer", "Schedule",
-           "simulate", "traffic_matrix", "plan", "priority", "simulator"]
+__all__ = ["OverlapDataParallel", "StepProfile", "autotune", "TuneConfig", "TuneResult", "BucketPlan", "IssuePlan",
+           "build_buckets", "broadcast_plan", "fifo_plan", "priority_plan", "partition_for", "credit_for", "Layer",
+           "Schedule", "simulate", "traffic_matrix", "plan", "priority", "simulator", "profile", "checkpoint"]

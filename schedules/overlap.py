@@ -44,9 +44,9 @@ anything on their own rank (DESIGN 2, rule 2). ``partition_bytes`` and ``credit_
 numbers in use; the choice is logged (``logging``, this module's logger, INFO).
 
 Checkpointing: the optimizer is one per bucket, so there is no single ``optimizer.state_dict()``.
-``optimizer_state_dict()`` returns the state of all of them keyed by parameter *name* (with the
-parameter shapes and each parameter's hyperparameters), which ``load_optimizer_state_dict()`` loads
-into a wrapper of the same model built with any bucket caps; it survives ``torch.save`` /
+``optimizer_state_dict()`` returns the state of all of them keyed by parameter *name*
+(:mod:`commopt.schedules.checkpoint`), which ``load_optimizer_state_dict()`` loads into a wrapper of
+the same model built with any bucket caps; it survives ``torch.save`` /
 ``torch.load(weights_only=True)``. Save ``odp.module.state_dict()`` beside it. Compressor error
 feedback is not part of it (a resumed compressed run restarts its residuals from zero).
 
@@ -68,7 +68,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -81,83 +80,17 @@ from commopt.comm.collectives import all_reduce, reduce_consistent
 from commopt.comm.errors import CommError, CommTimeoutError
 from commopt.comm.topology import Topology
 
+from . import checkpoint
 from .plan import BucketPlan, IssuePlan, broadcast_plan, build_buckets
 from .priority import credit_for, fifo_plan, partition_for, priority_plan, shape_priority
+from .profile import StepProfile
 
-__all__ = ["OverlapDataParallel", "StepProfile"]
+__all__ = ["OverlapDataParallel", "OptimizerFactory", "StepProfile"]
 
 _MB = 1024 * 1024
 _log = logging.getLogger(__name__)
-_CKPT_FORMAT = "commopt.OverlapDataParallel.optimizer/1"
-_FIT_BETA_FLOOR = 1e-15  # cost.fit clamps beta here when the data show no per-byte cost
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
-
-
-@dataclass
-class StepProfile:
-    """Timings of one step on this rank (seconds, ``time.perf_counter``), the input of re-planning.
-
-    Attributes:
-        forward_end: when the forward before this backward returned.
-        ready: per bucket, when it became ready.
-        issued: per issued chunk (plan order), when it was handed to the network.
-        done: per issued chunk, when its reduction completed.
-        nbytes: per issued chunk, its size.
-    """
-
-    forward_end: float = 0.0
-    ready: dict[int, float] = field(default_factory=dict)
-    issued: list[float] = field(default_factory=list)
-    done: list[float] = field(default_factory=list)
-    nbytes: list[int] = field(default_factory=list)
-
-    def busy_periods(self) -> list[tuple[float, int, int]]:
-        """``(seconds, bytes, chunks)`` of each interval during which some chunk was in flight."""
-        if not self.done or len(self.done) != len(self.issued):
-            return []
-        out: list[list[float]] = []  # [start, end, bytes, chunks]
-        for issued, done, n in sorted(zip(self.issued, self.done, self.nbytes)):
-            if out and issued <= out[-1][1]:
-                last = out[-1]
-                last[1], last[2], last[3] = max(last[1], done), last[2] + n, last[3] + 1
-            else:
-                out.append([issued, done, n, 1])
-        return [(max(end - start, 1e-7), int(n), int(k)) for start, end, n, k in out]
-
-    def service_fit(self) -> cost.LinkModel | None:
-        """alpha-beta of the link as this step's chunks saw it (None: nothing was measured).
-
-        Chunks in flight together share the link (two streams), so a chunk's own issue-to-done time
-        says little: the later of two finishes last but was served half the time. A busy period
-        says more: it took about ``chunks * alpha + bytes * beta``, plus the wait for the slowest
-        rank to issue its first chunk. That wait only adds, and a least-squares fit reads it as a
-        huge alpha and no beta; so alpha is the lower quartile of the periods' per-chunk excess over
-        their mean per-byte time (0 when the periods cannot tell latency from bandwidth apart), and
-        beta the byte-weighted median of their per-byte times net of alpha. (With the median excess,
-        4-7 ms of rank skew read as latency in some steps, and the re-plan then kept buckets whole.)
-        """
-        periods = self.busy_periods()
-        if not periods:
-            return None
-        total = sum(n for _, n, _ in periods)
-        alpha = 0.0
-        if self.separates_alpha():
-            beta0 = sum(t for t, _, _ in periods) / max(total, 1)
-            excess = sorted((t - n * beta0) / k for t, n, k in periods)
-            alpha = max(0.0, excess[len(excess) // 4])
-        # The byte-weighted median of the periods' per-byte times: the long backlog periods, where a
-        # rank's late start is spread over many chunks, decide.
-        seen, beta = 0, 0.0
-        for per_byte, n in sorted(((t - k * alpha) / max(n, 1), n) for t, n, k in periods):
-            seen, beta = seen + n, per_byte
-            if 2 * seen >= total:
-                break
-        return cost.LinkModel(alpha=alpha, beta=max(beta, _FIT_BETA_FLOOR))
-
-    def separates_alpha(self) -> bool:
-        """Whether the busy periods have at least two mean chunk sizes (latency and bandwidth apart)."""
-        return len({round(n / k) for _, n, k in self.busy_periods()}) >= 2
 
 
 class _Step:
@@ -405,27 +338,7 @@ class OverlapDataParallel(nn.Module):
             bucket optimizer's group; parameters without state yet have no ``state`` entry).
         """
         self.synchronize()
-        name_of = self._name_of()
-        state: dict[str, dict] = {}
-        groups: list[dict] = []
-        for opt in self.optimizers:
-            sd = opt.state_dict()
-            # torch numbers parameters group by group in param_groups order: zip the two to name them.
-            for saved, live in zip(sd["param_groups"], opt.param_groups):
-                names = []
-                for pid, p in zip(saved["params"], live["params"]):
-                    name = name_of.get(id(p))
-                    if name is None:
-                        raise ValueError("optimizer_state_dict: a bucket optimizer holds a parameter that is not "
-                                         "one of the module's trainable parameters; the optimizer factory must "
-                                         "optimize exactly the parameters it is given")
-                    names.append(name)
-                    if pid in sd["state"]:
-                        state[name] = sd["state"][pid]
-                groups.append({**{k: v for k, v in saved.items() if k not in ("params", "param_names")},
-                               "params": names})
-        return {"format": _CKPT_FORMAT, "shapes": {k: list(p.shape) for k, p in zip(self._keys, self._params)},
-                "state": state, "param_groups": groups}
+        return checkpoint.optimizer_state_dict(self.optimizers, self._params, self._keys)
 
     def load_optimizer_state_dict(self, state_dict: dict) -> None:
         """Load what :meth:`optimizer_state_dict` returned (possibly by a wrapper with other buckets).
@@ -442,66 +355,7 @@ class OverlapDataParallel(nn.Module):
             state_dict: the checkpoint, e.g. ``torch.load(path, weights_only=True)["optimizer"]``.
         """
         self.synchronize()
-        if not isinstance(state_dict, dict) or state_dict.get("format") != _CKPT_FORMAT:
-            fmt = state_dict.get("format") if isinstance(state_dict, dict) else type(state_dict).__name__
-            raise ValueError(f"load_optimizer_state_dict: not a checkpoint of "
-                             f"OverlapDataParallel.optimizer_state_dict() (format {fmt!r}, expected "
-                             f"{_CKPT_FORMAT!r}); a plain optimizer's state_dict "
-                             f"cannot be loaded, as its parameters are numbered, not named")
-        shapes = state_dict["shapes"]
-        mine = {k: tuple(p.shape) for k, p in zip(self._keys, self._params)}
-        missing = [k for k in self._keys if k not in shapes]
-        if missing:
-            raise ValueError(f"load_optimizer_state_dict: parameter {missing[0]!r} is not in the checkpoint "
-                             f"(missing: {missing}); it was saved from a different model")
-        unexpected = [k for k in shapes if k not in mine]
-        if unexpected:
-            raise ValueError(f"load_optimizer_state_dict: the checkpoint has parameter {unexpected[0]!r}, which this "
-                             f"model lacks (unexpected: {unexpected}); it was saved from a different model")
-        for k in self._keys:
-            if tuple(shapes[k]) != mine[k]:
-                raise ValueError(f"load_optimizer_state_dict: parameter {k!r} has shape {tuple(shapes[k])} in the "
-                                 f"checkpoint but {mine[k]} in this model")
-        saved_state = state_dict["state"]
-        extra = [k for k in saved_state if k not in mine]
-        if extra:
-            raise ValueError(f"load_optimizer_state_dict: the checkpoint has optimizer state for {extra[0]!r}, "
-                             f"which this model lacks")
-        hyper: dict[str, dict] = {}
-        for g in state_dict["param_groups"]:
-            h = {k: v for k, v in g.items() if k != "params"}
-            for name in g["params"]:
-                hyper[name] = h
-        no_hyper = [k for k in self._keys if k not in hyper]
-        if no_hyper:
-            raise ValueError(f"load_optimizer_state_dict: parameter {no_hyper[0]!r} is in no parameter group "
-                             f"of the checkpoint")
-        name_of = self._name_of()
-        loads = []
-        for opt in self.optimizers:
-            groups, st, pid = [], {}, 0
-            for live in opt.param_groups:
-                names = [name_of[id(p)] for p in live["params"]]
-                h0 = hyper[names[0]] if names else {k: v for k, v in live.items()
-                                                    if k not in ("params", "param_names")}
-                for n in names[1:]:
-                    if not _same_hyper(hyper[n], h0):
-                        raise ValueError(f"load_optimizer_state_dict: parameters {names[0]!r} and {n!r} share an "
-                                         f"optimizer group here but had different hyperparameters in the checkpoint; "
-                                         f"build the optimizers with the same grouping")
-                ids = []
-                for n in names:
-                    if n in saved_state:
-                        st[pid] = _clone(saved_state[n])
-                    ids.append(pid)
-                    pid += 1
-                groups.append({**h0, "params": ids})
-            loads.append((opt, {"state": st, "param_groups": groups}))
-        for opt, sd in loads:
-            opt.load_state_dict(sd)
-
-    def _name_of(self) -> dict[int, str]:
-        return {id(p): k for p, k in zip(self._params, self._keys)}
+        checkpoint.load_optimizer_state_dict(self.optimizers, self._params, self._keys, state_dict)
 
     def stats(self) -> dict:
         """Steps, the current plan's chunk count, partition, credit and the most bytes seen in flight."""
@@ -735,11 +589,7 @@ class OverlapDataParallel(nn.Module):
         if link is None:
             return self.issue_plan
         part, credit = self._partition, self._credit
-        # Only re-choose from a real fit: one chunk size gives no latency term (alpha = 0), and a fit
-        # at cost.fit's floor of beta found no per-byte cost at all (noise: small chunks as slow as
-        # large ones), which would make the bandwidth-delay product, and the credit, unbounded.
-        measured = prof.separates_alpha() and link.beta > _FIT_BETA_FLOOR
-        if (self._user_partition is None or self._user_credit is None) and measured:
+        if (self._user_partition is None or self._user_credit is None) and prof.measured(link):
             part, credit = self._sizes(link)
             _log.debug("commopt overlap: profiled link alpha %.3g s, beta %.3g s/B -> partition %d B, credit %d B",
                        link.alpha, link.beta, part, credit)
@@ -830,29 +680,3 @@ class OverlapDataParallel(nn.Module):
             for i in bucket.params:
                 self._params[i].grad = None
 
-
-def _clone(value: Any) -> Any:
-    """A copy of a piece of optimizer state: tensors cloned, containers rebuilt, the rest shared."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    if isinstance(value, dict):
-        return {k: _clone(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_clone(v) for v in value)
-    return value
-
-
-def _same_hyper(a: dict, b: dict) -> bool:
-    """Equal hyperparameter dicts (tensor values, such as a tensor learning rate, compared by value)."""
-    if a is b:
-        return True
-    if a.keys() != b.keys():
-        return False
-    for k in a:
-        x, y = a[k], b[k]
-        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
-            if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and torch.equal(x, y)):
-                return False
-        elif x != y:
-            return False
-    return True
