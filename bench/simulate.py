@@ -4,7 +4,8 @@ For a GPT-style model (``--model``, see ``commopt.schedules.simulator.TRANSFORME
 ``--nodes`` x ``--ranks-per-node`` ranks, data parallel, with links given by their rate and
 latency, it prints one row per schedule (no overlap, DDP, OverlapDataParallel in ready order,
 OverlapDataParallel with the priority plan, and the priority plan with compression when
-``--compression-ratio`` < 1) and writes the timeline of two iterations as a PNG (matplotlib, if
+``--compression-ratio`` < 1), then the same model sharded (FSDP2 per layer flat and hierarchical,
+the ZeRO++ recipe, HSDP plain and int8 across nodes), and writes the timeline of two iterations as a PNG (matplotlib, if
 installed)::
 
     commopt-bench simulate --model gpt-1.3b --nodes 128 --ranks-per-node 8 --link-rate 400gbit
@@ -106,11 +107,38 @@ def run(args) -> list[dict]:
                      "exposed": r.exposed, "hidden": r.overlap})
         print(f"{name:<34}{r.iteration * 1e3:>10.1f}{r.compute * 1e3:>12.1f}{r.communication * 1e3:>10.1f}"
               f"{r.exposed * 1e3:>12.1f}{r.overlap:>8.0%}")
+    rows += _sharded_rows(args, layers, topo, model, opt)
     if args.png:
         _plot(results, args.png)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "rows": rows}, f, indent=1)
+    return rows
+
+
+def _sharded_rows(args, layers, topo, model, opt: float) -> list[dict]:
+    """The same model sharded (FSDP2 per layer, HSDP, the ZeRO++ recipe), beside the DDP rows."""
+    from commopt.schedules.simulator import ShardedPlan, simulate_sharded
+
+    def ratio(bits: int, block: int = 256) -> float:  # block-quantized wire bytes per element
+        return min(1.0, (bits / 8 + 4 / block) / args.grad_bytes)
+
+    local = topo.local_size
+    plans = [("fsdp2 (flat)", ShardedPlan("fsdp")),
+             ("fsdp2 hierarchical", ShardedPlan("fsdp", "hierarchical")),
+             (f"zero++ (int8 ag, hpZ {local}, int4 rs)", ShardedPlan("fsdp", "hierarchical", hpz=True,
+                                                                 weight_ratio=ratio(8), grad_ratio=ratio(4))),
+             ("hsdp", ShardedPlan("hsdp")),
+             ("hsdp, int8 across nodes", ShardedPlan("hsdp", grad_ratio=ratio(8)))]
+    print(f"{'sharded':<34}{'iter ms':>10}{'compute ms':>12}{'comm ms':>10}{'exposed ms':>12}{'hidden':>8}")
+    rows = []
+    for name, plan in plans:
+        plan = ShardedPlan(**{**plan.__dict__, "optimizer_seconds_per_byte": opt})
+        r = simulate_sharded(layers, topo, plan, model)
+        rows.append({"schedule": name, "iteration": r.iteration, "compute": r.compute, "communication": r.communication,
+                     "exposed": r.exposed, "hidden": r.overlap})
+        print(f"{name:<34}{r.iteration * 1e3:>10.1f}{r.compute * 1e3:>12.1f}{r.communication * 1e3:>10.1f}"
+              f"{r.exposed * 1e3:>12.1f}{r.overlap:>8.0%}")
     return rows
 
 

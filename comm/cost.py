@@ -100,7 +100,7 @@ def link_bytes(algorithm: str, nbytes: float, topo: Topology, op: str = "allredu
 
     For reduce-scatter and all-gather, ``nbytes`` is the size of the whole (world-sized) buffer.
     """
-    return algorithms.get(algorithm).traffic(op, nbytes, topo).link_bytes()
+    return algorithms.get(algorithm).link_bytes(op, nbytes, topo)
 
 
 def predict(algorithm: str, nbytes: float, topo: Topology, model: CostModel | None = None,

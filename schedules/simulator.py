@@ -40,7 +40,8 @@ from .plan import BucketPlan, build_buckets, partition
 from .priority import fifo_plan, priority_plan, shape_priority, simulate_issue
 
 __all__ = ["Layer", "Schedule", "SimResult", "simulate", "transformer_layers", "layers_from_model",
-           "TRANSFORMERS", "traffic_matrix", "iteration_traffic", "SCHEDULES", "link_service"]
+           "TRANSFORMERS", "traffic_matrix", "iteration_traffic", "SCHEDULES", "link_service", "ShardedPlan",
+           "SHARDED_KINDS", "simulate_sharded"]
 
 _MB = 1024 * 1024
 SCHEDULES = ("none", "ddp", "fifo", "priority")
@@ -107,7 +108,7 @@ class SimResult:
     compute: float
     communication: float
     exposed: float
-    schedule: Schedule
+    schedule: Schedule | ShardedPlan
     timeline: list[tuple[str, str, float, float]] = field(default_factory=list)
 
     @property
@@ -270,6 +271,142 @@ def simulate(layers: Sequence[Layer], service: Callable[[int], float], schedule:
     keep_from = starts[-2]
     timeline = [(lane, label, s - keep_from, e - keep_from) for lane, label, s, e in timeline if e > keep_from]
     return SimResult(period, compute, comm, period - compute, sched, timeline)
+
+
+# ------------------------------------------------------------------------------------- sharded
+SHARDED_KINDS = ("fsdp", "hsdp")
+
+
+@dataclass(frozen=True)
+class ShardedPlan:
+    """How a sharded iteration communicates (FSDP2 ``fully_shard`` per layer).
+
+    Attributes:
+        kind: "fsdp" shards every layer over all ranks (ZeRO-3); "hsdp" shards inside a node and
+            replicates across nodes (the shard's gradient is all-reduced along the rail).
+        algorithm: the all-gather / reduce-scatter algorithm of "fsdp" ("flat", "hierarchical").
+        reshard_after_forward: all-gather the parameters again before backward (ZeRO-3); False
+            keeps them from forward to backward.
+        hpz: the backward all-gather reads a secondary shard inside the node (ZeRO++ hpZ,
+            ``reshard_after_forward=L``): it never crosses a node link.
+        weight_ratio: wire bytes / parameter bytes of every all-gather that crosses nodes (qwZ int8
+            with 256-element blocks: (1 + 4/256) / 4).
+        grad_ratio: wire bytes / gradient bytes of the gradient reduction (qgZ int4: (0.5 + 4/256)
+            / 4; compressed HSDP: the compressor's ratio on the inter-node all-reduce).
+        prefetch: the next layer's all-gather is issued before the current layer's compute (GPU
+            streams run ahead of compute); False: issued when the layer is reached (gloo on CPU).
+        optimizer_seconds_per_byte: optimizer cost per byte of this rank's shard.
+    """
+
+    kind: str = "fsdp"
+    algorithm: str = "flat"
+    reshard_after_forward: bool = True
+    hpz: bool = False
+    weight_ratio: float = 1.0
+    grad_ratio: float = 1.0
+    prefetch: bool = True
+    optimizer_seconds_per_byte: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in SHARDED_KINDS:
+            raise ValueError(f"sharded plan kind {self.kind!r}: choose one of {SHARDED_KINDS}")
+        for name in ("weight_ratio", "grad_ratio"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)}")
+
+
+def _sharded_times(plan: ShardedPlan, topology: Topology, model: cost.CostModel):
+    """(all-gather before forward, all-gather before backward, gradient reduction) seconds of a layer
+    of ``n`` bytes, from the algorithm objects' cost."""
+    local, nodes = topology.local_size, topology.num_nodes
+    node = Topology(nodes=(tuple(range(local)),), rank=0, world_size=local)
+    rail = Topology(nodes=tuple((i,) for i in range(nodes)), rank=0, world_size=nodes)
+    flat = algorithms.get("flat")
+    if plan.kind == "hsdp":
+        def gather(n: float) -> float:
+            return flat.cost(model, "all_gather", n, node)
+
+        def reduce(n: float) -> float:
+            return (flat.cost(model, "reduce_scatter", n, node)
+                    + flat.cost(model, "allreduce", n / local * plan.grad_ratio, rail))
+
+        return gather, gather, reduce
+    algo = algorithms.get(plan.algorithm)
+    reason = algo.supports(topology, "reduce_scatter")
+    if reason is not None:
+        raise ValueError(f"simulate_sharded: {reason}")
+
+    def forward_gather(n: float) -> float:
+        return algo.cost(model, "all_gather", n * plan.weight_ratio, topology)
+
+    def backward_gather(n: float) -> float:
+        # hpZ: the secondary shard holds the layer inside the node, sharded L ways.
+        return flat.cost(model, "all_gather", n, node) if plan.hpz else forward_gather(n)
+
+    def reduce(n: float) -> float:
+        return algo.cost(model, "reduce_scatter", n * plan.grad_ratio, topology)
+
+    return forward_gather, backward_gather, reduce
+
+
+def simulate_sharded(layers: Sequence[Layer], topology: Topology, plan: ShardedPlan | None = None,
+                     model: cost.CostModel | None = None) -> SimResult:
+    """One iteration of sharded data parallel: every layer an FSDP unit whose parameters are
+    all-gathered before its forward (and again before its backward when resharded), and whose
+    gradients are reduce-scattered (HSDP: reduce-scattered inside the node, then all-reduced along
+    the rail) right after its backward. Collectives are served first come first served by one link,
+    in issue order; compute waits for its layer's all-gather. ``grad_bytes`` of a layer is taken as
+    its parameter bytes too (one dtype for both).
+    """
+    plan = plan or ShardedPlan()
+    model = model or cost.CostModel(cost.DEFAULT_INTRA, cost.DEFAULT_INTER)
+    forward_gather, backward_gather, reduce = _sharded_times(plan, topology, model)
+    sizes = [layer.grad_bytes for layer in layers]
+    link_free = 0.0
+    timeline: list[tuple[str, str, float, float]] = []
+    comm = 0.0
+
+    def issue(label: str, at: float, seconds: float) -> float:
+        nonlocal link_free, comm
+        start = max(at, link_free)
+        link_free = start + seconds
+        comm += seconds
+        if seconds:
+            timeline.append(("link", label, start, link_free))
+        return link_free
+
+    def run(lane_label: str, at: float, seconds: float) -> float:
+        timeline.append(("compute", lane_label, at, at + seconds))
+        return at + seconds
+
+    t = 0.0
+    n = len(layers)
+    gathered = {0: issue("g0", 0.0, forward_gather(sizes[0]))} if n else {}
+    for i, layer in enumerate(layers):
+        if plan.prefetch and i + 1 < n:
+            gathered[i + 1] = issue(f"g{i + 1}", t, forward_gather(sizes[i + 1]))
+        t = max(t, gathered[i])
+        t = run(f"F{i}", t, layer.forward)
+        if not plan.prefetch and i + 1 < n:
+            gathered[i + 1] = issue(f"g{i + 1}", t, forward_gather(sizes[i + 1]))
+    regather = plan.reshard_after_forward
+    # The last layer's parameters are still gathered when backward starts (FSDP2 keeps them).
+    ready = {n - 1: t} if regather and n else {}
+    last = t
+    for i in reversed(range(n)):
+        if regather:
+            if i not in ready:  # not prefetched: issued when backward reaches the layer
+                ready[i] = issue(f"g{i}", t, backward_gather(sizes[i]))
+            t = max(t, ready[i])
+            if plan.prefetch and i >= 1:  # FSDP2's backward prefetch: the next layer's, one ahead
+                ready[i - 1] = issue(f"g{i - 1}", t, backward_gather(sizes[i - 1]))
+        t = run(f"B{i}", t, layers[i].backward)
+        last = issue(f"r{i}", t, reduce(sizes[i]))
+    shard = sum(sizes) / (topology.local_size if plan.kind == "hsdp" else topology.world_size)
+    end = max(t, last)
+    end = run("O", end, shard * plan.optimizer_seconds_per_byte) if plan.optimizer_seconds_per_byte else end
+    compute = sum(x.forward + x.backward for x in layers)
+    return SimResult(end, compute, comm, end - compute, plan, timeline)
 
 
 # ------------------------------------------------------------------------------------- workloads

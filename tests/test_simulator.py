@@ -280,8 +280,61 @@ def test_simulate_command_rows_and_timeline_with_an_optimizer_cost(tmp_path):
     png = tmp_path / "timeline.png"
     costly = rows("--optimizer-gbps", "50", "--png", str(png))
     free = rows("--png", "")
-    assert list(costly) == list(SCHEDULES)
-    for kind in ("fifo", "priority"):
+    assert list(costly)[:len(SCHEDULES)] == list(SCHEDULES)
+    sharded = list(costly)[len(SCHEDULES):]
+    assert sharded[:2] == ["fsdp2 (flat)", "fsdp2 hierarchical"] and any("zero++" in k for k in sharded)
+    for kind in ("fifo", "priority", *sharded):
         assert costly[kind] > free[kind]
     if cmd.pyplot("timeline") is not None:
         assert png.stat().st_size > 10_000
+
+
+# ------------------------------------------------------------------------------------ sharded (FSDP2 / HSDP)
+def _grid(n: int, local: int) -> Topology:
+    return Topology(nodes=tuple(tuple(range(i * local, (i + 1) * local)) for i in range(n)), rank=0,
+                    world_size=n * local)
+
+
+def test_sharded_iteration_is_the_sum_of_its_collectives_without_compute():
+    """With no compute every collective is exposed: the iteration is exactly the sum of the
+    all-gathers (forward, and again for backward but for the last layer, which FSDP2 keeps
+    gathered) and the reduce-scatters, each priced by the algorithm objects' cost()."""
+    from commopt.comm import algorithms
+    from commopt.schedules.simulator import ShardedPlan, simulate_sharded
+
+    topo = _grid(2, 2)
+    model = cost.CostModel(cost.LinkModel(1e-5, 1e-9), cost.LinkModel(5e-5, 4e-8))
+    sizes = [1 << 20, 3 << 20, 2 << 20]
+    layers = [Layer(f"l{i}", 0.0, 0.0, s) for i, s in enumerate(sizes)]
+    flat = algorithms.get("flat")
+    ag = [flat.cost(model, "all_gather", s, topo) for s in sizes]
+    rs = [flat.cost(model, "reduce_scatter", s, topo) for s in sizes]
+    r = simulate_sharded(layers, topo, ShardedPlan(), model)
+    assert r.iteration == pytest.approx(sum(ag) + sum(ag[:-1]) + sum(rs))
+    kept = simulate_sharded(layers, topo, ShardedPlan(reshard_after_forward=False), model)
+    assert kept.iteration == pytest.approx(sum(ag) + sum(rs))
+    assert r.compute == 0 and r.exposed == pytest.approx(r.iteration)
+
+
+def test_sharded_plans_order_as_their_traffic_says():
+    """On a slow node link: hierarchical beats flat, ZeRO++ (quantized, hpZ) beats hierarchical, hpZ
+    alone removes the backward all-gather from the node link, HSDP moves only the shard's all-reduce
+    across nodes; with compute, prefetching hides more than issuing at the layer."""
+    from commopt.schedules.simulator import ShardedPlan, simulate_sharded
+
+    topo = _grid(4, 4)
+    model = cost.CostModel(cost.LinkModel(5e-6, 1 / 50e9), cost.LinkModel(2e-5, 1 / 1e9))
+    layers = transformer_layers("gpt-350m", tokens=4096, flops=100e12)
+    t = {name: simulate_sharded(layers, topo, plan, model).iteration for name, plan in {
+        "flat": ShardedPlan(), "hier": ShardedPlan(algorithm="hierarchical"),
+        "hpz": ShardedPlan(algorithm="hierarchical", hpz=True),
+        "zero++": ShardedPlan(algorithm="hierarchical", hpz=True, weight_ratio=0.25, grad_ratio=0.13),
+        "hsdp": ShardedPlan(kind="hsdp"), "hsdp-int8": ShardedPlan(kind="hsdp", grad_ratio=0.25),
+        "no-prefetch": ShardedPlan(prefetch=False)}.items()}
+    assert t["zero++"] < t["hpz"] < t["hier"] < t["flat"] < t["no-prefetch"]
+    assert t["hsdp-int8"] < t["hsdp"]
+    with pytest.raises(ValueError, match="needs nodes of equal size"):
+        simulate_sharded(layers, Topology(nodes=((0, 1), (2,)), rank=0, world_size=3),
+                         ShardedPlan(algorithm="hierarchical"), model)
+    with pytest.raises(ValueError, match="kind"):
+        ShardedPlan(kind="zero")

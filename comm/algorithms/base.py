@@ -13,6 +13,7 @@ the two equal for every algorithm.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
@@ -109,13 +110,17 @@ class Traffic:
 
     def link_bytes(self) -> float:
         """The bytes the busiest node link carries in one direction (the switch is off every node)."""
-        worst = 0.0
-        for node in self.topology.nodes:
-            members = set(node)
-            out = sum(v for (s, d), v in self.pairs.items() if s in members and d not in members)
-            inn = sum(v for (s, d), v in self.pairs.items() if d in members and s not in members)
-            worst = max(worst, out, inn)
-        return worst
+        node_of = {r: i for i, node in enumerate(self.topology.nodes) for r in node}
+        out = [0.0] * len(self.topology.nodes)
+        inn = [0.0] * len(self.topology.nodes)
+        for (s, d), v in self.pairs.items():
+            a, b = node_of.get(s, -1), node_of.get(d, -1)
+            if a != b:
+                if a >= 0:
+                    out[a] += v
+                if b >= 0:
+                    inn[b] += v
+        return max(out + inn, default=0.0)
 
 
 @dataclass
@@ -158,6 +163,16 @@ class Call:
         return self.context.groups(self.topology, role, self.timeout)
 
 
+@functools.lru_cache(maxsize=512)
+def _link_share(algo: Algorithm, collective: str, nodes: tuple[tuple[int, ...], ...]) -> float:
+    """The busiest node link's bytes per byte of buffer (a pure function of the layout, memoised:
+    the simulator asks for it on every chunk of 1024-rank layouts)."""
+    world = sum(len(n) for n in nodes)
+    reference = float(world * max(len(n) for n in nodes) << 20)  # divides evenly: no padding
+    topo = Topology(nodes=nodes, rank=0, world_size=world)
+    return algo.traffic(collective, reference, topo).link_bytes() / reference
+
+
 class Algorithm:
     """The interface every algorithm module implements once (DESIGN 3)."""
 
@@ -182,6 +197,12 @@ class Algorithm:
         """What one call moves. ``nbytes``: the per-rank buffer (all-reduce, all-to-all) or the whole
         world-sized buffer (reduce-scatter, all-gather); ``itemsize`` for the padding to whole elements."""
         raise NotImplementedError
+
+    def link_bytes(self, collective: str, nbytes: float, topology: Topology) -> float:
+        """``traffic(collective, nbytes, topology).link_bytes()`` without building the traffic of
+        every rank pair on every call: traffic is linear in the bytes (but for padding, which a cost
+        estimate may ignore), so the busiest link's share is computed once per layout."""
+        return nbytes * _link_share(self, collective, topology.nodes)
 
     def cost(self, model: CostModel, collective: str, nbytes: float, topology: Topology) -> float:
         """Predicted seconds of one call under the level ``model`` (same ``nbytes`` as :meth:`traffic`)."""

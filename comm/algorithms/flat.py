@@ -56,7 +56,7 @@ class Flat(Algorithm):
         volume = ALGORITHM_FACTORS[collective](p) * nbytes
         if n == 1:
             return ia.time(volume, rounds * (p - 1))
-        link = self.traffic(collective, nbytes, topology).link_bytes()
+        link = self.link_bytes(collective, nbytes, topology)
         return rounds * (p - 1) * max(ia.alpha, ea.alpha) + max(volume * ia.beta, link * ea.beta)
 
     def all_reduce(self, call: Call) -> torch.futures.Future:

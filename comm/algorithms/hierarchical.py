@@ -85,7 +85,7 @@ class Hierarchical(Algorithm):
         if collective != "allreduce":
             local, n = topology.local_size, topology.num_nodes
             intra = model.intra.time((local - 1) / local * nbytes, local - 1) if local > 1 else 0.0
-            link = self.traffic(collective, nbytes, topology).link_bytes()
+            link = self.link_bytes(collective, nbytes, topology)
             return intra + (model.inter.time(link, n - 1) if n > 1 else 0.0)
         return self._pipeline(model, nbytes, topology, self.chunks(model, collective, nbytes, topology))
 
@@ -93,7 +93,7 @@ class Hierarchical(Algorithm):
         local, n = topology.local_size, topology.num_nodes
         c = nbytes / chunks
         intra = model.intra.time((local - 1) / local * c, local - 1) if local > 1 else 0.0
-        inter = model.inter.time(self.traffic("allreduce", c, topology).link_bytes(), 2 * (n - 1)) if n > 1 else 0.0
+        inter = model.inter.time(self.link_bytes("allreduce", c, topology), 2 * (n - 1)) if n > 1 else 0.0
         return pipeline_time(intra, inter, chunks)
 
     def chunks(self, model: CostModel, collective: str, nbytes: float, topology: Topology) -> int:

@@ -49,7 +49,7 @@ class Leader(Algorithm):
         c = nbytes / chunks
         steps = math.ceil(math.log2(local)) if local > 1 else 0
         intra = model.intra.time(c * steps, steps)
-        inter = model.inter.time(self.traffic("allreduce", c, topology).link_bytes(), 2 * (n - 1)) if n > 1 else 0.0
+        inter = model.inter.time(self.link_bytes("allreduce", c, topology), 2 * (n - 1)) if n > 1 else 0.0
         return pipeline_time(intra, inter, chunks)
 
     def cost(self, model: CostModel, collective: str, nbytes: float, topology: Topology) -> float:

@@ -67,7 +67,7 @@ class TwoD(Algorithm):
         n, local = topology.num_nodes, topology.local_size
         c = nbytes / chunks
         intra = model.intra.time((local - 1) / local * c, local - 1) + c * COPY_BETA if local > 1 else 0.0
-        inter = model.inter.time(self.traffic("alltoall", c, topology).link_bytes(), n - 1) if n > 1 else 0.0
+        inter = model.inter.time(self.link_bytes("alltoall", c, topology), n - 1) if n > 1 else 0.0
         handoffs = 2 * chunks * PHASE_HANDOFF if chunks > 1 else 0.0  # a blocking single chunk runs inline
         return 2 * nbytes * COPY_BETA + intra + inter + (chunks - 1) * max(intra, inter) + handoffs
 
