@@ -91,7 +91,7 @@ def _bench_worker(address: tuple[str, int], job_id: int, worker: int, n: int, nu
                   window: int, payload: int, queue: Any) -> None:
     import torch
 
-    from commopt.comm.ina.worker import InaSession
+    from commopt.comm.ina.session import InaSession
 
     torch.set_num_threads(1)
     x = torch.randn(numel, generator=torch.Generator().manual_seed(worker))
@@ -115,7 +115,7 @@ def _bench_worker(address: tuple[str, int], job_id: int, worker: int, n: int, nu
 
 def s_quant(buf: Any, x: Any) -> Any:
     """The worker-local part of one all-reduce (exponent, quantize, dequantize), for the breakdown."""
-    from commopt.comm.ina.worker import block_shift, dequantize, max_exponent, quantize
+    from commopt.comm.ina.bfp import block_shift, dequantize, max_exponent, quantize
 
     shift = block_shift(max_exponent(x), 4)
     return buf.copy_(dequantize(quantize(x, shift), shift, x.dtype))

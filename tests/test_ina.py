@@ -38,6 +38,7 @@ from commopt.comm.ina import (
     ina_all_reduce,
     quantize,
 )
+from commopt.comm.ina.bfp import block_shift, headroom_bits, max_exponent
 from commopt.comm.ina.protocol import (
     ERR_BAD_WORKERS,
     ERR_JOB_RUNNING,
@@ -49,8 +50,8 @@ from commopt.comm.ina.protocol import (
     pack_header,
     parse_header,
 )
+from commopt.comm.ina.session import draw_identity
 from commopt.comm.ina.switch import DEFAULT_MAX_PENDING_PER_SOURCE
-from commopt.comm.ina.worker import block_shift, draw_identity, headroom_bits, max_exponent
 
 GUARD = 60.0  # wall-clock guard per multi-worker run (seconds)
 _JOB = iter(range(1000, 60000))
@@ -512,7 +513,7 @@ def test_protocol_header_roundtrip():
     with pytest.raises(struct.error):
         pack_header(PacketType.DATA, nonce=2**64)
     # The identity travels as int64 lanes in the agreeing broadcast: every nonce survives the trip.
-    from commopt.comm.ina.worker import identity_of, identity_tensor
+    from commopt.comm.ina.session import identity_of, identity_tensor
 
     for ident in ((1, 0), (65535, 2**64 - 1), (7, 2**63), (3, 2**63 - 1)):
         assert identity_of(identity_tensor(ident)) == ident
@@ -675,7 +676,7 @@ def test_two_jobs_sharing_a_job_id_stay_apart(switch):
         with _raw_socket() as raw:
             foreign = (nonces[0] ^ nonces[1]) or 1
             raw.sendto(pack_header(PacketType.DATA, dtype=1, job_id=job, num_workers=2, slot=1, nonce=foreign,
-                                   epoch=sessions[0]._epoch, count=10) + np.ones(10, dtype="<i4").tobytes(),
+                                   epoch=sessions[0].epoch, count=10) + np.ones(10, dtype="<i4").tobytes(),
                        switch.address)
         for t in _run(4, lambda i: sessions[i].all_reduce(torch.full((3000,), values[members[i][0]]))):
             assert t.unique().numel() == 1
@@ -706,7 +707,7 @@ def test_forged_join_and_leave_cannot_touch_a_running_job(switch):
     try:
         for t in _run(n, lambda w: sessions[w].all_reduce(xs[w].clone())):
             _check(t, xs, "sum")
-        epoch = sessions[0]._epoch
+        epoch = sessions[0].epoch
         before = switch.stats()
         codes = []
         with _raw_socket() as raw:
@@ -730,7 +731,7 @@ def test_forged_join_and_leave_cannot_touch_a_running_job(switch):
             ys = _inputs(n, 5000, torch.float32, seed=seed)
             for t in _run(n, lambda w, ys=ys: sessions[w].all_reduce(ys[w].clone())):
                 _check(t, ys, "sum")
-        assert [s._epoch for s in sessions] == [epoch] * n
+        assert [s.epoch for s in sessions] == [epoch] * n
         assert _delta(before, switch.stats())["epochs"] == 0
     finally:
         for sess in sessions:

@@ -102,22 +102,20 @@ def _cycles(tmp: str, rank: int, address: str, cycles: int = 10) -> tuple[int, i
 
 
 def _adapter(tmp: str, rank: int, address: str) -> list[float]:
-    """The collective layer's entry point (all_reduce(..., algorithm="ina")) on a gloo group."""
-    import types
-
+    """The collective layer's entry point, all_reduce(..., algorithm="ina"), on a gloo group."""
     import torch.distributed as dist
 
-    from commopt.comm.ina import ina_all_reduce_for
+    from commopt.comm import Topology, all_reduce, destroy
 
     dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tmp, "adapter"), 2), rank=rank,
                             world_size=2)
     try:
         t = torch.full((3000,), 1.0 + rank)
-        prepared = types.SimpleNamespace(flat=t, tensor=t)
-        topo = types.SimpleNamespace(ina_switch=address)
-        fut = ina_all_reduce_for(prepared, dist.ReduceOp.SUM, None, topo, 30.0, finish=lambda p: p.tensor)
+        topo = Topology(nodes=((0,), (1,)), rank=rank, world_size=2, ina_switch=address)
+        fut = all_reduce(t, algorithm="ina", topology=topo, timeout=30.0, async_op=True)
         return fut.wait()[:2].tolist()
     finally:
+        destroy()
         dist.destroy_process_group()
 
 

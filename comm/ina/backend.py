@@ -18,8 +18,23 @@ within the group's timeout. Every packet carries the identity and the switch key
 several groups (and several trainings, even with the same job id) share a switch through its
 partitioned slot pool without ever sharing a job.
 
-Collectives complete synchronously on the calling thread and return completed works: the switch
-protocol is a blocking request/response loop, and DDP waits on each bucket's future anyway.
+The switch's all-reduces run on the group's own comm engine (:class:`~commopt.comm.engine.Engine`,
+one FIFO worker for the group, so they reach the switch in the order they were issued, which the
+session's packet order needs), and ``allreduce`` returns at once a :class:`InaWork` that completes
+later (FAULTS row 37): DDP launches a bucket's all-reduce and goes on with backward, waiting only at
+the end. A synchronous ``dist.all_reduce(t)`` (``asyncOp`` false) runs on the calling thread when
+nothing else is in flight (the engine's blocking path: no thread hand-off). The session's JOIN, a
+collective of every rank through the switch, happens on the calling thread before the first
+payload. A failure reaches ``wait()`` as the session's :class:`CommError`, and ``get_future()``
+fails with a ``RuntimeError`` whose text starts with that error's type and message (what DDP
+re-raises from ``backward()``).
+
+The group owns its engine rather than using ``commopt.comm.context()``'s: the runtime context
+imports the algorithm objects, ``ina``'s among them, which import this package, so this module
+cannot import the runtime without an import cycle (DESIGN 1). Its byte counter is
+:attr:`InaProcessGroup.engine`'s ``bytes_sent()["ina"]`` (the payload's int32 codes, as
+``algorithms.ina.Ina.traffic`` predicts); ``all_reduce(..., algorithm="ina")`` on an ``"ina"``
+group goes through the same engine, so one session keeps one order.
 """
 
 from __future__ import annotations
@@ -34,11 +49,12 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import _create_work_from_future
 from torch.futures import Future
 
+from ..engine import Engine, Phase, wait
 from ..errors import CommError, CommTimeoutError
 from .faults import FaultConfig
-from .worker import InaSession, draw_identity, identity_of, identity_tensor
+from .session import InaSession, draw_identity, identity_of, identity_tensor
 
-__all__ = ["BACKEND_NAME", "InaOptions", "InaProcessGroup", "parse_address", "register_backend"]
+__all__ = ["BACKEND_NAME", "InaOptions", "InaProcessGroup", "InaWork", "parse_address", "register_backend"]
 
 BACKEND_NAME = "ina"
 _INA_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -92,6 +108,74 @@ def _completed(result: Any) -> Any:
     return _create_work_from_future(fut)
 
 
+def _value(fut: Any) -> Any:
+    return fut.value()  # re-raises a failure: inside then(), as a C++-level error DDP can see
+
+
+class InaWork(dist.Work):
+    """The work of a switch all-reduce: completes when the group's engine has run it.
+
+    ``wait()`` blocks until then and raises the session's :class:`CommError` (a
+    :class:`CommTimeoutError` when the switch or a peer is gone). ``get_future()`` is what DDP's
+    reducer (C++) waits on: torch's Python ``Future.set_exception`` is invisible there (the error
+    travels as the future's *value*), so that future is a ``then()`` of the engine's whose callback
+    re-raises, which C++ sees as a failure carrying the error's type and message.
+
+    Args:
+        future: the engine's future of the all-reduce (completes with the reduced tensors).
+        op: the operation named by a timeout of ``wait(timeout)``.
+    """
+
+    def __init__(self, future: Future, op: str = "ina/all_reduce"):
+        super().__init__()
+        self._future = future
+        self._op = op
+        self._visible = future.then(_value)
+
+    def wait(self, timeout: timedelta | None = None) -> bool:  # type: ignore[override]
+        """Block until the all-reduce completed; raise its error. ``timeout`` <= 0 or None: no bound."""
+        seconds = timeout.total_seconds() if timeout is not None else 0.0
+        wait(self._future, seconds if seconds > 0 else None, op=self._op)
+        return True
+
+    def get_future(self) -> Any:  # type: ignore[override]
+        return self._visible
+
+    def is_completed(self) -> bool:  # type: ignore[override]
+        return self._future.done()
+
+    def is_success(self) -> bool:  # type: ignore[override]
+        return self._future.done() and self.exception() is None
+
+    def exception(self) -> BaseException | None:  # type: ignore[override]
+        if not self._future.done():
+            return None
+        try:
+            self._future.value()
+        except Exception as e:  # noqa: BLE001 - this is the query for it
+            return e
+        return None
+
+    def result(self) -> list[torch.Tensor]:  # type: ignore[override]
+        return self._future.wait()
+
+    @classmethod
+    def failed(cls, error: BaseException) -> InaWork:
+        """A work that has already failed with ``error`` (a failure before submission)."""
+        fut: Future = Future()
+        fut.set_exception(error)
+        return cls(fut)
+
+
+def _shutdown(engine: Engine, session: InaSession) -> None:
+    """Stop the group's engine after its queued work, then close the session (LEAVE, socket)."""
+    try:
+        engine.shutdown()
+    except RuntimeError:
+        pass  # run by the garbage collector on the engine's own worker thread, which cannot join itself
+    session.close()
+
+
 class InaProcessGroup(dist.ProcessGroup):
     """A process group whose float SUM/AVG all-reduce goes through the in-network aggregation switch.
 
@@ -124,7 +208,8 @@ class InaProcessGroup(dist.ProcessGroup):
                                    timeout=options.timeout or timeout.total_seconds(), window=options.window,
                                    payload_elems=options.payload_elems, max_retries=options.max_retries,
                                    faults=options.faults)
-        self._finalizer = weakref.finalize(self, self._session.close)
+        self._engine = Engine()
+        self._finalizer = weakref.finalize(self, _shutdown, self._engine, self._session)
 
     def _agree_identity(self, rank: int, timeout: timedelta, job_id: int | None) -> tuple[int, int]:
         """(job id, nonce) drawn on rank 0 and broadcast over the internal gloo group.
@@ -160,6 +245,11 @@ class InaProcessGroup(dist.ProcessGroup):
         return self._session
 
     @property
+    def engine(self) -> Engine:
+        """The group's comm engine: one FIFO worker for its switch all-reduces; ``bytes_sent()["ina"]``."""
+        return self._engine
+
+    @property
     def job_id(self) -> int:
         return self._session.job_id
 
@@ -187,18 +277,45 @@ class InaProcessGroup(dist.ProcessGroup):
                                 "the gloo fallback; use SUM and divide", op="ina/all_reduce",
                                 seq=self._session.seq, ranks=[self.rank()])
             return self._gloo.allreduce(tensors, opts)
-        for t in tensors:
-            self._session.all_reduce(t, op)
-        return _completed(tensors)
+        return self._work(tensors, op, blocking=not getattr(opts, "asyncOp", True))
+
+    def submit_all_reduce(self, tensors: list[torch.Tensor], op: str, *, timeout: float | None = None,
+                          blocking: bool = False) -> Future:
+        """Queue a switch all-reduce of ``tensors`` (in place, one after the other) on the group's engine.
+
+        Joins the session first, on this thread, when it has not joined yet (every rank's first
+        all-reduce: JOIN returns once all ranks joined). Returns the engine's future of ``tensors``;
+        ``blocking`` lets the engine run it right here when nothing else is in flight.
+
+        Raises:
+            CommError: the JOIN failed (the session is then broken, as the group is).
+        """
+        session = self._session
+        call_timeout = timeout if timeout is not None else session.timeout
+        if session.epoch is None:
+            session.join(call_timeout)  # no payload can be in flight before the first join
+
+        def exchange() -> int:
+            before = session.counters["payload_bytes"]
+            for t in tensors:
+                session.all_reduce(t, op, timeout=call_timeout)
+            return session.counters["payload_bytes"] - before  # the int32 codes sent (Ina.traffic)
+
+        return self._engine.submit([Phase("all_reduce", exchange, self)], op="ina", result=tensors,
+                                   device=tensors[0].device if tensors else None, blocking=blocking)
+
+    def _work(self, tensors: list[torch.Tensor], op: str, *, blocking: bool) -> InaWork:
+        try:
+            return InaWork(self.submit_all_reduce(tensors, op, blocking=blocking))
+        except CommError as e:
+            return InaWork.failed(e)
 
     def allreduce_coalesced(self, tensors: Any, opts: Any = None) -> Any:
         opts = opts if opts is not None else dist.AllreduceCoalescedOptions()
         red = opts.reduceOp
         if red in (dist.ReduceOp.SUM, dist.ReduceOp.AVG) and all(t.dtype in _INA_DTYPES for t in tensors):
             op = "sum" if red == dist.ReduceOp.SUM else "avg"
-            for t in tensors:
-                self._session.all_reduce(t, op)
-            return _completed(list(tensors))
+            return self._work(list(tensors), op, blocking=not getattr(opts, "asyncOp", True))
         return self._gloo.allreduce_coalesced(tensors, opts)
 
     # -- everything else goes to gloo ------------------------------------------------------------
@@ -284,7 +401,8 @@ class InaProcessGroup(dist.ProcessGroup):
     # -- lifecycle -------------------------------------------------------------------------------
 
     def shutdown(self) -> None:
-        """Close the switch session and the gloo group (called by ``destroy_process_group``)."""
+        """Stop the group's engine (after the all-reduces it holds), close the switch session and the
+        gloo group (called by ``destroy_process_group``)."""
         self._finalizer()
         shutdown = getattr(self._gloo, "shutdown", None)
         if shutdown is not None:

@@ -58,7 +58,7 @@ ordinary datagrams: each carries its own header and is validated and applied on 
 from __future__ import annotations
 
 import struct
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 __all__ = [
     "MAGIC",
@@ -98,7 +98,16 @@ __all__ = [
     "ProtocolError",
     "pack_header",
     "pack_header_into",
+    "pack_header_of",
     "parse_header",
+    "unpack_header",
+    "peek_flags",
+    "peek_count",
+    "poke_flags",
+    "TAG_BYTES",
+    "segment_tags",
+    "set_segment_tags",
+    "same_but_tag",
     "encode_stats",
     "decode_stats",
 ]
@@ -119,6 +128,7 @@ OFFSETS = {name: struct.calcsize("!" + "".join(code for _, code in _LAYOUT[:i]))
 FLAGS_OFFSET = OFFSETS["flags"]  # one byte
 COUNT_OFFSET = OFFSETS["count"]  # big-endian uint32
 TAG_OFFSET = OFFSETS["tag"]  # big-endian uint32, the last field
+TAG_BYTES = slice(TAG_OFFSET, TAG_OFFSET + 4)  # the tag's bytes within a header
 MAX_NONCE = 2**64 - 1
 MAX_WORKERS = 64  # per-slot worker bitmaps are 64-bit, as a switch register would be
 MAX_PAYLOAD_ELEMS = 16000
@@ -258,6 +268,54 @@ def pack_header(ptype: int, *, flags: int = 0, dtype: int = 0, job_id: int = 0, 
 def pack_header_into(buf: bytearray | memoryview, ptype: int, **fields: int) -> None:
     """Pack a header (the fields of :func:`pack_header`) into the first HEADER_SIZE bytes of ``buf``."""
     buf[:HEADER_SIZE] = pack_header(ptype, **fields)
+
+
+def pack_header_of(h: Header) -> bytes:
+    """Pack a :class:`Header` (one this process parsed or built, with some fields replaced)."""
+    return pack_header(**h._asdict())
+
+
+def unpack_header(buf: bytes | bytearray | memoryview, pos: int = 0) -> Header:
+    """The header at ``pos`` *without* validation: only for packets this process built itself."""
+    return Header(*HEADER.unpack_from(buf, pos)[2:])  # after magic and version: Header's order
+
+
+# Single fields read or written in place, where a whole parse would cost more than the packet's
+# work (a datagram's fast path, a retransmission's flag); every offset comes from _LAYOUT.
+
+def peek_flags(buf: bytes | bytearray | memoryview, pos: int = 0) -> int:
+    """The ``flags`` byte of the (unvalidated) header at ``pos``."""
+    return buf[pos + FLAGS_OFFSET]
+
+
+def peek_count(buf: bytes | bytearray | memoryview, pos: int = 0) -> int:
+    """The ``count`` field of the (unvalidated) header at ``pos``: the datagram's payload lanes."""
+    return int.from_bytes(buf[pos + COUNT_OFFSET:pos + COUNT_OFFSET + 4], "big")
+
+
+def poke_flags(buf: bytearray | memoryview, flags: int, pos: int = 0) -> None:
+    """Overwrite the ``flags`` byte of the header at ``pos`` (a kept packet resent with FLAG_RETX)."""
+    buf[pos + FLAGS_OFFSET] = flags
+
+
+# Segmented results as rows of a uint8 numpy array, one SEGMENT_BYTES datagram per row: the
+# headers of one result's segments differ only in ``tag`` (and the last one's ``count``).
+
+def segment_tags(rows: Any) -> Any:
+    """The ``tag`` of every row's header, as a flat uint32 array."""
+    return rows[:, TAG_BYTES].copy().view(">u4").ravel()
+
+
+def set_segment_tags(rows: Any, tags: Any) -> None:
+    """Write ``tags`` (one integer per row) into every row's header."""
+    rows[:, TAG_BYTES] = tags.astype(">u4").view("u1").reshape(-1, 4)
+
+
+def same_but_tag(rows: Any) -> bool:
+    """Whether every row's header equals the first row's in every byte outside ``tag``."""
+    same = rows[:, :HEADER_SIZE] == rows[0, :HEADER_SIZE]
+    same[:, TAG_BYTES] = True
+    return bool(same.all())
 
 
 def parse_header(buf: bytes | bytearray | memoryview, nbytes: int, *, allowed: frozenset[int],
