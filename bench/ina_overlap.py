@@ -10,7 +10,9 @@ with a barrier before each:
 - ``allreduce``: one all-reduce of one layer's bytes on the ``"ina"`` group alone;
 - ``ddp``: the DDP backward (backward() returns once every bucket is reduced);
 - ``delay``: ``ddp - compute``, how long after its last gradient was computed the DDP backward ends,
-  also as a fraction of one all-reduce.
+  also as a fraction of one all-reduce;
+- ``gloo``: the same delay of DDP on the default gloo group, side by side: the part of ``delay`` that
+  is DDP's own work (copying gradients into buckets and back, dividing) on this machine.
 
 Each layer's backward is padded with a sleep of ``--sleep-ms`` (a custom autograd function on the
 layer's input, so it runs after the layer's parameter gradients are ready, as the next layer's
@@ -88,6 +90,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=6, help="timed steps")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (DDP rebuilds its buckets)")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds per collective")
+    p.add_argument("--switch-interval-ms", type=float, default=None,
+                   help="the ranks' sys.setswitchinterval (default: Python's 5 ms; a diagnosis knob, see above)")
+    p.add_argument("--bucket-view", action="store_true",
+                   help="DDP's gradient_as_bucket_view=True (no copies between gradients and buckets)")
     return p
 
 
@@ -102,11 +108,17 @@ def _rank(args: argparse.Namespace) -> int:
     from commopt.comm.ina import InaOptions
 
     rank, world = dist.get_rank(), dist.get_world_size()
+    if args.switch_interval_ms is not None:
+        sys.setswitchinterval(args.switch_interval_ms / 1e3)
     ina = dist.new_group(backend="ina", pg_options=InaOptions(switch=args.switch, timeout=args.timeout))
     torch.manual_seed(0)
     local = padded_model(args.layers, args.layer_mb, args.sleep_ms)
-    ddp = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(local), process_group=ina,
-                                                    bucket_cap_mb=args.layer_mb)
+    def wrap(group: Any) -> torch.nn.Module:
+        return torch.nn.parallel.DistributedDataParallel(copy.deepcopy(local), process_group=group,
+                                                         bucket_cap_mb=args.layer_mb,
+                                                         gradient_as_bucket_view=args.bucket_view)
+
+    ddp, gloo = wrap(ina), wrap(None)
     width = local.layers[0].in_features
     x = torch.randn(args.batch, width, requires_grad=True)  # so the first layer's pad runs too
     buf = torch.randn(width * width)
@@ -120,24 +132,27 @@ def _rank(args: argparse.Namespace) -> int:
         allreduce = time.perf_counter() - t0
         dist.barrier()
         overlapped = _timed_backward(ddp, x)
-        local.zero_grad(set_to_none=True)
-        ddp.zero_grad(set_to_none=True)
+        dist.barrier()
+        reference = _timed_backward(gloo, x)
+        for m in (local, ddp, gloo):
+            m.zero_grad(set_to_none=True)
         x.grad = None
-        mine = torch.tensor([compute, allreduce, overlapped, overlapped - compute], dtype=torch.float64)
+        mine = torch.tensor([compute, allreduce, overlapped, overlapped - compute, reference - compute],
+                            dtype=torch.float64)
         dist.all_reduce(mine, op=dist.ReduceOp.MAX)  # the slowest rank's (on the default gloo group)
         if step >= args.warmup:
             rows.append(mine.tolist())
             if rank == 0:
-                c, a, d, delay = (v * 1e3 for v in rows[-1])
-                print(f"{step - args.warmup + 1:>4} {c:>12.1f} {a:>13.1f} {d:>11.1f} {delay:>10.1f} "
+                c, a, d, delay, ref = (v * 1e3 for v in rows[-1])
+                print(f"{step - args.warmup + 1:>4} {c:>12.1f} {a:>13.1f} {d:>11.1f} {delay:>10.1f} {ref:>11.1f} "
                       f"{delay / a:>9.2f}", flush=True)
     if rank == 0:
-        med = [statistics.median(r[i] for r in rows) * 1e3 for i in range(4)]
+        med = [statistics.median(r[i] for r in rows) * 1e3 for i in range(5)]
         print(f"median compute {med[0]:.1f} ms, allreduce {med[1]:.1f} ms, ddp {med[2]:.1f} ms: last gradient "
-              f"ready delay {med[3]:.1f} ms = {med[3] / med[1]:.2f} x one all-reduce "
-              f"({world} ranks, {args.layers} buckets)", flush=True)
+              f"ready delay {med[3]:.1f} ms = {med[3] / med[1]:.2f} x one all-reduce; gloo DDP's delay "
+              f"{med[4]:.1f} ms ({world} ranks, {args.layers} buckets)", flush=True)
     # The group goes with the default group's teardown (destroy_process_group() of the launcher).
-    del ddp
+    del ddp, gloo
     return 0
 
 
@@ -147,7 +162,7 @@ def main(argv: list[str]) -> int:
             f"{args.layer_mb:g} MiB fp32 (bucket_cap_mb={args.layer_mb:g}: one bucket per layer), backward padded "
             f"with {args.sleep_ms:g} ms per layer; slowest rank per step\n"
             f"{'step':>4} {'compute(ms)':>12} {'allreduce(ms)':>13} {'ddp(ms)':>11} {'delay(ms)':>10} "
-            f"{'delay/ar':>9}")
+            f"{'gloo(ms)':>11} {'delay/ar':>9}")
     if args.switch is not None:
         print(f"{head.replace('# ina overlap:', f'# ina overlap (switch {args.switch}):', 1)}", flush=True)
         return launch(_rank, args, spawn=args.spawn, timeout=args.timeout, single=False)
