@@ -69,11 +69,13 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _light_switch_module() -> types.ModuleType:
-    """``commopt.comm.ina.switch`` loaded without running ``commopt.comm``'s package imports.
+    """``commopt.comm.ina.launcher`` (with ``switch`` and ``protocol``) loaded without running
+    ``commopt.comm``'s package imports.
 
     The switch needs only numpy; importing the package would load torch and all of commopt first,
     seconds of start-up for nothing. ``find_spec`` of ``commopt.comm`` imports only the (namespace)
-    parent, so it locates the folder without executing it.
+    parent, so it locates the folder without executing it. The module has ``Switch`` and
+    ``serve_main``.
     """
     spec = importlib.util.find_spec("commopt.comm")
     if spec is None or not spec.submodule_search_locations:
@@ -84,7 +86,7 @@ def _light_switch_module() -> types.ModuleType:
         pkg = types.ModuleType(name)
         pkg.__path__ = [folder]
         sys.modules[name] = pkg
-    return importlib.import_module(f"{name}.switch")
+    return importlib.import_module(f"{name}.launcher")
 
 
 def _bench_worker(address: tuple[str, int], job_id: int, worker: int, n: int, numel: int, iters: int,
@@ -161,7 +163,7 @@ def _switch_cost(n: int, payload: int, rounds: int = 256) -> float:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from commopt.comm.ina.switch import SwitchProcess
+    from commopt.comm.ina.launcher import SwitchProcess
 
     nbytes = _size(args.size)
     numel = nbytes // 4

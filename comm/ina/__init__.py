@@ -22,8 +22,9 @@ from __future__ import annotations
 from .backend import BACKEND_NAME, InaOptions, InaProcessGroup, InaWork, parse_address, register_backend
 from .bfp import dequantize, error_bound, quantize
 from .faults import FaultConfig, FaultInjector, LinkFaults
+from .launcher import SwitchProcess, query_stats
 from .session import InaSession, ina_all_reduce
-from .switch import Switch, SwitchProcess, query_stats
+from .switch import Switch
 
 __all__ = [
     "BACKEND_NAME",

@@ -22,11 +22,9 @@ import random
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from .protocol import FIELD_INDEX, HEADER, HEADER_SIZE
+from .protocol import HEADER_SIZE, unpack_header
 
 __all__ = ["LinkFaults", "FaultConfig", "FaultInjector"]
-
-_F_PTYPE, _F_ROUND, _F_SEQ = FIELD_INDEX["ptype"], FIELD_INDEX["round"], FIELD_INDEX["seq"]
 
 
 @dataclass(frozen=True)
@@ -150,8 +148,8 @@ class FaultInjector:
     def on_recv(self, packet: bytes) -> Iterable[bytes]:
         """The packets to deliver now in place of the received ``packet``."""
         if self._drop_once and len(packet) >= HEADER_SIZE:
-            fields = HEADER.unpack_from(packet, 0)
-            key = (fields[_F_PTYPE], fields[_F_ROUND], fields[_F_SEQ])
+            h = unpack_header(packet)  # only read: a malformed packet is the receiver's to count
+            key = (h.ptype, h.round, h.seq)
             if key in self._drop_once:
                 self._drop_once.discard(key)
                 self._recv.dropped += 1

@@ -42,19 +42,15 @@ job's next incarnation, is released ``join_timeout`` seconds after its last JOIN
 (``pending_released``; joining workers retransmit JOIN well within that), and one source address may
 hold at most ``max_pending_per_source`` incomplete jobs at a time.
 
-The switch binds to 127.0.0.1 unless told otherwise (FAULTS 29). It never imports torch.
+The switch binds to 127.0.0.1 unless told otherwise (FAULTS 29). It never imports torch. Its process
+(:class:`~.launcher.SwitchProcess`, the command line, the stats query) is :mod:`.launcher`'s.
 """
 
 from __future__ import annotations
 
-import argparse
 import errno
-import os
 import queue
-import select
-import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -70,25 +66,24 @@ from .protocol import (
     ERR_JOB_RUNNING,
     ERR_NO_PARTITION,
     ERR_PENDING_LIMIT,
-    FIELD_INDEX,
     FLAG_RETX,
     FLAG_SATURATED,
     FLAG_SEGMENTED,
     FLAG_SHADOW,
-    HEADER,
     HEADER_SIZE,
-    OFFSETS,
     SEGMENT_BYTES,
     SEGMENT_LANES,
     STAT_NAMES,
     Header,
     PacketType,
     ProtocolError,
-    decode_stats,
     encode_stats,
     pack_header,
     pack_header_into,
+    pack_header_of,
     parse_header,
+    set_segment_tags,
+    unpack_header,
 )
 
 __all__ = [
@@ -100,11 +95,7 @@ __all__ = [
     "DEFAULT_RECV_THREADS",
     "DEFAULT_SEND_THREADS",
     "Switch",
-    "SwitchProcess",
-    "query_stats",
     "format_stats",
-    "serve_main",
-    "launch_command",
 ]
 
 DEFAULT_POOL_SLOTS = 1024
@@ -126,8 +117,6 @@ _GRAVES = 4096  # released jobs whose epoch and retired tags are remembered
 _UDP_SEGMENT = getattr(socket, "UDP_SEGMENT", 103)  # linux/udp.h; Python 3.11 lacks the constant
 _GSO_SEGMENTS = 40  # segments per GSO super-packet: 40 x 1472 B stays below the 65,507-byte limit
 _GSO_CMSG = [(socket.IPPROTO_UDP, _UDP_SEGMENT, SEGMENT_BYTES.to_bytes(2, sys.byteorder))]
-_F_FLAGS, _F_COUNT, _F_TAG = FIELD_INDEX["flags"], FIELD_INDEX["count"], FIELD_INDEX["tag"]
-_TAG_LO, _TAG_HI = OFFSETS["tag"], OFFSETS["tag"] + 4
 
 
 def _newer(a: tuple[int, int], b: tuple[int, int]) -> bool:
@@ -151,22 +140,19 @@ def _segment(result: bytearray, count: int) -> bytearray:
     Segment i repeats the header with ``count`` = its lanes and ``tag`` = its first lane in the chunk.
     The full segments are built as rows of one numpy array (no per-segment Python work).
     """
-    fields = list(HEADER.unpack_from(result, 0))
-    fields[_F_FLAGS] |= FLAG_SEGMENTED
+    h = unpack_header(result)  # built by _complete: no validation needed
+    h = h._replace(flags=h.flags | FLAG_SEGMENTED)
     nfull, rest = divmod(count, SEGMENT_LANES)
     out = bytearray(nfull * SEGMENT_BYTES + (HEADER_SIZE + 4 * rest if rest else 0))
     if nfull:
-        fields[_F_COUNT], fields[_F_TAG] = SEGMENT_LANES, 0
         rows = np.frombuffer(out, dtype=np.uint8, count=nfull * SEGMENT_BYTES).reshape(nfull, SEGMENT_BYTES)
-        rows[:, :HEADER_SIZE] = np.frombuffer(HEADER.pack(*fields), dtype=np.uint8)
-        rows[:, _TAG_LO:_TAG_HI] = (
-            np.arange(nfull, dtype=np.uint32) * SEGMENT_LANES).astype(">u4").view(np.uint8).reshape(nfull, 4)
+        rows[:, :HEADER_SIZE] = np.frombuffer(pack_header_of(h._replace(count=SEGMENT_LANES, tag=0)), dtype=np.uint8)
+        set_segment_tags(rows, np.arange(nfull, dtype=np.uint32) * SEGMENT_LANES)
         rows[:, HEADER_SIZE:] = np.frombuffer(result, dtype=np.uint8, count=4 * nfull * SEGMENT_LANES,
                                               offset=HEADER_SIZE).reshape(nfull, 4 * SEGMENT_LANES)
     if rest:
         pos, lo = nfull * SEGMENT_BYTES, nfull * SEGMENT_LANES
-        fields[_F_COUNT], fields[_F_TAG] = rest, lo
-        HEADER.pack_into(out, pos, *fields)
+        out[pos:pos + HEADER_SIZE] = pack_header_of(h._replace(count=rest, tag=lo))
         out[pos + HEADER_SIZE:] = memoryview(result)[HEADER_SIZE + 4 * lo:HEADER_SIZE + 4 * count]
     return out
 
@@ -718,165 +704,3 @@ class Switch:
 def format_stats(stats: dict[str, int]) -> str:
     """One line of ``name=value`` pairs, zero counters left out."""
     return " ".join(f"{k}={v}" for k, v in stats.items() if v)
-
-
-def query_stats(address: tuple[str, int], timeout: float = 2.0) -> dict[str, int]:
-    """Ask a running switch for its counters (a STATS_REQ datagram, retried until ``timeout``).
-
-    Raises:
-        TimeoutError: the switch did not answer.
-    """
-    deadline = time.monotonic() + timeout
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.bind(("127.0.0.1" if address[0] in ("127.0.0.1", "localhost") else "", 0))
-        buf = bytearray(65536)
-        req = pack_header(PacketType.STATS_REQ)
-        while time.monotonic() < deadline:
-            s.sendto(req, address)
-            s.settimeout(min(0.2, max(0.01, deadline - time.monotonic())))
-            try:
-                nbytes, _ = s.recvfrom_into(buf)
-            except socket.timeout:
-                continue
-            try:
-                h = parse_header(buf, nbytes, allowed=frozenset({PacketType.STATS_REPLY}))
-            except ProtocolError:
-                continue
-            return decode_stats(memoryview(buf)[HEADER_SIZE:nbytes], h.count)
-    raise TimeoutError(f"ina switch at {address[0]}:{address[1]} did not answer a stats request within "
-                       f"{timeout:.1f}s; is it running (commopt-bench ina-switch)?")
-
-
-def serve_main(argv: list[str]) -> int:
-    """The switch's command line (``commopt-bench ina-switch`` without ``--bench``).
-
-    Prints ``commopt ina switch listening on HOST:PORT ...`` (flushed), serves until SIGTERM or
-    SIGINT, prints its counters, and returns 0.
-    """
-    stop = {"flag": False}
-
-    def _on_signal(signum: int, frame: Any) -> None:
-        stop["flag"] = True
-
-    signal.signal(signal.SIGTERM, _on_signal)
-    signal.signal(signal.SIGINT, _on_signal)
-    p = argparse.ArgumentParser(prog="commopt-bench ina-switch",
-                                description="Run the simulated in-network aggregation switch (UDP).")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    p.add_argument("--port", type=int, default=0, help="UDP port (0: pick a free one; printed)")
-    p.add_argument("--pool-slots", type=int, default=DEFAULT_POOL_SLOTS, help="slots in the pool")
-    p.add_argument("--partition-size", type=int, default=DEFAULT_PARTITION_SIZE,
-                   help="slots per job (slot 0 is the job's control slot)")
-    p.add_argument("--job-idle-timeout", type=float, default=DEFAULT_JOB_IDLE_TIMEOUT,
-                   help="seconds after which an idle job's partition is reclaimed")
-    p.add_argument("--join-timeout", type=float, default=DEFAULT_JOIN_TIMEOUT,
-                   help="seconds after its last JOIN that an incomplete join releases its partition")
-    p.add_argument("--max-pending-per-source", type=int, default=DEFAULT_MAX_PENDING_PER_SOURCE,
-                   help="incomplete jobs one source address (host, port) may hold at once")
-    p.add_argument("--send-threads", type=int, default=DEFAULT_SEND_THREADS,
-                   help="threads that send datagrams (0: the receiving thread sends; see Switch.serve)")
-    p.add_argument("--recv-threads", type=int, default=DEFAULT_RECV_THREADS,
-                   help="threads that receive datagrams (each handles its own under one lock)")
-    args = p.parse_args(argv)
-    switch = Switch(args.host, args.port, pool_slots=args.pool_slots, partition_size=args.partition_size,
-                    job_idle_timeout=args.job_idle_timeout, join_timeout=args.join_timeout,
-                    max_pending_per_source=args.max_pending_per_source)
-    host, port = switch.address
-    print(f"commopt ina switch listening on {host}:{port} (pool {args.pool_slots} slots, "
-          f"{switch.num_partitions} partitions of {args.partition_size}, pid {os.getpid()})", flush=True)
-    try:
-        switch.serve(lambda: stop["flag"], send_threads=max(0, args.send_threads),
-                     recv_threads=max(1, args.recv_threads))
-    finally:
-        print(f"commopt ina switch on {host}:{port} stopped: {format_stats(switch.stats())}", flush=True)
-        switch.close()
-    return 0
-
-
-# Runs the switch without importing the commopt package: a bare package object over this folder
-# makes ``switch`` and ``protocol`` importable (they need only numpy), so the switch starts in a
-# fraction of a second instead of paying for torch and the rest of commopt, and carries no torch
-# state. argv: [this folder, switch arguments...].
-_LAUNCHER = (
-    "import importlib, sys, types\n"
-    "pkg = types.ModuleType('_commopt_ina_switch_pkg')\n"
-    "pkg.__path__ = [sys.argv[1]]\n"
-    "sys.modules[pkg.__name__] = pkg\n"
-    "sys.exit(importlib.import_module(pkg.__name__ + '.switch').serve_main(sys.argv[2:]))\n"
-)
-
-
-def launch_command(host: str = "127.0.0.1", port: int = 0, **options: Any) -> list[str]:
-    """The argv that starts a light switch process (see ``_LAUNCHER``)."""
-    cmd = [sys.executable, "-c", _LAUNCHER, os.path.dirname(os.path.abspath(__file__)), "--host", host,
-           "--port", str(port)]
-    for key, value in options.items():
-        cmd += [f"--{key.replace('_', '-')}", str(value)]
-    return cmd
-
-
-class SwitchProcess:
-    """A switch in a child process, for tests, the backend's users and benchmarks.
-
-    The child runs :func:`serve_main` through ``launch_command`` (exec'd, never a forked copy of
-    this interpreter). Use as a context manager; ``stop()`` sends SIGTERM and, if the child does not
-    exit, SIGKILL, so nothing is left behind (FAULTS 30).
-
-    Args:
-        host: bind address (loopback by default).
-        port: 0 picks a free port.
-        start_timeout: seconds to wait for the child to print its address.
-        **options: ``pool_slots``, ``partition_size``, ``job_idle_timeout``, ``join_timeout``,
-            ``max_pending_per_source`` (see :class:`Switch`).
-    """
-
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, start_timeout: float = 60.0,
-                 **options: Any):
-        unknown = set(options) - {"pool_slots", "partition_size", "job_idle_timeout", "join_timeout",
-                                  "max_pending_per_source"}
-        if unknown:
-            raise TypeError(f"SwitchProcess: unknown options {sorted(unknown)}")
-        self.final_line = ""
-        self._proc = subprocess.Popen(launch_command(host, port, **options), stdout=subprocess.PIPE,
-                                      stdin=subprocess.DEVNULL, text=True)
-        assert self._proc.stdout is not None
-        ready, _, _ = select.select([self._proc.stdout], [], [], start_timeout)
-        line = self._proc.stdout.readline() if ready else ""
-        marker = "listening on "
-        if marker not in line:
-            self.stop()
-            raise RuntimeError(f"ina switch process did not start within {start_timeout:.0f}s (exit code "
-                               f"{self._proc.returncode}, said {line!r}); see its stderr")
-        addr = line.split(marker, 1)[1].split()[0]
-        host_part, _, port_part = addr.rpartition(":")
-        self.address: tuple[str, int] = (host_part, int(port_part))
-
-    @property
-    def pid(self) -> int:
-        return self._proc.pid
-
-    def is_alive(self) -> bool:
-        return self._proc.poll() is None
-
-    def stats(self, timeout: float = 2.0) -> dict[str, int]:
-        return query_stats(self.address, timeout)
-
-    def stop(self, timeout: float = 5.0) -> int | None:
-        """Stop the switch (SIGTERM, then SIGKILL after ``timeout``); returns its exit code."""
-        if self._proc.poll() is None:
-            self._proc.send_signal(signal.SIGTERM)
-            try:
-                self._proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait(timeout)
-        if self._proc.stdout is not None and not self._proc.stdout.closed:
-            self.final_line = self._proc.stdout.read().strip()
-            self._proc.stdout.close()
-        return self._proc.returncode
-
-    def __enter__(self) -> SwitchProcess:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
