@@ -310,6 +310,15 @@ class Engine:
         with self._lock:
             return [w.thread for w in self._workers.values()]
 
+    def release(self, group, timeout: float = 5.0) -> None:
+        """Stop the worker of ``group``'s queue after the work already queued (a wrapper that owns a
+        private group calls it when it closes, so that no idle thread outlives the group)."""
+        with self._lock:
+            worker = self._workers.pop(group, None)
+        if worker is not None:
+            worker.queue.put(None)
+            worker.thread.join(timeout)
+
     def shutdown(self, timeout: float = 5.0) -> None:
         """Stop every worker after the work already queued; threads stuck in a dead collective are
         daemons and do not keep the process alive."""

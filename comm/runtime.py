@@ -98,7 +98,6 @@ class Context:
         self._engine: Engine | None = None
         self._groups: dict[tuple, Groups] = {}
         self._sequences: dict[int | None, itertools.count] = {}
-        self._closed = False
         self.cost_models: Cache[tuple, CostModel] = Cache(self.lock)
         self.alltoall_fits: Cache[tuple, dict[str, LinkModel]] = Cache(self.lock)
         self.topologies: Cache[int | None, Topology] = Cache(self.lock)
@@ -177,14 +176,15 @@ class Context:
         entry points call it for the algorithm they run; wrappers such as OverlapDataParallel call
         it at construction), so that no group is created inside the data path. Algorithms the
         topology does not support are skipped (the same decision on every rank: it depends on the
-        layout only). A group of one rank, or a topology over a subgroup, needs no derived groups.
+        layout only). A group of one rank needs no derived groups; a topology over a subgroup cannot
+        have them (``TopologyError``: torch creates groups over WORLD).
         """
         if topology.world_size == 1 or not dist.is_initialized():
             return
-        if topology.group is not None and dist.get_world_size(topology.group) != dist.get_world_size():
-            return  # a subgroup runs flat only (see _create_groups)
         for name in algorithm_names:
             algo = algorithms.get(name)
+            if algo.needs_uniform and not topology.is_uniform:
+                continue
             for role in algo.roles(topology):
                 self.groups(topology, role, timeout)
 
@@ -192,7 +192,6 @@ class Context:
     def destroy(self) -> None:
         """Stop the engine, close INA sessions and destroy the derived process groups."""
         with self.lock:
-            self._closed = True
             engine, self._engine = self._engine, None
             groups, self._groups = self._groups, {}
             self._sequences = {}

@@ -328,7 +328,9 @@ class OverlapDataParallel(nn.Module):
             for h in self._handles:
                 h.remove()
             self._handles = []
+            engine = context().engine()
             for g in self._streams:
+                engine.release(g, _CLOSE_WAIT)
                 with contextlib.suppress(ValueError, RuntimeError):
                     dist.destroy_process_group(g)
             self._group, self._streams = None, []

@@ -93,3 +93,26 @@ def test_a_phase_finishing_after_shutdown_starts_no_thread():
     for t in engine.threads() + [t for t in threading.enumerate() if t.name.startswith("commopt-engine-pg")]:
         t.join(5)
         assert not t.is_alive(), t.name
+
+
+def test_release_stops_a_queue_after_its_work_and_a_later_submission_restarts_it():
+    """A wrapper that owns a private group releases its queue on close(): the queued work still
+    completes, and no idle worker thread outlives the group (FAULTS row 30)."""
+    engine = Engine()
+    group, other = _Key(), _Key()
+    try:
+        gate = threading.Event()
+        held = engine.submit([Phase("hold", gate.wait, group)], op="t", result="held")
+        engine.submit([Phase("x", lambda: None, other)], op="t").wait()
+        workers = engine.threads()
+        assert len(workers) == 2
+        threading.Timer(0.2, gate.set).start()
+        engine.release(group)  # waits for the queued phase, then stops the thread
+        assert held.wait() == "held"
+        left = engine.threads()
+        assert len(left) == 1 and left[0].is_alive()
+        assert [t.is_alive() for t in workers if t is not left[0]] == [False]
+        assert engine.submit([Phase("again", lambda: None, group)], op="t", result=3).wait() == 3
+        engine.release(_Key())  # a group without a queue: nothing to do
+    finally:
+        engine.shutdown()
