@@ -151,8 +151,8 @@ def _rank(args: argparse.Namespace) -> int:
         print(f"median compute {med[0]:.1f} ms, allreduce {med[1]:.1f} ms, ddp {med[2]:.1f} ms: last gradient "
               f"ready delay {med[3]:.1f} ms = {med[3] / med[1]:.2f} x one all-reduce; gloo DDP's delay "
               f"{med[4]:.1f} ms ({world} ranks, {args.layers} buckets)", flush=True)
-    # The group goes with the default group's teardown (destroy_process_group() of the launcher).
-    del ddp, gloo
+    del ddp, gloo  # DDP releases its groups first (see tests/test_ina_procs.py::_train)
+    dist.destroy_process_group(ina)
     return 0
 
 

@@ -260,6 +260,19 @@ class InaProcessGroup(dist.ProcessGroup):
     def name(self) -> str:  # type: ignore[override]
         return BACKEND_NAME
 
+    # torch keeps a group's name on its C++ backends, and a Python group has none: without these,
+    # ``group_name`` raises "ProcessGroup name not set" and ``destroy_process_group(group)`` of a
+    # ``new_group(backend="ina")`` fails.
+    def _set_group_name(self, name: str) -> None:
+        self._group_name = name
+
+    @property
+    def group_name(self) -> str:  # type: ignore[override]
+        return getattr(self, "_group_name", "")
+
+    def getGroupName(self) -> str:  # noqa: N802 (torch's name)
+        return self.group_name
+
     # -- the one collective the switch does ------------------------------------------------------
 
     def allreduce(self, tensors: Any, opts: Any = None) -> Any:
