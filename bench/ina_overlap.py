@@ -26,8 +26,8 @@ are the slowest rank's per step; the summary line gives medians. Not a test (DES
 Measured on a busy 2-core box, 2 ranks, defaults: with the synchronous backend (before FAULTS row 37)
 ``delay`` was 196-279 ms, 8.0-9.3 all-reduces; with the asynchronous one 18-21 ms, 0.65-0.76 of one
 all-reduce (24-32 ms), of which DDP's own work is 14-20 ms (``floor``, gloo's delay is the same): the
-all-reduces add 1-4 ms, 0.04-0.17 of one. The floor is DDP's, not the switch's: a delay below it
-would need ``gradient_as_bucket_view`` or smaller copies, which no backend controls.
+all-reduces add 1-4 ms, 0.04-0.17 of one. The floor is DDP's own copying and bookkeeping, not the
+switch's, and no backend can remove it.
 
     commopt-bench ina-overlap                   # 2 ranks, 8 x 4 MiB, 40 ms of padding per layer
     commopt-bench ina-overlap --spawn 4 --sleep-ms 60 --steps 10
