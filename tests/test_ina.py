@@ -16,7 +16,6 @@ import socket
 import struct
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -496,7 +495,21 @@ def test_protocol_header_roundtrip():
     """FAULTS row 28: the header is a fixed 48-byte struct (version 2: with the 64-bit job identity);
     packing then validating gives the fields back, the published offsets point at the fields' bytes,
     and struct refuses out-of-range values at the sender."""
-    from commopt.comm.ina.protocol import COUNT_OFFSET, FLAGS_OFFSET, OFFSETS, TAG_OFFSET, parse_header
+    from commopt.comm.ina.protocol import (
+        COUNT_OFFSET,
+        FLAGS_OFFSET,
+        OFFSETS,
+        TAG_OFFSET,
+        pack_header_of,
+        parse_header,
+        peek_count,
+        peek_flags,
+        poke_flags,
+        same_but_tag,
+        segment_tags,
+        set_segment_tags,
+        unpack_header,
+    )
 
     pkt = pack_header(PacketType.DATA, flags=1, dtype=3, job_id=65535, worker_id=63, num_workers=64, slot=5,
                       nonce=2**64 - 1, epoch=2**32 - 1, round=7, seq=9, count=2, exponent=-5, tag=123) + b"\0" * 8
@@ -508,6 +521,16 @@ def test_protocol_header_roundtrip():
     assert pkt[FLAGS_OFFSET] == 1 and int.from_bytes(pkt[COUNT_OFFSET:COUNT_OFFSET + 4], "big") == 2
     assert int.from_bytes(pkt[TAG_OFFSET:TAG_OFFSET + 4], "big") == 123 and TAG_OFFSET + 4 == HEADER.size
     assert pkt[OFFSETS["nonce"]:OFFSETS["nonce"] + 8] == b"\xff" * 8
+    # The named accessors every other module uses read and write the same bytes.
+    buf = bytearray(pkt)
+    assert peek_flags(buf) == 1 and peek_count(buf) == 2 and unpack_header(buf) == h
+    poke_flags(buf, 3)
+    assert buf[FLAGS_OFFSET] == 3 and pack_header_of(unpack_header(buf)) == bytes(buf[:HEADER.size])
+    rows = np.frombuffer(bytearray(pkt[:HEADER.size] * 3), dtype=np.uint8).reshape(3, HEADER.size).copy()
+    set_segment_tags(rows, np.array([0, 356, 712]))
+    assert segment_tags(rows).tolist() == [0, 356, 712] and same_but_tag(rows)
+    rows[2, COUNT_OFFSET] ^= 1
+    assert not same_but_tag(rows)
     with pytest.raises(struct.error):
         pack_header(PacketType.DATA, job_id=70000)
     with pytest.raises(struct.error):
@@ -539,77 +562,6 @@ def test_quantize_matches_float64_reference():
             assert np.array_equal(got, ref.numpy()), (dtype, scale)
             if bool((x[:3] != 0).all()):  # the ties survived the cast to the dtype
                 assert got[:3].tolist() == [0, 2, -2]
-
-
-def test_backend_switch_address_from_options_or_environment(switch, tmp_path, monkeypatch):
-    """FAULTS row 29 (configuration): init_process_group("ina") takes the switch from InaOptions, or
-    from COMMOPT_INA_SWITCH alone (no layout variables, as under torchrun without COMMOPT_NODES), and
-    says what to do when neither names one."""
-    import torch.distributed as dist
-
-    from commopt.comm.errors import CommError
-    from commopt.comm.ina import InaOptions
-
-    if dist.is_initialized():
-        pytest.skip("this process already has a default process group")
-    for var in ("COMMOPT_INA_SWITCH", "COMMOPT_NODES", "LOCAL_WORLD_SIZE"):
-        monkeypatch.delenv(var, raising=False)
-    with pytest.raises(CommError, match="no switch address.*COMMOPT_INA_SWITCH"):
-        dist.init_process_group("ina", store=dist.FileStore(str(tmp_path / "a"), 1), rank=0, world_size=1)
-    address = f"{switch.address[0]}:{switch.address[1]}"
-    for i, options in enumerate((InaOptions(switch=address), None)):
-        if options is None:
-            monkeypatch.setenv("COMMOPT_INA_SWITCH", address)  # and no COMMOPT_NODES / LOCAL_WORLD_SIZE
-        dist.init_process_group("ina", store=dist.FileStore(str(tmp_path / f"s{i}"), 1), rank=0, world_size=1,
-                                pg_options=options)
-        try:
-            assert dist.get_backend() == "ina"
-            pg = dist.group.WORLD
-            assert pg.session.address == switch.address
-            t = torch.ones(3, dtype=torch.bfloat16)
-            dist.all_reduce(t)
-            assert torch.equal(t, torch.ones(3, dtype=torch.bfloat16))
-        finally:
-            dist.destroy_process_group()
-
-
-def test_ina_switch_from_env_needs_no_layout(monkeypatch):
-    """FAULTS row 29 (configuration): COMMOPT_INA_SWITCH is read without any layout variable; unset
-    gives None; a malformed value is a TopologyError naming the variable and the 'host:port' form,
-    from the accessor, from Topology.from_env() and from init_process_group("ina")."""
-    import torch.distributed as dist
-
-    from commopt.comm import Topology
-    from commopt.comm.errors import TopologyError
-    from commopt.comm.topology import ina_switch_from_env
-
-    for var in ("COMMOPT_INA_SWITCH", "COMMOPT_NODES", "LOCAL_WORLD_SIZE", "MPI_LOCALNRANKS",
-                "OMPI_COMM_WORLD_LOCAL_SIZE"):
-        monkeypatch.delenv(var, raising=False)
-    assert ina_switch_from_env() is None
-    monkeypatch.setenv("COMMOPT_INA_SWITCH", "")
-    assert ina_switch_from_env() is None
-    for text, expected in (("127.0.0.1:5555", ("127.0.0.1", 5555)), (" switch.local:65535 ", ("switch.local", 65535)),
-                           ("[::1]:9", ("::1", 9))):
-        monkeypatch.setenv("COMMOPT_INA_SWITCH", text)
-        assert ina_switch_from_env() == expected
-    monkeypatch.setenv("COMMOPT_NODES", "0")
-    monkeypatch.setenv("COMMOPT_INA_SWITCH", "127.0.0.1:5555")
-    assert Topology.from_env().ina_switch == "127.0.0.1:5555"  # from_env() reads it through the accessor
-    monkeypatch.delenv("COMMOPT_NODES")
-    for bad in ("127.0.0.1", "127.0.0.1:", ":5555", "host:port", "host:0", "host:65536", "host:-1", "[]:80"):
-        monkeypatch.setenv("COMMOPT_INA_SWITCH", bad)
-        with pytest.raises(TopologyError) as info:
-            ina_switch_from_env()
-        text = str(info.value)
-        assert f"COMMOPT_INA_SWITCH={bad!r}" in text and "'host:port'" in text and "malformed" in text, text
-    monkeypatch.setenv("COMMOPT_INA_SWITCH", "127.0.0.1")
-    if not dist.is_initialized():
-        with tempfile.TemporaryDirectory() as tmp:
-            with pytest.raises(TopologyError, match="COMMOPT_INA_SWITCH='127.0.0.1' is malformed"):
-                dist.init_process_group("ina", store=dist.FileStore(os.path.join(tmp, "s"), 1), rank=0,
-                                        world_size=1)
-        assert not dist.is_initialized()
 
 
 def test_jobs_share_the_switch_through_partitions():

@@ -1,4 +1,5 @@
-"""In-network aggregation across real processes: the "ina" backend under DDP, and a killed worker.
+"""In-network aggregation across real processes: the "ina" backend under DDP, and a killed worker;
+and the backend's configuration (a one-rank group in this process).
 
 These tests start fresh processes (spawned, never forked) because they must: DDP needs
 ``init_process_group("ina")`` in new ranks, and a crash needs a process to kill. They are few and
@@ -361,6 +362,78 @@ def test_killed_worker_survivors_raise_then_next_job(tmp_path):
         # The dead job's partition was reset by the new epoch and freed when both sessions left.
         assert after["jobs_released"] == before["jobs_released"] + 1
         assert after["jobs_active"] == before["jobs_active"] - 1
+
+
+def test_backend_switch_address_from_options_or_environment(tmp_path, monkeypatch):
+    """FAULTS row 29 (configuration): init_process_group("ina") takes the switch from InaOptions, or
+    from COMMOPT_INA_SWITCH alone (no layout variables, as under torchrun without COMMOPT_NODES), and
+    says what to do when neither names one."""
+    import torch.distributed as dist
+
+    from commopt.comm.errors import CommError
+    from commopt.comm.ina import InaOptions
+
+    if dist.is_initialized():
+        pytest.skip("this process already has a default process group")
+    for var in ("COMMOPT_INA_SWITCH", "COMMOPT_NODES", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(CommError, match="no switch address.*COMMOPT_INA_SWITCH"):
+        dist.init_process_group("ina", store=dist.FileStore(str(tmp_path / "a"), 1), rank=0, world_size=1)
+    with SwitchProcess() as switch:  # its own: a one-rank job on it
+        address = f"{switch.address[0]}:{switch.address[1]}"
+        for i, options in enumerate((InaOptions(switch=address), None)):
+            if options is None:
+                monkeypatch.setenv("COMMOPT_INA_SWITCH", address)  # and no COMMOPT_NODES / LOCAL_WORLD_SIZE
+            dist.init_process_group("ina", store=dist.FileStore(str(tmp_path / f"s{i}"), 1), rank=0, world_size=1,
+                                    pg_options=options)
+            try:
+                assert dist.get_backend() == "ina"
+                pg = dist.group.WORLD
+                assert pg.session.address == switch.address
+                t = torch.ones(3, dtype=torch.bfloat16)
+                dist.all_reduce(t)
+                assert torch.equal(t, torch.ones(3, dtype=torch.bfloat16))
+            finally:
+                dist.destroy_process_group()
+
+
+def test_ina_switch_from_env_needs_no_layout(monkeypatch):
+    """FAULTS row 29 (configuration): COMMOPT_INA_SWITCH is read without any layout variable; unset
+    gives None; a malformed value is a TopologyError naming the variable and the 'host:port' form,
+    from the accessor, from Topology.from_env() and from init_process_group("ina")."""
+    import torch.distributed as dist
+
+    from commopt.comm import Topology
+    from commopt.comm.errors import TopologyError
+    from commopt.comm.topology import ina_switch_from_env
+
+    for var in ("COMMOPT_INA_SWITCH", "COMMOPT_NODES", "LOCAL_WORLD_SIZE", "MPI_LOCALNRANKS",
+                "OMPI_COMM_WORLD_LOCAL_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    assert ina_switch_from_env() is None
+    monkeypatch.setenv("COMMOPT_INA_SWITCH", "")
+    assert ina_switch_from_env() is None
+    for text, expected in (("127.0.0.1:5555", ("127.0.0.1", 5555)), (" switch.local:65535 ", ("switch.local", 65535)),
+                           ("[::1]:9", ("::1", 9))):
+        monkeypatch.setenv("COMMOPT_INA_SWITCH", text)
+        assert ina_switch_from_env() == expected
+    monkeypatch.setenv("COMMOPT_NODES", "0")
+    monkeypatch.setenv("COMMOPT_INA_SWITCH", "127.0.0.1:5555")
+    assert Topology.from_env().ina_switch == "127.0.0.1:5555"  # from_env() reads it through the accessor
+    monkeypatch.delenv("COMMOPT_NODES")
+    for bad in ("127.0.0.1", "127.0.0.1:", ":5555", "host:port", "host:0", "host:65536", "host:-1", "[]:80"):
+        monkeypatch.setenv("COMMOPT_INA_SWITCH", bad)
+        with pytest.raises(TopologyError) as info:
+            ina_switch_from_env()
+        text = str(info.value)
+        assert f"COMMOPT_INA_SWITCH={bad!r}" in text and "'host:port'" in text and "malformed" in text, text
+    monkeypatch.setenv("COMMOPT_INA_SWITCH", "127.0.0.1")
+    if not dist.is_initialized():
+        with tempfile.TemporaryDirectory() as tmp:
+            with pytest.raises(TopologyError, match="COMMOPT_INA_SWITCH='127.0.0.1' is malformed"):
+                dist.init_process_group("ina", store=dist.FileStore(os.path.join(tmp, "s"), 1), rank=0,
+                                        world_size=1)
+        assert not dist.is_initialized()
 
 
 @pytest.mark.parametrize("dummy", [0])
