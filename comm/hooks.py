@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 from .collectives import SUPPORTED_DTYPES, check_group, check_timeout, reduce_consistent, validate_same
-from .compression import Compressor, ErrorFeedback, reduce_tensors
+from .compression import Compressor, CompressorState, ErrorFeedback, reduce_tensors
 from .engine import chain
 from .topology import Topology
 
@@ -48,6 +48,11 @@ class AllReduceState:
         check_finite: with a compressor, raise ``NonFiniteError`` on every rank when any rank's bucket
             holds NaN/Inf; by default such a step is reduced exactly (NaN propagates, residuals kept).
 
+    Attributes:
+        compressor_state: the compressor's per-run state for this hook (PowerSGD's warm-start Q
+            memory), made by ``compressor.new_state()``: one compressor instance can serve several
+            models, each through a state of its own. None without a compressor.
+
     Raises:
         TypeError: ``topology`` is not a ``Topology`` (a spec string is not: build it with
             ``Topology.from_spec`` once the process group exists), ``compressor`` is not a compressor
@@ -65,6 +70,7 @@ class AllReduceState:
         self.topology = topology
         self.algorithm = algorithm
         self.compressor = compressor
+        self.compressor_state: CompressorState | None = compressor.new_state() if compressor is not None else None
         self.process_group = process_group
         self.error_feedback = error_feedback
         self.feedback: ErrorFeedback | None = ErrorFeedback() if error_feedback else None
@@ -78,7 +84,7 @@ class AllReduceState:
         self.world_size: int | None = None
         # id(parameter) -> stable key (its name in the model, recorded by register()).
         self.param_keys: dict[int, str] = {}
-        if compressor is not None and getattr(compressor, "biased", False) and not error_feedback:
+        if compressor is not None and compressor.biased and not error_feedback:
             compressor.warn_biased()
 
     def key_of(self, param: torch.Tensor) -> str:
@@ -94,8 +100,8 @@ class AllReduceState:
         """Plain numbers and tensors only, so ``torch.load(weights_only=True)`` accepts it."""
         out = {"step": self.step, "buckets_reduced": self.buckets_reduced, "algorithm": self.algorithm,
                "warmup_steps": self.warmup_steps, "seed": self.seed, "world_size": self.world_size}
-        if self.compressor is not None and hasattr(self.compressor, "state_dict"):
-            out["compressor"] = self.compressor.state_dict()
+        if self.compressor_state is not None:
+            out["compressor"] = self.compressor_state.state_dict()
         if self.feedback is not None:
             out["error_feedback"] = self.feedback.state_dict()
         return out
@@ -121,9 +127,9 @@ class AllReduceState:
         self.warmup_steps = int(state.get("warmup_steps", self.warmup_steps))
         self.seed = int(state.get("seed", self.seed))
         if "compressor" in state:
-            if self.compressor is None or not hasattr(self.compressor, "load_state_dict"):
+            if self.compressor_state is None:
                 raise ValueError("checkpoint holds compressor state but this state has no compressor")
-            self.compressor.load_state_dict(state["compressor"])
+            self.compressor_state.load_state_dict(state["compressor"])
         if "error_feedback" in state and self.feedback is not None:
             self.feedback.load_state_dict(state["error_feedback"])
 
@@ -137,6 +143,10 @@ class AllReduceState:
 
     def __setstate__(self, d: dict) -> None:
         self.__dict__.update(d)
+        if "compressor_state" not in d:
+            # Pickled before the per-run state moved off the compressor: it ran on the compressor's
+            # (now default) state, so it continues there.
+            self.compressor_state = self.compressor.default_state if self.compressor is not None else None
 
 
 _ALGORITHMS = ("auto", "flat", "hierarchical", "leader", "ina")
@@ -238,7 +248,8 @@ def allreduce_hook(state: AllReduceState, bucket: dist.GradBucket) -> torch.futu
             tensors = _views(bucket, buf)
         fut = reduce_tensors(compressor, tensors, keys, group=group, topology=state.topology,
                              algorithm=state.algorithm, average=True, step=step, seed=state.seed,
-                             feedback=state.feedback, check_finite=state.check_finite, timeout=state.timeout)
+                             feedback=state.feedback, state=state.compressor_state, check_finite=state.check_finite,
+                             timeout=state.timeout)
         return chain(fut, lambda _value: check_result(bucket, buf))
     # DDP's buckets match across ranks by construction: no agreement check per bucket.
     fut = reduce_consistent(buf, ReduceOp.AVG, group=group, topology=state.topology, algorithm=state.algorithm,

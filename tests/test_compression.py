@@ -343,7 +343,7 @@ def _body_randomness() -> dict:
             m = _inputs(2, (24, 16), torch.float32, salt=20 + step)[rank]
             ps.all_reduce(m, step=step, error_feedback=ErrorFeedback(), key="m")
             if warm:
-                steps.append(ps.q_memory["m"].clone())
+                steps.append(ps.default_state.q_memory["m"].clone())
             else:
                 from commopt.comm.compression.base import Job
                 job = Job(x=m.view(-1), out=m.view(-1), sent=None, group=None, n=2, rank=rank, step=step, seed=0)
@@ -455,6 +455,17 @@ def test_declarations_and_bytes():
     assert not C.TopKCompressor().summable and C.TopKCompressor().biased
     assert C.RandomKCompressor().summable and not C.RandomKCompressor().biased
     assert not C.QuantizeCompressor().summable and not C.QuantizeCompressor().biased
+    # Every trait a caller branches on is declared on the base, with its default.
+    for trait, default in (("summable", True), ("biased", False), ("needs_matrices", False), ("n_rounds", 1),
+                           ("uses_server_residual", False), ("chunked", False), ("optimistic", False),
+                           ("layout_free", False), ("min_numel", 0)):
+        assert getattr(C.Compressor, trait) == default, trait
+    assert C.OneBitCompressor().uses_server_residual and not C.SignCompressor().uses_server_residual
+    assert C.FP16Compressor().optimistic and not C.FP16Compressor(agreed_scale=True).optimistic
+    assert C.PowerSGDCompressor().n_rounds == len(C.PowerSGDCompressor().rounds()) == 2
+    # A state of other settings is refused (its memory would not fit them).
+    with pytest.raises(ValueError, match="new_state"):
+        C.PowerSGDCompressor(rank=2).check_state(C.PowerSGDCompressor(rank=4).new_state(), "test")
     d, n = 1 << 20, 4
     fp32 = 2 * (n - 1) / n * d * 4
     assert fp32 / C.FP16Compressor().payload_bytes(d, n) == pytest.approx(2)

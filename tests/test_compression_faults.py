@@ -362,6 +362,7 @@ def _bad_inputs() -> dict:
         "step": (dense, {"step": -1}, ValueError, ["step must be an int >= 0"]),
         "timeout": (dense, {"timeout": 0}, ValueError, ["positive number of seconds"]),
         "topology str": (dense, {"topology": "1x2"}, TypeError, ["Topology.from_spec"]),
+        "state": (dense, {"state": {}}, TypeError, ["new_state()"]),
         "group str": (dense, {"group": "WORLD"}, TypeError, ["ProcessGroup"]),
         "topology of another group": (dense, {"topology": Topology.from_spec(f"1x{world}", group=other)},
                                       ValueError, ["another process group", "group=topology.group"]),

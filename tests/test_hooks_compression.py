@@ -39,18 +39,18 @@ def _compressors():
 
 
 class _Net(nn.Module):
-    def __init__(self, unused: bool = False):
+    def __init__(self, unused: bool = False, hid: int = HID):
         super().__init__()
-        self.fc1, self.fc2, self.fc3 = nn.Linear(IN, HID), nn.Linear(HID, HID), nn.Linear(HID, OUT)
-        self.spare = nn.Linear(HID, HID) if unused else None
+        self.fc1, self.fc2, self.fc3 = nn.Linear(IN, hid), nn.Linear(hid, hid), nn.Linear(hid, OUT)
+        self.spare = nn.Linear(hid, hid) if unused else None
 
     def forward(self, x):
         return self.fc3(torch.relu(self.fc2(torch.relu(self.fc1(x)))))
 
 
-def _model(unused: bool = False) -> nn.Module:
+def _model(unused: bool = False, hid: int = HID) -> nn.Module:
     torch.manual_seed(0)  # the test's own initialisation (the library never touches the global RNG)
-    return _Net(unused)
+    return _Net(unused, hid)
 
 
 def _data(rank: int, step: int, n: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
@@ -231,6 +231,82 @@ def _body_checkpoint() -> None:
             AllReduceState(algorithm="flat", compressor=make()).load_state_dict(bad)
 
 
+def _body_compressor_state() -> None:
+    """Per-run state lives in the hook's state, not on the compressor: (1) one PowerSGDCompressor
+    serving two models of different shapes (the same parameter names), trained step by step in
+    turn, gives bit-identical parameters to two separate instances; (2) a checkpoint in the
+    state_dict format of before the state moved (built here key by key from that format's keys)
+    still loads, with weights_only=True, and continues bit-identically."""
+    rank = dist.get_rank()
+    make = lambda: C.PowerSGDCompressor(rank=2, start_iter=1)  # noqa: E731 - one setting, twice
+
+    def step(ddp, opt, i):
+        x, y = _data(rank, i)
+        opt.zero_grad()
+        nn.functional.mse_loss(ddp(x), y).backward()
+        opt.step()
+
+    def two_models(compressors):
+        runs = []
+        for hid, c in zip((HID, 24), compressors):
+            ddp = DDP(_model(hid=hid))
+            state = AllReduceState(algorithm="flat", compressor=c, seed=3)
+            register(ddp, state)
+            runs.append((ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), state))
+        for i in range(5):
+            for ddp, opt, _ in runs:  # interleaved: a memory shared between them would mix
+                step(ddp, opt, i)
+        return [(_params(ddp.module), state) for ddp, _, state in runs]
+
+    shared = make()
+    together, apart = two_models([shared, shared]), two_models([make(), make()])
+    for (got, state), (ref, _) in zip(together, apart):
+        assert state.compressor is shared and state.compressor_state.q_memory, "PowerSGD compressed nothing"
+        assert all(torch.equal(a, b) for a, b in zip(got, ref)), "one compressor for two models differs"
+    assert not shared.default_state.q_memory, "the hooks' runs wrote into the compressor's own state"
+    a, b = (state.compressor_state.q_memory["fc2.weight"] for _, state in together)
+    assert a.shape != b.shape, "the two models' memories are apart, each of its own shape"
+
+    # (2) The format of before: exactly these keys, nothing else (the format is unchanged).
+    old_keys = ("step", "buckets_reduced", "algorithm", "warmup_steps", "seed", "world_size", "compressor",
+                "error_feedback")
+    old_compressor_keys, old_feedback_keys = ("config", "calls", "q_memory"), ("worker", "server")
+
+    def fresh():
+        ddp = DDP(_model())
+        state = AllReduceState(algorithm="flat", compressor=make(), seed=5)
+        register(ddp, state)
+        return ddp, torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9), state
+
+    ddp, opt, state = fresh()
+    for i in range(6):
+        step(ddp, opt, i)
+    reference = _params(ddp.module)
+    ddp, opt, state = fresh()
+    for i in range(3):
+        step(ddp, opt, i)
+    current = state.state_dict()
+    assert set(current) == set(old_keys) and set(current["compressor"]) == set(old_compressor_keys), current.keys()
+    assert set(current["error_feedback"]) == set(old_feedback_keys)
+    old = {k: current[k] for k in old_keys}
+    old["compressor"] = {"config": dict(current["compressor"]["config"]), "calls": current["compressor"]["calls"],
+                         "q_memory": {k: v.clone() for k, v in current["compressor"]["q_memory"].items()}}
+    old["error_feedback"] = {kind: {k: v.clone() for k, v in current["error_feedback"][kind].items()}
+                             for kind in old_feedback_keys}
+    assert old["compressor"]["q_memory"], "the checkpoint carries no warm start"
+    buf = io.BytesIO()
+    torch.save({"model": ddp.module.state_dict(), "opt": opt.state_dict(), "hook": old}, buf)
+    buf.seek(0)
+    ckpt = torch.load(buf, weights_only=True)
+    ddp, opt, state = fresh()
+    ddp.module.load_state_dict(ckpt["model"])
+    opt.load_state_dict(ckpt["opt"])
+    state.load_state_dict(ckpt["hook"])
+    for i in range(3, 6):
+        step(ddp, opt, i)
+    assert all(torch.equal(a, b) for a, b in zip(reference, _params(ddp.module))), "old checkpoint: not identical"
+
+
 def _body_sparse() -> None:
     """FAULTS row 22: sparse gradients are refused at registration, not mid-backward."""
     model = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 1))
@@ -334,6 +410,13 @@ def test_nonfinite_through_ddp(ranks):
     """FAULTS row 13 through the DDP hook: NaN on one rank propagates with residuals untouched;
     check_finite=True raises on every rank."""
     ranks(2, _body_nonfinite_hook, timeout=120)
+
+
+def test_one_compressor_two_models_and_old_checkpoint(ranks):
+    """Per-run state (PowerSGD's Q memory) lives in the hook's state: one compressor serves two models
+    of different shapes as two instances would; a checkpoint of the old state_dict format loads and
+    continues bit-identically."""
+    ranks(2, _body_compressor_state, timeout=120)
 
 
 def test_sparse_gradients_refused_at_register(ranks):

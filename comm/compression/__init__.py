@@ -3,20 +3,21 @@
 Every compressor is usable alone (``compressor.all_reduce(tensor, group=None)``) and through the DDP
 hook (``hooks.AllReduceState(compressor=...)``); with ``algorithm="hierarchical"`` only the
 inter-node phase is compressed (``exchange.py``). Error feedback is a separate object keyed by
-parameter (:class:`ErrorFeedback`).
+parameter (:class:`ErrorFeedback`), and what a run mutates (PowerSGD's Q memory, call counters) is
+a :class:`CompressorState` (``compressor.new_state()``), so one compressor can serve several models.
 """
 
 from __future__ import annotations
 
-from .base import Compressor, Job, Round
+from .base import Compressor, CompressorState, Job, Round
 from .cast import BF16Compressor, FP16Compressor
 from .exchange import reduce_tensors
 from .feedback import ErrorFeedback
-from .powersgd import PowerSGDCompressor
+from .powersgd import PowerSGDCompressor, PowerSGDState
 from .quantize import QuantizeCompressor
 from .sign import OneBitCompressor, SignCompressor
 from .sparse import RandomKCompressor, TopKCompressor
 
-__all__ = ["Compressor", "Job", "Round", "ErrorFeedback", "reduce_tensors", "FP16Compressor",
-           "BF16Compressor", "PowerSGDCompressor", "TopKCompressor", "RandomKCompressor", "SignCompressor",
-           "OneBitCompressor", "QuantizeCompressor"]
+__all__ = ["Compressor", "CompressorState", "PowerSGDState", "Job", "Round", "ErrorFeedback", "reduce_tensors",
+           "FP16Compressor", "BF16Compressor", "PowerSGDCompressor", "TopKCompressor", "RandomKCompressor",
+           "SignCompressor", "OneBitCompressor", "QuantizeCompressor"]

@@ -1,28 +1,41 @@
-"""The compressor API: what a compressor declares, and the exchange rounds it owns.
+"""The compressor API: what a compressor declares, the state a run mutates, and its exchange rounds.
 
 A compressor turns this rank's contribution ``x`` (a flat floating vector, the gradient plus the
-error-feedback residual) into the SUM over a process group of what every rank transmitted. It
-declares (GRACE's compressor/memory split, DESIGN 3):
+error-feedback residual) into the SUM over a process group of what every rank transmitted. Every
+trait a caller branches on is declared on :class:`Compressor` with its default, and read as an
+attribute (never with ``getattr``); GRACE's compressor/memory split (DESIGN 3):
 
-- ``summable``: its payload can be summed by an all-reduce (casts, random-k with shared indices,
-  PowerSGD's factors); otherwise it is exchanged another way (all-gather, all-to-all);
-- ``biased``: E[decode(encode(x))] != x, so it needs error feedback to converge (top-k, signs,
-  PowerSGD); unbiased ones (random-k scaled by d/k, stochastic quantization) skip it;
-- ``needs_matrices``: it compresses whole tensors (PowerSGD), so a topology-aware exchange must not
-  cut tensors (the tensor-aligned intra-node partition of ``exchange.py``);
-- ``n_rounds``: the collectives it issues per exchange, each on a process group of its own role
+- ``summable`` (True): its payload can be summed by an all-reduce (casts, random-k with shared
+  indices, PowerSGD's factors); otherwise it is exchanged another way (all-gather, all-to-all);
+- ``biased`` (False): E[decode(encode(x))] != x, so it needs error feedback to converge (top-k,
+  signs, PowerSGD); unbiased ones (random-k scaled by d/k, stochastic quantization) skip it;
+- ``needs_matrices`` (False): it compresses whole tensors (PowerSGD), so a topology-aware exchange
+  must not cut tensors (the tensor-aligned intra-node partition of ``layout.py``);
+- ``n_rounds`` (1): the collectives it issues per exchange, each on a process group of its own role
   (the comm engine refuses a queue fed by two different predecessors, DESIGN 2);
-- ``optimistic``: every collective result of its rounds is identical on every rank of the group
-  (the all-reduced fp16/bf16 cast, PowerSGD's all-reduced P and Q), so whether that result is
+- ``uses_server_residual`` (False): a round re-compresses an aggregated chunk and keeps that error
+  in ``job.server`` (the 1-bit all-reduce's server error feedback);
+- ``chunked`` (False): the rounds cut ``x`` into n equal chunks (all-to-all), so ``x`` is padded to
+  n * ``align``; ``align`` (16): the element alignment of every tensor in the staged vector;
+  ``min_numel`` (0): shorter vectors are reduced exactly;
+- ``layout_free`` (False): element-wise with no per-tensor state, so the DDP hook hands it the
+  bucket's flat buffer as one tensor;
+- ``optimistic`` (False): every collective result of its rounds is identical on every rank of the
+  group (the all-reduced fp16/bf16 cast, PowerSGD's all-reduced P and Q), so whether that result is
   non-finite is a value every rank already agrees on (DESIGN 2, rule 2): the exchange then runs no
   agreed check before reducing, and a round that finds its reduced result non-finite sets
   ``job.nonfinite``; the exchange redoes that reduction exactly (fp32) from the kept input. With no
   check to compare the ranks' inputs either, the first round appends ``job.tag`` (``TAG_LEN``
   values) to its all-reduced payload and calls ``check_tag`` on the result.
 
-``rounds(job)`` returns those rounds as :class:`Round` objects: each runs on the comm engine's worker
-of its group, may compute locally, and issues at most one blocking collective. The error-feedback
+A compressor holds settings only. What a run mutates (the step counter of standalone calls,
+PowerSGD's Q memory) lives in a :class:`CompressorState` (``compressor.new_state()``), so one
+compressor can serve two models: each hook state (``hooks.AllReduceState``) holds its own, and
+``compressor.all_reduce`` without ``state=`` uses the compressor's default state. The error-feedback
 memory is a separate object (``feedback.ErrorFeedback``), keyed by parameter, never by bucket.
+
+``rounds()`` returns the exchange's rounds as :class:`Round` objects: each runs on the comm engine's
+worker of its group, may compute locally, and issues at most one blocking collective.
 """
 
 from __future__ import annotations
@@ -31,12 +44,11 @@ import hashlib
 import numbers
 import warnings
 from dataclasses import dataclass, field
-from datetime import timedelta
-from typing import Any, Callable
+from typing import Callable, ClassVar
 
 import torch
 import torch.distributed as dist
-from torch.distributed import ReduceOp
+from torch.distributed import ProcessGroup, ReduceOp
 
 from ..collectives import all_reduce as exact_all_reduce
 from ..collectives import check_group, check_timeout
@@ -45,12 +57,11 @@ from ..errors import CollectiveMismatchError
 from ..topology import Topology
 from .feedback import ErrorFeedback
 
-__all__ = ["Compressor", "Job", "Round", "derive_seed", "wait_work", "all_gather_single",
-           "reduce_scatter_single", "compute_dtype", "as_bytes", "all_finite", "TAG_LEN", "tag_of", "check_tag"]
+__all__ = ["Compressor", "CompressorState", "Job", "Round", "derive_seed", "all_gather_single", "compute_dtype",
+           "as_bytes", "all_finite", "TAG_LEN", "tag_of", "check_tag"]
 
-# torch 2.13 renamed the tensor variants; older releases (>= 2.3) have only the old names.
+# torch 2.13 renamed the tensor variant; older releases (>= 2.3) have only the old name.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def derive_seed(seed: int, *parts: int | str) -> int:
@@ -65,19 +76,6 @@ def derive_seed(seed: int, *parts: int | str) -> int:
     for p in parts:
         h.update(b"\x1f" + str(p).encode())
     return int.from_bytes(h.digest(), "little") >> 1
-
-
-def wait_work(work, timeout: float | None) -> None:
-    """Wait for an async collective; with ``timeout`` the backend raises after that many seconds.
-
-    ``work.wait(timedelta)`` is bounded for every collective compression issues except gloo's
-    reduce-scatter, whose work ignores the timeout (and never reports ``is_completed()``): the
-    exchange therefore never waits on one (``exchange.py`` reduce-scatters point-to-point on gloo).
-    """
-    if timeout is None:
-        work.wait()
-    else:
-        work.wait(timedelta(seconds=float(timeout)))
 
 
 #: Elements of the tag an optimistic round appends to its first all-reduced payload (see ``Job.tag``).
@@ -172,12 +170,13 @@ class Job:
             that ranks holding different tensors raise ``CollectiveMismatchError`` instead of
             returning wrong values. None: no tag (the exchange's check phase compared them).
         what: this rank's tensors in words, for that error.
+        state: the per-run state of the compressor (PowerSGD's Q memory), or None (no memory).
     """
 
     x: torch.Tensor
     out: torch.Tensor
     sent: torch.Tensor | None
-    group: Any
+    group: ProcessGroup | None
     n: int
     rank: int
     step: int
@@ -197,6 +196,7 @@ class Job:
     nonfinite: bool = False
     tag: torch.Tensor | None = None
     what: str = ""
+    state: CompressorState | None = None
 
 
 @dataclass
@@ -212,17 +212,60 @@ class Round:
     fn: Callable[[Job], int]
 
 
-class Compressor:
-    """Base class: declarations, the standalone ``all_reduce`` and checkpointing.
+class CompressorState:
+    """What a run of a compressor mutates, kept apart from its settings (DESIGN 3).
 
-    Subclasses set the class attributes and implement :meth:`rounds`.
+    One compressor configuration can serve several models: each hook state
+    (``hooks.AllReduceState``) holds a state of its own, made by ``compressor.new_state()``, and
+    ``Compressor.all_reduce`` without ``state=`` uses the compressor's default state. A state holds
+    the settings it was made for as plain data (``config``), not the compressor: no reference cycle
+    between the two, and a checkpoint of it names the settings it needs.
+
+    Attributes:
+        config: ``compressor.config()`` of the compressor it was made by.
+        calls: standalone ``all_reduce`` calls completed (the step of a call with ``step=None``).
+    """
+
+    def __init__(self, compressor: Compressor) -> None:
+        self.config: dict = dict(compressor.config())
+        self.calls = 0
+
+    def state_dict(self) -> dict:
+        """``{"config", "calls", ...}``: plain tensors and numbers (``torch.load(weights_only=True)``
+        accepts it); the format ``Compressor.state_dict()`` has always had."""
+        return {"config": dict(self.config), "calls": self.calls}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`.
+
+        Raises:
+            ValueError: the checkpoint was taken with other compressor settings.
+        """
+        if state.get("config") != self.config:
+            raise ValueError(f"checkpoint was taken with compressor {state.get('config')} but this one is "
+                             f"{self.config}; build the compressor with the same settings")
+        self.calls = int(state.get("calls", 0))
+
+
+class Compressor:
+    """Base class: the declared traits, the standalone ``all_reduce`` and checkpointing.
+
+    Subclasses set the class attributes (or override them with properties) and implement
+    :meth:`rounds`; one with per-run memory sets :attr:`State` to a :class:`CompressorState`
+    subclass. Every trait below is what a caller may branch on (see the module docstring).
     """
 
     name: str = "compressor"
+    #: Payloads can be summed by an all-reduce (else all-gathered or exchanged all-to-all).
     summable: bool = True
+    #: Needs error feedback to converge (E[decode(encode(x))] != x).
     biased: bool = False
+    #: Compresses whole tensors: a hierarchical exchange partitions tensors, never cuts them.
     needs_matrices: bool = False
+    #: Collectives per exchange (``len(rounds())``), each on a process group of its own role.
     n_rounds: int = 1
+    #: A round re-compresses an aggregated chunk and keeps that error in ``job.server``.
+    uses_server_residual: bool = False
     #: Element alignment of every tensor in the staged vector (the block of per-block scales, so
     #: that no block straddles two tensors and an all-zero tensor decodes to zeros).
     align: int = 16
@@ -236,10 +279,14 @@ class Compressor:
     #: Element-wise with no per-tensor state (no residuals, seeds or block scales): the DDP hook
     #: hands such a compressor the bucket's flat buffer as one tensor, which is then not staged.
     layout_free: bool = False
+    #: The class of this compressor's per-run state (``new_state()``).
+    State: ClassVar[type[CompressorState]] = CompressorState
 
     def __init__(self) -> None:
-        self._calls = 0
+        # Whether the biased-without-error-feedback warning was given: a diagnostic, not run state.
         self._warned = False
+        # Made on first use, once the subclass's settings (its config()) exist.
+        self._default_state: CompressorState | None = None
 
     # ------------------------------------------------------------------------------- exchange
     def active(self, step: int) -> bool:
@@ -265,11 +312,42 @@ class Compressor:
         """Bytes one rank sends to exchange ``numel`` fp32 elements over ``n`` ranks (estimate)."""
         raise NotImplementedError
 
+    def exchange_bytes(self, numel: int, shapes: list[tuple[int, ...]], n: int) -> int:
+        """Bytes one rank sends to exchange a staged vector of ``numel`` elements holding whole
+        tensors of ``shapes`` over ``n`` ranks: :meth:`payload_bytes` of ``numel`` for element-wise
+        compressors; matrix compressors count the shapes (the cost model of ``algorithm="auto"``)."""
+        return self.payload_bytes(numel, n)
+
+    # ------------------------------------------------------------------------------- state
+    def new_state(self) -> CompressorState:
+        """A fresh per-run state for these settings (one per model or hook state)."""
+        return self.State(self)
+
+    @property
+    def default_state(self) -> CompressorState:
+        """The state of standalone calls (``all_reduce`` and ``reduce_tensors`` without ``state=``)."""
+        if self._default_state is None:
+            self._default_state = self.new_state()
+        return self._default_state
+
+    def check_state(self, state: CompressorState | None, where: str) -> CompressorState:
+        """``state`` (None: the default state), checked to be a state of these settings."""
+        if state is None:
+            return self.default_state
+        if not isinstance(state, self.State):
+            raise TypeError(f"{where}: state must be a {self.State.__name__} (compressor.new_state()) or None, "
+                            f"got {type(state).__name__}")
+        if state.config != self.config():
+            raise ValueError(f"{where}: the state was made for compressor {state.config} but this one is "
+                             f"{self.config()}; use compressor.new_state() of this compressor")
+        return state
+
     # ------------------------------------------------------------------------------- standalone
-    def all_reduce(self, tensor: torch.Tensor, op=ReduceOp.SUM, *, group=None, topology=None,
-                   algorithm: str = "flat", async_op: bool = False, error_feedback=None,
-                   key: str = "tensor", step: int | None = None, seed: int = 0, check_finite: bool = False,
-                   timeout: float | None = None):
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *, group: ProcessGroup | None = None,
+                   topology: Topology | None = None, algorithm: str = "flat", async_op: bool = False,
+                   error_feedback: ErrorFeedback | None = None, key: str = "tensor", step: int | None = None,
+                   seed: int = 0, check_finite: bool = False, timeout: float | None = None,
+                   state: CompressorState | None = None) -> torch.Tensor | torch.futures.Future:
         """Reduce ``tensor`` in place over ``group`` through this compressor.
 
         Integer and bool tensors pass through uncompressed (exact reduction, bit-exact SUM). A
@@ -283,17 +361,20 @@ class Compressor:
             op: ``ReduceOp.SUM`` or ``ReduceOp.AVG``.
             group: the process group (None: WORLD).
             topology: its layout, built over ``group`` (None: detected when ``algorithm`` needs it).
-            algorithm: ``"flat"``, ``"hierarchical"`` (compress the inter-node phase only) or ``"auto"``.
+            algorithm: ``"flat"``, ``"hierarchical"`` (compress the inter-node phase only) or ``"auto"``
+                (the one the cost model predicts faster for this compressor).
             async_op: return a Future of ``tensor``.
             error_feedback: an ``ErrorFeedback`` whose residual for ``key`` is added before
                 compressing and updated after (biased compressors only); None: no memory.
             key: the stable key of this tensor's residual and warm-start state.
-            step: the step number seeding randomness; None counts this compressor's calls.
+            step: the step number seeding randomness; None counts the state's calls.
             seed: the seed shared by all ranks.
             check_finite: raise ``NonFiniteError`` instead of falling back to an exact reduction.
             timeout: seconds each wait may take, for the creation of the groups on the first call too,
                 before ``CommTimeoutError`` (a rank that never enters); None or ``inf``: no bound of
                 commopt's own (the group's own timeout still applies).
+            state: the per-run state (``new_state()``: warm starts, the call counter); None: this
+                compressor's default state.
 
         Returns:
             ``tensor``, or a Future of it when ``async_op``.
@@ -303,7 +384,7 @@ class Compressor:
                 sparse tensor), or another argument has the wrong type; raised at the call, before
                 anything moves, and ``tensor`` is left unchanged.
             ValueError: an unsupported ``op`` or ``algorithm``, a negative ``step``, a ``timeout``
-                that is not positive, or a ``topology`` of another group.
+                that is not positive, a ``topology`` of another group, or a ``state`` of other settings.
             CollectiveMismatchError: the ranks passed tensors of different sizes, dtypes or shapes
                 (or compressors of different settings): raised on every rank, ``tensor`` unchanged.
             CommTimeoutError: a wait passed ``timeout``.
@@ -314,6 +395,7 @@ class Compressor:
         name = f"{type(self).__name__}.all_reduce"
         timeout = self._check_call(name, tensor, group, topology, algorithm, error_feedback, key, step, seed,
                                    timeout)
+        state = self.check_state(state, name)
         if not tensor.is_floating_point():
             return exact_all_reduce(tensor, op, group=group, topology=topology,
                                     algorithm="flat" if algorithm == "auto" else algorithm,
@@ -322,12 +404,12 @@ class Compressor:
             raise ValueError(f"{name}: op {op} is not supported; compressors reduce with ReduceOp.SUM or "
                              f"ReduceOp.AVG")
         if step is None:
-            step = self._calls
+            step = state.calls
         if self.biased and error_feedback is None:
             self.warn_biased()
         done: torch.futures.Future = torch.futures.Future()
         if not dist.is_initialized() or dist.get_world_size(group) == 1 or tensor.numel() == 0:
-            self._calls += 1
+            state.calls += 1
             done.set_result(tensor)
             return done if async_op else tensor
         # In place like torch.distributed, also on a tensor that requires grad (no autograd record).
@@ -335,8 +417,8 @@ class Compressor:
         work = target if target.is_contiguous() else target.contiguous()
         fut = reduce_tensors(self, [work], [key], group=group, topology=topology, algorithm=algorithm,
                              average=op == ReduceOp.AVG, step=step, seed=seed, feedback=error_feedback,
-                             check_finite=check_finite, timeout=timeout)
-        self._calls += 1  # a call refused before anything moved (bad input, a cold timeout) counts no step
+                             state=state, check_finite=check_finite, timeout=timeout)
+        state.calls += 1  # a call refused before anything moved (bad input, a cold timeout) counts no step
 
         def finish(_value=None) -> torch.Tensor:
             if work is not target:
@@ -351,8 +433,9 @@ class Compressor:
         return finish()
 
     @staticmethod
-    def _check_call(name: str, tensor, group, topology, algorithm, error_feedback, key, step, seed,
-                    timeout) -> float | None:
+    def _check_call(name: str, tensor: object, group: object, topology: object, algorithm: object,
+                    error_feedback: object, key: object, step: object, seed: object,
+                    timeout: object) -> float | None:
         """Every argument of ``all_reduce``, checked at the call on every rank, before anything moves
         or changes; returns the timeout in seconds (None: no bound of commopt's own)."""
         if not isinstance(tensor, torch.Tensor):
@@ -382,27 +465,40 @@ class Compressor:
         return check_timeout(name, timeout)
 
     def warn_biased(self) -> None:
+        """Warn once per compressor that it is biased and used without error feedback."""
         if not self._warned:
             self._warned = True
             warnings.warn(f"{type(self).__name__} is a biased compressor used without error feedback: "
                           f"training may stall or diverge; pass an ErrorFeedback (or "
                           f"AllReduceState(error_feedback=True))", stacklevel=3)
 
-    # ------------------------------------------------------------------------------- state
+    # ------------------------------------------------------------------------------- checkpoints
     def config(self) -> dict:
         """The settings that must match for a checkpoint to load."""
         return {"name": self.name}
 
     def state_dict(self) -> dict:
-        """Plain tensors and numbers (``torch.load(weights_only=True)`` accepts it)."""
-        return {"config": self.config(), "calls": self._calls}
+        """The default state's :meth:`CompressorState.state_dict` (standalone use)."""
+        return self.default_state.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
-        if state.get("config") != self.config():
-            raise ValueError(f"checkpoint was taken with compressor {state.get('config')} but this one is "
-                             f"{self.config()}; build the compressor with the same settings")
-        self._calls = int(state.get("calls", 0))
+        """Restore :meth:`state_dict` into the default state (``ValueError`` for other settings)."""
+        self.default_state.load_state_dict(state)
+
+    def __setstate__(self, d: dict) -> None:
+        # A compressor pickled before the per-run state moved out of it held its call counter
+        # itself (and PowerSGD its Q memory): they become the default state's.
+        legacy = {k: d.pop(k) for k in ("_calls", "q_memory") if k in d}
+        self.__dict__.update(d)
+        self.__dict__.setdefault("_default_state", None)
+        self.__dict__.setdefault("_warned", False)
+        if legacy:
+            state = self.default_state
+            state.calls = int(legacy.get("_calls", 0))
+            if "q_memory" in legacy and hasattr(state, "q_memory"):
+                state.q_memory = dict(legacy["q_memory"])
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.config().items() if k != "name")
         return f"{type(self).__name__}({args})"
+

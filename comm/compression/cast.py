@@ -30,7 +30,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
-from .base import TAG_LEN, Compressor, Job, Round, all_finite, check_tag, wait_work
+from ..engine import wait_work
+from .base import TAG_LEN, Compressor, Job, Round, all_finite, check_tag
 
 __all__ = ["FP16Compressor", "BF16Compressor"]
 

@@ -55,25 +55,26 @@ from torch.distributed import ReduceOp
 
 from ... import kernels
 from .. import cost
-from ..engine import Phase
+from ..engine import Phase, wait_work
 from ..errors import CollectiveMismatchError, NonFiniteError, TopologyError
 from ..runtime import context
 from ..topology import Topology
 from .base import (
     Compressor,
+    CompressorState,
     Job,
     all_finite,
     all_gather_single,
     check_tag,
     compute_dtype,
     derive_seed,
-    reduce_scatter_single,
     tag_of,
-    wait_work,
 )
 from .feedback import ErrorFeedback
 
 __all__ = ["reduce_tensors", "Layout", "layout_for"]
+
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 @dataclass
@@ -300,7 +301,8 @@ class _Ctx:
 def reduce_tensors(compressor: Compressor, tensors: list[torch.Tensor], keys: list[str], *, group=None,
                    topology: Topology | None = None, algorithm: str = "flat", average: bool = True,
                    step: int = 0, seed: int = 0, feedback: ErrorFeedback | None = None,
-                   check_finite: bool = False, timeout: float | None = None) -> torch.futures.Future:
+                   state: CompressorState | None = None, check_finite: bool = False,
+                   timeout: float | None = None) -> torch.futures.Future:
     """Reduce ``tensors`` (contiguous, one floating dtype) in place over ``group`` through ``compressor``.
 
     Args:
@@ -314,16 +316,18 @@ def reduce_tensors(compressor: Compressor, tensors: list[torch.Tensor], keys: li
         step: the training step (seeds; PowerSGD's start iteration).
         seed: the seed shared by all ranks.
         feedback: residual memory (used by biased compressors), or None.
+        state: the compressor's per-run state (``compressor.new_state()``: PowerSGD's warm starts);
+            None: the compressor's default state.
         check_finite: raise ``NonFiniteError`` on every rank when any rank holds NaN/Inf.
         timeout: seconds each collective may take.
 
     Returns:
         A Future completing with None once ``tensors`` hold the result.
     """
-    where = f"compress/{getattr(compressor, 'name', compressor)}"
     if not isinstance(compressor, Compressor):
-        raise TypeError(f"{where}: compressor must be a commopt.comm.compression compressor instance, got "
+        raise TypeError(f"compress: compressor must be a commopt.comm.compression compressor instance, got "
                         f"{type(compressor).__name__}")
+    where = f"compress/{compressor.name}"
     if not isinstance(tensors, (list, tuple)) or not tensors or not all(
             isinstance(t, torch.Tensor) and t.layout == torch.strided and t.is_contiguous() for t in tensors):
         raise TypeError(f"{where}: tensors must be a non-empty list of dense, contiguous torch.Tensors, got "
@@ -346,6 +350,7 @@ def reduce_tensors(compressor: Compressor, tensors: list[torch.Tensor], keys: li
     # first iteration after a restart (DDP's initial buckets) matches the rebuilt buckets it replaces.
     order = sorted(range(len(keys)), key=lambda i: keys[i])
     tensors, keys = [tensors[i] for i in order], [keys[i] for i in order]
+    run_state = compressor.check_state(state, where)
     world = dist.get_world_size(group)
     topo = _resolve(algorithm, group, topology, timeout)
     flat_topo = Topology.from_spec(f"1x{world}", group=group)
@@ -375,7 +380,7 @@ def reduce_tensors(compressor: Compressor, tensors: list[torch.Tensor], keys: li
     shapes = [tuple(tensors[i].shape) for i in layout.owned]
     active = compressor.active(step) and compressor.worth(layout.hi - layout.lo, shapes)
     use_ef = feedback is not None and compressor.biased
-    uses_server = use_ef and getattr(compressor, "uses_server_residual", False)
+    uses_server = use_ef and compressor.uses_server_residual
     # Flat and optimistic with error feedback (PowerSGD): the rounds' input, gradient + residual, is
     # built in one pass straight from the tensors (first_round); a staged copy of the plain gradients
     # is made only for an exact step or a fallback (the tensors are not written before the last phase).
@@ -511,7 +516,7 @@ def reduce_tensors(compressor: Compressor, tensors: list[torch.Tensor], keys: li
                               if uses_server else None),
                       timeout=timeout, scale_hint=ctx.amax, total_ranks=world,
                       dest=[tensors[i] for i in layout.owned] if direct else None,
-                      dest_scale=1.0 / world if average else 1.0, tag=tag, what=what)
+                      dest_scale=1.0 / world if average else 1.0, tag=tag, what=what, state=run_state)
         return rounds[0].fn(ctx.job)
 
     def later_round(i: int, group) -> int:

@@ -8,9 +8,11 @@ plain all-reduces: (rows + cols) r elements instead of rows x cols. Tensors that
 shapes) ride exactly in round 1's buffer. Same-shaped matrices can be batched (one bmm per shape).
 
 Warm start keeps each matrix's averaged Q (identical on every rank, stored transposed: [r, cols]) for
-the next step, keyed by the parameter's stable key. Initial Q are drawn from a generator seeded with
-(seed, parameter key[, step]), identical on every rank, never from the global RNG. Before
-``start_iter`` the exchange is an exact all-reduce, as in torch's hook.
+the next step, keyed by the parameter's stable key, in a :class:`PowerSGDState` (the run's state,
+``compressor.new_state()``), not on the compressor: one compressor serves any number of models.
+Initial Q are drawn from a generator seeded with (seed, parameter key[, step]), identical on every
+rank, never from the global RNG. Before ``start_iter`` the exchange is an exact all-reduce, as in
+torch's hook.
 
 Layout: Q is kept as Q^T ([r, cols], contiguous), so every product streams M row by row. While Q is
 being all-reduced, the residual (which needs only this rank's Q) is computed: it is off the
@@ -25,14 +27,40 @@ where the exchange expects what was sent (``job.sent_is_residual``).
 from __future__ import annotations
 
 import math
+import types
+import weakref
+from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
-from .base import TAG_LEN, Compressor, Job, Round, all_finite, check_tag, derive_seed, wait_work
+from ..engine import wait_work
+from .base import TAG_LEN, Compressor, CompressorState, Job, Round, all_finite, check_tag, derive_seed
 
-__all__ = ["PowerSGDCompressor"]
+__all__ = ["PowerSGDCompressor", "PowerSGDState"]
+
+
+class PowerSGDState(CompressorState):
+    """PowerSGD's per-run state: the call counter and the warm-start Q memory.
+
+    Attributes:
+        q_memory: parameter key -> the averaged Q of its matrix at the last compressed step, stored
+            transposed ([r, cols]), identical on every rank.
+    """
+
+    def __init__(self, compressor: Compressor) -> None:
+        super().__init__(compressor)
+        self.q_memory: dict[str, torch.Tensor] = {}
+
+    def state_dict(self) -> dict:
+        out = super().state_dict()
+        out["q_memory"] = {k: v.detach().clone() for k, v in self.q_memory.items()}
+        return out
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.q_memory = {k: v.detach().clone() for k, v in state.get("q_memory", {}).items()}
 
 
 def orthogonalize(matrices: torch.Tensor, epsilon: float = 0.0) -> torch.Tensor:
@@ -77,6 +105,7 @@ class PowerSGDCompressor(Compressor):
     n_rounds = 2
     align = 1
     optimistic = True  # P and Q are all-reduced: identical on every rank
+    State = PowerSGDState
 
     def __init__(self, rank: int = 1, start_iter: int = 10, min_compression_rate: float = 2.0,
                  warm_start: bool = True, orthogonalization_epsilon: float = 1e-8, batch_same_shape: bool = False):
@@ -94,7 +123,35 @@ class PowerSGDCompressor(Compressor):
         self.warm_start = bool(warm_start)
         self.orthogonalization_epsilon = float(orthogonalization_epsilon)
         self.batch_same_shape = bool(batch_same_shape)
-        self.q_memory: dict[str, torch.Tensor] = {}
+        # The states made for these settings, held weakly: only the deprecated ``q_memory`` view reads it.
+        self._states: weakref.WeakSet[PowerSGDState] = weakref.WeakSet()
+
+    def new_state(self) -> PowerSGDState:
+        state = PowerSGDState(self)
+        self._states.add(state)
+        return state
+
+    @property
+    def q_memory(self) -> Mapping[str, torch.Tensor]:
+        """Deprecated, read-only: the Q memory of every live state made by this compressor, merged
+        (with one state, exactly its memory). Read ``state.q_memory`` of the state in use instead
+        (``AllReduceState.compressor_state``, ``compressor.default_state``)."""
+        merged: dict[str, torch.Tensor] = {}
+        for state in list(self._states):
+            for key, q in state.q_memory.items():
+                merged.setdefault(key, q)
+        return types.MappingProxyType(merged)
+
+    def __getstate__(self) -> dict:
+        d = dict(self.__dict__)
+        d.pop("_states", None)  # weak references do not pickle; the default state travels in the dict
+        return d
+
+    def __setstate__(self, d: dict) -> None:
+        self._states = weakref.WeakSet()
+        super().__setstate__(d)
+        if self._default_state is not None:
+            self._states.add(self._default_state)
 
     def config(self) -> dict:
         return {"name": self.name, "rank": self.rank, "start_iter": self.start_iter,
@@ -118,8 +175,10 @@ class PowerSGDCompressor(Compressor):
         return [Round("all_reduce_p", self._p_round), Round("all_reduce_q", self._q_round)]
 
     def _initial_q(self, key: str, cols: int, r: int, job: Job) -> torch.Tensor:
-        """Q for ``key``, stored transposed: [r, cols], contiguous (see ``_p_round``)."""
-        q = self.q_memory.get(key) if self.warm_start else None
+        """Q for ``key``, stored transposed: [r, cols], contiguous (see ``_p_round``): the run's
+        warm-start memory (``job.state``) when it holds one of that shape, else a seeded draw."""
+        memory = job.state.q_memory if self.warm_start and isinstance(job.state, PowerSGDState) else {}
+        q = memory.get(key)
         if q is not None and q.shape == (r, cols):
             return q.to(job.x.dtype)
         gen = torch.Generator().manual_seed(derive_seed(job.seed, self.name, key, 0 if self.warm_start else job.step))
@@ -238,6 +297,7 @@ class PowerSGDCompressor(Compressor):
         # The result, P Q^T: into the tensors themselves when the exchange offers them (job.dest,
         # scaled there: the average), else into out. Nothing falls back after this point.
         dest = dict(zip((key for key, _, _ in job.tensors), job.dest)) if job.dest is not None else None
+        memory = job.state.q_memory if self.warm_start and isinstance(job.state, PowerSGDState) else None
         scale = job.dest_scale if dest is not None else 1.0
         if dest is not None:
             pos = 0
@@ -250,14 +310,17 @@ class PowerSGDCompressor(Compressor):
                     torch.mm(p[i], qt_sum[i] * scale, out=dest[key].view(rows, cols))
                 else:
                     torch.mm(p[i], qt_sum[i], out=out[off: off + rows * cols].view(rows, cols))
-                if self.warm_start:
-                    self.q_memory[key] = qt_sum[i] / job.n
+                if memory is not None:
+                    memory[key] = qt_sum[i] / job.n
         job.dest_written = dest is not None
         sc.clear()
         return int(2 * (job.n - 1) / job.n * buf.numel() * buf.element_size())
 
     def payload_bytes(self, numel: int, n: int) -> int:
         raise NotImplementedError("PowerSGD's payload depends on the tensors' shapes; see shapes_bytes()")
+
+    def exchange_bytes(self, numel: int, shapes: list[tuple[int, ...]], n: int) -> int:
+        return self.shapes_bytes(shapes, n)
 
     def shapes_bytes(self, shapes: list[tuple[int, ...]], n: int, itemsize: int = 4) -> int:
         """Bytes one rank sends to reduce tensors of ``shapes`` over ``n`` ranks."""
@@ -266,12 +329,3 @@ class PowerSGDCompressor(Compressor):
             dims = self.matrix_shape(shape)
             elems += math.prod(shape) if dims is None else (dims[0] + dims[1]) * dims[2]
         return int(2 * (n - 1) / n * elems * itemsize)
-
-    def state_dict(self) -> dict:
-        out = super().state_dict()
-        out["q_memory"] = {k: v.detach().clone() for k, v in self.q_memory.items()}
-        return out
-
-    def load_state_dict(self, state: dict) -> None:
-        super().load_state_dict(state)
-        self.q_memory = {k: v.detach().clone() for k, v in state.get("q_memory", {}).items()}

@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 
 from ... import kernels
-from .base import Compressor, Job, Round, all_gather_single, as_bytes, derive_seed, wait_work
+from ..engine import wait_work
+from .base import Compressor, Job, Round, all_gather_single, as_bytes, derive_seed
 
 __all__ = ["QuantizeCompressor"]
 

@@ -18,7 +18,8 @@ import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 from ... import kernels
-from .base import Compressor, Job, Round, all_gather_single, derive_seed, wait_work
+from ..engine import wait_work
+from .base import Compressor, Job, Round, all_gather_single, derive_seed
 
 __all__ = ["RandomKCompressor", "TopKCompressor"]
 
