@@ -285,7 +285,7 @@ def _census() -> tuple[int, int]:
 
 def _compressed_lifecycle(store_dir: str, spec: str, cycles: int) -> dict:
     from commopt.comm import destroy
-    from commopt.comm.compression.exchange import _Ctx
+    from commopt.comm.compression.exchange import CompressedReduction
     from commopt.comm.engine import Phase
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -314,7 +314,7 @@ def _compressed_lifecycle(store_dir: str, spec: str, cycles: int) -> dict:
         gc.set_debug(gc.DEBUG_SAVEALL)
         gc.collect()
         held = sorted({type(o).__name__ for o in gc.garbage
-                       if isinstance(o, (dist.ProcessGroup, Phase, C.Job, _Ctx))})
+                       if isinstance(o, (dist.ProcessGroup, Phase, C.Job, CompressedReduction))})
         gc.garbage.clear()
     finally:
         gc.set_debug(0)
@@ -328,9 +328,9 @@ def test_compressed_lifecycle_leaks_nothing(ranks, tmp_path):
     """FAULTS row 30 for the compressed paths: cycles of init -> fp16, PowerSGD and int8 reductions
     (flat and hierarchical) -> ``commopt.comm.destroy()`` -> ``destroy_process_group()`` with the
     garbage collector off grow neither file descriptors (gloo's sockets and listeners) nor OS
-    threads, and no reference cycle holds a process group, phase or job (a phase whose function
-    referred back to it kept every process group of its exchange alive: +40 fds and +24 OS threads
-    per cycle on 2 ranks).
+    threads, and no reference cycle holds a process group, phase, reduction (``CompressedReduction``)
+    or job (a phase whose function referred back to it kept every process group of its exchange
+    alive: +40 fds and +24 OS threads per cycle on 2 ranks).
     20 cycles on 2 ranks (where 'hierarchical' on one node is flat), 6 on a 2x2."""
     for world, spec, cycles in ((2, "1x2", 20), (4, "2x2", 6)):
         for got in ranks(world, _compressed_lifecycle, str(tmp_path), spec, cycles, timeout=240):
