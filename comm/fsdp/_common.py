@@ -1,0 +1,403 @@
+"""What the FSDP2 comms share: the reduction FSDP asks for, the layout of its flat buffers, the block
+codec of the quantized exchanges, the error-feedback memory, and the base of every comm object.
+
+FSDP2 hands a comm one flat buffer per module (a "parameter group"): the reduce-scatter input is laid
+out ``(world, chunk)`` and every row is the concatenation of each parameter's padded shard; the
+all-gather input is this rank's row. :class:`Layout` records those per-parameter segments (names
+and padded shard sizes, taken from the module when :func:`register` binds a comm to it), so that
+quantization blocks never straddle two parameters (a LayerNorm weight of 1.0 beside a matrix of
+0.02 would otherwise set the matrix's scale) and residuals are keyed by parameter name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ReduceOp
+
+from ... import kernels
+from ..engine import Phase, wait
+from ..errors import NonFiniteError, TopologyError
+from ..runtime import context
+from ..topology import Topology
+
+__all__ = ["Layout", "Codec", "Memory", "CommBase", "Bound", "reduction", "seed_of", "done_work", "cut_segments",
+           "quantized_exchange", "LOW_PRECISION"]
+
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def seed_of(*parts: int | str) -> int:
+    """A 62-bit seed from ints and strings: the same on every rank for the same parts."""
+    h = hashlib.blake2b(digest_size=8)
+    for p in parts:
+        h.update(str(p).encode() + b"\x1f")
+    return int.from_bytes(h.digest(), "little") >> 2
+
+
+def reduction(op, world: int) -> tuple[float, str]:
+    """``(scale, name)``: FSDP's ``op`` as a SUM followed by a multiplication by ``scale``.
+
+    FSDP2 passes ``AVG`` (fp32/bf16 reduce dtypes), ``SUM`` (fp16, or
+    ``set_force_sum_reduction_for_comms``, with FSDP dividing before and after itself) or
+    ``PREMUL_SUM(1 / factor)`` (``set_gradient_divide_factor``), a ``ReduceOp`` object whose
+    ``factor`` multiplies every input; multiplying the sum instead is the same in exact arithmetic.
+    """
+    factor = getattr(op, "factor", None)
+    if factor is not None and getattr(op, "op", None) == ReduceOp.PREMUL_SUM:
+        return float(factor), "premul_sum"
+    if op == ReduceOp.AVG:
+        return 1.0 / world, "avg"
+    if op == ReduceOp.SUM:
+        return 1.0, "sum"
+    raise ValueError(f"reduce op {op!r} is not one FSDP2 passes; commopt's FSDP comms reduce with ReduceOp.SUM, "
+                     f"ReduceOp.AVG or ReduceOp.PREMUL_SUM(factor)")
+
+
+def done_work(async_op: bool):
+    """What a comm returns: None for a synchronous call; for ``async_op`` a completed ``Work``.
+
+    Every commopt comm finishes before returning (FSDP2 issues them from its own streams and, on
+    CPU, waits at once anyway), so an asynchronous caller gets a work that is already done.
+    """
+    if not async_op:
+        return None
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_result(None)
+    make = getattr(torch._C._distributed_c10d, "_create_work_from_future", None)
+    return make(fut) if make is not None else None
+
+
+# --------------------------------------------------------------------------------- layout
+@dataclass(frozen=True)
+class Layout:
+    """One FSDP module's flat buffer: every parameter's name and padded shard size, in FSDP's order.
+
+    Attributes:
+        key: the module's name in the model ("" for the root).
+        names: parameter names (from the root), in the order FSDP concatenates them.
+        numels: each parameter's padded shard size (elements of one rank's row).
+    """
+
+    key: str
+    names: tuple[str, ...]
+    numels: tuple[int, ...]
+
+    @property
+    def chunk(self) -> int:
+        """Elements of one rank's row of the buffer."""
+        return sum(self.numels)
+
+    def offsets(self) -> list[int]:
+        out, pos = [], 0
+        for n in self.numels:
+            out.append(pos)
+            pos += n
+        return out
+
+
+def cut_segments(numels: tuple[int, ...] | list[int], lo: int, hi: int) -> list[int]:
+    """The parameter segments (lengths) of the element range [lo, hi) of a row laid out by ``numels``;
+    a range past the row's end is one trailing padding segment."""
+    out, pos = [], 0
+    for n in numels:
+        a, b = max(lo, pos), min(hi, pos + n)
+        if b > a:
+            out.append(b - a)
+        pos += n
+    if hi > max(lo, pos):
+        out.append(hi - max(lo, pos))
+    return out
+
+
+# --------------------------------------------------------------------------------- codec
+class Codec:
+    """Per-block int8/int4 quantization of segments (``kernels.quantize``), packed into byte payloads.
+
+    A payload holds the fp32 scales of every segment's blocks, then every segment's codes, padded to
+    a multiple of 4 bytes (so payloads side by side keep their scales aligned). Blocks restart at
+    every segment: one block never mixes two parameters. Decoding is ``code * scale`` in fp32.
+
+    Args:
+        bits: 8 or 4.
+        block: elements per scale.
+    """
+
+    def __init__(self, bits: int, block: int):
+        self.bits, self.block = bits, block
+
+    def _code_bytes(self, n: int) -> int:
+        return n if self.bits == 8 else -(-n // 2)
+
+    def nbytes(self, segments: list[int]) -> int:
+        raw = sum(4 * -(-n // self.block) + self._code_bytes(n) for n in segments)
+        return -(-raw // 4) * 4
+
+    def encode(self, x: torch.Tensor, segments: list[int], out: torch.Tensor, *, seed: int = 0, step: int = 0,
+               stochastic: bool = False) -> None:
+        """Quantize the fp32 vector ``x`` (segments side by side) into the uint8 ``out``: unbiased
+        stochastic rounding (seeded by ``seed`` and ``step``: reproducible) or round to nearest."""
+        nscales = sum(-(-n // self.block) for n in segments)
+        scales = out[: 4 * nscales].view(torch.float32)
+        s_pos, c_pos, x_pos = 0, 4 * nscales, 0
+        for i, n in enumerate(segments):
+            codes, sc = kernels.quantize(x[x_pos: x_pos + n], bits=self.bits, block=self.block,
+                                         seed=seed_of(seed, i), step=step, stochastic=stochastic)
+            scales[s_pos: s_pos + sc.numel()] = sc
+            nb = self._code_bytes(n)
+            out[c_pos: c_pos + nb] = codes.view(torch.uint8)
+            s_pos, c_pos, x_pos = s_pos + sc.numel(), c_pos + nb, x_pos + n
+        out[c_pos:].zero_()
+
+    def decode(self, payload: torch.Tensor, segments: list[int], out: torch.Tensor, *, add: bool = False) -> None:
+        """Dequantize ``payload`` into the vector ``out`` (fp32 when ``add``: added to it; else any float
+        dtype, rounded once from fp32)."""
+        nscales = sum(-(-n // self.block) for n in segments)
+        scales = payload[: 4 * nscales].view(torch.float32)
+        s_pos, c_pos, x_pos = 0, 4 * nscales, 0
+        for n in segments:
+            nb, ns = self._code_bytes(n), -(-n // self.block)
+            codes = payload[c_pos: c_pos + nb]
+            if self.bits == 8:
+                codes = codes.view(torch.int8)
+            dst = out[x_pos: x_pos + n]
+            if add:
+                dst += kernels.dequantize(codes, scales[s_pos: s_pos + ns], n, bits=self.bits, block=self.block)
+            else:
+                kernels.dequantize(codes, scales[s_pos: s_pos + ns], n, bits=self.bits, block=self.block,
+                                   dtype=dst.dtype, out=dst)
+            s_pos, c_pos, x_pos = s_pos + ns, c_pos + nb, x_pos + n
+
+
+def quantized_exchange(codec: Codec, rows: list[torch.Tensor | None], segs: list[list[int]], out: torch.Tensor,
+                       me: int, group, *, residual: list[torch.Tensor | None] | None, seed: tuple, step: int,
+                       stochastic: bool, timeout: float | None) -> int:
+    """One quantized all-to-all level (a phase body): ``rows[d]`` (fp32, laid out by ``segs[d]``) goes
+    quantized to member d of ``group``; ``out`` = ``rows[me]`` (never quantized: it does not leave
+    this rank) + every row ``me`` received, dequantized and summed in fp32 in member order.
+
+    ``residual[d]`` (error feedback) is added to ``rows[d]`` before quantizing and replaced by what
+    the quantization lost; a non-finite input leaves it as it was (a NaN would poison every later
+    step). Returns the bytes sent.
+    """
+    from ..algorithms._transport import pairwise
+
+    k = len(rows)
+    send: list[torch.Tensor | None] = [None] * k
+    recv: list[torch.Tensor | None] = [None] * k
+    device = out.device
+    for d in range(k):
+        if d == me:
+            continue
+        x = rows[d] if residual is None else rows[d] + residual[d]
+        send[d] = torch.empty(codec.nbytes(segs[d]), dtype=torch.uint8, device=device)
+        codec.encode(x, segs[d], send[d], seed=seed_of(*seed, me, d), step=step, stochastic=stochastic)
+        recv[d] = torch.empty(codec.nbytes(segs[me]), dtype=torch.uint8, device=device)
+        if residual is not None:
+            decoded = torch.empty_like(x)
+            codec.decode(send[d], segs[d], decoded)
+            lost = x.sub_(decoded)
+            if bool(torch.isfinite(lost).all()):
+                residual[d].copy_(lost)
+    sent = pairwise(group, timeout, send, recv)
+    out.copy_(rows[me])
+    for d in range(k):
+        if d != me:
+            codec.decode(recv[d], segs[me], out, add=True)
+    return sent
+
+
+# --------------------------------------------------------------------------------- memory
+class Memory:
+    """Error-feedback residuals of one comm: per bound module, one fp32 tensor per level of shape
+    ``(*rows, chunk)`` (the last dimension laid out like one rank's row of the module's buffer),
+    checkpointed per parameter name (that parameter's columns of every row).
+
+    ``state_dict()`` holds plain tensors, ints and strings (``torch.load(weights_only=True)``
+    accepts it): ``{"meta": {...}, "residuals": {"<level>/<param name>": Tensor[*rows, numel]},
+    "steps": {"<module>": int}}``.
+    """
+
+    def __init__(self) -> None:
+        self.layouts: dict[str, Layout] = {}
+        self.buffers: dict[str, dict[str, torch.Tensor]] = {}
+        self.steps: dict[str, int] = {}
+
+    def get(self, layout: Layout, level: str, rows: tuple[int, ...], device: torch.device,
+            width: int | None = None) -> torch.Tensor:
+        """The ``(*rows, width)`` residual of ``level`` (``width``: the row length, default the layout's
+        chunk; a wider row holds zero padding past the last parameter)."""
+        width = layout.chunk if width is None else width
+        store = self.buffers.setdefault(layout.key, {})
+        t = store.get(level)
+        if t is not None and tuple(t.shape[:-1]) == tuple(rows) and t.shape[-1] <= width:
+            if t.shape[-1] < width or t.device != device:
+                grown = torch.zeros(*rows, width, dtype=torch.float32, device=device)
+                grown[..., : t.shape[-1]] = t
+                t = store[level] = grown
+            return t
+        t = store[level] = torch.zeros(*rows, width, dtype=torch.float32, device=device)
+        return t
+
+    def state_dict(self, meta: dict) -> dict:
+        residuals = {}
+        for key, levels in self.buffers.items():
+            layout = self.layouts[key]
+            for level, t in levels.items():
+                for name, off, n in zip(layout.names, layout.offsets(), layout.numels):
+                    residuals[f"{level}/{name}"] = t[..., off: off + n].detach().clone().cpu()
+        return {"meta": dict(meta), "residuals": residuals, "steps": dict(self.steps)}
+
+    def load_state_dict(self, state: dict, meta: dict, where: str) -> None:
+        saved = state.get("meta", {})
+        if saved != meta:
+            diff = {k: (saved.get(k), meta.get(k)) for k in sorted(set(saved) | set(meta))
+                    if saved.get(k) != meta.get(k)}
+            raise ValueError(f"{where}: the checkpoint was taken with other settings ({diff}, saved vs now): "
+                             f"residuals do not transfer between world sizes, layouts or compressors; build a "
+                             f"fresh comm (a documented reset) or resume with the saved settings")
+        by_param = {}
+        for key, layout in self.layouts.items():
+            for name, off, n in zip(layout.names, layout.offsets(), layout.numels):
+                by_param[name] = (key, off, n)
+        new: dict[str, dict[str, torch.Tensor]] = {}
+        for full, t in state.get("residuals", {}).items():
+            level, _, name = full.partition("/")
+            if name not in by_param:
+                raise ValueError(f"{where}: the checkpoint holds a residual of parameter {name!r}, which no "
+                                 f"module registered with this comm has; register the same model first")
+            key, off, n = by_param[name]
+            if t.dim() < 1 or t.shape[-1] != n:
+                raise ValueError(f"{where}: residual {full!r} has shape {tuple(t.shape)}, expected (..., {n})")
+            buf = new.setdefault(key, {}).get(level)
+            if buf is None:
+                buf = new[key][level] = torch.zeros(*t.shape[:-1], self.layouts[key].chunk, dtype=torch.float32)
+            buf[..., off: off + n] = t
+        self.buffers = new
+        self.steps = {k: int(v) for k, v in state.get("steps", {}).items()}
+
+
+# --------------------------------------------------------------------------------- base
+@dataclass
+class _Site:
+    """What a comm knows about one process group FSDP calls it with."""
+
+    kind: str  # "full" (the topology's group), "node" (inside one node), "other"
+    ranks: tuple[int, ...]
+
+
+class CommBase:
+    """Topology, groups and bookkeeping shared by the reduce-scatter, all-gather and all-reduce comms.
+
+    A comm object is both usable directly (``module.set_custom_reduce_scatter(comm)``) and through
+    :func:`register`, which binds one view of it to every FSDP module (:meth:`bind`), so that
+    residuals are keyed by parameter name and quantization blocks follow parameter boundaries.
+    """
+
+    where = "fsdp"
+
+    def __init__(self, topology: Topology | None, timeout: float | None):
+        if topology is not None and not isinstance(topology, Topology):
+            raise TypeError(f"{self.where}: topology must be a commopt.comm.Topology or None (detected), got "
+                            f"{type(topology).__name__} {topology!r}; e.g. Topology.from_spec('2x2') once the "
+                            f"process group exists")
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or not timeout > 0):
+            raise ValueError(f"{self.where}: timeout must be a positive number of seconds or None, got {timeout!r}")
+        self.topology = topology
+        self.timeout = None if timeout is None or math.isinf(timeout) else float(timeout)
+        self.memory = Memory()
+        self._sites: dict[int, _Site] = {}
+        self._flat_topo: Topology | None = None
+        self._link_bytes = 0.0
+        self._link_cache: dict[tuple, float] = {}
+
+    # ----------------------------------------------------------------------------- topology
+    def resolve(self) -> Topology:
+        """The topology (over WORLD), detected once when none was given."""
+        if self.topology is None:
+            self.topology = context().topology(None, None, self.timeout)
+        topo = self.topology
+        if topo.group is not None and dist.get_world_size(topo.group) != dist.get_world_size():
+            raise TopologyError(f"{self.where}: the topology describes a subgroup of {topo.world_size} ranks; "
+                                f"FSDP comms need the topology of every rank (build it over WORLD)", op=self.where)
+        return topo
+
+    def flat_topology(self) -> Topology:
+        """All ranks as one node: the layout whose derived groups carry one-level exchanges."""
+        if self._flat_topo is None:
+            self._flat_topo = Topology.from_nodes([list(range(dist.get_world_size()))])
+        return self._flat_topo
+
+    def site(self, group) -> _Site:
+        """Classify ``group`` against the topology: the whole topology, inside one node, or other."""
+        s = self._sites.get(id(group))
+        if s is None:
+            topo = self.resolve()
+            ranks = tuple(dist.get_process_group_ranks(group))
+            world = tuple(topo.group_rank_to_global(r) for r in range(topo.world_size))
+            node_of = {topo.group_rank_to_global(r): i for i, node in enumerate(topo.nodes) for r in node}
+            if ranks == world:
+                kind = "full"
+            elif len({node_of.get(r, -1) for r in ranks}) == 1 and ranks[0] in node_of:
+                kind = "node"
+            else:
+                kind = "other"
+            s = self._sites[id(group)] = _Site(kind, ranks)
+        return s
+
+    def groups(self, role: str, topo: Topology | None = None):
+        return context().groups(topo or self.resolve(), role, self.timeout)
+
+    # ----------------------------------------------------------------------------- bookkeeping
+    def add_link_bytes(self, key: tuple, compute) -> None:
+        """Add the busiest node link's bytes of one call (``compute()`` -> Traffic, cached by ``key``)."""
+        v = self._link_cache.get(key)
+        if v is None:
+            v = self._link_cache[key] = float(compute().link_bytes())
+        self._link_bytes += v
+
+    def link_bytes(self) -> float:
+        """Bytes the busiest node link carried (one direction) in this comm's calls so far, from the
+        algorithms' ``traffic()`` of what each call ran (the same on every rank)."""
+        return self._link_bytes
+
+    def reset_link_bytes(self) -> None:
+        self._link_bytes = 0.0
+
+    def run(self, phases: list[Phase], op: str, device: torch.device) -> None:
+        """Run phases through the comm engine (their bytes counted under ``op``) and wait."""
+        fut = context().engine().submit(phases, op=op, device=device, blocking=True)
+        wait(fut, None, op=op)
+
+    def check_finite(self, x: torch.Tensor, what: str) -> None:
+        """``check_finite=True``: agree on every rank whether any rank's input holds NaN/Inf (one small
+        all-gather over WORLD on a group of its own) and raise ``NonFiniteError`` on every rank if so."""
+        bad = torch.tensor([0 if bool(torch.isfinite(x).all()) else 1], dtype=torch.int64)
+        g = self.groups("fsdp-check", self.flat_topology()).intra
+        flags = torch.zeros(dist.get_world_size(), dtype=torch.int64)
+
+        def gather() -> int:
+            from ..algorithms._transport import wait_work
+
+            wait_work(dist.all_gather_into_tensor(flags, bad, group=g, async_op=True), self.timeout)
+            return 8 * (dist.get_world_size() - 1)
+
+        self.run([Phase("check_finite", gather, g)], f"fsdp/{what}/check", x.device)
+        ranks = [r for r, f in enumerate(flags.tolist()) if f]
+        if ranks:
+            raise NonFiniteError(f"{what}: ranks {ranks} hold NaN/Inf in their gradients (check_finite=True); "
+                                 f"no residual was changed; skip the step (e.g. lower the loss scale) and go on",
+                                 op=f"fsdp/{what}", ranks=ranks)
+
+
+@dataclass
+class Bound:
+    """One comm bound to one FSDP module by :func:`register` (its layout and parameter group)."""
+
+    layout: Layout
+    param_group: object = field(default=None, repr=False)

@@ -1,0 +1,189 @@
+"""``AllGatherComm``: FSDP2's parameter all-gather through commopt's algorithms (DESIGN 3).
+
+Exact (``compressor=None``): ``flat`` is the group's own all-gather; ``hierarchical`` is
+``algorithms.hierarchical`` ((1) all-gather inter-node along the rail, 1/L of the final data per
+rank crossing the node link, (2) all-gather intra-node, (3) permute the blocks into rank order);
+``auto`` asks the cost model and falls back to flat where the hierarchy does not apply.
+
+Quantized (ZeRO++'s qwZ, ``compressor=QuantizeCompressor(bits=8)``): (1) this rank quantizes its
+shard once (per-block scales, blocks restarting at every parameter, round to nearest), (2) the byte
+payloads are all-gathered with the same algorithm objects (hierarchical: the rail first, so only
+codes and scales cross the node link), (3) every rank dequantizes every shard, its own included.
+
+Which all-gathers are quantized, and why:
+
+- every all-gather over the whole topology: forward's, and backward's when FSDP re-gathers the
+  parameters over the whole group (``reshard_after_forward=True``). Rounding is deterministic and
+  every rank decodes the same bytes, so all ranks hold identical parameters and backward sees
+  exactly the weights forward used;
+- never one over a group inside one node: that is hpZ's post-forward group
+  (``reshard_after_forward=L``), whose shards are pieces of the parameters forward already
+  dequantized. The comm recognises such a group and runs the plain exact exchange: there is no node
+  link to spare, and quantizing again would compound the error. So with hpZ, forward's all-gather is
+  quantized and backward's is exact and never leaves the node;
+- never one of a non-floating buffer (FSDP gathers bytes when a module mixes parameter dtypes).
+
+The optimizer always updates the exact fp32 shards: only the gathered compute copy is lossy.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
+
+from .. import algorithms
+from ..algorithms._transport import exchange_all_gather, prepare
+from ..collectives import select_algorithm
+from ..compression import Compressor
+from ..engine import Phase, wait
+from ..runtime import context
+from ..topology import Topology
+from ._common import Bound, Codec, CommBase, done_work
+from .reduce_scatter import check_algorithm, check_compressor
+
+__all__ = ["AllGatherComm"]
+
+
+class AllGatherComm(CommBase, AllGather):
+    """torch's ``AllGather`` comm protocol (``FSDPModule.set_custom_all_gather``) on commopt's
+    algorithms, exact or qwZ-quantized (see the module docstring for which calls are quantized).
+
+    Args:
+        topology: the layout of every rank (None: detected once).
+        algorithm: ``"auto"``, ``"flat"`` or ``"hierarchical"``.
+        compressor: None (exact) or ``QuantizeCompressor(bits=8)`` (bits=4 is accepted; weights
+            lose more than gradients do at 4 bits).
+        timeout: seconds each transfer may take before ``CommTimeoutError`` (None: the group's own).
+    """
+
+    where = "AllGatherComm"
+
+    def __init__(self, topology: Topology | None = None, algorithm: str = "auto",
+                 compressor: Compressor | None = None, *, timeout: float | None = None):
+        super().__init__(topology, timeout)
+        self.algorithm = check_algorithm(self.where, algorithm)
+        self.compressor = check_compressor(self.where, compressor, "all-gather")
+        self.codec = Codec(self.compressor.bits, self.compressor.block) if self.compressor is not None else None
+
+    @property
+    def name(self) -> str:
+        return self.algorithm if self.compressor is None else f"int{self.compressor.bits}"
+
+    # ----------------------------------------------------------------------------- protocol
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 async_op: bool = False):
+        return self.gather(output_tensor, input_tensor, group, async_op, None)
+
+    def bind(self, bound: Bound) -> _Bound:
+        return _Bound(self, bound)
+
+    # ----------------------------------------------------------------------------- dispatch
+    def gather(self, output: torch.Tensor, input: torch.Tensor, group, async_op: bool, bound: Bound | None):
+        world = group.size()
+        if output.numel() != world * input.numel():
+            raise ValueError(f"{self.where}: output has {output.numel()} elements, expected world_size ({world}) x "
+                             f"input ({input.numel()})")
+        if world == 1:
+            output.detach().view(-1).copy_(input.detach().reshape(-1))
+            return done_work(async_op)
+        site = self.site(group)
+        if self.compressor is not None and site.kind == "full" and input.is_floating_point():
+            self._quantized(output, input, group, bound)
+        else:
+            self._exact(output, input, group, site.kind)
+        return done_work(async_op)
+
+    def choose(self, nbytes: int) -> str:
+        if self.algorithm == "flat":
+            return "flat"
+        return select_algorithm("all_gather", self.algorithm, nbytes, self.resolve(), self.timeout)
+
+    def _start(self, out: torch.Tensor, src: torch.Tensor, group, tag: str) -> None:
+        """All-gather ``src`` into ``out`` (both 1-D, contiguous) over the whole topology."""
+        topo, ctx = self.resolve(), context()
+        nbytes = out.numel() * out.element_size()
+        algo = self.choose(nbytes)
+        if algo != "flat":
+            ctx.prepare(topo, (algo,), self.timeout)
+        p, _ = prepare(out, "sum", group.size())
+        impl = algorithms.get(algo)
+        call = algorithms.Call("all_gather", p, None, group, topo if algo != "flat" else None, self.timeout, True,
+                               ctx, 1, src)
+        wait(impl.start(call), None, op=f"all_gather/{algo}")
+        self.add_link_bytes((tag, algo, nbytes, out.element_size()),
+                            lambda: impl.traffic("all_gather", nbytes, topo, itemsize=out.element_size()))
+
+    # ----------------------------------------------------------------------------- exact
+    def _exact(self, output: torch.Tensor, input: torch.Tensor, group, kind: str) -> None:
+        target = output.detach()
+        work = target.view(-1) if target.is_contiguous() else torch.empty(target.numel(), dtype=target.dtype,
+                                                                          device=target.device)
+        src = input.detach().reshape(-1)
+        if kind == "full":
+            self._start(work, src, group, "ag")
+        elif kind == "node":
+            self.run([Phase("all_gather_node", lambda: exchange_all_gather(work, src, group, self.timeout), group)],
+                     "fsdp/all_gather/node", src.device)
+        else:
+            ctx = context()
+            p, _ = prepare(work, "sum", group.size())
+            call = algorithms.Call("all_gather", p, None, group, None, self.timeout, True, ctx, 1, src)
+            wait(algorithms.get("flat").start(call), None, op="all_gather/flat")
+        if work.data_ptr() != target.data_ptr():
+            target.copy_(work.view(target.shape))
+
+    # ----------------------------------------------------------------------------- quantized
+    def _quantized(self, output: torch.Tensor, input: torch.Tensor, group, bound: Bound | None) -> None:
+        world, chunk = group.size(), input.numel()
+        numels = bound.layout.numels if bound is not None and bound.layout.chunk == chunk else (chunk,)
+        segs = [n for n in numels if n]
+        codec = self.codec
+        nbytes = codec.nbytes(segs)
+        src = input.detach().reshape(-1)
+        payload = torch.empty(nbytes, dtype=torch.uint8, device=src.device)
+        # Round to nearest: the same shard encodes to the same bytes in forward and in backward.
+        codec.encode(src if src.dtype == torch.float32 else src.float(), segs, payload)
+        gathered = torch.empty(world * nbytes, dtype=torch.uint8, device=src.device)
+        self._start(gathered, payload, group, "qag")
+        rows = gathered.view(world, nbytes)
+        out = output.detach().view(world, chunk)
+        for b in range(world):
+            codec.decode(rows[b], segs, out[b])
+
+    # ----------------------------------------------------------------------------- model
+    def traffic(self, nbytes: float, topology: Topology | None = None, *, itemsize: int = 4,
+                segments: list[int] | None = None) -> algorithms.Traffic:
+        """What one call over the whole topology moves; ``nbytes``: the gathered (world, chunk) output
+        in bytes of ``itemsize``. Quantized: the algorithm's traffic of the byte payloads."""
+        topo = topology if topology is not None else self.resolve()
+        two = self.algorithm != "flat" and topo.is_uniform and topo.num_nodes > 1 and topo.local_size > 1
+        algo = "hierarchical" if two else "flat"
+        if self.compressor is None:
+            return algorithms.get(algo).traffic("all_gather", nbytes, topo, itemsize=itemsize)
+        chunk = int(nbytes // itemsize) // topo.world_size
+        payload = self.codec.nbytes(list(segments) if segments is not None else [chunk])
+        return algorithms.get(algo).traffic("all_gather", payload * topo.world_size, topo, itemsize=1)
+
+    def __repr__(self) -> str:
+        return f"AllGatherComm(algorithm={self.algorithm!r}, compressor={self.compressor!r})"
+
+
+class _Bound(AllGather):
+    """An :class:`AllGatherComm` bound to one FSDP module (set by :func:`register`)."""
+
+    def __init__(self, comm: AllGatherComm, bound: Bound):
+        self.comm, self.bound = comm, bound
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return self.comm.allocate(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 async_op: bool = False):
+        return self.comm.gather(output_tensor, input_tensor, group, async_op, self.bound)
+
+    def __repr__(self) -> str:
+        return f"{self.comm!r} bound to {self.bound.layout.key or '<root>'!r}"

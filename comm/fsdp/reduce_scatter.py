@@ -1,0 +1,335 @@
+"""``ReduceScatterComm``: FSDP2's gradient reduce-scatter through commopt's algorithms (DESIGN 3).
+
+Exact (``compressor=None``) calls are one more consumer of the algorithm objects: ``flat`` is the
+group's own reduce-scatter, ``hierarchical`` is ``algorithms.hierarchical`` ((1) permute the blocks
+so that each rail's blocks are contiguous, (2) reduce-scatter intra-node, (3) reduce-scatter
+inter-node along the rail on 1/L of the data), ``auto`` asks the cost model and falls back to flat
+where the hierarchy does not apply (one level, or nodes of unequal size such as 2+1).
+
+Quantized calls (``compressor=QuantizeCompressor(bits=4 | 8)``) follow ZeRO++'s qgZ, with every sum
+in fp32 (never an integer sum, never a sum in the reduce dtype):
+
+(1) quantize, per destination, the chunk that destination reduces (per-block scales, blocks
+    restarting at every parameter's segment), with this rank's error-feedback residual added;
+(2) intra-node all-to-all of the codes (pairwise transfers);
+(3) dequantize and sum in fp32 with this rank's own chunk (which never left it, so it stays exact);
+(4) requantize that partial sum per rail peer, (5) inter-node all-to-all along the rail,
+(6) dequantize and sum in fp32; scale (AVG / PREMUL_SUM) and cast to the reduce dtype.
+
+Where the hierarchy does not apply (one level, 2+1, ``algorithm="flat"``) steps (1)-(3) run once over
+all ranks. Error feedback (default) keeps, per parameter name, the residual of every quantization
+this rank performs (level 1: the chunks it sends; level 2: the partial sums it sends) and rounds to
+nearest; without it rounding is stochastic (unbiased) and nothing is kept. A group that lies inside
+one node (native HSDP's shard group) runs the plain exact exchange; any other group the group's own
+reduce-scatter.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ReduceOp
+from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+
+from .. import algorithms
+from ..algorithms._transport import exchange_reduce_scatter, prepare
+from ..algorithms.hierarchical import rail_order
+from ..collectives import select_algorithm
+from ..compression import Compressor, QuantizeCompressor
+from ..engine import Phase, wait
+from ..runtime import context
+from ..topology import Topology
+from ._common import LOW_PRECISION, Bound, Codec, CommBase, Layout, done_work, quantized_exchange, reduction
+
+__all__ = ["ReduceScatterComm", "check_algorithm", "check_compressor"]
+
+_ALGORITHMS = ("auto", "flat", "hierarchical")
+
+
+def check_algorithm(where: str, algorithm) -> str:
+    if not isinstance(algorithm, str) or algorithm not in _ALGORITHMS:
+        raise ValueError(f"{where}: algorithm {algorithm!r} is not supported; use 'auto', 'flat' or 'hierarchical'")
+    return algorithm
+
+
+def check_compressor(where: str, compressor, role: str) -> QuantizeCompressor | None:
+    """The compressor of a reduce-scatter or all-gather: None or a ``QuantizeCompressor``."""
+    if compressor is None or isinstance(compressor, QuantizeCompressor):
+        return compressor
+    if isinstance(compressor, Compressor):
+        hint = ("for a bf16/fp16 reduction use MixedPrecisionPolicy(reduce_dtype=...) instead"
+                if compressor.name in ("fp16", "bf16") else
+                "its payloads cannot be reduce-scattered or gathered block by block (PowerSGD needs whole "
+                "matrices and two all-reduces, top-k/sign payloads are not split by destination); use it "
+                "across nodes in HSDP with AllReduceHook")
+        raise TypeError(f"{where}: {type(compressor).__name__} cannot serve a {role}: {hint}; pass "
+                        f"compressor=QuantizeCompressor(bits=8 or 4) or None")
+    raise TypeError(f"{where}: compressor must be None or a commopt.comm.compression.QuantizeCompressor, got "
+                    f"{type(compressor).__name__} {compressor!r}")
+
+
+class ReduceScatterComm(CommBase, ReduceScatter):
+    """torch's ``ReduceScatter`` comm protocol (``FSDPModule.set_custom_reduce_scatter``) on commopt's
+    algorithms, exact or qgZ-quantized (see the module docstring for the phases).
+
+    Use it through :func:`commopt.comm.fsdp.register`, which binds it to every FSDP module of a tree
+    (quantization blocks then follow parameter boundaries and residuals are keyed by parameter name);
+    set directly on a module it runs unbound: blocks over the whole chunk, stochastic rounding and no
+    residuals.
+
+    Args:
+        topology: the layout of every rank (None: detected once).
+        algorithm: ``"auto"``, ``"flat"`` or ``"hierarchical"`` (quantized: two levels where the
+            hierarchy applies, else one).
+        compressor: None (exact) or ``QuantizeCompressor(bits=8 | 4, block=...)``; any other
+            compressor is a ``TypeError`` (FAULTS 33).
+        error_feedback: with a compressor, keep residuals per parameter name and round to nearest;
+            False rounds stochastically (unbiased) and keeps nothing.
+        seed: seeds stochastic rounding, the same on every rank.
+        check_finite: agree across ranks (one small all-gather) whether any rank's gradients hold
+            NaN/Inf and raise ``NonFiniteError`` on every rank; by default NaN/Inf propagate (into
+            their quantization block of the reduced shard) and residuals are left as they were.
+        timeout: seconds each transfer may take before ``CommTimeoutError`` (None: the group's own).
+
+    Raises:
+        TypeError, ValueError: a bad argument, at construction.
+    """
+
+    where = "ReduceScatterComm"
+
+    def __init__(self, topology: Topology | None = None, algorithm: str = "auto",
+                 compressor: Compressor | None = None, *, error_feedback: bool = True, seed: int = 0,
+                 check_finite: bool = False, timeout: float | None = None):
+        super().__init__(topology, timeout)
+        self.algorithm = check_algorithm(self.where, algorithm)
+        self.compressor = check_compressor(self.where, compressor, "reduce-scatter")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise TypeError(f"{self.where}: seed must be an int (the same on every rank), got {seed!r}")
+        self.error_feedback = bool(error_feedback) and self.compressor is not None
+        self.seed = seed
+        self.finite_check = bool(check_finite)
+        self.codec = Codec(self.compressor.bits, self.compressor.block) if self.compressor is not None else None
+
+    @property
+    def name(self) -> str:
+        if self.compressor is None:
+            return self.algorithm
+        return f"int{self.compressor.bits}" + ("+ef" if self.error_feedback else "")
+
+    # ----------------------------------------------------------------------------- protocol
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 op=ReduceOp.SUM, async_op: bool = False):
+        return self.reduce(output_tensor, input_tensor, group, op, async_op, None)
+
+    def bind(self, bound: Bound) -> _Bound:
+        """The view of this comm that :func:`register` sets on one FSDP module."""
+        self.memory.layouts[bound.layout.key] = bound.layout
+        return _Bound(self, bound)
+
+    # ----------------------------------------------------------------------------- dispatch
+    def reduce(self, output: torch.Tensor, input: torch.Tensor, group, op, async_op: bool, bound: Bound | None):
+        world = group.size()
+        scale, _ = reduction(op, world)
+        if world == 1:
+            output.copy_(input.view_as(output) * scale if scale != 1 else input.view_as(output))
+            return done_work(async_op)
+        if input.numel() != world * output.numel():
+            raise ValueError(f"{self.where}: input has {input.numel()} elements, expected world_size ({world}) x "
+                             f"output ({output.numel()})")
+        site = self.site(group)
+        if self.finite_check:
+            self.check_finite(input, "reduce_scatter")
+        if self.compressor is not None and site.kind == "full" and input.is_floating_point():
+            self._quantized(output, input, bound, scale)
+        else:
+            self._exact(output, input, group, site.kind, scale)
+        return done_work(async_op)
+
+    def choose(self, nbytes: int) -> str:
+        """The exact algorithm of a call over the whole topology (``auto``: the cost model's pick)."""
+        if self.algorithm == "flat":
+            return "flat"
+        return select_algorithm("reduce_scatter", self.algorithm, nbytes, self.resolve(), self.timeout)
+
+    def two_level(self) -> bool:
+        """Whether quantized calls run qgZ's two levels (uniform nodes, both levels > 1 rank)."""
+        topo = self.resolve()
+        return (self.algorithm != "flat" and topo.is_uniform and topo.num_nodes > 1 and topo.local_size > 1)
+
+    # ----------------------------------------------------------------------------- exact
+    def _exact(self, output: torch.Tensor, input: torch.Tensor, group, kind: str, scale: float) -> None:
+        world = group.size()
+        src = input.detach().reshape(-1)
+        post = scale
+        if scale != 1 and src.dtype in LOW_PRECISION:
+            # Low precision scales before the sum (FSDP's own rule for fp16; AVG in bf16 likewise).
+            src, post = src * scale, 1.0
+        target = output.detach()
+        work = target if target.is_contiguous() else torch.empty(target.shape, dtype=target.dtype,
+                                                                 device=target.device)
+        p, red = prepare(work, "sum", world)
+        nbytes = src.numel() * src.element_size()
+        ctx = context()
+        if kind == "full":
+            topo = self.resolve()
+            algo = self.choose(nbytes)
+            if algo != "flat":
+                ctx.prepare(topo, (algo,), self.timeout)
+            impl = algorithms.get(algo)
+            call = algorithms.Call("reduce_scatter", p, red, group, topo if algo != "flat" else None, self.timeout,
+                                   True, ctx, 1, src)
+            wait(impl.start(call), None, op=f"reduce_scatter/{algo}")
+            self.add_link_bytes(("rs", algo, nbytes, src.element_size()),
+                                lambda: impl.traffic("reduce_scatter", nbytes, topo, itemsize=src.element_size()))
+        elif kind == "node":
+            self.run([Phase("reduce_scatter_node",
+                            lambda: exchange_reduce_scatter(p.flat, src, ReduceOp.SUM, group, self.timeout), group)],
+                     "fsdp/reduce_scatter/node", src.device)
+        else:
+            call = algorithms.Call("reduce_scatter", p, red, group, None, self.timeout, True, ctx, 1, src)
+            wait(algorithms.get("flat").start(call), None, op="reduce_scatter/flat")
+        if post != 1:
+            work.mul_(post)
+        if work is not target:
+            target.copy_(work)
+
+    # ----------------------------------------------------------------------------- quantized
+    def _quantized(self, output: torch.Tensor, input: torch.Tensor, bound: Bound | None, scale: float) -> None:
+        topo = self.resolve()
+        world = topo.world_size
+        chunk = input.numel() // world
+        layout = bound.layout if bound is not None else Layout("", ("<chunk>",), (chunk,))
+        if chunk != layout.chunk:
+            raise ValueError(
+                f"{self.where}: FSDP module {layout.key or '<root>'!r} reduce-scatters {chunk} elements per rank "
+                f"but its parameters hold {layout.chunk}: a parameter got no gradient this step; "
+                f"commopt.comm.fsdp.register turns on set_reduce_scatter_unused_params(True) for quantized "
+                f"comms, keep it on")
+        ef = self.error_feedback and bound is not None
+        step = self.memory.steps.get(layout.key, 0)
+        self.memory.steps[layout.key] = step + 1
+        segs = [n for n in layout.numels if n]
+        x = input.detach().reshape(world, chunk)
+        x32 = x if x.dtype == torch.float32 else x.float()
+        out32 = torch.empty(chunk, dtype=torch.float32, device=input.device)
+        bits = self.compressor.bits
+        if self.two_level():
+            local, nodes = topo.local_size, topo.num_nodes
+            order = torch.tensor(rail_order(topo), device=input.device)
+            staged = x32.index_select(0, order).view(local, nodes * chunk)
+            mid = torch.empty(nodes * chunk, dtype=torch.float32, device=input.device)
+            intra = self.groups("fsdp-qrs-intra").intra
+            rail = self.groups("fsdp-qrs-rail").rail
+            # Level 1's rows hold the chunks of a rail's N ranks side by side; level 2's one rank each.
+            r1 = self.memory.get(layout, "level1", (local, nodes), input.device).view(local, -1) if ef else None
+            r2 = self.memory.get(layout, "level2", (nodes,), input.device) if ef else None
+            self._level(staged, mid, intra, topo.local_rank, segs * nodes, r1, (layout.key, "intra"), step,
+                        f"fsdp/reduce_scatter/int{bits}/intra", not ef)
+            self._level(mid.view(nodes, chunk), out32, rail, dist.get_rank(rail), segs, r2, (layout.key, "rail"),
+                        step, f"fsdp/reduce_scatter/int{bits}/inter", not ef)
+        else:
+            g = self.groups("fsdp-qrs-flat", self.flat_topology()).intra
+            r = self.memory.get(layout, "level1", (world,), input.device) if ef else None
+            self._level(x32, out32, g, dist.get_rank(g), segs, r, (layout.key, "flat"), step,
+                        f"fsdp/reduce_scatter/int{bits}/flat", not ef)
+        self.add_link_bytes(("qrs", tuple(segs)), lambda: self.traffic(world * chunk * 4, segments=segs))
+        if scale != 1:
+            out32.mul_(scale)
+        output.detach().view(-1).copy_(out32)
+
+    def _level(self, inp: torch.Tensor, out: torch.Tensor, group, me: int, segs: list[int],
+               residual: torch.Tensor | None, tag: tuple, step: int, op: str, stochastic: bool) -> None:
+        """One all-to-all level through the engine: row d of ``inp`` goes, quantized, to member d."""
+        k = inp.shape[0]
+        rows = list(inp.unbind(0))
+        res = list(residual.unbind(0)) if residual is not None else None
+
+        def exchange() -> int:
+            return quantized_exchange(self.codec, rows, [segs] * k, out, me, group, residual=res,
+                                      seed=(self.seed, *tag), step=step, stochastic=stochastic, timeout=self.timeout)
+
+        self.run([Phase("all_to_all", exchange, group)], op, inp.device)
+
+    # ----------------------------------------------------------------------------- model
+    def traffic(self, nbytes: float, topology: Topology | None = None, *, itemsize: int = 4,
+                segments: list[int] | None = None) -> algorithms.Traffic:
+        """What one call moves: ``nbytes`` is the whole (world, chunk) input in bytes of ``itemsize``.
+
+        Exact: the chosen algorithm's ``traffic()``. Quantized: the codes and scales of every level
+        (``segments``: the parameter segments of one rank's chunk; None: one segment), which is what
+        the engine counts on each rank.
+        """
+        topo = topology if topology is not None else self.resolve()
+        if self.compressor is None:
+            algo = self.choose(int(nbytes)) if topology is None else (
+                "hierarchical" if self.algorithm != "flat" and topo.is_uniform and topo.num_nodes > 1
+                and topo.local_size > 1 else "flat")
+            return algorithms.get(algo).traffic("reduce_scatter", nbytes, topo, itemsize=itemsize)
+        world = topo.world_size
+        chunk = int(nbytes // itemsize) // world
+        segs = list(segments) if segments is not None else [chunk]
+        t = algorithms.Traffic(topo)
+        two = self.algorithm != "flat" and topo.is_uniform and topo.num_nodes > 1 and topo.local_size > 1
+        if not two:
+            p = self.codec.nbytes(segs)
+            for a in range(world):
+                for b in range(world):
+                    t.add(a, b, p)
+            return t
+        p1, p2 = self.codec.nbytes(segs * topo.num_nodes), self.codec.nbytes(segs)
+        for node in topo.nodes:
+            for a in node:
+                for b in node:
+                    t.add(a, b, p1)
+        for j in range(topo.local_size):
+            rail = sorted(node[j] for node in topo.nodes)
+            for a in rail:
+                for b in rail:
+                    t.add(a, b, p2)
+        return t
+
+    # ----------------------------------------------------------------------------- state
+    def _meta(self) -> dict:
+        topo = self.resolve()
+        return {"world_size": topo.world_size, "layout": topo.layout, "algorithm": self.algorithm,
+                "bits": self.compressor.bits if self.compressor else 0,
+                "block": self.compressor.block if self.compressor else 0, "error_feedback": self.error_feedback,
+                "two_level": self.two_level()}
+
+    def state_dict(self) -> dict:
+        """Residuals per parameter name and step counters (``torch.load(weights_only=True)`` loads it)."""
+        return self.memory.state_dict(self._meta())
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict` (after :func:`register` bound the same model); training then
+        continues bit-identically on CPU.
+
+        Raises:
+            ValueError: the checkpoint's world size, layout or compressor settings differ (residuals do
+                not transfer: build a fresh comm, a documented reset), or it names unknown parameters.
+        """
+        self.memory.load_state_dict(state, self._meta(), self.where)
+
+    def __repr__(self) -> str:
+        return (f"ReduceScatterComm(algorithm={self.algorithm!r}, compressor={self.compressor!r}, "
+                f"error_feedback={self.error_feedback})")
+
+
+class _Bound(ReduceScatter):
+    """A :class:`ReduceScatterComm` bound to one FSDP module (set by :func:`register`)."""
+
+    def __init__(self, comm: ReduceScatterComm, bound: Bound):
+        self.comm, self.bound = comm, bound
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return self.comm.allocate(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 op=ReduceOp.SUM, async_op: bool = False):
+        return self.comm.reduce(output_tensor, input_tensor, group, op, async_op, self.bound)
+
+    def __repr__(self) -> str:
+        return f"{self.comm!r} bound to {self.bound.layout.key or '<root>'!r}"

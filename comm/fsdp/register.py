@@ -1,0 +1,347 @@
+"""``register``: commopt's comms on every FSDP module of a tree, validated first; ``shard`` and
+``shard_hsdp``: a model sharded with the ZeRO++ recipe or as compressed HSDP in one call.
+
+``register`` checks everything on every rank before it sets anything (FAULTS 33): a module with more
+than one parameter group (torch's custom comms serve one), a mesh that is not the topology's (FSDP
+sharding over ranks that are neither the topology's group nor one node; for the HSDP hook, not this
+rank's node), a topology the algorithm cannot run on (``hierarchical`` on 2+1), a compressor that
+cannot serve the collective (``TypeError`` at the comm's construction, or here for a bare
+compressor), ranks that disagree on the model or the comms. The ranks agree on the verdict with one
+small all-gather, so a problem found on one rank is an error on every rank, before any training
+step. Then every process group and the cost model the comms need are created, collectively, and
+one view of each comm is bound to every module (its parameters' names and padded shard sizes).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from .. import cost
+from ..compression import Compressor, QuantizeCompressor
+from ..errors import TopologyError
+from ..runtime import context
+from ..topology import Topology
+from ._common import Bound, Layout
+from .all_gather import AllGatherComm
+from .hsdp import AllReduceHook
+from .reduce_scatter import ReduceScatterComm
+
+__all__ = ["register", "shard", "shard_hsdp", "Comms"]
+
+_WHERE = "fsdp.register"
+
+
+@dataclass
+class Comms:
+    """The comms :func:`shard` / :func:`shard_hsdp` registered; checkpoint them with the model."""
+
+    reduce_scatter: ReduceScatterComm | None = None
+    all_gather: AllGatherComm | None = None
+    all_reduce: AllReduceHook | None = None
+
+    def _stateful(self) -> dict:
+        return {k: v for k, v in (("reduce_scatter", self.reduce_scatter), ("all_reduce", self.all_reduce))
+                if v is not None}
+
+    def state_dict(self) -> dict:
+        """Error-feedback residuals per parameter name (``torch.load(weights_only=True)`` loads it)."""
+        return {k: v.state_dict() for k, v in self._stateful().items()}
+
+    def load_state_dict(self, state: dict) -> None:
+        for k, v in self._stateful().items():
+            if k in state:
+                v.load_state_dict(state[k])
+
+    def link_bytes(self) -> float:
+        """Bytes the busiest node link carried (one direction) in all calls so far."""
+        return sum(c.link_bytes() for c in (self.reduce_scatter, self.all_gather, self.all_reduce) if c is not None)
+
+    def reset_link_bytes(self) -> None:
+        for c in (self.reduce_scatter, self.all_gather, self.all_reduce):
+            if c is not None:
+                c.reset_link_bytes()
+
+
+# --------------------------------------------------------------------------------- register
+def register(fsdp_module: nn.Module, *, reduce_scatter: ReduceScatterComm | None = None,
+             all_gather: AllGatherComm | None = None, all_reduce: AllReduceHook | None = None) -> None:
+    """Set commopt's comms on every FSDP module of the tree rooted at ``fsdp_module``.
+
+    Call it on every rank after ``fully_shard`` and before the first step::
+
+        fsdp.register(model, reduce_scatter=fsdp.ReduceScatterComm(algorithm="hierarchical"),
+                      all_gather=fsdp.AllGatherComm(algorithm="hierarchical"))
+
+    Args:
+        fsdp_module: the root of ``fully_shard``-ed modules.
+        reduce_scatter: the gradient reduce-scatter (``set_custom_reduce_scatter``).
+        all_gather: the parameter all-gather (``set_custom_all_gather``).
+        all_reduce: the compressed HSDP hook (``set_all_reduce_hook``), for 1-D FSDP over each node.
+
+    Raises:
+        TypeError: an argument of the wrong type (a bare compressor: wrap it in a comm).
+        ValueError: a module with more than one parameter group, or ranks that disagree on the model
+            or the comms; on every rank, before anything is set.
+        TopologyError: a mesh that is not the topology's, or a topology the comm cannot run on; on
+            every rank, before anything is set.
+    """
+    _check_types(fsdp_module, reduce_scatter, all_gather, all_reduce)
+    comms = [c for c in (reduce_scatter, all_gather, all_reduce) if c is not None]
+    topos = [c.resolve() for c in comms]  # detection is collective: the same order on every rank
+    topo = topos[0]
+    problems: list[tuple[type, str]] = []
+    if any(t.layout != topo.layout for t in topos):
+        problems.append((TopologyError, f"the comms were given different topologies "
+                                        f"({[t.layout for t in topos]}); give them one"))
+    names = {id(p): n for n, p in fsdp_module.named_parameters()}
+    plans = []
+    for key, module in fsdp_module.named_modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        groups = list(module._get_fsdp_state()._fsdp_param_groups)
+        if len(groups) > 1:
+            problems.append((ValueError, f"module {key or '<root>'!r} has {len(groups)} parameter groups (per-"
+                                         f"parameter meshes from shard_placement_fn); torch's custom comms and "
+                                         f"hooks serve one group per module: shard it over one mesh"))
+            continue
+        if not groups:
+            continue
+        pg = groups[0]
+        layout = Layout(key, tuple(names.get(id(fp.sharded_param), f"{key}.<param{i}>")
+                                   for i, fp in enumerate(pg.fsdp_params)),
+                        tuple(fp.padded_sharded_param_size.numel() for fp in pg.fsdp_params))
+        problems += _check_mesh(key or "<root>", pg, topo, reduce_scatter, all_gather, all_reduce)
+        plans.append((module, Bound(layout, pg)))
+    for comm in (reduce_scatter, all_gather):
+        if comm is not None and comm.algorithm == "hierarchical" and not topo.is_uniform:
+            problems.append((TopologyError, f"{comm.where}(algorithm='hierarchical') needs nodes of equal size, "
+                                            f"got {[len(n) for n in topo.nodes]} ({topo.layout}); use "
+                                            f"algorithm='auto', which falls back to flat there"))
+    if all_reduce is not None and not topo.is_uniform:
+        problems.append((TopologyError, f"AllReduceHook (HSDP) needs nodes of equal size, got "
+                                        f"{[len(n) for n in topo.nodes]} ({topo.layout})"))
+    fingerprint = repr([topo.layout] + [repr(c) for c in comms] + [(b.layout.key, b.layout.numels) for _, b in plans])
+    _agree(problems, fingerprint)
+    _prepare(topo, reduce_scatter, all_gather, all_reduce)
+    for module, bound in plans:
+        if reduce_scatter is not None:
+            module.set_custom_reduce_scatter(reduce_scatter.bind(bound))
+        if all_gather is not None:
+            module.set_custom_all_gather(all_gather.bind(bound))
+        if all_reduce is not None:
+            module.set_all_reduce_hook(all_reduce.bind(bound))
+        keyed = ((reduce_scatter is not None and reduce_scatter.compressor is not None)
+                 or (all_reduce is not None and all_reduce.error_feedback))
+        if keyed and hasattr(module, "set_reduce_scatter_unused_params"):
+            # A parameter without a gradient would drop out of FSDP's flat buffer and shift every
+            # later parameter's blocks and residuals: reduce zeros for it instead (as DDP's
+            # find_unused_parameters does), so the layout is the same every step.
+            module.set_reduce_scatter_unused_params(True, recurse=False)
+
+
+def _check_types(root, rs, ag, ar) -> None:
+    if not isinstance(root, FSDPModule):
+        raise TypeError(f"{_WHERE}: {type(root).__name__} is not an FSDP2 module; call "
+                        f"torch.distributed.fsdp.fully_shard on it (and its blocks) first")
+    for name, value, cls in (("reduce_scatter", rs, ReduceScatterComm), ("all_gather", ag, AllGatherComm),
+                             ("all_reduce", ar, AllReduceHook)):
+        if value is None or isinstance(value, cls):
+            continue
+        if isinstance(value, Compressor):
+            serves = name == "all_reduce" or isinstance(value, QuantizeCompressor)
+            what = "is a compressor, not a comm" if serves else "cannot serve a reduce-scatter"
+            raise TypeError(f"{_WHERE}: {name}={type(value).__name__}(...) {what}; pass {name}="
+                            f"{cls.__name__}(compressor=...) (reduce-scatter and all-gather take QuantizeCompressor)")
+        raise TypeError(f"{_WHERE}: {name} must be a commopt.comm.fsdp.{cls.__name__} or None, got "
+                        f"{type(value).__name__}")
+    if rs is None and ag is None and ar is None:
+        raise ValueError(f"{_WHERE}: nothing to register; pass reduce_scatter=, all_gather= or all_reduce=")
+
+
+def _check_mesh(key: str, pg, topo: Topology, rs, ag, ar) -> list[tuple[type, str]]:
+    out: list[tuple[type, str]] = []
+    info = pg.mesh_info
+    shard_group = getattr(info, "shard_process_group", None)
+    native_replicate = getattr(info, "replicate_process_group", None) is not None
+    if shard_group is None:
+        return [(TopologyError, f"module {key!r} is not sharded (a replicate-only mesh); commopt's FSDP comms "
+                                f"serve sharded modules")]
+    ranks = tuple(dist.get_process_group_ranks(shard_group))
+    for comm in (rs, ag):
+        if comm is not None and comm.site(shard_group).kind == "other":
+            out.append((TopologyError, f"module {key!r}: FSDP shards over ranks {list(ranks)}, which is neither the "
+                                       f"topology's group ({topo.layout}) nor one of its nodes: the mesh is not the "
+                                       f"topology's; shard over every rank (or one node), or pass the topology "
+                                       f"of this mesh"))
+            break
+    if ar is not None:
+        node = tuple(topo.group_rank_to_global(r) for r in topo.nodes[topo.node])
+        if native_replicate:
+            out.append((TopologyError, f"module {key!r} is native HSDP (a 2-D mesh), which already all-reduces "
+                                       f"across nodes; the HSDP hook needs 1-D FSDP over each node's ranks "
+                                       f"(fsdp.shard_hsdp builds it)"))
+        elif ranks != node:
+            out.append((TopologyError, f"module {key!r}: FSDP shards over ranks {list(ranks)}, not this rank's node "
+                                       f"{list(node)} ({topo.layout}): the mesh is not the topology's; the HSDP hook "
+                                       f"needs 1-D FSDP over the intra-node group (fsdp.shard_hsdp builds it)"))
+    return out
+
+
+def _agree(problems: list[tuple[type, str]], fingerprint: str) -> None:
+    """One small all-gather over WORLD: every rank raises when any rank found a problem, or when the
+    ranks' models or comms differ."""
+    code = max((2 if cls is TopologyError else 1 for cls, _ in problems), default=0)
+    digest = int.from_bytes(hashlib.sha1(fingerprint.encode()).digest()[:7], "little")
+    mine = torch.tensor([code, digest], dtype=torch.int64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        rows = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(rows, mine)
+    else:
+        rows = [mine]
+    codes = [int(r[0]) for r in rows]
+    worst = max(codes)
+    if worst:
+        cls = TopologyError if worst == 2 else ValueError
+        bad = [r for r, c in enumerate(codes) if c]
+        text = "; ".join(msg for _, msg in problems) or f"ranks {bad} refused the registration (see their errors)"
+        message = f"{_WHERE}: {text}. Nothing was registered (ranks with a problem: {bad})"
+        raise cls(message, op=_WHERE, ranks=bad) if cls is TopologyError else cls(message)
+    if len({int(r[1]) for r in rows}) > 1:
+        raise ValueError(f"{_WHERE}: the ranks registered different models or comms (their parameter layouts or "
+                         f"comm settings differ); build the same model and comms on every rank")
+
+
+def _prepare(topo: Topology, rs, ag, ar) -> None:
+    """Create every group and the cost model the comms will use, collectively (DESIGN 3)."""
+    ctx = context()
+    # From the layout alone (local_size differs between the nodes of 2+1): auto consults the cost
+    # model whenever there is more than one level.
+    two_level = 1 < topo.num_nodes < topo.world_size
+    for comm in (rs, ag):
+        if comm is None:
+            continue
+        if comm.algorithm != "flat":
+            ctx.prepare(topo, ("hierarchical",), comm.timeout)
+            if comm.algorithm == "auto" and two_level:
+                cost.model_for(topo, timeout=comm.timeout)
+    if rs is not None and rs.compressor is not None:
+        if rs.two_level():
+            rs.groups("fsdp-qrs-intra")
+            rs.groups("fsdp-qrs-rail")
+        else:
+            rs.groups("fsdp-qrs-flat", rs.flat_topology())
+    for comm in (rs, ar):
+        if comm is not None and comm.finite_check:
+            comm.groups("fsdp-check", comm.flat_topology())
+    if ar is not None:
+        for role in ("fsdp-hsdp", "fsdp-hsdp-rs", "fsdp-hsdp-ag"):
+            ar.rail(role)
+
+
+# --------------------------------------------------------------------------------- recipes
+class _Default:
+    def __repr__(self) -> str:
+        return "<default>"
+
+
+_DEFAULT = _Default()
+
+
+def _blocks(model: nn.Module, blocks) -> list[nn.Module]:
+    if blocks is not None:
+        return list(blocks)
+    return [m for child in model.modules() if isinstance(child, nn.ModuleList) for m in child]
+
+
+def _device_type(model: nn.Module) -> str:
+    p = next(model.parameters(), None)
+    return p.device.type if p is not None else "cpu"
+
+
+def shard(model: nn.Module, *, topology: Topology | None = None, blocks=None, weights=_DEFAULT, gradients=_DEFAULT,
+          hpz: bool = True, algorithm: str = "auto", error_feedback: bool = True,
+          mp_policy: MixedPrecisionPolicy | None = None, seed: int = 0, timeout: float | None = None) -> Comms:
+    """Shard ``model`` over every rank with the ZeRO++ recipe, in place, and register commopt's comms.
+
+    (1) ``fully_shard`` every block (default: every module held in an ``nn.ModuleList``) and the
+    root; (2) hpZ: ``reshard_after_forward=L`` (L ranks per node), so that after forward each node
+    keeps a secondary shard and backward's all-gather never leaves the node; (3) qwZ: the forward
+    all-gather in int8 (``weights``); (4) qgZ: the gradient reduce-scatter in int4 (``gradients``),
+    hierarchical where the topology allows, with error feedback. ``weights=None, gradients=None,
+    hpz=False`` is plain FSDP2 with commopt's exact (``algorithm``) reduce-scatter and all-gather.
+
+    hpZ needs nodes of equal size whose ranks are consecutive (node-by-node placement: FSDP2's
+    post-forward groups are consecutive ranks); elsewhere it is left off with a warning. On one node
+    it is ZeRO-3's own resharding, on one rank per node no resharding at all.
+
+    Returns:
+        The registered :class:`Comms` (their residuals belong in the checkpoint).
+    """
+    topo = topology if topology is not None else context().topology(None, None, timeout)
+    weights = QuantizeCompressor(8) if weights is _DEFAULT else weights
+    gradients = QuantizeCompressor(4) if gradients is _DEFAULT else gradients
+    rs = ReduceScatterComm(topo, algorithm, gradients, error_feedback=error_feedback, seed=seed, timeout=timeout)
+    ag = AllGatherComm(topo, algorithm, weights, timeout=timeout)
+    reshard: bool | int = True
+    if hpz:
+        local, world = topo.local_size, topo.world_size
+        consecutive = [sorted(topo.group_rank_to_global(r) for r in n) for n in topo.nodes] == [
+            list(range(i * local, (i + 1) * local)) for i in range(topo.num_nodes)]
+        if not topo.is_uniform or not consecutive:
+            warnings.warn(f"fsdp.shard: hpZ needs nodes of equal size with consecutive ranks, got {topo.layout}; "
+                          f"it is off (reshard_after_forward=True)", stacklevel=2)
+        else:
+            reshard = True if local == world else (False if local == 1 else local)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(_device_type(model), (topo.world_size,))
+    kwargs = {"mesh": mesh, "reshard_after_forward": reshard}
+    if mp_policy is not None:
+        kwargs["mp_policy"] = mp_policy
+    for block in _blocks(model, blocks):
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+    register(model, reduce_scatter=rs, all_gather=ag)
+    return Comms(reduce_scatter=rs, all_gather=ag)
+
+
+def shard_hsdp(model: nn.Module, compressor: Compressor | None = _DEFAULT, *, topology: Topology | None = None,
+               blocks=None, error_feedback: bool = True, intra: bool = True,
+               mp_policy: MixedPrecisionPolicy | None = None, seed: int = 0, timeout: float | None = None) -> Comms:
+    """Compressed HSDP in place: FSDP2 over each node's ranks, ``compressor`` across nodes.
+
+    (1) ``fully_shard`` every block and the root over a 1-D mesh of this rank's node; (2) the
+    gradient shard is reduced along the rail by :class:`AllReduceHook` (default int8, error
+    feedback); (3) with ``intra`` the node's reduce-scatter and all-gather run commopt's exact
+    exchange (point-to-point on gloo) instead of the backend's collectives.
+
+    Returns:
+        The registered :class:`Comms`.
+    """
+    from torch.distributed.device_mesh import DeviceMesh
+
+    topo = topology if topology is not None else context().topology(None, None, timeout)
+    compressor = QuantizeCompressor(8) if compressor is _DEFAULT else compressor
+    hook = AllReduceHook(compressor, topo, error_feedback=error_feedback, seed=seed, timeout=timeout)
+    if not topo.is_uniform:
+        raise TopologyError(f"fsdp.shard_hsdp: HSDP needs nodes of equal size, got {[len(n) for n in topo.nodes]} "
+                            f"({topo.layout}); use fsdp.shard", op="fsdp.shard_hsdp")
+    grid = torch.tensor([[topo.group_rank_to_global(r) for r in node] for node in topo.nodes])
+    mesh = DeviceMesh(_device_type(model), grid, mesh_dim_names=("replicate", "shard"))["shard"]
+    kwargs = {"mesh": mesh}
+    if mp_policy is not None:
+        kwargs["mp_policy"] = mp_policy
+    for block in _blocks(model, blocks):
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+    rs = ReduceScatterComm(topo, timeout=timeout) if intra else None
+    ag = AllGatherComm(topo, timeout=timeout) if intra else None
+    register(model, reduce_scatter=rs, all_gather=ag, all_reduce=hook)
+    return Comms(reduce_scatter=rs, all_gather=ag, all_reduce=hook)
