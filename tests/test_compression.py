@@ -360,6 +360,57 @@ def _body_randomness() -> dict:
     return {"ok": True}
 
 
+def _body_auto() -> dict:
+    """algorithm="auto" with a compressor on a logical 2x2 follows the cost model (the one in
+    commopt's cache for this layout, which cost.model_for returns): a model whose levels share one
+    resource runs flat; one with a slow inter-node link runs hierarchical (only the rail phase
+    compressed). Each time, auto's result and bytes are bit-identical to the algorithm it chose."""
+    from commopt.comm import cost
+    from commopt.comm.compression import auto
+
+    rank = dist.get_rank()
+    topo = Topology.from_spec("2x2")
+    key = (topo.layout, id(topo.group))
+    saved = context().cost_models.get(key)
+    fast = cost.LinkModel(alpha=1e-6, beta=1 / 100e9)
+    slow = cost.LinkModel(alpha=50e-6, beta=1 / 12.5e6)  # a 100 Mbit/s node link
+    models = {"shared": cost.CostModel(fast, fast, shared=True), "slow inter": cost.CostModel(fast, slow)}
+    makes = {"fp16": C.FP16Compressor, "int8": lambda: C.QuantizeCompressor(8, 64),
+             "topk": lambda: C.TopKCompressor(0.1), "onebit": lambda: C.OneBitCompressor(64),
+             "powersgd": lambda: C.PowerSGDCompressor(rank=2, start_iter=0)}
+    chosen = {}
+    try:
+        for label, model in models.items():
+            context().cost_models.put(key, model)
+            expect = "flat" if label == "shared" else "hierarchical"
+            for name, make in makes.items():
+                x = _inputs(4, (64, 48), torch.float32, salt=60)[rank]
+                chosen[f"{label}/{name}"] = auto.choose(make(), [x], topo)
+                assert chosen[f"{label}/{name}"] == expect, (label, name)
+                if label != "shared":
+                    numels, shapes = [x.numel()], [tuple(x.shape)]
+                    times = {a: auto.predict(a, make(), numels, shapes, 4, topo, model)
+                             for a in ("flat", "hierarchical")}
+                    assert times["hierarchical"] < times["flat"], (label, name, times)
+                runs = {}
+                for algorithm in ("auto", expect):
+                    y = x.clone()
+                    context().engine().reset_stats()
+                    make().all_reduce(y, topology=topo, algorithm=algorithm, error_feedback=ErrorFeedback(), key="x",
+                                      step=0)
+                    runs[algorithm] = (y, context().engine().bytes_sent())
+                (got, sent), (ref, ref_sent) = runs["auto"], runs[expect]
+                assert torch.equal(got, ref) and sent == ref_sent, (label, name, sent, ref_sent)
+                intra = f"compress/{make().name}/intra"
+                assert (intra in sent) == (expect == "hierarchical"), (label, name, sent)
+    finally:
+        if saved is None:
+            context().cost_models.pop(key)
+        else:
+            context().cost_models.put(key, saved)
+    return chosen
+
+
 # ------------------------------------------------------------------------------------------ tests
 def test_compressors_match_oracle_flat(ranks):
     """FAULTS rows 8, 9, 10, 11: every compressor and dtype on 2 ranks: lossless settings equal the
@@ -409,6 +460,14 @@ def test_nonfinite_one_rank(ranks, algorithm, world, spec):
 def test_randomness_shared_and_global_rng_untouched(ranks):
     """FAULTS row 17: random-k indices and PowerSGD's Q identical across ranks, different across steps."""
     ranks(2, _body_randomness)
+
+
+def test_auto_follows_the_cost_model(ranks):
+    """algorithm="auto" with a compressor chooses by predicted time on a logical 2x2: flat under a
+    model whose levels share one resource, hierarchical under a slow inter-node link; the same
+    choice on every rank, and the result of the chosen algorithm."""
+    res = ranks(4, _body_auto, timeout=120)
+    assert all(r == res[0] for r in res), res
 
 
 def test_unbiased_monte_carlo():

@@ -362,7 +362,7 @@ class Compressor:
             group: the process group (None: WORLD).
             topology: its layout, built over ``group`` (None: detected when ``algorithm`` needs it).
             algorithm: ``"flat"``, ``"hierarchical"`` (compress the inter-node phase only) or ``"auto"``
-                (the one the cost model predicts faster for this compressor).
+                (the one the cost model predicts faster for this compressor and shape: ``auto.choose``).
             async_op: return a Future of ``tensor``.
             error_feedback: an ``ErrorFeedback`` whose residual for ``key`` is added before
                 compressing and updated after (biased compressors only); None: no memory.

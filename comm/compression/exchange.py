@@ -44,6 +44,9 @@ all-gather). In hierarchical mode residuals are likewise kept only when that ful
 finite, so a step that some rank would skip changes no rank's residuals. Without a check phase to
 compare the inputs, the optimistic first round carries the input's tag, and the hierarchical
 reduce-scatter agrees on the signature over the node alongside its transfers.
+
+``algorithm="auto"`` takes flat or hierarchical, whichever the cost model predicts faster for the
+compressor and the shapes (``auto.py``); flat where the levels share one resource or there is one.
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ from ..engine import Phase, wait_work
 from ..errors import NonFiniteError, TopologyError
 from ..runtime import context
 from ..topology import Topology
+from . import auto
 from .agreement import agreement, describe, disagreement, signature
 from .base import Compressor, CompressorState, Job, all_finite, check_tag, compute_dtype, derive_seed, tag_of
 from .feedback import ErrorFeedback
@@ -518,6 +522,8 @@ def _resolve(algorithm: str, compressor: Compressor, tensors: list[torch.Tensor]
         return None
     if topo.num_nodes == 1 or topo.local_size == 1:
         return None  # one level only: nothing to keep exact
+    if algorithm == "auto" and auto.choose(compressor, tensors, topo, timeout=timeout) == "flat":
+        return None
     return topo
 
 
