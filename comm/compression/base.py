@@ -420,7 +420,7 @@ class Compressor:
                              state=state, check_finite=check_finite, timeout=timeout)
         state.calls += 1  # a call refused before anything moved (bad input, a cold timeout) counts no step
 
-        def finish(_value=None) -> torch.Tensor:
+        def finish(_value: object = None) -> torch.Tensor:
             if work is not target:
                 target.copy_(work)
             return tensor

@@ -111,7 +111,7 @@ class FP16Compressor(_CastCompressor):
     name = "fp16"
     wire = torch.float16
 
-    def __init__(self, agreed_scale: bool = False):
+    def __init__(self, agreed_scale: bool = False) -> None:
         super().__init__()
         self.agreed_scale = bool(agreed_scale)
 

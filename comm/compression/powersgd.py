@@ -108,7 +108,8 @@ class PowerSGDCompressor(Compressor):
     State = PowerSGDState
 
     def __init__(self, rank: int = 1, start_iter: int = 10, min_compression_rate: float = 2.0,
-                 warm_start: bool = True, orthogonalization_epsilon: float = 1e-8, batch_same_shape: bool = False):
+                 warm_start: bool = True, orthogonalization_epsilon: float = 1e-8,
+                 batch_same_shape: bool = False) -> None:
         super().__init__()
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
             raise ValueError(f"PowerSGDCompressor: rank={rank!r} must be an int >= 1")

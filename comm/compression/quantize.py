@@ -40,7 +40,7 @@ class QuantizeCompressor(Compressor):
     n_rounds = 2
     chunked = True
 
-    def __init__(self, bits: int = 8, block: int = 256):
+    def __init__(self, bits: int = 8, block: int = 256) -> None:
         super().__init__()
         if bits not in (8, 4) or isinstance(bits, bool):
             raise ValueError(f"QuantizeCompressor: bits={bits!r}; supported: 8 and 4")

@@ -46,7 +46,7 @@ class _SignBase(Compressor):
     summable = False
     biased = True
 
-    def __init__(self, block: int = 256):
+    def __init__(self, block: int = 256) -> None:
         super().__init__()
         if isinstance(block, bool) or not isinstance(block, int) or block < 32 or block % 32:
             raise ValueError(f"{type(self).__name__}: block={block!r} must be a multiple of 32 (whole "

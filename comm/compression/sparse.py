@@ -43,7 +43,7 @@ class RandomKCompressor(Compressor):
     biased = False
     n_rounds = 1
 
-    def __init__(self, ratio: float = 0.01):
+    def __init__(self, ratio: float = 0.01) -> None:
         super().__init__()
         if not 0 < ratio <= 1:
             raise ValueError(f"RandomKCompressor: ratio={ratio} must be in (0, 1]")
@@ -96,7 +96,7 @@ class TopKCompressor(Compressor):
     biased = True
     n_rounds = 1
 
-    def __init__(self, ratio: float = 0.01):
+    def __init__(self, ratio: float = 0.01) -> None:
         super().__init__()
         if not 0 <= ratio <= 1:
             raise ValueError(f"TopKCompressor: ratio={ratio} must be in [0, 1]")
