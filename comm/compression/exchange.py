@@ -293,22 +293,20 @@ class CompressedReduction:
             values = agreement(self.sig, self.sig_hash, self.device)
             agree = dist.all_reduce(values, op=ReduceOp.MAX, group=group, async_op=True)
             nbytes += int(ALGORITHM_FACTORS["allreduce"](self.local) * values.numel() * values.element_size())
+        failure = None
         try:
             nbytes += exchange_reduce_scatter(self.shard, self.staged, ReduceOp.SUM, group, self.timeout)
-        except (RuntimeError, TimeoutError):
+        except (RuntimeError, TimeoutError) as exc:
             if agree is None:
                 raise
-            # Ranks of another input size fail the transfers: the agreement names why, below.
-            wait_work(agree, self.timeout)
-            err = disagreement(values, self.sig, self.what, f"compress/{self.name}/reduce_scatter")
-            if err is not None:
-                raise err from None
-            raise
+            failure = exc  # ranks of another input size fail the transfers: the agreement says why
         if agree is not None:
             wait_work(agree, self.timeout)
             err = disagreement(values, self.sig, self.what, f"compress/{self.name}/reduce_scatter")
             if err is not None:
                 raise err  # on every rank of the node; the other nodes' ranks time out on the rail
+            if failure is not None:
+                raise failure
         # Counted apart (op "compress/<name>/intra"): these bytes cross the fast intra-node links,
         # the op's own count is what crosses the scarce inter-node ones.
         context().engine().count(f"compress/{self.name}/intra", nbytes)
