@@ -11,15 +11,20 @@ FAULTS rows: 33 (register validates on every rank), 34 (padding, a world of 1, e
 
 from __future__ import annotations
 
+import io
+import json
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from commopt.comm import Topology, fsdp
+from commopt.comm import Topology, context, fsdp
 from commopt.comm import compression as C
+from commopt.comm.errors import TopologyError
 
 D = 13  # width: no parameter's first dimension divides by 3 or 4
 
@@ -411,3 +416,348 @@ def _body_precision(spec: str, steps: int) -> None:
 @pytest.mark.parametrize("world,spec", [(4, "2x2"), (3, "2+1")])
 def test_precision_accumulation_and_ops_match_native(ranks, world, spec):
     ranks(world, _body_precision, spec, 2, timeout=150)
+
+
+# ------------------------------------------------------------------------------------------ HSDP
+def _body_hsdp_exact(spec: str, steps: int) -> None:
+    """The HSDP hook without a compressor over 1-D FSDP per node gives native HSDP's gradients bit
+    for bit (the same reduce-scatter, the same rail all-reduce); with commopt's exchange inside the
+    node too, up to the order of fp32 sums."""
+    topo = _topo(spec)
+    ref = _hsdp_native(topo)
+    ref_grads = []
+    _train(ref, steps, every=lambda s: ref_grads.append(_full_grads(ref)))
+    for intra in (False, True):
+        m = _model()
+        fsdp.shard_hsdp(m, None, topology=topo, intra=intra)
+        grads = []
+        _train(m, steps, every=lambda s, m=m, g=grads: g.append(_full_grads(m)))
+        for s in range(steps):
+            if intra:
+                _close(grads[s], ref_grads[s], 1e-5, 1e-6, f"{spec} hsdp intra step {s}")
+            else:
+                for k in grads[s]:
+                    assert torch.equal(grads[s][k], ref_grads[s][k]), f"{spec} hsdp step {s}: {k} differs"
+
+
+@pytest.mark.parametrize("world,spec", [(4, "2x2"), (4, "0,2;1,3")])
+def test_hsdp_hook_gives_native_hsdp_gradients(ranks, world, spec):
+    ranks(world, _body_hsdp_exact, spec, 2, timeout=90)
+
+
+# ------------------------------------------------------------------------------------------ bytes
+def _body_traffic(spec: str) -> None:
+    """Every quantized comm's traffic() is what the engine counts on each rank (and the exact ones',
+    which are the algorithms')."""
+    from torch.distributed import ReduceOp
+
+    from commopt.comm.fsdp._common import Bound, Layout
+
+    topo = _topo(spec)
+    rank, world = dist.get_rank(), topo.world_size
+    numels = (21, 5, 10)
+    chunk = sum(numels)
+    layout = Bound(Layout("m", ("a", "b", "c"), numels))
+    engine = context().engine()
+
+    def counted(fn) -> int:
+        engine.reset_stats()
+        fn()
+        return sum(engine.bytes_sent().values())
+
+    for algorithm in ("auto", "flat") + (("hierarchical",) if topo.is_uniform else ()):
+        for comp in (None, C.QuantizeCompressor(4, 8), C.QuantizeCompressor(8, 8)):
+            rs = fsdp.ReduceScatterComm(topo, algorithm, comp)
+            view = rs.bind(layout)
+            inp, out = torch.randn(world * chunk), torch.empty(chunk)
+            sent = counted(lambda v=view, o=out, i=inp: v(o, i, dist.group.WORLD, ReduceOp.AVG))
+            assert sent == rs.traffic(world * chunk * 4, segments=list(numels)).sent(rank), (algorithm, comp)
+            ag = fsdp.AllGatherComm(topo, algorithm, comp)
+            gview = ag.bind(layout)
+            big = torch.empty(world * chunk)
+            sent = counted(lambda v=gview, o=big, i=inp: v(o, i[:chunk], dist.group.WORLD))
+            assert sent == ag.traffic(world * chunk * 4, segments=list(numels)).sent(rank), (algorithm, comp)
+    if topo.is_uniform and topo.num_nodes > 1:
+        hook = fsdp.AllReduceHook(C.QuantizeCompressor(8, 8), topo)
+        hview = hook.bind(layout)
+        shard = torch.randn(chunk)
+        sent = counted(lambda: hview(shard))
+        assert sent == hook.traffic(chunk, numels).sent(rank)
+
+
+@pytest.mark.parametrize("world,spec", [(4, "2x2"), (4, "1x4"), (3, "2+1")])
+def test_traffic_is_what_the_engine_counts(ranks, world, spec):
+    ranks(world, _body_traffic, spec, timeout=60)
+
+
+# ------------------------------------------------------------------------------------------ faults
+def _default_comm(m: nn.Module) -> str:
+    return type(m._get_fsdp_state()._fsdp_param_groups[0]._reduce_scatter_comm).__name__
+
+
+def _body_register_errors(spec: str) -> list[str]:
+    """FAULTS 33: every refusal is an error on every rank at register (or at the comm's
+    construction), before any step; nothing is registered and the model still trains natively."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, ShardPlacementResult
+    from torch.distributed.tensor import Shard
+
+    topo = _topo(spec)
+    rank, world = dist.get_rank(), topo.world_size
+    seen = []
+
+    def refused(exc_type, fn, words: str) -> None:
+        with pytest.raises(exc_type) as info:
+            fn()
+        assert words in str(info.value), (words, str(info.value))
+        seen.append(f"{exc_type.__name__}: {words}")
+
+    # A compressor that cannot serve the collective.
+    refused(TypeError, lambda: fsdp.ReduceScatterComm(topo, compressor=C.PowerSGDCompressor()), "cannot serve")
+    refused(TypeError, lambda: fsdp.ReduceScatterComm(topo, compressor=C.TopKCompressor(0.1)), "cannot serve")
+    refused(TypeError, lambda: fsdp.AllGatherComm(topo, compressor=C.FP16Compressor()), "cannot serve")
+    refused(TypeError, lambda: fsdp.AllReduceHook(C.PowerSGDCompressor(), topo), "cannot reduce along the rail")
+    m = _native()
+    refused(TypeError, lambda: fsdp.register(m, reduce_scatter=C.SignCompressor()), "cannot serve a reduce-scatter")
+    refused(TypeError, lambda: fsdp.register(m, reduce_scatter=C.QuantizeCompressor(4)), "ReduceScatterComm(compressor")
+    # More than one parameter group (a per-parameter mesh from shard_placement_fn).
+    net = _model()
+    info = FSDPMeshInfo(DeviceMesh.from_group(dist.new_group(list(range(world))), "cpu"), shard_mesh_dim=0)
+    fully_shard(net, mesh=_mesh(), shard_placement_fn=lambda p, n=net: ShardPlacementResult(Shard(0), info)
+                if p is n.head.weight else None)
+    refused(ValueError, lambda: fsdp.register(net, reduce_scatter=fsdp.ReduceScatterComm(topo)), "parameter groups")
+    # The ranks disagree (rank 0 builds another compressor).
+    bits = 8 if rank == 0 else 4
+    refused(ValueError, lambda: fsdp.register(m, reduce_scatter=fsdp.ReduceScatterComm(
+        topo, compressor=C.QuantizeCompressor(bits))), "different models or comms")
+    if topo.is_uniform and topo.num_nodes > 1:
+        # FSDP over a group that spans nodes but is not the whole topology.
+        across = [[n[j] for n in topo.nodes] for j in range(topo.local_size)]
+        cross = DeviceMesh("cpu", torch.tensor(across).t().contiguous(), mesh_dim_names=("a", "b"))["a"]
+        odd = _native(mesh=cross)
+        refused(TopologyError, lambda: fsdp.register(odd, reduce_scatter=fsdp.ReduceScatterComm(topo)),
+                "the mesh is not the topology's")
+        # The HSDP hook over every rank (not one node), and over native HSDP's 2-D mesh.
+        refused(TopologyError, lambda: fsdp.register(m, all_reduce=fsdp.AllReduceHook(C.QuantizeCompressor(8), topo)),
+                "the mesh is not the topology's")
+        refused(TopologyError, lambda: fsdp.register(_hsdp_native(topo), all_reduce=fsdp.AllReduceHook(None, topo)),
+                "native HSDP")
+    if not topo.is_uniform:
+        refused(TopologyError, lambda: fsdp.register(m, reduce_scatter=fsdp.ReduceScatterComm(topo, "hierarchical")),
+                "needs nodes of equal size")
+        refused(TopologyError, lambda: fsdp.register(m, all_reduce=fsdp.AllReduceHook(None, topo)),
+                "needs nodes of equal size")
+    # Nothing was registered: torch's own comm, and native training still works.
+    assert _default_comm(m) == "DefaultReduceScatter"
+    ref = _native()
+    assert _train(m, 1) == _train(ref, 1)
+    return seen
+
+
+@pytest.mark.parametrize("world,spec", [(4, "2x2"), (3, "2+1")])
+def test_register_refuses_on_every_rank_before_any_step(ranks, world, spec):
+    out = ranks(world, _body_register_errors, spec, timeout=90)
+    assert all(o == out[0] for o in out) and len(out[0]) >= 8
+
+
+def _inject(module: nn.Module, rank: int, index: int, *, hook: bool = False) -> None:
+    """Rank ``rank`` puts a NaN at ``index`` of the module's reduce-scatter input (``hook``: of the
+    shard its HSDP hook receives) before commopt's comm sees it."""
+    pg = module._get_fsdp_state()._fsdp_param_groups[0]
+    inner = pg._reduce_scatter_comm
+    if hook:
+        reduce = pg._all_reduce_hook
+
+        def poisoned_hook(t):
+            if dist.get_rank() == rank:
+                t.view(-1)[index] = float("nan")
+            reduce(t)
+
+        pg._all_reduce_hook = poisoned_hook
+        return
+
+    class Poisoned:
+        def allocate(self, *a, **k):
+            return inner.allocate(*a, **k)
+
+        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+            if dist.get_rank() == rank:
+                input_tensor.view(-1)[index] = float("nan")
+            return inner(output_tensor, input_tensor, group, op, async_op)
+
+    pg._reduce_scatter_comm = Poisoned()
+
+
+def _nan_positions(grads: dict) -> dict:
+    return {k: torch.nonzero(torch.isnan(v.reshape(-1))).view(-1).tolist() for k, v in grads.items()
+            if bool(torch.isnan(v).any())}
+
+
+def _body_nonfinite(spec: str) -> dict:
+    """FAULTS 35: a NaN in rank 0's gradient propagates into its quantization block of the reduced
+    shard (never silently zeroed), leaves every residual finite, and with check_finite=True raises
+    NonFiniteError on every rank."""
+    topo = _topo(spec)
+    block = 8
+    rows = -(-D // topo.world_size)  # rows of inp.weight per rank: rank 1's shard starts at rows * 5
+    out = {"expect": {"inp.weight": list(range(rows * 5, rows * 5 + block))}}
+    for check in (False, True):
+        m = _native()
+        rs = fsdp.ReduceScatterComm(topo, "auto", C.QuantizeCompressor(4, block), check_finite=check)
+        fsdp.register(m, reduce_scatter=rs)
+        _train(m, 1)
+        _inject(m, 0, _chunk_offset(m, 1))  # the first element of rank 1's chunk: inp.weight's
+        if check:
+            with pytest.raises(Exception) as info:
+                _train(m, 1)
+            assert "NonFiniteError" in str(info.value) and "ranks [0]" in str(info.value), str(info.value)
+            out["check"] = type(info.value).__name__
+            continue
+        grads = []
+        _train(m, 1, every=lambda s, m=m, g=grads: g.append(_full_grads(m)))
+        out["nan"] = _nan_positions(grads[0])
+        residuals = rs.state_dict()["residuals"]
+        assert residuals and all(bool(torch.isfinite(t).all()) for t in residuals.values())
+    if topo.is_uniform and topo.num_nodes > 1:
+        for check in (False, True):
+            m = _model()
+            comms = fsdp.shard_hsdp(m, C.QuantizeCompressor(8, block), topology=topo)
+            comms.all_reduce.finite_check = check
+            _train(m, 1)
+            _inject(m, 0, -1, hook=True)  # rank 0's shard of the root's last parameter: head.bias[0]
+            if check:
+                with pytest.raises(Exception) as info:
+                    _train(m, 1)
+                assert "NonFiniteError" in str(info.value), str(info.value)
+                continue
+            grads = []
+            _train(m, 1, every=lambda s, m=m, g=grads: g.append(_full_grads(m)))
+            out["hsdp-nan"] = _nan_positions(grads[0])
+            residuals = comms.state_dict()["all_reduce"]["residuals"]
+            assert residuals and all(bool(torch.isfinite(t).all()) for t in residuals.values())
+    return out
+
+
+def _chunk_offset(m: nn.Module, owner: int) -> int:
+    """Index, in the root module's reduce-scatter input, of the first element of ``owner``'s chunk."""
+    pg = m._get_fsdp_state()._fsdp_param_groups[0]
+    return owner * sum(fp.padded_sharded_param_size.numel() for fp in pg.fsdp_params)
+
+
+@pytest.mark.parametrize("world,spec", [(4, "2x2"), (4, "1x4"), (3, "2+1")])
+def test_nonfinite_gradients_propagate_or_raise_and_never_poison_residuals(ranks, world, spec):
+    out = ranks(world, _body_nonfinite, spec, timeout=90)
+    for o in out:
+        assert o["nan"] == o["expect"], o
+        assert o["check"]
+        if "hsdp-nan" in o:
+            assert o["hsdp-nan"] == {"head.bias": [0]}, o
+
+
+# ------------------------------------------------------------------------------------------ checkpoint
+def _recipe(topo: Topology, error_feedback: bool = True):
+    m = _model()
+    comms = fsdp.shard(m, topology=topo, error_feedback=error_feedback)
+    return m, comms, torch.optim.SGD(m.parameters(), lr=0.1)
+
+
+def _steps(m, opt, start: int, stop: int) -> None:
+    for step in range(start, stop):
+        opt.zero_grad()
+        x, y = _data(dist.get_rank(), step)
+        _loss(m, x, y).backward()
+        opt.step()
+
+
+def _body_checkpoint(spec: str, total: int, split: int) -> bytes:
+    """FAULTS 36: the ZeRO++ recipe with error feedback, checkpointed at ``split`` (shards and the
+    comms' residuals, torch.save), rebuilt from scratch and restored with weights_only=True, continues
+    bit-identically to the uninterrupted run; without the residuals it does not."""
+    topo = _topo(spec)
+    m, comms, opt = _recipe(topo)
+    _steps(m, opt, 0, total)
+    straight = {n: p.to_local().clone() for n, p in m.named_parameters()}
+    m, comms, opt = _recipe(topo)
+    _steps(m, opt, 0, split)
+    buf = io.BytesIO()
+    torch.save({"model": {n: p.to_local().clone() for n, p in m.named_parameters()}, "comms": comms.state_dict()}, buf)
+    saved = buf.getvalue()
+    assert comms.state_dict()["reduce_scatter"]["residuals"]
+    for restore_comms in (True, False):
+        m, comms, opt = _recipe(topo)
+        state = torch.load(io.BytesIO(saved), weights_only=True)
+        with torch.no_grad():
+            for n, p in m.named_parameters():
+                p.to_local().copy_(state["model"][n])
+        if restore_comms:
+            comms.load_state_dict(state["comms"])
+        _steps(m, opt, split, total)
+        same = all(torch.equal(p.to_local(), straight[n]) for n, p in m.named_parameters())
+        assert same == restore_comms, f"restored residuals: {restore_comms}, bit-identical: {same}"
+    return saved
+
+
+def _body_load_elsewhere(saved: bytes, spec: str) -> str:
+    """The residuals of another world size are a clear error, not silently misapplied."""
+    m, comms, _ = _recipe(_topo(spec))
+    state = torch.load(io.BytesIO(saved), weights_only=True)
+    with pytest.raises(ValueError) as info:
+        comms.load_state_dict(state["comms"])
+    return str(info.value)
+
+
+def test_error_feedback_checkpoint_restores_bit_identically(ranks):
+    saved = ranks(4, _body_checkpoint, "2x2", 6, 3, timeout=120)
+    messages = ranks(3, _body_load_elsewhere, saved[0], "2+1", timeout=60)
+    assert all("world_size" in msg and "documented reset" in msg for msg in messages), messages[0]
+
+
+# ------------------------------------------------------------------------------------------ world of one
+def _body_world_one() -> None:
+    """FAULTS 34: a world of one: the comms are identities (no communication), and the recipe trains
+    exactly as native FSDP2 does."""
+    from torch.distributed import ReduceOp
+
+    topo = Topology.from_spec("1x1")
+    for comm in (fsdp.ReduceScatterComm(topo, compressor=C.QuantizeCompressor(4)),
+                 fsdp.AllGatherComm(topo, compressor=C.QuantizeCompressor(8))):
+        x, out = torch.randn(10), torch.empty(10)
+        engine = context().engine()
+        engine.reset_stats()
+        if isinstance(comm, fsdp.ReduceScatterComm):
+            comm(out, x, dist.group.WORLD, ReduceOp.AVG)
+        else:
+            comm(out, x, dist.group.WORLD)
+        assert torch.equal(out, x) and not engine.bytes_sent()
+    ref = _native()
+    m = _model()
+    fsdp.shard(m, topology=topo)
+    assert _train(m, 3) == _train(ref, 3)
+
+
+def test_world_of_one(ranks):
+    ranks(1, _body_world_one, timeout=60)
+
+
+# ------------------------------------------------------------------------------------------ benchmark
+def test_bench_fsdp_quick(tmp_path):
+    """``commopt-bench fsdp --quick``: every run appears in the JSON with a step time and a loss (or
+    the reason it did not run); the numbers themselves are the benchmark's, not asserted here."""
+    path = tmp_path / "fsdp.json"
+    res = subprocess.run([sys.executable, "-m", "commopt.bench", "fsdp", "--spawn", "4", "--topology", "2x2",
+                          "--quick", "--steps", "2", "--json", str(path)], capture_output=True, text=True,
+                         timeout=150)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    data = json.loads(path.read_text())
+    rows = {r["run"]: r for r in data["results"]}
+    from commopt.bench.fsdp import RUNS
+
+    assert set(rows) == set(RUNS)
+    for name, r in rows.items():
+        if "skipped" in r:
+            assert name == "hsdp-powersgd" and r["skipped"]
+            continue
+        assert r["step_ms"] > 0 and math.isfinite(r["final_loss"]), r
+    assert rows["fsdp2"]["link_bytes_per_step"] > rows["zero++"]["link_bytes_per_step"] > 0
+    assert "vs fsdp2" in res.stdout and "target" in res.stdout

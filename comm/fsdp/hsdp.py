@@ -196,14 +196,18 @@ class AllReduceHook(CommBase):
         if average:
             padded.div_(nodes)
         flat.copy_(padded[:size])
-        self.add_link_bytes(("q", size, tuple(map(tuple, segs))), lambda: self.traffic(segs))
+        self.add_link_bytes(("q", size, layout.numels), lambda: self.traffic(size, layout.numels))
 
     # ----------------------------------------------------------------------------- model
-    def traffic(self, segs: list[list[int]]) -> algorithms.Traffic:
-        """Bytes of one quantized call on every rail (``segs``: the parameter segments of each chunk)."""
+    def traffic(self, numel: int, numels: tuple[int, ...] | None = None) -> algorithms.Traffic:
+        """What one quantized call moves on every rail, for a shard of ``numel`` elements laid out by
+        the parameter sizes ``numels`` (None: one parameter); what the engine counts on each rank."""
         topo = self.resolve()
+        nodes = topo.num_nodes
+        chunk = -(-numel // nodes)
+        numels = tuple(numels) if numels is not None else (numel,)
         t = algorithms.Traffic(topo)
-        sizes = [self.codec.nbytes(s) for s in segs]
+        sizes = [self.codec.nbytes(cut_segments(numels, d * chunk, (d + 1) * chunk)) for d in range(nodes)]
         for j in range(topo.local_size):
             rail = sorted(node[j] for node in topo.nodes)
             for a_i, a in enumerate(rail):
