@@ -218,6 +218,9 @@ class OverlapDataParallel(nn.Module):
         else:
             self._src, self._rank, self._topology = 0, 0, topology
         self._feedback = ErrorFeedback() if compressor is not None and error_feedback else None
+        # This wrapper's own per-run compressor state (PowerSGD's Q memory): a compressor
+        # configuration may serve other models too.
+        self._compressor_state = compressor.new_state() if compressor is not None else None
         shapes = [(p.numel(), p.dtype) for p in self._params]
         self.buckets = build_buckets(shapes, cap_bytes=bucket_cap_mb * _MB, first_cap_bytes=first_bucket_cap_mb * _MB)
         self._bucket_of = self.buckets.bucket_of()
@@ -743,7 +746,7 @@ class OverlapDataParallel(nn.Module):
             # group per process (not one per wrapper) keeps true.
             return reduce_tensors(self.compressor, views, keys, group=self._process_group, topology=self._topology,
                                   algorithm=self.algorithm, average=True, step=step.index, seed=self.seed,
-                                  feedback=self._feedback, timeout=self.timeout)
+                                  feedback=self._feedback, state=self._compressor_state, timeout=self.timeout)
         # Chunks come from the plan every rank shares: no agreement check per chunk. Flat ones are
         # issued right here, so both streams see them in this queue's order.
         return reduce_consistent(buf[c.start: c.stop], ReduceOp.AVG, group=self._streams[k % 2],

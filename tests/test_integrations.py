@@ -199,7 +199,7 @@ def _lightning_body(rank: int, world: int) -> dict:
     # end README
     out["compressed"] = {"params": _params(model), "loss": _full_loss(model.net, loader), "step": state.step,
                          "buckets": state.buckets_reduced, "nodes": state.topology.num_nodes,
-                         "memory": sorted(state.compressor.q_memory)}
+                         "memory": sorted(state.compressor_state.q_memory)}
 
     # ddp_spawn pickles the callback into the ranks it starts.
     copy = pickle.loads(pickle.dumps(CommHookCallback(AllReduceState(algorithm="hierarchical",

@@ -9,6 +9,7 @@ to the engine, whose counters are then what really went out.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 
 import torch
@@ -107,9 +108,23 @@ def pairwise(group, timeout: float | None, send: list, recv: list) -> int:
             sent += send[j].numel() * send[j].element_size()
         if recv[j] is not None:
             works.append(dist.irecv(recv[j], peer, group=group))
-    for w in works:
-        wait_work(w, timeout)
+    _wait_all(works, timeout)
     return sent
+
+
+def _wait_all(works: list, timeout: float | None) -> None:
+    """Wait for every posted transfer within one deadline (one phase: one timeout), all of them even
+    after a failure, so that none is left in flight on buffers the caller may free; the first
+    failure is raised."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    failure = None
+    for w in works:
+        try:
+            wait_work(w, timeout, deadline=deadline)
+        except RuntimeError as exc:
+            failure = failure or exc
+    if failure is not None:
+        raise failure
 
 
 def exchange_reduce_scatter(out: torch.Tensor, inp: torch.Tensor, red: ReduceOp, group, timeout) -> int:
@@ -169,8 +184,7 @@ def exchange_rows(out_b: torch.Tensor, in_b: torch.Tensor, recv: list[int], send
                 ops.append(dist.P2POp(dist.isend, in_b.narrow(0, i_off, n_in), group=group, group_peer=peer))
         i_off += n_in
         o_off += n_out
-    for work in dist.batch_isend_irecv(ops) if ops else []:
-        wait_work(work, timeout)
+    _wait_all(dist.batch_isend_irecv(ops) if ops else [], timeout)
     return sent
 
 

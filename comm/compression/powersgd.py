@@ -27,9 +27,6 @@ where the exchange expects what was sent (``job.sent_is_residual``).
 from __future__ import annotations
 
 import math
-import types
-import weakref
-from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
@@ -124,35 +121,6 @@ class PowerSGDCompressor(Compressor):
         self.warm_start = bool(warm_start)
         self.orthogonalization_epsilon = float(orthogonalization_epsilon)
         self.batch_same_shape = bool(batch_same_shape)
-        # The states made for these settings, held weakly: only the deprecated ``q_memory`` view reads it.
-        self._states: weakref.WeakSet[PowerSGDState] = weakref.WeakSet()
-
-    def new_state(self) -> PowerSGDState:
-        state = PowerSGDState(self)
-        self._states.add(state)
-        return state
-
-    @property
-    def q_memory(self) -> Mapping[str, torch.Tensor]:
-        """Deprecated, read-only: the Q memory of every live state made by this compressor, merged
-        (with one state, exactly its memory). Read ``state.q_memory`` of the state in use instead
-        (``AllReduceState.compressor_state``, ``compressor.default_state``)."""
-        merged: dict[str, torch.Tensor] = {}
-        for state in list(self._states):
-            for key, q in state.q_memory.items():
-                merged.setdefault(key, q)
-        return types.MappingProxyType(merged)
-
-    def __getstate__(self) -> dict:
-        d = dict(self.__dict__)
-        d.pop("_states", None)  # weak references do not pickle; the default state travels in the dict
-        return d
-
-    def __setstate__(self, d: dict) -> None:
-        self._states = weakref.WeakSet()
-        super().__setstate__(d)
-        if self._default_state is not None:
-            self._states.add(self._default_state)
 
     def config(self) -> dict:
         return {"name": self.name, "rank": self.rank, "start_iter": self.start_iter,
