@@ -25,8 +25,8 @@ from ..errors import NonFiniteError, TopologyError
 from ..runtime import context
 from ..topology import Topology
 
-__all__ = ["Layout", "Codec", "Memory", "CommBase", "Bound", "reduction", "seed_of", "done_work", "cut_segments",
-           "quantized_exchange", "LOW_PRECISION"]
+__all__ = ["Layout", "Codec", "Memory", "CommBase", "Bound", "reduction", "seed_of", "done_work", "as_work",
+           "cut_segments", "quantized_exchange", "LOW_PRECISION"]
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -59,17 +59,23 @@ def reduction(op, world: int) -> tuple[float, str]:
 
 
 def done_work(async_op: bool):
-    """What a comm returns: None for a synchronous call; for ``async_op`` a completed ``Work``.
-
-    Every commopt comm finishes before returning (FSDP2 issues them from its own streams and, on
-    CPU, waits at once anyway), so an asynchronous caller gets a work that is already done.
-    """
+    """What a comm that finished before returning gives back: None, or for ``async_op`` a
+    completed ``Work`` (the reduce-scatter always finishes: FSDP2 reads its output right after)."""
     if not async_op:
         return None
     fut: torch.futures.Future = torch.futures.Future()
     fut.set_result(None)
+    return as_work(fut, None)
+
+
+def as_work(fut: torch.futures.Future, op: str | None):
+    """A ``Work`` that completes with ``fut`` (FSDP2 waits on it before it reads the all-gather's
+    output), or, where torch cannot wrap a future, ``fut`` waited for here and None."""
     make = getattr(torch._C._distributed_c10d, "_create_work_from_future", None)
-    return make(fut) if make is not None else None
+    if make is None:
+        wait(fut, None, op=op or "fsdp")
+        return None
+    return make(fut)
 
 
 # --------------------------------------------------------------------------------- layout
@@ -371,8 +377,11 @@ class CommBase:
 
     def run(self, phases: list[Phase], op: str, device: torch.device) -> None:
         """Run phases through the comm engine (their bytes counted under ``op``) and wait."""
-        fut = context().engine().submit(phases, op=op, device=device, blocking=True)
-        wait(fut, None, op=op)
+        wait(self.submit(phases, op, device, blocking=True), None, op=op)
+
+    def submit(self, phases: list[Phase], op: str, device: torch.device, *, blocking: bool) -> torch.futures.Future:
+        """Queue phases on the comm engine (bytes counted under ``op``); a Future of their end."""
+        return context().engine().submit(phases, op=op, device=device, blocking=blocking)
 
     def check_finite(self, x: torch.Tensor, what: str) -> None:
         """``check_finite=True``: agree on every rank whether any rank's input holds NaN/Inf (one small

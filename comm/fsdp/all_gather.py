@@ -36,10 +36,10 @@ from .. import algorithms
 from ..algorithms._transport import exchange_all_gather, prepare
 from ..collectives import select_algorithm
 from ..compression import Compressor
-from ..engine import Phase, wait
+from ..engine import Phase, chain, wait
 from ..runtime import context
 from ..topology import Topology
-from ._common import Bound, Codec, CommBase, done_work
+from ._common import Bound, Codec, CommBase, as_work, done_work
 from .reduce_scatter import check_algorithm, check_compressor
 
 __all__ = ["AllGatherComm"]
@@ -83,6 +83,9 @@ class AllGatherComm(CommBase, AllGather):
 
     # ----------------------------------------------------------------------------- dispatch
     def gather(self, output: torch.Tensor, input: torch.Tensor, group, async_op: bool, bound: Bound | None):
+        """Gather ``input`` into ``output``. With ``async_op`` it returns a ``Work`` at once and the
+        phases run on the comm engine meanwhile (FSDP2 waits on it before it reads the output: its
+        backward prefetch, and forward prefetching, then overlap the gather with computation)."""
         world = group.size()
         if output.numel() != world * input.numel():
             raise ValueError(f"{self.where}: output has {output.numel()} elements, expected world_size ({world}) x "
@@ -91,18 +94,22 @@ class AllGatherComm(CommBase, AllGather):
             output.detach().view(-1).copy_(input.detach().reshape(-1))
             return done_work(async_op)
         site = self.site(group)
+        blocking = not async_op
         if self.compressor is not None and site.kind == "full" and input.is_floating_point():
-            self._quantized(output, input, group, bound)
+            fut = self._quantized(output, input, group, bound, blocking)
         else:
-            self._exact(output, input, group, site.kind)
-        return done_work(async_op)
+            fut = self._exact(output, input, group, site.kind, blocking)
+        if async_op:
+            return as_work(fut, "fsdp/all_gather")
+        wait(fut, None, op="fsdp/all_gather")
+        return None
 
     def choose(self, nbytes: int) -> str:
         if self.algorithm == "flat":
             return "flat"
         return select_algorithm("all_gather", self.algorithm, nbytes, self.resolve(), self.timeout)
 
-    def _start(self, out: torch.Tensor, src: torch.Tensor, group, tag: str) -> None:
+    def _start(self, out: torch.Tensor, src: torch.Tensor, group, tag: str, blocking: bool) -> torch.futures.Future:
         """All-gather ``src`` into ``out`` (both 1-D, contiguous) over the whole topology."""
         topo, ctx = self.resolve(), context()
         nbytes = out.numel() * out.element_size()
@@ -111,33 +118,35 @@ class AllGatherComm(CommBase, AllGather):
             ctx.prepare(topo, (algo,), self.timeout)
         p, _ = prepare(out, "sum", group.size())
         impl = algorithms.get(algo)
-        call = algorithms.Call("all_gather", p, None, group, topo if algo != "flat" else None, self.timeout, True,
-                               ctx, 1, src)
-        wait(impl.start(call), None, op=f"all_gather/{algo}")
+        call = algorithms.Call("all_gather", p, None, group, topo if algo != "flat" else None, self.timeout,
+                               blocking, ctx, 1, src)
         self.add_link_bytes((tag, algo, nbytes, out.element_size()),
                             lambda: impl.traffic("all_gather", nbytes, topo, itemsize=out.element_size()))
+        return impl.start(call)
 
     # ----------------------------------------------------------------------------- exact
-    def _exact(self, output: torch.Tensor, input: torch.Tensor, group, kind: str) -> None:
+    def _exact(self, output: torch.Tensor, input: torch.Tensor, group, kind: str, blocking: bool):
         target = output.detach()
         work = target.view(-1) if target.is_contiguous() else torch.empty(target.numel(), dtype=target.dtype,
                                                                           device=target.device)
         src = input.detach().reshape(-1)
         if kind == "full":
-            self._start(work, src, group, "ag")
+            fut = self._start(work, src, group, "ag", blocking)
         elif kind == "node":
-            self.run([Phase("all_gather_node", lambda: exchange_all_gather(work, src, group, self.timeout), group)],
-                     "fsdp/all_gather/node", src.device)
+            fut = self.submit([Phase("all_gather_node", lambda: exchange_all_gather(work, src, group, self.timeout),
+                                     group)], "fsdp/all_gather/node", src.device, blocking=blocking)
         else:
             ctx = context()
             p, _ = prepare(work, "sum", group.size())
-            call = algorithms.Call("all_gather", p, None, group, None, self.timeout, True, ctx, 1, src)
-            wait(algorithms.get("flat").start(call), None, op="all_gather/flat")
-        if work.data_ptr() != target.data_ptr():
-            target.copy_(work.view(target.shape))
+            call = algorithms.Call("all_gather", p, None, group, None, self.timeout, blocking, ctx, 1, src)
+            fut = algorithms.get("flat").start(call)
+        if work.data_ptr() == target.data_ptr():
+            return fut
+        return chain(fut, lambda _v: target.copy_(work.view(target.shape)))
 
     # ----------------------------------------------------------------------------- quantized
-    def _quantized(self, output: torch.Tensor, input: torch.Tensor, group, bound: Bound | None) -> None:
+    def _quantized(self, output: torch.Tensor, input: torch.Tensor, group, bound: Bound | None,
+                   blocking: bool) -> torch.futures.Future:
         world, chunk = group.size(), input.numel()
         numels = bound.layout.numels if bound is not None and bound.layout.chunk == chunk else (chunk,)
         segs = [n for n in numels if n]
@@ -148,11 +157,15 @@ class AllGatherComm(CommBase, AllGather):
         # Round to nearest: the same shard encodes to the same bytes in forward and in backward.
         codec.encode(src if src.dtype == torch.float32 else src.float(), segs, payload)
         gathered = torch.empty(world * nbytes, dtype=torch.uint8, device=src.device)
-        self._start(gathered, payload, group, "qag")
-        rows = gathered.view(world, nbytes)
         out = output.detach().view(world, chunk)
-        for b in range(world):
-            codec.decode(rows[b], segs, out[b])
+
+        def decode(_value) -> None:
+            # Local work after the gather (DESIGN 2: no collective here): every shard, this rank's too.
+            rows = gathered.view(world, nbytes)
+            for b in range(world):
+                codec.decode(rows[b], segs, out[b])
+
+        return chain(self._start(gathered, payload, group, "qag", blocking), decode)
 
     # ----------------------------------------------------------------------------- model
     def traffic(self, nbytes: float, topology: Topology | None = None, *, itemsize: int = 4,

@@ -266,7 +266,7 @@ def _device_type(model: nn.Module) -> str:
 
 
 def shard(model: nn.Module, *, topology: Topology | None = None, blocks=None, weights=_DEFAULT, gradients=_DEFAULT,
-          hpz: bool = True, algorithm: str = "auto", error_feedback: bool = True,
+          hpz: bool = True, algorithm: str = "auto", error_feedback: bool = True, prefetch: bool = True,
           mp_policy: MixedPrecisionPolicy | None = None, seed: int = 0, timeout: float | None = None) -> Comms:
     """Shard ``model`` over every rank with the ZeRO++ recipe, in place, and register commopt's comms.
 
@@ -274,8 +274,10 @@ def shard(model: nn.Module, *, topology: Topology | None = None, blocks=None, we
     root; (2) hpZ: ``reshard_after_forward=L`` (L ranks per node), so that after forward each node
     keeps a secondary shard and backward's all-gather never leaves the node; (3) qwZ: the forward
     all-gather in int8 (``weights``); (4) qgZ: the gradient reduce-scatter in int4 (``gradients``),
-    hierarchical where the topology allows, with error feedback. ``weights=None, gradients=None,
-    hpz=False`` is plain FSDP2 with commopt's exact (``algorithm``) reduce-scatter and all-gather.
+    hierarchical where the topology allows, with error feedback; (5) with ``prefetch``, every block's
+    forward prefetches the next block's parameters and all-gathers run asynchronously, so that they
+    overlap computation (FSDP2's backward prefetch too). ``weights=None, gradients=None, hpz=False``
+    is plain FSDP2 with commopt's exact (``algorithm``) reduce-scatter and all-gather.
 
     hpZ needs nodes of equal size whose ranks are consecutive (node-by-node placement: FSDP2's
     post-forward groups are consecutive ranks); elsewhere it is left off with a warning. On one node
@@ -305,22 +307,39 @@ def shard(model: nn.Module, *, topology: Topology | None = None, blocks=None, we
     kwargs = {"mesh": mesh, "reshard_after_forward": reshard}
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
-    for block in _blocks(model, blocks):
+    chain = _blocks(model, blocks)
+    for block in chain:
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
     register(model, reduce_scatter=rs, all_gather=ag)
+    if prefetch:
+        _prefetch(model, chain)
     return Comms(reduce_scatter=rs, all_gather=ag)
 
 
+def _prefetch(model: nn.Module, chain: list[nn.Module]) -> None:
+    """Overlap all-gathers with computation: each block's forward prefetches the next block's
+    parameters (``set_modules_to_forward_prefetch``), and FSDP2 issues its pre-forward and
+    pre-backward all-gathers with ``async_op=True`` (``FSDPModule._set_unshard_async_op``), which
+    commopt's all-gather serves asynchronously (FSDP2 waits for it before using the parameters).
+    Without it, on a backend without streams (CPU) every all-gather blocks the training thread."""
+    for block, following in zip(chain, chain[1:]):
+        block.set_modules_to_forward_prefetch([following])
+    set_async = getattr(model, "_set_unshard_async_op", None)
+    if set_async is not None:
+        set_async(True)
+
+
 def shard_hsdp(model: nn.Module, compressor: Compressor | None = _DEFAULT, *, topology: Topology | None = None,
-               blocks=None, error_feedback: bool = True, intra: bool = True,
+               blocks=None, error_feedback: bool = True, intra: bool = True, prefetch: bool = True,
                mp_policy: MixedPrecisionPolicy | None = None, seed: int = 0, timeout: float | None = None) -> Comms:
     """Compressed HSDP in place: FSDP2 over each node's ranks, ``compressor`` across nodes.
 
     (1) ``fully_shard`` every block and the root over a 1-D mesh of this rank's node; (2) the
     gradient shard is reduced along the rail by :class:`AllReduceHook` (default int8, error
     feedback); (3) with ``intra`` the node's reduce-scatter and all-gather run commopt's exact
-    exchange (point-to-point on gloo) instead of the backend's collectives.
+    exchange (point-to-point on gloo) instead of the backend's collectives, and with ``prefetch``
+    (which needs ``intra``) the all-gathers overlap computation as in :func:`shard`.
 
     Returns:
         The registered :class:`Comms`.
@@ -338,10 +357,13 @@ def shard_hsdp(model: nn.Module, compressor: Compressor | None = _DEFAULT, *, to
     kwargs = {"mesh": mesh}
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
-    for block in _blocks(model, blocks):
+    chain = _blocks(model, blocks)
+    for block in chain:
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
     rs = ReduceScatterComm(topo, timeout=timeout) if intra else None
     ag = AllGatherComm(topo, timeout=timeout) if intra else None
     register(model, reduce_scatter=rs, all_gather=ag, all_reduce=hook)
+    if prefetch and intra:
+        _prefetch(model, chain)
     return Comms(reduce_scatter=rs, all_gather=ag, all_reduce=hook)
