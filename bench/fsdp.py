@@ -9,7 +9,8 @@ Runs (all from the same seed, on the same batches, AdamW):
 - ``hierarchical``: FSDP2 with commopt's exact hierarchical reduce-scatter and all-gather;
 - ``zero++`` / ``zero++/no-ef``: ``commopt.comm.fsdp.shard``: int8 all-gather (qwZ), hpZ
   (``reshard_after_forward=L``), int4 hierarchical reduce-scatter (qgZ), with / without error feedback;
-- ``hsdp-int8``: compressed HSDP (``fsdp.shard_hsdp``): FSDP2 inside each node, int8 across nodes;
+- ``hsdp-int8`` / ``hsdp-int8/no-ef``: compressed HSDP (``fsdp.shard_hsdp``): FSDP2 inside each node,
+  int8 across nodes, with / without error feedback;
 - ``hsdp-powersgd``: not run (listed with the reason): PowerSGD across nodes needs
   ``commopt.comm.compression`` on the rail group, which the runtime does not create.
 
@@ -54,6 +55,7 @@ RUNS = {
     "zero++": "fsdp.shard: int8 all-gather + hpZ + int4 reduce-scatter, error feedback",
     "zero++/no-ef": "fsdp.shard: the same without error feedback (stochastic rounding)",
     "hsdp-int8": "fsdp.shard_hsdp: FSDP2 inside a node, int8 across nodes, error feedback",
+    "hsdp-int8/no-ef": "fsdp.shard_hsdp: the same without error feedback (stochastic rounding)",
     "hsdp-powersgd": "compressed HSDP with PowerSGD",
 }
 _TARGETS = (("hierarchical", "fsdp2", 1.35), ("zero++", "fsdp2", 4.0), ("zero++", "ddp", 1.0),
@@ -197,11 +199,12 @@ def _setup(name: str, args, topo) -> dict:
     elif name in ("zero++", "zero++/no-ef"):
         run["comms"] = fsdp.shard(model, topology=topo, error_feedback=name == "zero++")
         run["module"] = model
-    elif name == "hsdp-int8":
+    elif name in ("hsdp-int8", "hsdp-int8/no-ef"):
         if not two_level:
             run["skip"] = "needs two levels of equal nodes"
             return run
-        run["comms"] = fsdp.shard_hsdp(model, C.QuantizeCompressor(8), topology=topo)
+        run["comms"] = fsdp.shard_hsdp(model, C.QuantizeCompressor(8), topology=topo,
+                                       error_feedback=name == "hsdp-int8")
         run["module"] = model
     elif name == "hsdp-powersgd":
         try:

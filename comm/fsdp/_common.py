@@ -26,7 +26,7 @@ from ..runtime import context
 from ..topology import Topology
 
 __all__ = ["Layout", "Codec", "Memory", "CommBase", "Bound", "reduction", "seed_of", "done_work", "as_work",
-           "cut_segments", "quantized_exchange", "LOW_PRECISION"]
+           "cut_segments", "finite", "quantized_exchange", "LOW_PRECISION"]
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -179,6 +179,12 @@ class Codec:
             s_pos, c_pos, x_pos = s_pos + ns, c_pos + nb, x_pos + n
 
 
+def finite(x: torch.Tensor) -> bool:
+    """Whether every element of ``x`` is finite, in one pass where it is (NaN/Inf propagate through
+    a sum; an overflowing sum of finite values is confirmed element-wise)."""
+    return bool(torch.isfinite(x.sum())) or bool(torch.isfinite(x).all())
+
+
 def quantized_exchange(codec: Codec, rows: list[torch.Tensor | None], segs: list[list[int]], out: torch.Tensor,
                        me: int, group, *, residual: list[torch.Tensor | None] | None, seed: tuple, step: int,
                        stochastic: bool, timeout: float | None) -> int:
@@ -203,12 +209,11 @@ def quantized_exchange(codec: Codec, rows: list[torch.Tensor | None], segs: list
         send[d] = torch.empty(codec.nbytes(segs[d]), dtype=torch.uint8, device=device)
         codec.encode(x, segs[d], send[d], seed=seed_of(*seed, me, d), step=step, stochastic=stochastic)
         recv[d] = torch.empty(codec.nbytes(segs[me]), dtype=torch.uint8, device=device)
-        if residual is not None:
+        if residual is not None and finite(x):
+            # A NaN/Inf input would poison the residual: keep the previous one (FAULTS 35).
             decoded = torch.empty_like(x)
             codec.decode(send[d], segs[d], decoded)
-            lost = x.sub_(decoded)
-            if bool(torch.isfinite(lost).all()):
-                residual[d].copy_(lost)
+            torch.sub(x, decoded, out=residual[d])
     sent = pairwise(group, timeout, send, recv)
     out.copy_(rows[me])
     for d in range(k):

@@ -40,7 +40,7 @@ from ..compression import BF16Compressor, Compressor, FP16Compressor, QuantizeCo
 from ..engine import Phase
 from ..errors import TopologyError
 from ..topology import Topology
-from ._common import Bound, Codec, CommBase, Layout, cut_segments, quantized_exchange, seed_of
+from ._common import Bound, Codec, CommBase, Layout, cut_segments, finite, quantized_exchange, seed_of
 
 __all__ = ["AllReduceHook"]
 
@@ -179,12 +179,10 @@ class AllReduceHook(CommBase):
             x = reduced if server is None else reduced + server
             codec.encode(x, segs[me], payloads[me], seed=seed_of(self.seed, layout.key, "server", me), step=step,
                          stochastic=stochastic)
-            if server is not None:
+            if server is not None and finite(x):
                 decoded = torch.empty_like(x)
                 codec.decode(payloads[me], segs[me], decoded)
-                lost = x.sub_(decoded)
-                if bool(torch.isfinite(lost).all()):
-                    server.copy_(lost)
+                torch.sub(x, decoded, out=server)
             return pairwise(ag, self.timeout, [None if d == me else payloads[me] for d in range(nodes)],
                             [None if d == me else payloads[d] for d in range(nodes)])
 
