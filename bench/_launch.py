@@ -26,12 +26,22 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-__all__ = ["launch"]
+__all__ = ["launch", "topology_of"]
 
 Body = Callable[[Any], int]
 
 # How long a failing rank lets mpirun forward its traceback before MPI_Abort ends the job.
 _ABORT_GRACE_S = 1.0
+
+
+def topology_of(args) -> Any:
+    """The benchmarks' topology: ``--topology`` (a spec such as ``2x2``), else detected once per group
+    (``COMMOPT_NODES``, the launcher's placement, else host names)."""
+    from commopt.comm import Topology, context
+
+    if args.topology:
+        return Topology.from_spec(args.topology)
+    return context().topology(None, None)
 
 
 def launch(body: Body, args: Any, *, spawn: int = 0, timeout: float = 120.0, single: bool = True,

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ._launch import launch
+from ._launch import launch, topology_of
 from ._progress import progress
 
 __all__ = ["main", "HOOKS"]
@@ -100,14 +100,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # ------------------------------------------------------------------------------------ measuring
-def _topology(args):
-    from commopt.comm import Topology, context
-
-    if args.topology:
-        return Topology.from_spec(args.topology)
-    return context().topology(None, None)
-
-
 def _make_hook(name: str, args, topo, model: nn.Module):
     """(state, hook function, bytes-per-step model or None when the engine counts them)."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -210,7 +202,7 @@ def _summary(run: dict, args) -> dict:
 
 
 def _rank_body(args) -> int:
-    topo = _topology(args)
+    topo = topology_of(args)
     names = args.hooks.split(",")
     if args.warmup_steps:
         # Untimed: connections, allocator and kernel caches warm up here, not in the first hook's row.

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ._launch import launch
+from ._launch import launch, topology_of
 from ._progress import progress
 
 __all__ = ["main", "RUNS"]
@@ -124,30 +124,19 @@ class _Counted:
 def _native_link_bytes(log: list, topo, hsdp: bool) -> float:
     """The busiest node link's bytes of torch's calls: a ring over the call's group (every group of
     a kind runs at once: one per node for HSDP's shard group), plus HSDP's rail all-reduce."""
-    from commopt.comm.algorithms import ALGORITHM_FACTORS, FLAT, Traffic
+    from commopt.comm.algorithms import ALGORITHM_FACTORS, FLAT
 
     total = 0.0
     world = tuple(range(topo.world_size))
     for kind, nbytes, ranks, out_bytes in log:
-        if ranks == world:
-            total += FLAT.traffic(kind, nbytes, topo).link_bytes()
-        else:
-            t = Traffic(topo)  # the group's ranks in one node (HSDP): no node link
-            total += t.link_bytes()
+        if ranks == world:  # a group inside one node (HSDP's shard group) crosses no node link
+            total += FLAT.link_bytes(kind, nbytes, topo)
         if hsdp and kind == "reduce_scatter":
             total += _rail_traffic(topo, out_bytes, ALGORITHM_FACTORS["allreduce"](topo.num_nodes)).link_bytes()
     return total
 
 
 # ------------------------------------------------------------------------------------------ runs
-def _topology(args):
-    from commopt.comm import Topology, context
-
-    if args.topology:
-        return Topology.from_spec(args.topology)
-    return context().topology(None, None)
-
-
 def _gpt(args):
     from commopt.bench.models import GPT
 
@@ -273,7 +262,7 @@ def _summary(run: dict) -> dict:
 
 def _rank_body(args) -> int:
     torch.set_num_threads(1)
-    topo = _topology(args)
+    topo = topology_of(args)
     runs = [_setup(name, args, topo) for name in args.runs.split(",")]
     active = [r for r in runs if not r["skip"]]
     total = args.warmup + args.steps

@@ -294,6 +294,12 @@ def _deliver(fut: torch.futures.Future, async_op: bool, timeout: float | None, o
     return wait(fut, timeout, op=op)
 
 
+def _source(input: torch.Tensor) -> torch.Tensor:
+    """The input of a reduce-scatter or all-gather as a contiguous 1-D view (bool as its bytes)."""
+    src = input.detach().contiguous().view(-1)
+    return src.view(torch.uint8) if src.dtype == torch.bool else src
+
+
 def _require(algo: algorithms.Algorithm, topo: Topology, kind: str) -> None:
     reason = algo.supports(topo, kind)
     if reason is not None:
@@ -459,9 +465,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: ReduceOp.RedOp
     check = None if validate else agree(name, numel=output.numel(), dtype=output.dtype, op=op_name, algorithm=algo,
                                         group=group, device=output.device, timeout=timeout)
     p, red = prepare(output, op_name, world)
-    src = input.detach().contiguous().view(-1)
-    if src.dtype == torch.bool:
-        src = src.view(torch.uint8)
+    src = _source(input)
     if op_name == "avg" and src.dtype in LOW_PRECISION:
         src = src / world
         p.flat.mul_(world)  # prepare() pre-divided the output, which is overwritten anyway
@@ -504,9 +508,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, *, group: ProcessGroup
     check = None if validate else agree(name, numel=input.numel(), dtype=input.dtype, op="none", algorithm=algo,
                                         group=group, device=input.device, timeout=timeout)
     p, _ = prepare(output, "sum", world)
-    src = input.detach().contiguous().view(-1)
-    if src.dtype == torch.bool:
-        src = src.view(torch.uint8)
+    src = _source(input)
     fut = _start("all_gather", algo, p, None, group, topo, timeout, not async_op,
                  output.numel() * output.element_size(), src)
     return _deliver(checked(fut, check), async_op, timeout, f"all_gather/{algo}")

@@ -23,6 +23,19 @@ from commopt.comm.hooks import AllReduceState, allreduce_hook, check_result, reg
 IN, HID, OUT = 16, 32, 4
 
 
+def _restored(fresh, ddp, opt, hook_state: dict):
+    """A checkpoint of (model, optimizer, hook state) through torch.save / torch.load(weights_only=True),
+    restored into ``fresh()`` objects."""
+    buf = io.BytesIO()
+    torch.save({"model": ddp.module.state_dict(), "opt": opt.state_dict(), "hook": hook_state}, buf)
+    buf.seek(0)
+    ckpt = torch.load(buf, weights_only=True)
+    ddp, opt, state = fresh()
+    ddp.module.load_state_dict(ckpt["model"])
+    opt.load_state_dict(ckpt["opt"])
+    state.load_state_dict(ckpt["hook"])
+    return ddp, opt, state
+
 def _compressors():
     """Every compressor, in settings that compress this tiny model."""
     return {
@@ -215,18 +228,12 @@ def _body_checkpoint() -> None:
 
         ddp, opt, state = fresh()
         run(ddp, opt, state, range(3))
-        buf = io.BytesIO()
-        torch.save({"model": ddp.module.state_dict(), "opt": opt.state_dict(), "hook": state.state_dict()}, buf)
-        buf.seek(0)
-        ckpt = torch.load(buf, weights_only=True)
-        ddp, opt, state = fresh()
-        ddp.module.load_state_dict(ckpt["model"])
-        opt.load_state_dict(ckpt["opt"])
-        state.load_state_dict(ckpt["hook"])
+        saved = state.state_dict()
+        ddp, opt, state = _restored(fresh, ddp, opt, saved)
         run(ddp, opt, state, range(3, 6))
         for a, b in zip(reference, _params(ddp.module)):
             assert torch.equal(a, b), name
-        bad = dict(ckpt["hook"], world_size=dist.get_world_size() + 1)
+        bad = dict(saved, world_size=dist.get_world_size() + 1)
         with pytest.raises(ValueError, match="world_size"):
             AllReduceState(algorithm="flat", compressor=make()).load_state_dict(bad)
 
@@ -294,14 +301,7 @@ def _body_compressor_state() -> None:
     old["error_feedback"] = {kind: {k: v.clone() for k, v in current["error_feedback"][kind].items()}
                              for kind in old_feedback_keys}
     assert old["compressor"]["q_memory"], "the checkpoint carries no warm start"
-    buf = io.BytesIO()
-    torch.save({"model": ddp.module.state_dict(), "opt": opt.state_dict(), "hook": old}, buf)
-    buf.seek(0)
-    ckpt = torch.load(buf, weights_only=True)
-    ddp, opt, state = fresh()
-    ddp.module.load_state_dict(ckpt["model"])
-    opt.load_state_dict(ckpt["opt"])
-    state.load_state_dict(ckpt["hook"])
+    ddp, opt, state = _restored(fresh, ddp, opt, old)
     for i in range(3, 6):
         step(ddp, opt, i)
     assert all(torch.equal(a, b) for a, b in zip(reference, _params(ddp.module))), "old checkpoint: not identical"

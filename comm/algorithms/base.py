@@ -196,7 +196,7 @@ class Algorithm:
     def traffic(self, collective: str, nbytes: float, topology: Topology, *, itemsize: int = 1) -> Traffic:
         """What one call moves. ``nbytes``: the per-rank buffer (all-reduce, all-to-all) or the whole
         world-sized buffer (reduce-scatter, all-gather); ``itemsize`` for the padding to whole elements."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} must say its traffic(): every algorithm does")
 
     def link_bytes(self, collective: str, nbytes: float, topology: Topology) -> float:
         """``traffic(collective, nbytes, topology).link_bytes()`` without building the traffic of
@@ -206,7 +206,7 @@ class Algorithm:
 
     def cost(self, model: CostModel, collective: str, nbytes: float, topology: Topology) -> float:
         """Predicted seconds of one call under the level ``model`` (same ``nbytes`` as :meth:`traffic`)."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} must say its cost(): every algorithm does")
 
     def chunks(self, model: CostModel, collective: str, nbytes: float, topology: Topology) -> int:
         """The pipelining depth with the lowest predicted time (1 for unpipelined algorithms)."""
@@ -219,7 +219,7 @@ class Algorithm:
         return fn(call)
 
     def all_reduce(self, call: Call) -> torch.futures.Future:
-        raise NotImplementedError(self.supports(call.topology, "allreduce"))  # type: ignore[arg-type]
+        raise NotImplementedError(f"algorithm {self.name!r} does not implement allreduce")
 
     def reduce_scatter(self, call: Call) -> torch.futures.Future:
         raise NotImplementedError(f"algorithm {self.name!r} does not implement reduce_scatter")

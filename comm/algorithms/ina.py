@@ -199,7 +199,7 @@ class _CachedIdentity:
         self.identity = identity
 
     def close(self) -> None:
-        pass
+        pass  # an identity holds no socket or thread: destroy() just drops it
 
 
 def _drop_session(ctx: Context, pg: Any, address: tuple[str, int], rank: int, size: int,

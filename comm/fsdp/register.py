@@ -304,17 +304,23 @@ def shard(model: nn.Module, *, topology: Topology | None = None, blocks=None, we
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(_device_type(model), (topo.world_size,))
-    kwargs = {"mesh": mesh, "reshard_after_forward": reshard}
+    chain = _fully_shard(model, blocks, mp_policy, mesh=mesh, reshard_after_forward=reshard)
+    register(model, reduce_scatter=rs, all_gather=ag)
+    if prefetch:
+        _prefetch(model, chain)
+    return Comms(reduce_scatter=rs, all_gather=ag)
+
+
+def _fully_shard(model: nn.Module, blocks, mp_policy: MixedPrecisionPolicy | None, **kwargs) -> list[nn.Module]:
+    """``fully_shard`` every block, then the root, with ``kwargs`` (and ``mp_policy`` when given);
+    returns the blocks in order (the forward-prefetch chain)."""
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
     chain = _blocks(model, blocks)
     for block in chain:
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
-    register(model, reduce_scatter=rs, all_gather=ag)
-    if prefetch:
-        _prefetch(model, chain)
-    return Comms(reduce_scatter=rs, all_gather=ag)
+    return chain
 
 
 def _prefetch(model: nn.Module, chain: list[nn.Module]) -> None:
@@ -354,13 +360,7 @@ def shard_hsdp(model: nn.Module, compressor: Compressor | None = _DEFAULT, *, to
                             f"({topo.layout}); use fsdp.shard", op="fsdp.shard_hsdp")
     grid = torch.tensor([[topo.group_rank_to_global(r) for r in node] for node in topo.nodes])
     mesh = DeviceMesh(_device_type(model), grid, mesh_dim_names=("replicate", "shard"))["shard"]
-    kwargs = {"mesh": mesh}
-    if mp_policy is not None:
-        kwargs["mp_policy"] = mp_policy
-    chain = _blocks(model, blocks)
-    for block in chain:
-        fully_shard(block, **kwargs)
-    fully_shard(model, **kwargs)
+    chain = _fully_shard(model, blocks, mp_policy, mesh=mesh)
     rs = ReduceScatterComm(topo, timeout=timeout) if intra else None
     ag = AllGatherComm(topo, timeout=timeout) if intra else None
     register(model, reduce_scatter=rs, all_gather=ag, all_reduce=hook)
