@@ -342,7 +342,8 @@ def _hsdp_native(topo: Topology) -> nn.Module:
 
 def _body_training(spec: str, steps: int) -> dict:
     """30 steps of the ZeRO++ recipe (with and without error feedback) against native FSDP2, and of
-    compressed HSDP (int8, int4) against native HSDP: the final losses."""
+    compressed HSDP (int8, fp16, PowerSGD rank 1 and top-k 25 %, both with error feedback) against
+    native HSDP: the final losses."""
     topo = _topo(spec)
     lr = 0.1
     out = {"fsdp2": _train(_native(), steps, lr=lr)[-1]}
@@ -352,7 +353,9 @@ def _body_training(spec: str, steps: int) -> dict:
         out[name] = _train(m, steps, lr=lr)[-1]
     if topo.is_uniform and topo.num_nodes > 1:
         out["hsdp"] = _train(_hsdp_native(topo), steps, lr=lr)[-1]
-        for name, comp in (("hsdp-int8", C.QuantizeCompressor(8)), ("hsdp-fp16", C.FP16Compressor())):
+        for name, comp in (("hsdp-int8", C.QuantizeCompressor(8)), ("hsdp-fp16", C.FP16Compressor()),
+                           ("hsdp-powersgd", C.PowerSGDCompressor(rank=1, start_iter=2, min_compression_rate=0)),
+                           ("hsdp-topk", C.TopKCompressor(0.25))):
             m = _model()
             fsdp.shard_hsdp(m, comp, topology=topo)
             out[name] = _train(m, steps, lr=lr)[-1]
@@ -431,22 +434,35 @@ def test_precision_accumulation_and_ops_match_native(ranks, world, spec):
 def _body_hsdp_exact(spec: str, steps: int) -> None:
     """The HSDP hook without a compressor over 1-D FSDP per node gives native HSDP's gradients bit
     for bit (the same reduce-scatter, the same rail all-reduce); with commopt's exchange inside the
-    node too, up to the order of fp32 sums."""
+    node too, up to the order of fp32 sums. Compressors that are exact at their limit go through
+    the same path as their lossy settings (``reduce_tensors`` along the rail, every parameter's
+    shard in its shard shape): PowerSGD of full rank (its power step spans every column: P P^T M = M)
+    and top-k keeping every element give native HSDP's gradients up to rounding."""
     topo = _topo(spec)
     ref = _hsdp_native(topo)
     ref_grads = []
     _train(ref, steps, every=lambda s: ref_grads.append(_full_grads(ref)))
-    for intra in (False, True):
+    cases = [(None, False), (None, True),
+             (C.PowerSGDCompressor(rank=64, start_iter=0, min_compression_rate=0), True),
+             (C.TopKCompressor(1.0), True)]
+    for comp, intra in cases:
         m = _model()
-        fsdp.shard_hsdp(m, None, topology=topo, intra=intra)
+        comms = fsdp.shard_hsdp(m, comp, topology=topo, intra=intra)
         grads = []
         _train(m, steps, every=lambda s, m=m, g=grads: g.append(_full_grads(m)))
         for s in range(steps):
-            if intra:
+            if comp is not None:
+                _close(grads[s], ref_grads[s], 1e-4, 1e-5, f"{spec} hsdp {comp.name} step {s}")
+            elif intra:
                 _close(grads[s], ref_grads[s], 1e-5, 1e-6, f"{spec} hsdp intra step {s}")
             else:
                 for k in grads[s]:
                     assert torch.equal(grads[s][k], ref_grads[s][k]), f"{spec} hsdp step {s}: {k} differs"
+        if isinstance(comp, C.PowerSGDCompressor):
+            # Every weight went through the power step (not the exact fallback): Q warm starts of
+            # the padded shard shapes, one per matrix, on every rank.
+            q = comms.all_reduce.compressor_state.q_memory
+            assert sorted(q) == sorted(n for n, p in m.named_parameters() if p.dim() == 2), sorted(q)
 
 
 @pytest.mark.parametrize("world,spec", [(4, "2x2"), (4, "0,2;1,3")])
@@ -526,7 +542,7 @@ def _body_register_errors(spec: str) -> list[str]:
     refused(TypeError, lambda: fsdp.ReduceScatterComm(topo, compressor=C.PowerSGDCompressor()), "cannot serve")
     refused(TypeError, lambda: fsdp.ReduceScatterComm(topo, compressor=C.TopKCompressor(0.1)), "cannot serve")
     refused(TypeError, lambda: fsdp.AllGatherComm(topo, compressor=C.FP16Compressor()), "cannot serve")
-    refused(TypeError, lambda: fsdp.AllReduceHook(C.PowerSGDCompressor(), topo), "cannot reduce along the rail")
+    refused(TypeError, lambda: fsdp.AllReduceHook("powersgd", topo), "must be None or a commopt")
     m = _native()
     refused(TypeError, lambda: fsdp.register(m, reduce_scatter=C.SignCompressor()), "cannot serve a reduce-scatter")
     refused(TypeError, lambda: fsdp.register(m, reduce_scatter=C.QuantizeCompressor(4)), "ReduceScatterComm(compressor")
@@ -665,9 +681,12 @@ def test_nonfinite_gradients_propagate_or_raise_and_never_poison_residuals(ranks
 
 
 # ------------------------------------------------------------------------------------------ checkpoint
-def _recipe(topo: Topology, error_feedback: bool = True):
+def _recipe(topo: Topology, kind: str = "zero++"):
     m = _model()
-    comms = fsdp.shard(m, topology=topo, error_feedback=error_feedback)
+    if kind == "zero++":
+        comms = fsdp.shard(m, topology=topo)
+    else:  # compressed HSDP with PowerSGD: residuals and warm starts
+        comms = fsdp.shard_hsdp(m, C.PowerSGDCompressor(rank=1, start_iter=1, min_compression_rate=0), topology=topo)
     return m, comms, torch.optim.SGD(m.parameters(), lr=0.1)
 
 
@@ -679,22 +698,27 @@ def _steps(m, opt, start: int, stop: int) -> None:
         opt.step()
 
 
-def _body_checkpoint(spec: str, total: int, split: int) -> bytes:
-    """FAULTS 36: the ZeRO++ recipe with error feedback, checkpointed at ``split`` (shards and the
-    comms' residuals, torch.save), rebuilt from scratch and restored with weights_only=True, continues
-    bit-identically to the uninterrupted run; without the residuals it does not."""
+def _body_checkpoint(spec: str, total: int, split: int, kind: str = "zero++") -> bytes:
+    """FAULTS 36: the ZeRO++ recipe with error feedback (or compressed HSDP with PowerSGD: residuals
+    and warm starts), checkpointed at ``split`` (shards and the comms' state, torch.save), rebuilt
+    from scratch and restored with weights_only=True, continues bit-identically to the uninterrupted
+    run; without the comms' state it does not."""
     topo = _topo(spec)
-    m, comms, opt = _recipe(topo)
+    m, comms, opt = _recipe(topo, kind)
     _steps(m, opt, 0, total)
     straight = {n: p.to_local().clone() for n, p in m.named_parameters()}
-    m, comms, opt = _recipe(topo)
+    m, comms, opt = _recipe(topo, kind)
     _steps(m, opt, 0, split)
     buf = io.BytesIO()
     torch.save({"model": {n: p.to_local().clone() for n, p in m.named_parameters()}, "comms": comms.state_dict()}, buf)
     saved = buf.getvalue()
-    assert comms.state_dict()["reduce_scatter"]["residuals"]
+    if kind == "zero++":
+        assert comms.state_dict()["reduce_scatter"]["residuals"]
+    else:
+        state = comms.state_dict()["all_reduce"]
+        assert state["error_feedback"]["worker"] and state["compressor_state"]["q_memory"], sorted(state)
     for restore_comms in (True, False):
-        m, comms, opt = _recipe(topo)
+        m, comms, opt = _recipe(topo, kind)
         state = torch.load(io.BytesIO(saved), weights_only=True)
         with torch.no_grad():
             for n, p in m.named_parameters():
@@ -717,6 +741,7 @@ def _body_load_elsewhere(saved: bytes, spec: str) -> str:
 
 
 def test_error_feedback_checkpoint_restores_bit_identically(ranks):
+    ranks(4, _body_checkpoint, "2x2", 5, 3, "hsdp-powersgd", timeout=120)
     saved = ranks(4, _body_checkpoint, "2x2", 6, 3, timeout=120)
     messages = ranks(3, _body_load_elsewhere, saved[0], "2+1", timeout=60)
     assert all("world_size" in msg and "documented reset" in msg for msg in messages), messages[0]

@@ -79,7 +79,8 @@ def reduce_tensors(compressor: Compressor, tensors: list[torch.Tensor], keys: li
                    average: bool = True, step: int = 0, seed: int = 0, feedback: ErrorFeedback | None = None,
                    state: CompressorState | None = None, check_finite: bool = False,
                    timeout: float | None = None) -> torch.futures.Future:
-    """Reduce ``tensors`` (contiguous, one floating dtype) in place over ``group`` through ``compressor``.
+    """Reduce ``tensors`` (contiguous, one floating dtype) in place over ``group`` through ``compressor``,
+    or with ``algorithm="rail"`` over this rank's rail of ``topology``.
 
     Args:
         compressor: the compressor.
@@ -88,8 +89,12 @@ def reduce_tensors(compressor: Compressor, tensors: list[torch.Tensor], keys: li
         group: the process group (None: WORLD).
         topology: its layout; None detects it when ``algorithm`` is not ``"flat"``.
         algorithm: ``"flat"``, ``"hierarchical"`` or ``"auto"`` (the one the cost model predicts
-            faster for this compressor and these shapes: ``auto.choose``).
-        average: divide the sum by the group size.
+            faster for this compressor and these shapes: ``auto.choose``); or ``"rail"``: reduce
+            over this rank's rail only (the ranks of the same local index, one per node), every rank
+            of the group calling with tensors of the same shapes and the rails running side by side:
+            the inter-node level of a reduction whose intra-node level already ran (compressed
+            HSDP, ``fsdp.AllReduceHook``). Nodes of equal size; a node of one rank is exact.
+        average: divide the sum by the number of ranks reduced over (the group's, or the rail's).
         step: the training step (seeds; PowerSGD's start iteration).
         seed: the seed shared by all ranks.
         feedback: residual memory (used by biased compressors), or None.
@@ -127,10 +132,11 @@ def reduce_tensors(compressor: Compressor, tensors: list[torch.Tensor], keys: li
     # first iteration after a restart (DDP's initial buckets) matches the rebuilt buckets it replaces.
     order = sorted(range(len(keys)), key=lambda i: keys[i])
     tensors, keys = [tensors[i] for i in order], [keys[i] for i in order]
-    topo = _resolve(algorithm, compressor, tensors, group, topology, timeout)
+    rails = _rails(group, topology, timeout) if algorithm == "rail" else None
+    topo = None if algorithm == "rail" else _resolve(algorithm, compressor, tensors, group, topology, timeout)
     return CompressedReduction(compressor, tensors, keys, group=group, topology=topo, average=average, step=step,
                                seed=seed, feedback=feedback, state=state, check_finite=check_finite,
-                               timeout=timeout).submit()
+                               timeout=timeout, rails=rails).submit()
 
 
 class CompressedReduction:
@@ -166,14 +172,15 @@ class CompressedReduction:
     def __init__(self, compressor: Compressor, tensors: list[torch.Tensor], keys: list[str], *,
                  group: ProcessGroup | None, topology: Topology | None, average: bool, step: int, seed: int,
                  feedback: ErrorFeedback | None, state: CompressorState, check_finite: bool,
-                 timeout: float | None) -> None:
+                 timeout: float | None, rails: Topology | None = None) -> None:
         self.compressor, self.tensors, self.keys = compressor, tensors, keys
         self.name = compressor.name
         self.topo = topology
         self.average, self.step, self.seed = average, step, seed
         self.feedback, self.state = feedback, state
         self.check_finite, self.timeout = check_finite, timeout
-        self.world = dist.get_world_size(group)
+        # rails: the flat path over this rank's rail of that topology (every phase on rail groups).
+        self.world = rails.num_nodes if rails is not None else dist.get_world_size(group)
         self.rounds = compressor.rounds()
         if len(self.rounds) != compressor.n_rounds:
             raise RuntimeError(f"{type(compressor).__name__}.rounds() returned {len(self.rounds)} rounds but "
@@ -184,7 +191,7 @@ class CompressedReduction:
         self.use_ef = feedback is not None and compressor.biased
         self.uses_server = self.use_ef and compressor.uses_server_residual
         self.whole_tensors = not self.hierarchical or compressor.needs_matrices
-        self._make_groups(group)
+        self._make_groups(group, rails)
         self.numels = [t.numel() for t in tensors]
         self.layout = layout_for(compressor, self.numels, local_size=self.local, local_rank=self.local_rank,
                                  rail_size=self.rail_size)
@@ -210,14 +217,23 @@ class CompressedReduction:
         self.full_nonfinite = self.averaged = False
         self.staged = None if self.lazy else self.stage()
 
-    def _make_groups(self, group: ProcessGroup | None) -> None:
+    def _make_groups(self, group: ProcessGroup | None, rails: Topology | None) -> None:
         """The process group of every phase role, created collectively (the same order everywhere).
 
         Optimistic exchanges start at their first round, checked ones after the check: a queue must
         keep one feeder (DESIGN 2), so the two modes of one compressor family use groups of their own.
+        On rails, every group is this rank's rail of its role (the rails of every rank are created
+        together, over the whole group).
         """
         ctx, timeout, n = context(), self.timeout, self.compressor.n_rounds
         role = f"cmp-{self.name}-opt" if self.optimistic else f"cmp-{self.name}"
+        if rails is not None:
+            self.local, self.local_rank, self.rail_size = 1, 0, self.world
+            self.rs_group = self.ag_group = None
+            self.round_groups = [ctx.groups(rails, f"{role}-{i}-rail", timeout).rail for i in range(n)]
+            self.exact_group = ctx.groups(rails, f"{role}-exact-rail", timeout).rail if self.optimistic else None
+            self.check_group = None if self.optimistic else ctx.groups(rails, "cmp-check-rail", timeout).rail
+            return
         flat = Topology.from_spec(f"1x{self.world}", group=group)
         if self.topo is not None:
             topo = self.topo
@@ -274,7 +290,8 @@ class CompressedReduction:
             flags[0] = float(not bool(finite.all()))
             flags[1] = float(torch.where(finite, staged.abs(), 0).max())
         flags[2:] = agreement(self.sig, self.sig_hash, self.device)
-        wait_work(dist.all_reduce(flags, op=ReduceOp.MAX, group=group, async_op=True), self.timeout)
+        if group is not None:  # None: a group of one rank (a rail of one node)
+            wait_work(dist.all_reduce(flags, op=ReduceOp.MAX, group=group, async_op=True), self.timeout)
         err = disagreement(flags[2:], self.sig, self.what, f"compress/{self.name}/check")
         if err is not None:
             raise err  # every rank holds the same MAX: every rank raises, before any payload moved
@@ -499,6 +516,16 @@ def _same_group(a: ProcessGroup | None, b: ProcessGroup | None) -> bool:
     return (world if a is None else a) is (world if b is None else b)
 
 
+def _rails(group: ProcessGroup | None, topology: Topology | None, timeout: float | None) -> Topology:
+    """The layout whose rails ``algorithm="rail"`` reduces over (detected when None): nodes of equal size."""
+    topo = context().topology(topology, group, timeout)
+    if not topo.is_uniform:
+        raise TopologyError(f"compressed reduction along the rail needs nodes of equal size, got "
+                            f"{[len(n) for n in topo.nodes]} ({topo.layout}): a rail is one rank per node",
+                            op="compress")
+    return topo
+
+
 def _resolve(algorithm: str, compressor: Compressor, tensors: list[torch.Tensor], group: ProcessGroup | None,
              topology: Topology | None, timeout: float | None = None) -> Topology | None:
     """The hierarchical topology, or None for a flat exchange (detecting it is bounded by ``timeout``).
@@ -510,7 +537,7 @@ def _resolve(algorithm: str, compressor: Compressor, tensors: list[torch.Tensor]
         return None
     if algorithm not in ("hierarchical", "auto"):
         raise ValueError(f"compressed all-reduce: algorithm {algorithm!r} is not supported; use 'flat', "
-                         f"'hierarchical' (compresses the inter-node phase only) or 'auto'")
+                         f"'hierarchical' (compresses the inter-node phase only), 'auto' or 'rail'")
     topo = context().topology(topology, group, timeout)
     if not topo.is_uniform:
         if algorithm == "hierarchical":

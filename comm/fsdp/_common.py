@@ -87,11 +87,14 @@ class Layout:
         key: the module's name in the model ("" for the root).
         names: parameter names (from the root), in the order FSDP concatenates them.
         numels: each parameter's padded shard size (elements of one rank's row).
+        shapes: each parameter's padded shard shape (FSDP2 shards dim 0: ``(ceil(rows / world),
+            *rest)``), what matrix compressors (PowerSGD) see; empty when unknown.
     """
 
     key: str
     names: tuple[str, ...]
     numels: tuple[int, ...]
+    shapes: tuple[tuple[int, ...], ...] = ()
 
     @property
     def chunk(self) -> int:

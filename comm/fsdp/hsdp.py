@@ -8,8 +8,6 @@ the hook reduces it along the rail:
 
 - ``compressor=None``: the rail all-reduce in the reduce dtype, exactly native HSDP's (the same
   gradients, bit for bit);
-- ``FP16Compressor`` / ``BF16Compressor``: the shard, pre-divided by the number of nodes, cast and
-  all-reduced, then cast back (half the bytes);
 - ``QuantizeCompressor(bits=8 | 4)``: two-shot over the rail, every sum in fp32: (1) cut the shard
   into one chunk per node, quantize chunk d for rail peer d (blocks restarting at every parameter),
   exchange, dequantize and sum with the own chunk; (2) requantize that reduced chunk, all-gather
@@ -17,15 +15,18 @@ the hook reduces it along the rail:
   stay identical). With error feedback (default) both roundings are to nearest and their residuals
   are kept per parameter name (worker: the chunks sent; server: the reduced chunk); without, both
   are stochastic (unbiased).
+- any other commopt compressor (``FP16Compressor``, ``BF16Compressor``, ``PowerSGDCompressor``,
+  ``TopKCompressor``, the sign compressors): ``compression.reduce_tensors(..., algorithm="rail")``
+  on every parameter's shard, viewed in its padded shard shape (FSDP2 shards dim 0, so a weight's
+  shard is a ``(rows / L, cols)`` matrix, and the rail peers hold the same rows: PowerSGD
+  approximates the sum of the same matrix). Error feedback per parameter name where the compressor
+  is biased (PowerSGD, top-k, signs), PowerSGD's warm starts likewise; both checkpointed.
 
 The hook averages over the rail (FSDP averaged inside the node), as native HSDP does; a module with
 ``set_gradient_divide_factor`` sums instead, as native HSDP's all-reduce does then. NaN/Inf follow
-the DDP hook's policy: they propagate (a quantized block holding one decodes to NaN everywhere) and
-never poison residuals, or with ``check_finite=True`` every rank raises ``NonFiniteError``.
-
-Other compressors (PowerSGD, top-k, signs) run only through ``commopt.comm.compression``, whose
-exchange creates derived process groups for its rounds; the runtime creates those only for the
-topology of every rank, not for a rail (a subgroup), so they are refused at construction.
+the DDP hook's policy: they propagate (a quantized block holding one decodes to NaN everywhere; a
+rail holding one reduces exactly) and never poison residuals, or with ``check_finite=True`` every
+rank raises ``NonFiniteError``.
 """
 
 from __future__ import annotations
@@ -36,31 +37,30 @@ from torch.distributed import ReduceOp
 
 from .. import algorithms
 from ..algorithms._transport import pairwise, wait_work
-from ..compression import BF16Compressor, Compressor, FP16Compressor, QuantizeCompressor
-from ..engine import Phase
+from ..compression import Compressor, ErrorFeedback, QuantizeCompressor, reduce_tensors
+from ..engine import Phase, wait
 from ..errors import TopologyError
 from ..topology import Topology
 from ._common import Bound, Codec, CommBase, Layout, cut_segments, finite, quantized_exchange, seed_of
 
 __all__ = ["AllReduceHook"]
 
-_CASTS = {FP16Compressor: torch.float16, BF16Compressor: torch.bfloat16}
-
 
 class AllReduceHook(CommBase):
     """A ``set_all_reduce_hook`` hook for 1-D FSDP over the intra-node group: compressed HSDP.
 
     Args:
-        compressor: None (exact), ``FP16Compressor``, ``BF16Compressor`` or ``QuantizeCompressor``.
+        compressor: None (exact), or any commopt compressor (see the module docstring).
         topology: the layout of every rank (None: detected once); nodes of equal size.
-        error_feedback: ``QuantizeCompressor``: residuals per parameter name, round to nearest;
-            False: stochastic rounding, nothing kept.
-        seed: seeds stochastic rounding, the same on every rank.
+        error_feedback: keep residuals per parameter name (``QuantizeCompressor``: and round to
+            nearest; False: stochastic rounding, nothing kept); other compressors keep them where
+            they are biased (PowerSGD, top-k, signs).
+        seed: seeds stochastic rounding and random projections, the same on every rank.
         check_finite: raise ``NonFiniteError`` on every rank when any rank's gradients hold NaN/Inf.
         timeout: seconds each transfer may take (None: the group's own).
 
     Raises:
-        TypeError: a compressor that cannot run on the rail (see the module docstring).
+        TypeError: a compressor that is not a commopt compressor, or a seed that is not an int.
     """
 
     where = "AllReduceHook"
@@ -69,29 +69,30 @@ class AllReduceHook(CommBase):
                  error_feedback: bool = True, seed: int = 0, check_finite: bool = False,
                  timeout: float | None = None):
         super().__init__(topology, timeout)
-        if compressor is not None and not isinstance(compressor, (QuantizeCompressor, *_CASTS)):
-            what = type(compressor).__name__ if isinstance(compressor, Compressor) else repr(compressor)
-            raise TypeError(
-                f"{self.where}: {what} cannot reduce along the rail here: commopt.comm.compression creates "
-                f"derived process groups for its rounds, and the runtime creates those only over every rank, "
-                f"not over a rail (a subgroup); use QuantizeCompressor(bits=8 or 4), FP16Compressor, "
-                f"BF16Compressor or None, or DDP's hook (hooks.AllReduceState) for {what}")
+        if compressor is not None and not isinstance(compressor, Compressor):
+            raise TypeError(f"{self.where}: compressor must be None or a commopt.comm.compression compressor "
+                            f"(QuantizeCompressor, FP16Compressor, PowerSGDCompressor, ...), got "
+                            f"{type(compressor).__name__} {compressor!r}")
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"{self.where}: seed must be an int (the same on every rank), got {seed!r}")
         self.compressor = compressor
         self.quantized = isinstance(compressor, QuantizeCompressor)
-        self.error_feedback = bool(error_feedback) and self.quantized
+        self.error_feedback = bool(error_feedback) and compressor is not None and (
+            self.quantized or compressor.biased)
         self.seed = seed
         self.finite_check = bool(check_finite)
         self.codec = Codec(compressor.bits, compressor.block) if self.quantized else None
+        general = compressor is not None and not self.quantized
+        # The other compressors' per-run memory: residuals per parameter name, warm starts.
+        self.feedback = ErrorFeedback() if general and self.error_feedback else None
+        self.compressor_state = compressor.new_state() if general else None
 
     @property
     def name(self) -> str:
         if self.compressor is None:
             return "exact"
-        if self.quantized:
-            return f"int{self.compressor.bits}" + ("+ef" if self.error_feedback else "")
-        return self.compressor.name
+        name = f"int{self.compressor.bits}" if self.quantized else self.compressor.name
+        return name + ("+ef" if self.error_feedback else "")
 
     def rail(self, role: str = "fsdp-hsdp"):
         topo = self.resolve()
@@ -125,23 +126,61 @@ class AllReduceHook(CommBase):
         flat = t.detach().view(-1)
         if self.quantized:
             self._quantized(flat, bound, average)
-            return
+        elif self.compressor is not None:
+            self._compressed(flat, bound, average)
+        else:
+            self._exact(flat, average)
+
+    def _exact(self, flat: torch.Tensor, average: bool) -> None:
+        """Native HSDP's rail all-reduce, in the reduce dtype."""
+        topo = self.resolve()
         rail = self.rail()
-        dtype = _CASTS.get(type(self.compressor), flat.dtype)
-        wire = flat if dtype == flat.dtype else (flat / nodes if average else flat).to(dtype)
-        op = ReduceOp.AVG if average and wire is flat else ReduceOp.SUM
 
         def all_reduce() -> int:
-            wait_work(dist.all_reduce(wire, op=op, group=rail, async_op=True), self.timeout)
-            return int(algorithms.ALGORITHM_FACTORS["allreduce"](nodes) * wire.numel() * wire.element_size())
+            wait_work(dist.all_reduce(flat, op=ReduceOp.AVG if average else ReduceOp.SUM, group=rail,
+                                      async_op=True), self.timeout)
+            return int(algorithms.ALGORITHM_FACTORS["allreduce"](topo.num_nodes) * flat.numel() * flat.element_size())
 
-        self.run([Phase("all_reduce_rail", all_reduce, rail)], f"fsdp/hsdp/{self.name}/inter", flat.device)
-        if wire is not flat:
-            flat.copy_(wire)
-        self.add_link_bytes(("cast", wire.numel(), wire.element_size()),
+        self.run([Phase("all_reduce_rail", all_reduce, rail)], "fsdp/hsdp/exact/inter", flat.device)
+        self.add_link_bytes(("exact", flat.numel(), flat.element_size()),
                             lambda: algorithms.get("hierarchical").traffic(
-                                "allreduce", wire.numel() * wire.element_size() * topo.local_size, topo,
-                                itemsize=wire.element_size()))
+                                "allreduce", flat.numel() * flat.element_size() * topo.local_size, topo,
+                                itemsize=flat.element_size()))
+
+    def _compressed(self, flat: torch.Tensor, bound: Bound | None, average: bool) -> None:
+        """Any other compressor: ``reduce_tensors`` along the rail on every parameter's shard."""
+        topo = self.resolve()
+        size = flat.numel()
+        layout = bound.layout if bound is not None and bound.layout.chunk == size else Layout("", ("<shard>",), (size,))
+        shapes = layout.shapes or tuple((n,) for n in layout.numels)
+        tensors, keys, pos = [], [], 0
+        for name, n, shape in zip(layout.names, layout.numels, shapes):
+            if n:
+                tensors.append(flat[pos: pos + n].view(shape))
+                keys.append(name)
+            pos += n
+        step = self.memory.steps.get(layout.key, 0)
+        self.memory.steps[layout.key] = step + 1
+        if not tensors:
+            return
+        fut = reduce_tensors(self.compressor, tensors, keys, topology=topo, algorithm="rail", average=average,
+                             step=step, seed=self.seed, feedback=self.feedback, state=self.compressor_state,
+                             timeout=self.timeout)
+        wait(fut, None, op=f"fsdp/hsdp/{self.name}/inter")
+        shapes = [tuple(t.shape) for t in tensors]
+        active = self.compressor.active(step) and self.compressor.worth(sum(t.numel() for t in tensors), shapes)
+        self.add_link_bytes(("cmp", active, tuple(shapes)),
+                            lambda: self._rail_traffic(
+                                self.compressor.exchange_bytes(size, shapes, topo.num_nodes) if active
+                                else algorithms.ALGORITHM_FACTORS["allreduce"](topo.num_nodes) * size * 4))
+
+    def _rail_traffic(self, sent: float) -> algorithms.Traffic:
+        """Every rank sending ``sent`` bytes around its rail (a ring over the nodes)."""
+        topo = self.resolve()
+        t = algorithms.Traffic(topo)
+        for j in range(topo.local_size):
+            t.ring([node[j] for node in topo.nodes], sent)
+        return t
 
     def _quantized(self, flat: torch.Tensor, bound: Bound | None, average: bool) -> None:
         topo = self.resolve()
@@ -220,12 +259,22 @@ class AllReduceHook(CommBase):
                 "block": getattr(self.compressor, "block", 0)}
 
     def state_dict(self) -> dict:
-        """Residuals per parameter name and step counters (``torch.load(weights_only=True)`` loads it)."""
-        return self.memory.state_dict(self._meta())
+        """Residuals per parameter name, step counters and (other compressors) the compressor's
+        state, e.g. PowerSGD's warm starts (``torch.load(weights_only=True)`` loads it)."""
+        out = self.memory.state_dict(self._meta())
+        if self.feedback is not None:
+            out["error_feedback"] = self.feedback.state_dict()
+        if self.compressor_state is not None:
+            out["compressor_state"] = self.compressor_state.state_dict()
+        return out
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict`; ``ValueError`` when world size, layout or compressor differ."""
         self.memory.load_state_dict(state, self._meta(), self.where)
+        if self.feedback is not None:
+            self.feedback.load_state_dict(state.get("error_feedback", {}))
+        if self.compressor_state is not None and "compressor_state" in state:
+            self.compressor_state.load_state_dict(state["compressor_state"])
 
     def __repr__(self) -> str:
         return f"AllReduceHook(compressor={self.compressor!r}, error_feedback={self.error_feedback})"

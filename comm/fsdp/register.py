@@ -116,7 +116,8 @@ def register(fsdp_module: nn.Module, *, reduce_scatter: ReduceScatterComm | None
         pg = groups[0]
         layout = Layout(key, tuple(names.get(id(fp.sharded_param), f"{key}.<param{i}>")
                                    for i, fp in enumerate(pg.fsdp_params)),
-                        tuple(fp.padded_sharded_param_size.numel() for fp in pg.fsdp_params))
+                        tuple(fp.padded_sharded_param_size.numel() for fp in pg.fsdp_params),
+                        tuple(tuple(fp.padded_sharded_param_size) for fp in pg.fsdp_params))
         problems += _check_mesh(key or "<root>", pg, topo, reduce_scatter, all_gather, all_reduce)
         plans.append((module, Bound(layout, pg)))
     for comm in (reduce_scatter, all_gather):
