@@ -11,8 +11,9 @@ Runs (all from the same seed, on the same batches, AdamW):
   (``reshard_after_forward=L``), int4 hierarchical reduce-scatter (qgZ), with / without error feedback;
 - ``hsdp-int8`` / ``hsdp-int8/no-ef``: compressed HSDP (``fsdp.shard_hsdp``): FSDP2 inside each node,
   int8 across nodes, with / without error feedback;
-- ``hsdp-powersgd``: not run (listed with the reason): PowerSGD across nodes needs
-  ``commopt.comm.compression`` on the rail group, which the runtime does not create.
+- ``hsdp-powersgd``: compressed HSDP with PowerSGD across nodes (rank 8, exact for the first 10
+  steps as torch's PowerSGD hook by default, error feedback, warm starts;
+  ``fsdp.shard_hsdp(model, PowerSGDCompressor(rank=8, start_iter=10))``).
 
 Each step runs every variant once, in an order rotated every step, so that load on a shared machine
 hits them alike; the first ``--warmup`` steps are untimed. Printed per run: the median step time
@@ -22,7 +23,10 @@ torch's: the same model applied to the calls of its comm objects, which the benc
 count them, and to HSDP's rail all-reduce and DDP's bucket, marked ``*``), the bytes each rank sent
 as counted by commopt's engine, and the loss at the end (mean of the last five steps' training
 losses, the same batches in every run) against the exact run (``fsdp2``; ``hsdp`` for the HSDP
-rows). The issue's targets are printed as ratios at the end::
+rows). Beside each measured step, what the simulator predicts for it (``simulate_sharded``, DDP:
+``simulate``) from this cluster's own measurements, taken after training on every rank at once:
+``cost.calibrate``, each FSDP unit's forward and backward, AdamW's step and the codecs' cost per
+byte (``--no-predict`` skips it). The issue's targets are printed as ratios at the end::
 
     commopt-bench fsdp --spawn 4 --topology 2x2 --quick
     commopt-bench cluster --nodes 2 --ranks-per-node 2 --link-rate 200mbit -- commopt-bench fsdp
@@ -32,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
@@ -56,10 +61,10 @@ RUNS = {
     "zero++/no-ef": "fsdp.shard: the same without error feedback (stochastic rounding)",
     "hsdp-int8": "fsdp.shard_hsdp: FSDP2 inside a node, int8 across nodes, error feedback",
     "hsdp-int8/no-ef": "fsdp.shard_hsdp: the same without error feedback (stochastic rounding)",
-    "hsdp-powersgd": "compressed HSDP with PowerSGD",
+    "hsdp-powersgd": "fsdp.shard_hsdp: FSDP2 inside a node, PowerSGD rank 8 across nodes, error feedback",
 }
 _TARGETS = (("hierarchical", "fsdp2", 1.35), ("zero++", "fsdp2", 4.0), ("zero++", "ddp", 1.0),
-            ("hsdp-int8", "hsdp", 2.0))
+            ("hsdp-int8", "hsdp", 2.0), ("hsdp-powersgd", "hsdp", 2.0))
 _VOCAB = 256
 
 
@@ -77,6 +82,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
     p.add_argument("--quick", action="store_true", help="a tiny model for a few steps (smoke test)")
     p.add_argument("--timeout", type=float, default=300.0, help="collective timeout in seconds")
+    p.add_argument("--no-predict", dest="predict", action="store_false",
+                   help="skip the simulator's prediction of every run (calibrates this cluster after training)")
     p.add_argument("--json", default=None, help="write the results as JSON to this file (rank 0)")
     return p
 
@@ -196,11 +203,11 @@ def _setup(name: str, args, topo) -> dict:
                                        error_feedback=name == "hsdp-int8")
         run["module"] = model
     elif name == "hsdp-powersgd":
-        try:
-            fsdp.AllReduceHook(C.PowerSGDCompressor(rank=4), topo)
-        except TypeError as exc:
-            run["skip"] = str(exc).split(": ", 1)[-1].split(";")[0]
+        if not two_level:
+            run["skip"] = "needs two levels of equal nodes"
             return run
+        run["comms"] = fsdp.shard_hsdp(model, C.PowerSGDCompressor(rank=8, start_iter=10), topology=topo)
+        run["module"] = model
     run["opt"] = torch.optim.AdamW(run["module"].parameters(), lr=args.lr)
     run.update(times=[], link=[], sent=[], losses=[])
     return run
@@ -274,12 +281,204 @@ def _rank_body(args) -> int:
         bar.update()
     bar.close()
     results = [_summary(r) for r in runs]
+    measured = {r["run"]: r["step_ms"] / 1e3 for r in results if "step_ms" in r}
+    predicted, inputs = _predict(args, topo, measured) if args.predict else ({}, {})
+    for r in results:
+        if r["run"] in predicted:
+            r["predicted_ms"] = 1e3 * predicted[r["run"]]
+        if r["run"] + "/measured-collectives" in predicted:
+            r["predicted_ms_measured_collectives"] = 1e3 * predicted[r["run"] + "/measured-collectives"]
     if dist.get_rank() == 0:
-        _report(results, args, topo)
+        _report(results, args, topo, inputs)
     return 0
 
 
-def _report(results: list[dict], args, topo) -> None:
+# ------------------------------------------------------------------------------------------ prediction
+def _plans(args, topo, shapes: list[tuple[int, ...]]) -> dict:
+    """Each run as the simulator's plan (None: DDP's schedule), on gloo: FSDP2's own all-gathers are
+    issued when a block is reached; commopt's (``fsdp.shard``) are prefetched."""
+    from commopt.comm import compression as C
+    from commopt.schedules.simulator import ShardedPlan
+
+    def q(bits: int, block: int = 256) -> float:  # block-quantized wire bytes per fp32 byte
+        return (bits / 8 + 4 / block) / 4
+
+    numel = sum(math.prod(s) for s in shapes)
+    local = topo.local_size
+    rows = [(-(-s[0] // local), math.prod(s[1:])) if len(s) > 1 else (math.prod(s),) for s in shapes]
+    psgd = C.PowerSGDCompressor(rank=8).shapes_bytes(rows, 2) / (4 * numel / local)  # n=2: the ring factor is 1
+    return {
+        "ddp": None,
+        "fsdp2": ShardedPlan("fsdp", "flat", prefetch=False),
+        "hsdp": ShardedPlan("hsdp", prefetch=False),
+        "hierarchical": ShardedPlan("fsdp", "hierarchical"),
+        "zero++": ShardedPlan("fsdp", "hierarchical", hpz=True, weight_ratio=q(8), grad_ratio=q(4)),
+        "zero++/no-ef": ShardedPlan("fsdp", "hierarchical", hpz=True, weight_ratio=q(8), grad_ratio=q(4)),
+        "hsdp-int8": ShardedPlan("hsdp", grad_ratio=q(8)),
+        "hsdp-int8/no-ef": ShardedPlan("hsdp", grad_ratio=q(8)),
+        "hsdp-powersgd": ShardedPlan("hsdp", grad_ratio=min(1.0, psgd)),
+    }
+
+
+def _predict(args, topo, measured: dict[str, float]) -> tuple[dict[str, float], dict]:
+    """Seconds per step the simulator predicts for each measured run, and what it was given, from
+    what this cluster measures (on every rank at once, as training runs): the cost model
+    (``cost.calibrate``: the node link as gloo drives it), each FSDP unit's share of forward and
+    backward (``layers_from_model`` grouped by block, the root's layers as the first unit), scaled
+    so that forward, backward and AdamW's step add up to the measured ``compute`` run, AdamW's step,
+    and the block codec's encode + decode (PowerSGD: its three products) per byte. Collective;
+    rank 0's numbers."""
+    from commopt.bench.models import synthetic_tokens
+    from commopt.comm import cost
+    from commopt.comm.fsdp._common import Codec
+    from commopt.schedules.simulator import Layer, Schedule, layers_from_model, link_service, simulate, simulate_sharded
+
+    model = cost.calibrate(topo)
+    gpt = _gpt(args)
+    data = synthetic_tokens(args.batch, args.seq_len, _VOCAB, seed=dist.get_rank())
+    dist.barrier()
+    raw = layers_from_model(gpt, data[:, :-1], repeats=5, loss=lambda y: nn.functional.cross_entropy(
+        y.reshape(-1, _VOCAB), data[:, 1:].reshape(-1)))
+    units: dict[str, list[Layer]] = {}
+    for layer in raw:
+        parts = layer.name.split(".")
+        units.setdefault(".".join(parts[:2]) if parts[0] == "blocks" else "", []).append(layer)
+    layers = [Layer(k or "<root>", sum(x.forward for x in v), sum(x.backward for x in v), sum(x.grad_bytes for x in v))
+              for k, v in units.items()]
+    layers = [layers[-1], *layers[:-1]] if layers[0].name != "<root>" else layers
+    nbytes = sum(x.grad_bytes for x in layers)
+
+    def timed(fn, reps: int = 5) -> float:
+        fn()
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        return (time.perf_counter() - t0) / reps
+
+    for p in gpt.parameters():
+        p.grad = torch.randn_like(p)
+    opt = torch.optim.AdamW(gpt.parameters(), lr=args.lr)
+    optimizer = timed(opt.step) / nbytes
+    x = torch.randn(1 << 18)
+    codec, payload, out = Codec(8, 256), torch.empty(Codec(8, 256).nbytes([x.numel()]), dtype=torch.uint8), \
+        torch.empty_like(x)
+    quantize = timed(lambda: (codec.encode(x, [x.numel()], payload), codec.decode(payload, [x.numel()], out))) / (
+        4 * x.numel())
+    d = args.d_model
+    m, qm = torch.randn(4 * d // topo.local_size, d), torch.randn(d, 8)
+    psgd = timed(lambda: (m @ qm, m.t() @ (m @ qm), (m @ qm) @ qm.t())) / (4 * m.numel())
+    floor = sum(x.forward + x.backward for x in layers) + optimizer * nbytes
+    scale = (measured["compute"] - optimizer * nbytes) / (floor - optimizer * nbytes) if "compute" in measured else 1.0
+    layers = [Layer(x.name, x.forward * scale, x.backward * scale, x.grad_bytes) for x in layers]
+    inputs = {"cost_model": model.to_dict(), "compute_scale": scale, "optimizer_s_per_byte": optimizer,
+              "int8_codec_s_per_byte": quantize, "powersgd_s_per_byte": psgd,
+              "units": [{"name": x.name, "forward_ms": 1e3 * x.forward, "backward_ms": 1e3 * x.backward,
+                         "bytes": x.grad_bytes} for x in layers]}
+    shapes = [tuple(p.shape) for p in gpt.parameters()]
+    in_blocks = {id(p) for p in gpt.blocks.parameters()}
+    unit_params = {sum(p.numel() * 4 for p in group.values()): group for group in (
+        dict(gpt.blocks[0].named_parameters()),
+        {n: p for n, p in gpt.named_parameters() if id(p) not in in_blocks})}
+    out: dict[str, float] = {}
+    inputs["measured_collectives_ms"] = {}
+    for name, plan in _plans(args, topo, shapes).items():
+        if name not in measured:
+            continue
+        if plan is None:
+            sched = Schedule("ddp", bucket_cap_mb=64, first_bucket_cap_mb=64, optimizer_seconds_per_byte=optimizer)
+            out[name] = simulate(layers, link_service("flat", topo, model), sched).iteration
+            continue
+        per_byte = psgd if name == "hsdp-powersgd" else quantize
+        plan = type(plan)(**{**plan.__dict__, "optimizer_seconds_per_byte": optimizer,
+                             "codec_seconds_per_byte": per_byte})
+        out[name] = simulate_sharded(layers, topo, plan, model).iteration
+        # Each unit's collectives measured at its own size (the root's and a block's).
+        table = {unit: _collective_seconds(name, topo, params) for unit, params in unit_params.items()}
+        inputs["measured_collectives_ms"][name] = {str(u): [1e3 * t for t in v] for u, v in table.items()}
+        seconds = tuple((lambda n, i=i, t=table: t[int(n)][i]) for i in range(3))
+        out[name + "/measured-collectives"] = simulate_sharded(layers, topo, plan, model, seconds).iteration
+    return out, inputs
+
+
+def _collective_seconds(name: str, topo, block: dict) -> tuple[float, float, float]:
+    """Seconds of one FSDP unit's (forward all-gather, backward all-gather, gradient reduction) with
+    the run's own comms on this cluster, alone (medians of 3, every rank at once); ``block``: the
+    unit's parameters by name."""
+    from torch.distributed import ReduceOp
+
+    from commopt.comm import compression as C
+    from commopt.comm import context, fsdp
+    from commopt.comm.fsdp._common import Bound, Layout
+
+    world, local = topo.world_size, topo.local_size
+    groups = context().groups(topo, "bench-fsdp-sim")
+    node = groups.intra if groups.intra is not None else dist.group.WORLD
+    names = list(block)
+    shards = [-(-p.shape[0] // (local if name.startswith("hsdp") else world)) * math.prod(p.shape[1:])
+              for p in block.values()]
+    shapes = [(-(-p.shape[0] // local), *p.shape[1:]) for p in block.values()]
+    chunk = sum(shards)
+    full = torch.randn(world * chunk)
+
+    def timed(fn) -> float:
+        fn()
+        times = []
+        for _ in range(3):
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return sorted(times)[1]
+
+    def native_gather(group, n: int):
+        out = torch.empty(n * chunk)
+        return lambda: dist.all_gather_into_tensor(out, full[:chunk], group=group)
+
+    def native_scatter(group, n: int):
+        out = torch.empty(chunk)
+        return lambda: dist.reduce_scatter_tensor(out, full[: n * chunk], group=group)
+
+    def comm_gather(comm, group, n: int):
+        comm = comm.bind(Bound(Layout("sim", tuple(names), tuple(shards), tuple(shapes))))
+        out = torch.empty(n * chunk)
+        return lambda: comm(out, full[:chunk], group)
+
+    def comm_scatter(comm, group, n: int):
+        comm = comm.bind(Bound(Layout("sim", tuple(names), tuple(shards), tuple(shapes))))
+        out = torch.empty(chunk)
+        return lambda: comm(out, full[: n * chunk], group, ReduceOp.AVG)
+
+    def then(*fns):
+        return lambda: [fn() for fn in fns]
+
+    world_group = dist.group.WORLD
+    if name == "fsdp2":
+        fg = bg = timed(native_gather(world_group, world))
+        red = timed(native_scatter(world_group, world))
+    elif name == "hsdp":
+        shard = torch.empty(chunk)
+        fg = bg = timed(native_gather(node, local))
+        red = timed(then(native_scatter(node, local), lambda: dist.all_reduce(shard, group=groups.rail)))
+    elif name == "hierarchical":
+        fg = bg = timed(comm_gather(fsdp.AllGatherComm(topo, "hierarchical"), world_group, world))
+        red = timed(comm_scatter(fsdp.ReduceScatterComm(topo, "hierarchical"), world_group, world))
+    elif name.startswith("zero++"):
+        fg = timed(comm_gather(fsdp.AllGatherComm(topo, "auto", C.QuantizeCompressor(8)), world_group, world))
+        bg = timed(comm_gather(fsdp.AllGatherComm(topo), node, local))
+        red = timed(comm_scatter(fsdp.ReduceScatterComm(topo, "auto", C.QuantizeCompressor(4),
+                                                        error_feedback=name == "zero++"), world_group, world))
+    else:  # compressed HSDP: commopt's exchange inside the node, the hook across
+        comp = C.PowerSGDCompressor(rank=8, start_iter=0) if name == "hsdp-powersgd" else C.QuantizeCompressor(8)
+        hook = fsdp.AllReduceHook(comp, topo, error_feedback=not name.endswith("no-ef"))
+        hook = hook.bind(Bound(Layout("sim", tuple(names), tuple(shards), tuple(shapes))))
+        shard = torch.randn(chunk)
+        fg = bg = timed(comm_gather(fsdp.AllGatherComm(topo), node, local))
+        red = timed(then(comm_scatter(fsdp.ReduceScatterComm(topo), node, local), lambda: hook(shard)))
+    return fg, bg, red
+
+
+def _report(results: list[dict], args, topo, inputs: dict) -> None:
     by = {r["run"]: r for r in results}
     n_params = sum(p.numel() for p in _gpt(args).parameters())
     link = f", node link {topo.link_rate_bps / 1e6:.0f} Mbit/s" if topo.link_rate_bps else ""
@@ -289,14 +488,20 @@ def _report(results: list[dict], args, topo) -> None:
           f"interleaved")
     print("# link MB: bytes the busiest node link carries per step, one direction (* = torch's calls under the "
           "same ring model); sent MB: bytes per rank counted by commopt's engine (- : torch's comms, not counted); "
-          "loss: mean of the last 5 steps")
+          "loss: mean of the last 5 steps; sim: the simulator's step time from this cluster's calibration "
+          "(simulate_sharded; DDP: simulate), and its ratio to the measured one; sim*: the same schedule with "
+          "each collective's time measured alone on this cluster instead of the cost model's")
     base = by.get("fsdp2")
     print(f"{'run':<15}{'step(ms)':>10}{'vs fsdp2':>10}{'link MB':>10}{'sent MB':>9}{'loss':>9}{'vs exact':>10}"
-          f"   description")
+          f"{'sim(ms)':>9}{'sim/meas':>9}{'sim*/meas':>10}   description")
     for r in results:
         if "skipped" in r:
-            print(f"{r['run']:<15}{'-':>10}{'':>10}{'':>10}{'':>9}{'':>9}{'':>10}   not run: {r['skipped']}")
+            print(f"{r['run']:<15}{'-':>10}{'':>10}{'':>10}{'':>9}{'':>9}{'':>10}{'':>28}   not run: {r['skipped']}")
             continue
+        sim = (f"{r['predicted_ms']:>9.1f}{r['predicted_ms'] / r['step_ms']:>9.2f}" if "predicted_ms" in r
+               else f"{'':>18}")
+        sim += (f"{r['predicted_ms_measured_collectives'] / r['step_ms']:>10.2f}"
+                if "predicted_ms_measured_collectives" in r else f"{'':>10}")
         ref = by.get("hsdp") if r["run"].startswith("hsdp") and "step_ms" in by.get("hsdp", {}) else base
         speed = f"{base['step_ms'] / r['step_ms']:>9.2f}x" if base and "step_ms" in base else f"{'':>10}"
         rel = (f"{100 * (r['final_loss'] - ref['final_loss']) / ref['final_loss']:>+9.2f}%"
@@ -304,7 +509,7 @@ def _report(results: list[dict], args, topo) -> None:
         mark = "*" if r["link_modelled"] and r["run"] not in ("compute",) else " "
         sent = f"{r['sent_bytes_per_step'] / 1e6:>9.2f}" if not r["link_modelled"] else f"{'-':>9}"
         print(f"{r['run']:<15}{r['step_ms']:>10.1f}{speed}{r['link_bytes_per_step'] / 1e6:>9.2f}{mark}"
-              f"{sent}{r['final_loss']:>9.4f}{rel}   {RUNS[r['run']]}")
+              f"{sent}{r['final_loss']:>9.4f}{rel}{sim}   {RUNS[r['run']]}")
     for ours, theirs, target in _TARGETS:
         a, b = by.get(ours, {}), by.get(theirs, {})
         if "step_ms" in a and "step_ms" in b:
@@ -316,7 +521,8 @@ def _report(results: list[dict], args, topo) -> None:
             verdict = "met" if ratio >= target else "NOT met"
             print(f"# {ours} vs {theirs}: {ratio:.2f}x faster (target >= {target:g}x: {verdict}){loss}")
     data = {"args": vars(args), "layout": topo.layout, "world_size": dist.get_world_size(),
-            "link_rate_bps": topo.link_rate_bps, "parameters": n_params, "results": results}
+            "link_rate_bps": topo.link_rate_bps, "parameters": n_params, "results": results,
+            "simulator_inputs": inputs}
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(data, f, indent=1)

@@ -296,6 +296,9 @@ class ShardedPlan:
         prefetch: the next layer's all-gather is issued before the current layer's compute (GPU
             streams run ahead of compute); False: issued when the layer is reached (gloo on CPU).
         optimizer_seconds_per_byte: optimizer cost per byte of this rank's shard.
+        codec_seconds_per_byte: the encode and decode of a compressed collective, per fp32 byte it
+            compresses (weights of a quantized all-gather, gradients of a compressed reduction),
+            charged to the collective (its worker encodes, sends and decodes in turn).
     """
 
     kind: str = "fsdp"
@@ -306,6 +309,7 @@ class ShardedPlan:
     grad_ratio: float = 1.0
     prefetch: bool = True
     optimizer_seconds_per_byte: float = 0.0
+    codec_seconds_per_byte: float = 0.0
 
     def __post_init__(self) -> None:
         if self.kind not in SHARDED_KINDS:
@@ -322,13 +326,18 @@ def _sharded_times(plan: ShardedPlan, topology: Topology, model: cost.CostModel)
     node = Topology(nodes=(tuple(range(local)),), rank=0, world_size=local)
     rail = Topology(nodes=tuple((i,) for i in range(nodes)), rank=0, world_size=nodes)
     flat = algorithms.get("flat")
+    codec = plan.codec_seconds_per_byte
+    weight_codec = codec if plan.weight_ratio < 1 else 0.0
+    grad_codec = codec if plan.grad_ratio < 1 else 0.0
     if plan.kind == "hsdp":
         def gather(n: float) -> float:
             return flat.cost(model, "all_gather", n, node)
 
         def reduce(n: float) -> float:
+            # Every rail all-reduces its 1/local shard at once over the same node link: the link
+            # carries the node's n bytes, as one rail of n would.
             return (flat.cost(model, "reduce_scatter", n, node)
-                    + flat.cost(model, "allreduce", n / local * plan.grad_ratio, rail))
+                    + flat.cost(model, "allreduce", n * plan.grad_ratio, rail) + n / local * grad_codec)
 
         return gather, gather, reduce
     algo = algorithms.get(plan.algorithm)
@@ -337,30 +346,35 @@ def _sharded_times(plan: ShardedPlan, topology: Topology, model: cost.CostModel)
         raise ValueError(f"simulate_sharded: {reason}")
 
     def forward_gather(n: float) -> float:
-        return algo.cost(model, "all_gather", n * plan.weight_ratio, topology)
+        return algo.cost(model, "all_gather", n * plan.weight_ratio, topology) + n * weight_codec
 
     def backward_gather(n: float) -> float:
         # hpZ: the secondary shard holds the layer inside the node, sharded L ways.
         return flat.cost(model, "all_gather", n, node) if plan.hpz else forward_gather(n)
 
     def reduce(n: float) -> float:
-        return algo.cost(model, "reduce_scatter", n * plan.grad_ratio, topology)
+        return algo.cost(model, "reduce_scatter", n * plan.grad_ratio, topology) + n * grad_codec
 
     return forward_gather, backward_gather, reduce
 
 
 def simulate_sharded(layers: Sequence[Layer], topology: Topology, plan: ShardedPlan | None = None,
-                     model: cost.CostModel | None = None) -> SimResult:
+                     model: cost.CostModel | None = None,
+                     collectives: tuple[Callable[[float], float], ...] | None = None) -> SimResult:
     """One iteration of sharded data parallel: every layer an FSDP unit whose parameters are
     all-gathered before its forward (and again before its backward when resharded), and whose
     gradients are reduce-scattered (HSDP: reduce-scattered inside the node, then all-reduced along
     the rail) right after its backward. Collectives are served first come first served by one link,
     in issue order; compute waits for its layer's all-gather. ``grad_bytes`` of a layer is taken as
     its parameter bytes too (one dtype for both).
+
+    ``collectives``: measured seconds of (the forward all-gather, the backward all-gather, the
+    gradient reduction) of a layer of ``n`` bytes, in place of the cost model's (``model`` and the
+    plan's ratios then go unused): the schedule alone is then what is modelled.
     """
     plan = plan or ShardedPlan()
     model = model or cost.CostModel(cost.DEFAULT_INTRA, cost.DEFAULT_INTER)
-    forward_gather, backward_gather, reduce = _sharded_times(plan, topology, model)
+    forward_gather, backward_gather, reduce = collectives or _sharded_times(plan, topology, model)
     sizes = [layer.grad_bytes for layer in layers]
     link_free = 0.0
     timeline: list[tuple[str, str, float, float]] = []

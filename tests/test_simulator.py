@@ -338,3 +338,47 @@ def test_sharded_plans_order_as_their_traffic_says():
                          ShardedPlan(algorithm="hierarchical"), model)
     with pytest.raises(ValueError, match="kind"):
         ShardedPlan(kind="zero")
+
+
+def test_sharded_measured_collectives_codec_and_shared_rails():
+    """Given measured collective times and no prefetch, a step is every layer's compute plus its
+    collectives, in sequence, plus the last reduction (the schedule alone, by hand); the codec cost
+    adds bytes x seconds/byte to every compressed collective only; HSDP's rails share the node link:
+    its inter-node time is that of one rail carrying the whole node's bytes."""
+    from commopt.comm.algorithms import get
+    from commopt.schedules.simulator import Layer, ShardedPlan, simulate_sharded
+
+    topo = _grid(2, 2)
+    model = cost.CostModel(cost.LinkModel(1e-5, 1 / 10e9), cost.LinkModel(1e-4, 1 / 1e8))
+    layers = [Layer(f"l{i}", 0.01 * (i + 1), 0.02 * (i + 1), 1 << 20) for i in range(3)]
+    fg, bg, red = 0.003, 0.002, 0.005
+    plan = ShardedPlan(prefetch=False)
+    r = simulate_sharded(layers, topo, plan, model, (lambda n: fg, lambda n: bg, lambda n: red))
+    n = len(layers)
+    # forward: gather, compute, per layer; backward: regather (not the last layer), compute, and
+    # the reductions queue on the link behind the regathers (the last one ends the step).
+    fwd = sum(fg + x.forward for x in layers)
+    t = fwd
+    link = fwd  # link free time
+    for i in reversed(range(n)):
+        if i != n - 1:
+            start = max(t, link)
+            link = start + bg
+            t = link
+        t += layers[i].backward
+        link = max(t, link) + red
+    assert r.iteration == pytest.approx(max(t, link))
+    # The codec: only compressed collectives pay it (bytes x seconds per byte).
+    base = simulate_sharded(layers, topo, ShardedPlan(grad_ratio=0.25), model).iteration
+    coded = simulate_sharded(layers, topo, ShardedPlan(grad_ratio=0.25, codec_seconds_per_byte=1e-9), model).iteration
+    exact = simulate_sharded(layers, topo, ShardedPlan(codec_seconds_per_byte=1e-9), model).iteration
+    assert coded > base and exact == simulate_sharded(layers, topo, ShardedPlan(), model).iteration
+    # HSDP: the rail level of one layer is the flat all-reduce of the node's bytes on a rail.
+    from commopt.schedules.simulator import _sharded_times
+
+    _, _, reduce = _sharded_times(ShardedPlan("hsdp"), topo, model)
+    node = Topology(nodes=((0, 1),), rank=0, world_size=2)
+    rail = Topology(nodes=((0,), (1,)), rank=0, world_size=2)
+    nbytes = 1 << 20
+    want = get("flat").cost(model, "reduce_scatter", nbytes, node) + get("flat").cost(model, "allreduce", nbytes, rail)
+    assert reduce(nbytes) == pytest.approx(want)
