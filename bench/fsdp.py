@@ -11,9 +11,10 @@ Runs (all from the same seed, on the same batches, AdamW):
   (``reshard_after_forward=L``), int4 hierarchical reduce-scatter (qgZ), with / without error feedback;
 - ``hsdp-int8`` / ``hsdp-int8/no-ef``: compressed HSDP (``fsdp.shard_hsdp``): FSDP2 inside each node,
   int8 across nodes, with / without error feedback;
-- ``hsdp-powersgd``: compressed HSDP with PowerSGD across nodes (rank 8, exact for the first 10
-  steps as torch's PowerSGD hook by default, error feedback, warm starts;
-  ``fsdp.shard_hsdp(model, PowerSGDCompressor(rank=8, start_iter=10))``).
+- ``hsdp-powersgd``: compressed HSDP with PowerSGD across nodes (rank 16, exact for the first 20
+  steps, error feedback, warm starts: ``fsdp.shard_hsdp(model, PowerSGDCompressor(rank=16,
+  start_iter=20))``; rank 8 from step 10 ends 5 % above the exact loss after 60 AdamW steps,
+  rank 16 from step 2 2.1 %, rank 32 0.6 % but 2.2x instead of 2.6x).
 
 Each step runs every variant once, in an order rotated every step, so that load on a shared machine
 hits them alike; the first ``--warmup`` steps are untimed. Printed per run: the median step time
@@ -25,8 +26,10 @@ as counted by commopt's engine, and the loss at the end (mean of the last five s
 losses, the same batches in every run) against the exact run (``fsdp2``; ``hsdp`` for the HSDP
 rows). Beside each measured step, what the simulator predicts for it (``simulate_sharded``, DDP:
 ``simulate``) from this cluster's own measurements, taken after training on every rank at once:
-``cost.calibrate``, each FSDP unit's forward and backward, AdamW's step and the codecs' cost per
-byte (``--no-predict`` skips it). The issue's targets are printed as ratios at the end::
+``cost.calibrate``, each FSDP unit's forward and backward scaled to the run's floor (FSDP2 with
+comms that move nothing, for the sharded runs), the optimizer's step and the codecs' cost per byte;
+and again with each collective's time measured alone in place of the cost model's (``sim*``;
+``--no-predict`` skips both). The issue's targets are printed as ratios at the end::
 
     commopt-bench fsdp --spawn 4 --topology 2x2 --quick
     commopt-bench cluster --nodes 2 --ranks-per-node 2 --link-rate 200mbit -- commopt-bench fsdp
@@ -35,6 +38,7 @@ byte (``--no-predict`` skips it). The issue's targets are printed as ratios at t
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import math
 import statistics
@@ -61,7 +65,7 @@ RUNS = {
     "zero++/no-ef": "fsdp.shard: the same without error feedback (stochastic rounding)",
     "hsdp-int8": "fsdp.shard_hsdp: FSDP2 inside a node, int8 across nodes, error feedback",
     "hsdp-int8/no-ef": "fsdp.shard_hsdp: the same without error feedback (stochastic rounding)",
-    "hsdp-powersgd": "fsdp.shard_hsdp: FSDP2 inside a node, PowerSGD rank 8 across nodes, error feedback",
+    "hsdp-powersgd": "fsdp.shard_hsdp: FSDP2 inside a node, PowerSGD across nodes (--powersgd-rank), error feedback",
 }
 _TARGETS = (("hierarchical", "fsdp2", 1.35), ("zero++", "fsdp2", 4.0), ("zero++", "ddp", 1.0),
             ("hsdp-int8", "hsdp", 2.0), ("hsdp-powersgd", "hsdp", 2.0))
@@ -82,6 +86,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
     p.add_argument("--quick", action="store_true", help="a tiny model for a few steps (smoke test)")
     p.add_argument("--timeout", type=float, default=300.0, help="collective timeout in seconds")
+    p.add_argument("--powersgd-rank", type=int, default=16, help="PowerSGD's rank (hsdp-powersgd)")
+    p.add_argument("--powersgd-start", type=int, default=20, help="PowerSGD's exact first steps (hsdp-powersgd)")
     p.add_argument("--no-predict", dest="predict", action="store_false",
                    help="skip the simulator's prediction of every run (calibrates this cluster after training)")
     p.add_argument("--json", default=None, help="write the results as JSON to this file (rank 0)")
@@ -130,16 +136,30 @@ class _Counted:
 
 def _native_link_bytes(log: list, topo, hsdp: bool) -> float:
     """The busiest node link's bytes of torch's calls: a ring over the call's group (every group of
-    a kind runs at once: one per node for HSDP's shard group), plus HSDP's rail all-reduce."""
+    a kind runs at once: one per node for HSDP's shard group), plus HSDP's rail all-reduce. gloo's
+    ``reduce_scatter_tensor`` is an all-reduce of the whole buffer followed by a copy (the interface
+    counters of the emulated cluster show 39.9 MB per step where a ring reduce-scatter moves 29.3)."""
     from commopt.comm.algorithms import ALGORITHM_FACTORS, FLAT
 
     total = 0.0
     world = tuple(range(topo.world_size))
+    gloo = dist.get_backend() == "gloo"
     for kind, nbytes, ranks, out_bytes in log:
         if ranks == world:  # a group inside one node (HSDP's shard group) crosses no node link
-            total += FLAT.link_bytes(kind, nbytes, topo)
+            total += FLAT.link_bytes("allreduce" if gloo and kind == "reduce_scatter" else kind, nbytes, topo)
         if hsdp and kind == "reduce_scatter":
             total += _rail_traffic(topo, out_bytes, ALGORITHM_FACTORS["allreduce"](topo.num_nodes)).link_bytes()
+    return total
+
+
+def _wire_bytes() -> int:
+    """Bytes this rank's network namespace has sent on its interfaces other than loopback: inside
+    the emulated cluster, what this node put on its node link (headers included), a measurement."""
+    total = 0
+    for path in glob.glob("/sys/class/net/*/statistics/tx_bytes"):
+        if path.split("/")[-3] != "lo":
+            with open(path, encoding="ascii") as f:
+                total += int(f.read())
     return total
 
 
@@ -206,10 +226,11 @@ def _setup(name: str, args, topo) -> dict:
         if not two_level:
             run["skip"] = "needs two levels of equal nodes"
             return run
-        run["comms"] = fsdp.shard_hsdp(model, C.PowerSGDCompressor(rank=8, start_iter=10), topology=topo)
+        comp = C.PowerSGDCompressor(rank=args.powersgd_rank, start_iter=args.powersgd_start)
+        run["comms"] = fsdp.shard_hsdp(model, comp, topology=topo)
         run["module"] = model
     run["opt"] = torch.optim.AdamW(run["module"].parameters(), lr=args.lr)
-    run.update(times=[], link=[], sent=[], losses=[])
+    run.update(times=[], link=[], sent=[], wire=[], losses=[])
     return run
 
 
@@ -226,6 +247,7 @@ def _step(run: dict, step: int, args, topo, timed: bool) -> None:
     if run["log"] is not None:
         run["log"].clear()
     dist.barrier()
+    wire = _wire_bytes() if topo.link_rate_bps else 0
     t0 = time.perf_counter()
     run["opt"].zero_grad(set_to_none=True)
     logits = run["module"](data[:, :-1])
@@ -236,6 +258,7 @@ def _step(run: dict, step: int, args, topo, timed: bool) -> None:
     if not timed:
         return
     run["times"].append(elapsed)
+    run["wire"].append(_wire_bytes() - wire if topo.link_rate_bps else 0)
     run["sent"].append(sum(engine.bytes_sent().values()) - before)
     if run["comms"] is not None:
         run["link"].append(run["comms"].link_bytes())
@@ -258,11 +281,13 @@ def _step(run: dict, step: int, args, topo, timed: bool) -> None:
 def _summary(run: dict) -> dict:
     if run["skip"]:
         return {"run": run["name"], "skipped": run["skip"]}
-    worst = torch.tensor([statistics.median(run["times"]), statistics.median(run["sent"])], dtype=torch.float64)
+    worst = torch.tensor([statistics.median(run["times"]), statistics.median(run["sent"]),
+                          statistics.median(run["wire"])], dtype=torch.float64)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)  # the step is as slow as its slowest rank
     tail = run["losses"][-5:]
     return {"run": run["name"], "step_ms": 1e3 * float(worst[0]), "link_bytes_per_step": statistics.median(run["link"]),
             "link_modelled": run["comms"] is None, "sent_bytes_per_step": float(worst[1]),
+            "wire_bytes_per_step": float(worst[2]) if float(worst[2]) > 0 else None,
             "final_loss": sum(tail) / len(tail), "losses": run["losses"],
             "step_ms_rank0": [1e3 * t for t in run["times"]]}
 
@@ -305,12 +330,14 @@ def _plans(args, topo, shapes: list[tuple[int, ...]]) -> dict:
 
     numel = sum(math.prod(s) for s in shapes)
     local = topo.local_size
+    native_rs = "allreduce" if dist.get_backend() == "gloo" else "reduce_scatter"  # see _native_link_bytes
     rows = [(-(-s[0] // local), math.prod(s[1:])) if len(s) > 1 else (math.prod(s),) for s in shapes]
-    psgd = C.PowerSGDCompressor(rank=8).shapes_bytes(rows, 2) / (4 * numel / local)  # n=2: the ring factor is 1
+    # Payload over fp32 bytes of the shard (n=2: the ring factor is 1).
+    psgd = C.PowerSGDCompressor(rank=args.powersgd_rank).shapes_bytes(rows, 2) / (4 * numel / local)
     return {
         "ddp": None,
-        "fsdp2": ShardedPlan("fsdp", "flat", prefetch=False),
-        "hsdp": ShardedPlan("hsdp", prefetch=False),
+        "fsdp2": ShardedPlan("fsdp", "flat", prefetch=False, reduce_scatter_as=native_rs),
+        "hsdp": ShardedPlan("hsdp", prefetch=False, reduce_scatter_as=native_rs),
         "hierarchical": ShardedPlan("fsdp", "hierarchical"),
         "zero++": ShardedPlan("fsdp", "hierarchical", hpz=True, weight_ratio=q(8), grad_ratio=q(4)),
         "zero++/no-ef": ShardedPlan("fsdp", "hierarchical", hpz=True, weight_ratio=q(8), grad_ratio=q(4)),
@@ -325,9 +352,9 @@ def _predict(args, topo, measured: dict[str, float]) -> tuple[dict[str, float], 
     what this cluster measures (on every rank at once, as training runs): the cost model
     (``cost.calibrate``: the node link as gloo drives it), each FSDP unit's share of forward and
     backward (``layers_from_model`` grouped by block, the root's layers as the first unit), scaled
-    so that forward, backward and AdamW's step add up to the measured ``compute`` run, AdamW's step,
-    and the block codec's encode + decode (PowerSGD: its three products) per byte. Collective;
-    rank 0's numbers."""
+    to the run's floor (DDP: the measured ``compute`` run; sharded runs: FSDP2 itself with comms
+    that move nothing, :func:`_sharded_floor`), the optimizer's step, and the block codec's encode +
+    decode (PowerSGD: its three products) per byte. Collective; rank 0's numbers."""
     from commopt.bench.models import synthetic_tokens
     from commopt.comm import cost
     from commopt.comm.fsdp._common import Codec
@@ -366,12 +393,25 @@ def _predict(args, topo, measured: dict[str, float]) -> tuple[dict[str, float], 
     quantize = timed(lambda: (codec.encode(x, [x.numel()], payload), codec.decode(payload, [x.numel()], out))) / (
         4 * x.numel())
     d = args.d_model
-    m, qm = torch.randn(4 * d // topo.local_size, d), torch.randn(d, 8)
+    m, qm = torch.randn(4 * d // topo.local_size, d), torch.randn(d, args.powersgd_rank)
     psgd = timed(lambda: (m @ qm, m.t() @ (m @ qm), (m @ qm) @ qm.t())) / (4 * m.numel())
-    floor = sum(x.forward + x.backward for x in layers) + optimizer * nbytes
-    scale = (measured["compute"] - optimizer * nbytes) / (floor - optimizer * nbytes) if "compute" in measured else 1.0
-    layers = [Layer(x.name, x.forward * scale, x.backward * scale, x.grad_bytes) for x in layers]
-    inputs = {"cost_model": model.to_dict(), "compute_scale": scale, "optimizer_s_per_byte": optimizer,
+    own = sum(x.forward + x.backward for x in layers)
+
+    def scaled(step: float, opt_seconds: float) -> list[Layer]:
+        """The units scaled so that forward + backward + the optimizer's ``opt_seconds`` is ``step``."""
+        k = (step - opt_seconds) / own
+        return [Layer(x.name, x.forward * k, x.backward * k, x.grad_bytes) for x in layers]
+
+    # The floors: DDP's is the measured compute run; a sharded run's is FSDP2 itself without any
+    # communication (comms that only copy this rank's own data), which adds FSDP2's copies in and
+    # out of its flat buffers, DTensor dispatch and the optimizer on 1/world of the parameters.
+    floors = {"ddp": (measured.get("compute", own + optimizer * nbytes), optimizer * nbytes)}
+    if topo.world_size > 1:
+        floors["fsdp"] = _sharded_floor(args, topo, dist.group.WORLD)
+    if topo.is_uniform and topo.num_nodes > 1 and topo.local_size > 1:
+        floors["hsdp"] = _sharded_floor(args, topo, "node")
+    inputs = {"cost_model": model.to_dict(), "optimizer_s_per_byte": optimizer,
+              "floors_ms": {k: [1e3 * v for v in f] for k, f in floors.items()},
               "int8_codec_s_per_byte": quantize, "powersgd_s_per_byte": psgd,
               "units": [{"name": x.name, "forward_ms": 1e3 * x.forward, "backward_ms": 1e3 * x.backward,
                          "bytes": x.grad_bytes} for x in layers]}
@@ -386,22 +426,87 @@ def _predict(args, topo, measured: dict[str, float]) -> tuple[dict[str, float], 
         if name not in measured:
             continue
         if plan is None:
-            sched = Schedule("ddp", bucket_cap_mb=64, first_bucket_cap_mb=64, optimizer_seconds_per_byte=optimizer)
-            out[name] = simulate(layers, link_service("flat", topo, model), sched).iteration
+            step, opt_seconds = floors["ddp"]
+            sched = Schedule("ddp", bucket_cap_mb=64, first_bucket_cap_mb=64,
+                             optimizer_seconds_per_byte=opt_seconds / nbytes)
+            out[name] = simulate(scaled(step, opt_seconds), link_service("flat", topo, model), sched).iteration
             continue
+        if plan.kind not in floors:
+            continue
+        step, opt_seconds = floors[plan.kind]
+        shard_bytes = nbytes / (topo.local_size if plan.kind == "hsdp" else topo.world_size)
         per_byte = psgd if name == "hsdp-powersgd" else quantize
-        plan = type(plan)(**{**plan.__dict__, "optimizer_seconds_per_byte": optimizer,
+        plan = type(plan)(**{**plan.__dict__, "optimizer_seconds_per_byte": opt_seconds / shard_bytes,
                              "codec_seconds_per_byte": per_byte})
-        out[name] = simulate_sharded(layers, topo, plan, model).iteration
+        layers_k = scaled(step, opt_seconds)
+        out[name] = simulate_sharded(layers_k, topo, plan, model).iteration
         # Each unit's collectives measured at its own size (the root's and a block's).
-        table = {unit: _collective_seconds(name, topo, params) for unit, params in unit_params.items()}
+        table = {unit: _collective_seconds(name, topo, params, args) for unit, params in unit_params.items()}
         inputs["measured_collectives_ms"][name] = {str(u): [1e3 * t for t in v] for u, v in table.items()}
         seconds = tuple((lambda n, i=i, t=table: t[int(n)][i]) for i in range(3))
-        out[name + "/measured-collectives"] = simulate_sharded(layers, topo, plan, model, seconds).iteration
+        out[name + "/measured-collectives"] = simulate_sharded(layers_k, topo, plan, model, seconds).iteration
     return out, inputs
 
 
-def _collective_seconds(name: str, topo, block: dict) -> tuple[float, float, float]:
+class _OwnDataOnly:
+    """An FSDP2 reduce-scatter / all-gather that moves nothing: this rank's own data in place of
+    every rank's (the timing floor of FSDP2 itself; its results are not the collective's)."""
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op=None, async_op=False):
+        from commopt.comm.fsdp._common import done_work
+
+        out, inp = output_tensor.detach().view(-1), input_tensor.detach().view(-1)
+        if out.numel() >= inp.numel():  # all-gather: every row is this rank's shard (its own row
+            out.view(-1, inp.numel()).copy_(inp.clone())  # is the input itself: FSDP2 gathers in place)
+        else:  # reduce-scatter: this rank's row of the input
+            out.copy_(inp.view(-1, out.numel())[group.rank()])
+        return done_work(async_op)
+
+
+def _sharded_floor(args, topo, group) -> tuple[float, float]:
+    """(step, optimizer step) seconds of the GPT under FSDP2 per block and root, sharded over WORLD
+    or (``"node"``) over this rank's node, with comms that move nothing; medians of 5 steps, every
+    rank at once."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    from commopt.bench.models import synthetic_tokens
+
+    if group == "node":
+        grid = torch.tensor([[topo.group_rank_to_global(r) for r in n] for n in topo.nodes])
+        mesh = DeviceMesh("cpu", grid, mesh_dim_names=("replicate", "shard"))["shard"]
+    else:
+        mesh = init_device_mesh("cpu", (topo.world_size,))
+    model = _gpt(args)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_custom_reduce_scatter(_OwnDataOnly())
+            m.set_custom_all_gather(_OwnDataOnly())
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    steps, opts = [], []
+    for i in range(6):
+        data = synthetic_tokens(args.batch, args.seq_len, _VOCAB, seed=10_000 * i + dist.get_rank())
+        dist.barrier()
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        logits = model(data[:, :-1])
+        nn.functional.cross_entropy(logits.reshape(-1, _VOCAB), data[:, 1:].reshape(-1)).backward()
+        t1 = time.perf_counter()
+        opt.step()
+        t2 = time.perf_counter()
+        if i:
+            steps.append(t2 - t0)
+            opts.append(t2 - t1)
+    return statistics.median(steps), statistics.median(opts)
+
+
+def _collective_seconds(name: str, topo, block: dict, args) -> tuple[float, float, float]:
     """Seconds of one FSDP unit's (forward all-gather, backward all-gather, gradient reduction) with
     the run's own comms on this cluster, alone (medians of 3, every rank at once); ``block``: the
     unit's parameters by name."""
@@ -469,7 +574,8 @@ def _collective_seconds(name: str, topo, block: dict) -> tuple[float, float, flo
         red = timed(comm_scatter(fsdp.ReduceScatterComm(topo, "auto", C.QuantizeCompressor(4),
                                                         error_feedback=name == "zero++"), world_group, world))
     else:  # compressed HSDP: commopt's exchange inside the node, the hook across
-        comp = C.PowerSGDCompressor(rank=8, start_iter=0) if name == "hsdp-powersgd" else C.QuantizeCompressor(8)
+        comp = (C.PowerSGDCompressor(rank=args.powersgd_rank, start_iter=0) if name == "hsdp-powersgd"
+                else C.QuantizeCompressor(8))
         hook = fsdp.AllReduceHook(comp, topo, error_feedback=not name.endswith("no-ef"))
         hook = hook.bind(Bound(Layout("sim", tuple(names), tuple(shards), tuple(shapes))))
         shard = torch.randn(chunk)
@@ -486,17 +592,21 @@ def _report(results: list[dict], args, topo, inputs: dict) -> None:
           f"{4 * n_params / 2**20:.1f} MiB fp32) seq={args.seq_len} batch={args.batch}/rank, AdamW lr={args.lr}, "
           f"{args.steps} timed steps after {args.warmup}, world {dist.get_world_size()} ({topo.layout}{link}), "
           f"interleaved")
-    print("# link MB: bytes the busiest node link carries per step, one direction (* = torch's calls under the "
-          "same ring model); sent MB: bytes per rank counted by commopt's engine (- : torch's comms, not counted); "
+    print("# link MB: bytes the busiest node link carries per step, one direction, as the algorithms' traffic "
+          "model says (* = torch's calls under the same model; gloo's reduce-scatter is an all-reduce); wire MB: "
+          "the same measured on the busiest node's interface counters (emulated cluster only, headers included); "
+          "sent MB: bytes per rank counted by commopt's engine (- : torch's comms, not counted); "
           "loss: mean of the last 5 steps; sim: the simulator's step time from this cluster's calibration "
           "(simulate_sharded; DDP: simulate), and its ratio to the measured one; sim*: the same schedule with "
           "each collective's time measured alone on this cluster instead of the cost model's")
     base = by.get("fsdp2")
-    print(f"{'run':<15}{'step(ms)':>10}{'vs fsdp2':>10}{'link MB':>10}{'sent MB':>9}{'loss':>9}{'vs exact':>10}"
+    print(f"{'run':<15}{'step(ms)':>10}{'vs fsdp2':>10}{'link MB':>10}{'wire MB':>9}{'sent MB':>9}{'loss':>9}"
+          f"{'vs exact':>10}"
           f"{'sim(ms)':>9}{'sim/meas':>9}{'sim*/meas':>10}   description")
     for r in results:
         if "skipped" in r:
-            print(f"{r['run']:<15}{'-':>10}{'':>10}{'':>10}{'':>9}{'':>9}{'':>10}{'':>28}   not run: {r['skipped']}")
+            print(f"{r['run']:<15}{'-':>10}{'':>10}{'':>10}{'':>9}{'':>9}{'':>9}{'':>10}{'':>28}   "
+                  f"not run: {r['skipped']}")
             continue
         sim = (f"{r['predicted_ms']:>9.1f}{r['predicted_ms'] / r['step_ms']:>9.2f}" if "predicted_ms" in r
                else f"{'':>18}")
@@ -508,8 +618,9 @@ def _report(results: list[dict], args, topo, inputs: dict) -> None:
                if ref and "final_loss" in ref and r["run"] != "compute" else f"{'':>10}")
         mark = "*" if r["link_modelled"] and r["run"] not in ("compute",) else " "
         sent = f"{r['sent_bytes_per_step'] / 1e6:>9.2f}" if not r["link_modelled"] else f"{'-':>9}"
+        wire = f"{r['wire_bytes_per_step'] / 1e6:>9.2f}" if r["wire_bytes_per_step"] else f"{'-':>9}"
         print(f"{r['run']:<15}{r['step_ms']:>10.1f}{speed}{r['link_bytes_per_step'] / 1e6:>9.2f}{mark}"
-              f"{sent}{r['final_loss']:>9.4f}{rel}{sim}   {RUNS[r['run']]}")
+              f"{wire}{sent}{r['final_loss']:>9.4f}{rel}{sim}   {RUNS[r['run']]}")
     for ours, theirs, target in _TARGETS:
         a, b = by.get(ours, {}), by.get(theirs, {})
         if "step_ms" in a and "step_ms" in b:

@@ -299,6 +299,8 @@ class ShardedPlan:
         codec_seconds_per_byte: the encode and decode of a compressed collective, per fp32 byte it
             compresses (weights of a quantized all-gather, gradients of a compressed reduction),
             charged to the collective (its worker encodes, sends and decodes in turn).
+        reduce_scatter_as: the collective the backend runs for a reduce-scatter: "allreduce" for
+            torch's own on gloo (an all-reduce of the whole buffer, then a copy: twice the bytes).
     """
 
     kind: str = "fsdp"
@@ -310,10 +312,14 @@ class ShardedPlan:
     prefetch: bool = True
     optimizer_seconds_per_byte: float = 0.0
     codec_seconds_per_byte: float = 0.0
+    reduce_scatter_as: str = "reduce_scatter"
 
     def __post_init__(self) -> None:
         if self.kind not in SHARDED_KINDS:
             raise ValueError(f"sharded plan kind {self.kind!r}: choose one of {SHARDED_KINDS}")
+        if self.reduce_scatter_as not in ("reduce_scatter", "allreduce"):
+            raise ValueError(f"reduce_scatter_as must be 'reduce_scatter' or 'allreduce', "
+                             f"got {self.reduce_scatter_as!r}")
         for name in ("weight_ratio", "grad_ratio"):
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)}")
@@ -336,7 +342,7 @@ def _sharded_times(plan: ShardedPlan, topology: Topology, model: cost.CostModel)
         def reduce(n: float) -> float:
             # Every rail all-reduces its 1/local shard at once over the same node link: the link
             # carries the node's n bytes, as one rail of n would.
-            return (flat.cost(model, "reduce_scatter", n, node)
+            return (flat.cost(model, plan.reduce_scatter_as, n, node)
                     + flat.cost(model, "allreduce", n * plan.grad_ratio, rail) + n / local * grad_codec)
 
         return gather, gather, reduce
@@ -353,6 +359,8 @@ def _sharded_times(plan: ShardedPlan, topology: Topology, model: cost.CostModel)
         return flat.cost(model, "all_gather", n, node) if plan.hpz else forward_gather(n)
 
     def reduce(n: float) -> float:
+        if plan.reduce_scatter_as == "allreduce":  # the whole buffer all-reduced: n bytes per rank
+            return algo.cost(model, "allreduce", n * plan.grad_ratio, topology) + n * grad_codec
         return algo.cost(model, "reduce_scatter", n * plan.grad_ratio, topology) + n * grad_codec
 
     return forward_gather, backward_gather, reduce

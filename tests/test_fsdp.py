@@ -621,8 +621,9 @@ def _nan_positions(grads: dict) -> dict:
 
 def _body_nonfinite(spec: str) -> dict:
     """FAULTS 35: a NaN in rank 0's gradient propagates into its quantization block of the reduced
-    shard (never silently zeroed), leaves every residual finite, and with check_finite=True raises
-    NonFiniteError on every rank."""
+    shard (never silently zeroed; through compressed HSDP, int8 or PowerSGD, into that element
+    only), leaves every residual finite, and with check_finite=True raises NonFiniteError on every
+    rank."""
     topo = _topo(spec)
     block = 8
     rows = -(-D // topo.world_size)  # rows of inp.weight per rank: rank 1's shard starts at rows * 5
@@ -644,10 +645,13 @@ def _body_nonfinite(spec: str) -> dict:
         out["nan"] = _nan_positions(grads[0])
         residuals = rs.state_dict()["residuals"]
         assert residuals and all(bool(torch.isfinite(t).all()) for t in residuals.values())
-    if topo.is_uniform and topo.num_nodes > 1:
+    two_level = topo.is_uniform and topo.num_nodes > 1
+    hsdp = [("int8", C.QuantizeCompressor(8, block)),
+            ("powersgd", C.PowerSGDCompressor(rank=1, start_iter=0, min_compression_rate=0))] if two_level else []
+    for name, comp in hsdp:
         for check in (False, True):
             m = _model()
-            comms = fsdp.shard_hsdp(m, C.QuantizeCompressor(8, block), topology=topo)
+            comms = fsdp.shard_hsdp(m, comp, topology=topo)
             comms.all_reduce.finite_check = check
             _train(m, 1)
             _inject(m, 0, -1, hook=True)  # rank 0's shard of the root's last parameter: head.bias[0]
@@ -658,9 +662,10 @@ def _body_nonfinite(spec: str) -> dict:
                 continue
             grads = []
             _train(m, 1, every=lambda s, m=m, g=grads: g.append(_full_grads(m)))
-            out["hsdp-nan"] = _nan_positions(grads[0])
-            residuals = comms.state_dict()["all_reduce"]["residuals"]
-            assert residuals and all(bool(torch.isfinite(t).all()) for t in residuals.values())
+            out[f"hsdp-nan/{name}"] = _nan_positions(grads[0])
+            state = comms.state_dict()["all_reduce"]
+            residuals = state["residuals"] if name == "int8" else state["error_feedback"]["worker"]
+            assert residuals and all(bool(torch.isfinite(t).all()) for t in residuals.values()), name
     return out
 
 
@@ -676,8 +681,9 @@ def test_nonfinite_gradients_propagate_or_raise_and_never_poison_residuals(ranks
     for o in out:
         assert o["nan"] == o["expect"], o
         assert o["check"]
-        if "hsdp-nan" in o:
-            assert o["hsdp-nan"] == {"head.bias": [0]}, o
+        for name in ("int8", "powersgd"):
+            if f"hsdp-nan/{name}" in o:
+                assert o[f"hsdp-nan/{name}"] == {"head.bias": [0]}, o
 
 
 # ------------------------------------------------------------------------------------------ checkpoint
@@ -776,8 +782,9 @@ def test_world_of_one(ranks):
 
 # ------------------------------------------------------------------------------------------ benchmark
 def test_bench_fsdp_quick(tmp_path):
-    """``commopt-bench fsdp --quick``: every run appears in the JSON with a step time and a loss (or
-    the reason it did not run); the numbers themselves are the benchmark's, not asserted here."""
+    """``commopt-bench fsdp --quick``: every run appears in the JSON with a step time, a loss and the
+    simulator's two predictions (DDP: one), and the simulator's inputs are recorded; the numbers
+    themselves are the benchmark's, not asserted here."""
     path = tmp_path / "fsdp.json"
     res = subprocess.run([sys.executable, "-m", "commopt.bench", "fsdp", "--spawn", "4", "--topology", "2x2",
                           "--quick", "--steps", "2", "--json", str(path)], capture_output=True, text=True,
@@ -789,9 +796,12 @@ def test_bench_fsdp_quick(tmp_path):
 
     assert set(rows) == set(RUNS)
     for name, r in rows.items():
-        if "skipped" in r:
-            assert name == "hsdp-powersgd" and r["skipped"]
-            continue
+        assert "skipped" not in r, r
         assert r["step_ms"] > 0 and math.isfinite(r["final_loss"]), r
+        if name != "compute":
+            assert r["predicted_ms"] > 0, r
+            assert (name == "ddp") != (r.get("predicted_ms_measured_collectives", 0) > 0), r
     assert rows["fsdp2"]["link_bytes_per_step"] > rows["zero++"]["link_bytes_per_step"] > 0
+    inputs = data["simulator_inputs"]
+    assert set(inputs["floors_ms"]) == {"ddp", "fsdp", "hsdp"} and len(inputs["units"]) == 3  # root + 2 blocks
     assert "vs fsdp2" in res.stdout and "target" in res.stdout
