@@ -334,7 +334,7 @@ def _plans(args, topo, shapes: list[tuple[int, ...]]) -> dict:
     rows = [(-(-s[0] // local), math.prod(s[1:])) if len(s) > 1 else (math.prod(s),) for s in shapes]
     # Payload over fp32 bytes of the shard (n=2: the ring factor is 1).
     psgd = C.PowerSGDCompressor(rank=args.powersgd_rank).shapes_bytes(rows, 2) / (4 * numel / local)
-    return {
+    plans = {
         "ddp": None,
         "fsdp2": ShardedPlan("fsdp", "flat", prefetch=False, reduce_scatter_as=native_rs),
         "hsdp": ShardedPlan("hsdp", prefetch=False, reduce_scatter_as=native_rs),
@@ -345,6 +345,8 @@ def _plans(args, topo, shapes: list[tuple[int, ...]]) -> dict:
         "hsdp-int8/no-ef": ShardedPlan("hsdp", grad_ratio=q(8)),
         "hsdp-powersgd": ShardedPlan("hsdp", grad_ratio=min(1.0, psgd)),
     }
+    # On CPU (no streams) FSDP2's backward waits for every reduction (torch's and commopt's).
+    return {k: v if v is None else ShardedPlan(**{**v.__dict__, "blocking_reduce": True}) for k, v in plans.items()}
 
 
 def _predict(args, topo, measured: dict[str, float]) -> tuple[dict[str, float], dict]:

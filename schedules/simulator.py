@@ -301,6 +301,9 @@ class ShardedPlan:
             charged to the collective (its worker encodes, sends and decodes in turn).
         reduce_scatter_as: the collective the backend runs for a reduce-scatter: "allreduce" for
             torch's own on gloo (an all-reduce of the whole buffer, then a copy: twice the bytes).
+        blocking_reduce: backward waits for each layer's gradient reduction before it goes on
+            (FSDP2 without streams, on CPU: the reduce-scatter, and HSDP's all-reduce hook, return
+            only once done); False: the reduction runs behind the next layer's backward (GPUs).
     """
 
     kind: str = "fsdp"
@@ -313,6 +316,7 @@ class ShardedPlan:
     optimizer_seconds_per_byte: float = 0.0
     codec_seconds_per_byte: float = 0.0
     reduce_scatter_as: str = "reduce_scatter"
+    blocking_reduce: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in SHARDED_KINDS:
@@ -424,6 +428,8 @@ def simulate_sharded(layers: Sequence[Layer], topology: Topology, plan: ShardedP
                 ready[i - 1] = issue(f"g{i - 1}", t, backward_gather(sizes[i - 1]))
         t = run(f"B{i}", t, layers[i].backward)
         last = issue(f"r{i}", t, reduce(sizes[i]))
+        if plan.blocking_reduce:
+            t = last
     shard = sum(sizes) / (topology.local_size if plan.kind == "hsdp" else topology.world_size)
     end = max(t, last)
     end = run("O", end, shard * plan.optimizer_seconds_per_byte) if plan.optimizer_seconds_per_byte else end
