@@ -342,7 +342,8 @@ def test_sharded_plans_order_as_their_traffic_says():
 
 def test_sharded_measured_collectives_codec_and_shared_rails():
     """Given measured collective times and no prefetch, a step is every layer's compute plus its
-    collectives, in sequence, plus the last reduction (the schedule alone, by hand); the codec cost
+    collectives, in sequence, plus the last reduction (the schedule alone, by hand), and with
+    blocking reductions every reduction on the critical path; the codec cost
     adds bytes x seconds/byte to every compressed collective only; HSDP's rails share the node link:
     its inter-node time is that of one rail carrying the whole node's bytes."""
     from commopt.comm.algorithms import get
@@ -368,6 +369,20 @@ def test_sharded_measured_collectives_codec_and_shared_rails():
         t += layers[i].backward
         link = max(t, link) + red
     assert r.iteration == pytest.approx(max(t, link))
+    # Blocking reductions (FSDP2 on CPU): backward resumes only once its layer's reduction is done.
+    # Without regathers, backward otherwise runs ahead while the reductions queue on the link.
+    measured = (lambda n: fg, lambda n: bg, lambda n: red)
+    kept = dict(prefetch=False, reshard_after_forward=False)
+    ahead = simulate_sharded(layers, topo, ShardedPlan(**kept), model, measured).iteration
+    blocking = simulate_sharded(layers, topo, ShardedPlan(**kept, blocking_reduce=True), model, measured).iteration
+    backward = sum(x.backward for x in layers)
+    assert blocking == pytest.approx(fwd + backward + n * red)
+    link = fwd
+    t = fwd
+    for i in reversed(range(n)):
+        t += layers[i].backward
+        link = max(t, link) + red
+    assert ahead == pytest.approx(link) and ahead < blocking
     # The codec: only compressed collectives pay it (bytes x seconds per byte).
     base = simulate_sharded(layers, topo, ShardedPlan(grad_ratio=0.25), model).iteration
     coded = simulate_sharded(layers, topo, ShardedPlan(grad_ratio=0.25, codec_seconds_per_byte=1e-9), model).iteration
