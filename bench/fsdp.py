@@ -38,6 +38,7 @@ and again with each collective's time measured alone in place of the cost model'
 from __future__ import annotations
 
 import argparse
+import functools
 import glob
 import json
 import math
@@ -377,14 +378,7 @@ def _predict(args, topo, measured: dict[str, float]) -> tuple[dict[str, float], 
     layers = [layers[-1], *layers[:-1]] if layers[0].name != "<root>" else layers
     nbytes = sum(x.grad_bytes for x in layers)
 
-    def timed(fn, reps: int = 5) -> float:
-        fn()
-        dist.barrier()
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        return (time.perf_counter() - t0) / reps
-
+    timed = _median_seconds
     for p in gpt.parameters():
         p.grad = torch.randn_like(p)
     opt = torch.optim.AdamW(gpt.parameters(), lr=args.lr)
@@ -448,6 +442,18 @@ def _predict(args, topo, measured: dict[str, float]) -> tuple[dict[str, float], 
         seconds = tuple((lambda n, i=i, t=table: t[int(n)][i]) for i in range(3))
         out[name + "/measured-collectives"] = simulate_sharded(layers_k, topo, plan, model, seconds).iteration
     return out, inputs
+
+
+def _median_seconds(fn, reps: int = 5) -> float:
+    """Median seconds of ``fn()`` after one untimed call, every rank starting each call together."""
+    fn()
+    times = []
+    for _ in range(reps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 class _OwnDataOnly:
@@ -527,16 +533,9 @@ def _collective_seconds(name: str, topo, block: dict, args) -> tuple[float, floa
     shapes = [(-(-p.shape[0] // local), *p.shape[1:]) for p in block.values()]
     chunk = sum(shards)
     full = torch.randn(world * chunk)
+    bound = Bound(Layout("sim", tuple(names), tuple(shards), tuple(shapes)))
 
-    def timed(fn) -> float:
-        fn()
-        times = []
-        for _ in range(3):
-            dist.barrier()
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return sorted(times)[1]
+    timed = functools.partial(_median_seconds, reps=3)
 
     def native_gather(group, n: int):
         out = torch.empty(n * chunk)
@@ -547,12 +546,12 @@ def _collective_seconds(name: str, topo, block: dict, args) -> tuple[float, floa
         return lambda: dist.reduce_scatter_tensor(out, full[: n * chunk], group=group)
 
     def comm_gather(comm, group, n: int):
-        comm = comm.bind(Bound(Layout("sim", tuple(names), tuple(shards), tuple(shapes))))
+        comm = comm.bind(bound)
         out = torch.empty(n * chunk)
         return lambda: comm(out, full[:chunk], group)
 
     def comm_scatter(comm, group, n: int):
-        comm = comm.bind(Bound(Layout("sim", tuple(names), tuple(shards), tuple(shapes))))
+        comm = comm.bind(bound)
         out = torch.empty(chunk)
         return lambda: comm(out, full[: n * chunk], group, ReduceOp.AVG)
 
@@ -579,7 +578,7 @@ def _collective_seconds(name: str, topo, block: dict, args) -> tuple[float, floa
         comp = (C.PowerSGDCompressor(rank=args.powersgd_rank, start_iter=0) if name == "hsdp-powersgd"
                 else C.QuantizeCompressor(8))
         hook = fsdp.AllReduceHook(comp, topo, error_feedback=not name.endswith("no-ef"))
-        hook = hook.bind(Bound(Layout("sim", tuple(names), tuple(shards), tuple(shapes))))
+        hook = hook.bind(bound)
         shard = torch.randn(chunk)
         fg = bg = timed(comm_gather(fsdp.AllGatherComm(topo), node, local))
         red = timed(then(comm_scatter(fsdp.ReduceScatterComm(topo), node, local), lambda: hook(shard)))

@@ -573,6 +573,8 @@ def _body_register_errors(spec: str) -> list[str]:
                 "needs nodes of equal size")
         refused(TopologyError, lambda: fsdp.register(m, all_reduce=fsdp.AllReduceHook(None, topo)),
                 "needs nodes of equal size")
+        refused(TopologyError, lambda: C.reduce_tensors(C.TopKCompressor(1.0), [torch.ones(4)], ["a"], topology=topo,
+                                                        algorithm="rail"), "needs nodes of equal size")
     # Nothing was registered: torch's own comm, and native training still works.
     assert _default_comm(m) == "DefaultReduceScatter"
     ref = _native()
