@@ -128,8 +128,7 @@ def _make_hook(name: str, args, topo, model: nn.Module):
         "topk": C.TopKCompressor(0.01), "randomk": C.RandomKCompressor(0.01), "sign": C.SignCompressor(),
         "onebit": C.OneBitCompressor(), "int8": C.QuantizeCompressor(8), "int4": C.QuantizeCompressor(4),
     }
-    two_level = topo.is_uniform and topo.num_nodes > 1 and topo.local_size > 1
-    algorithm = "hierarchical" if name == "powersgd-hier" and two_level else args.algorithm
+    algorithm = "hierarchical" if name == "powersgd-hier" and topo.two_levels else args.algorithm
     if name == "exact":
         algorithm = "auto"
     return AllReduceState(topo, algorithm, compressors[name]), allreduce_hook, None

@@ -109,16 +109,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # ------------------------------------------------------------------------------------------ link model
-def _rail_traffic(topo, nbytes: float, factor: float):
-    """Every rail's ring all-reduce of ``nbytes`` per rank at once (HSDP's replicate all-reduce)."""
-    from commopt.comm.algorithms import Traffic
-
-    t = Traffic(topo)
-    for j in range(topo.local_size):
-        t.ring(sorted(node[j] for node in topo.nodes), factor * nbytes)
-    return t
-
-
 class _Counted:
     """torch's own FSDP comm objects, wrapped only to count their calls (the link model's input)."""
 
@@ -140,7 +130,7 @@ def _native_link_bytes(log: list, topo, hsdp: bool) -> float:
     a kind runs at once: one per node for HSDP's shard group), plus HSDP's rail all-reduce. gloo's
     ``reduce_scatter_tensor`` is an all-reduce of the whole buffer followed by a copy (the interface
     counters of the emulated cluster show 39.9 MB per step where a ring reduce-scatter moves 29.3)."""
-    from commopt.comm.algorithms import ALGORITHM_FACTORS, FLAT
+    from commopt.comm.algorithms import ALGORITHM_FACTORS, FLAT, Traffic
 
     total = 0.0
     world = tuple(range(topo.world_size))
@@ -148,8 +138,10 @@ def _native_link_bytes(log: list, topo, hsdp: bool) -> float:
     for kind, nbytes, ranks, out_bytes in log:
         if ranks == world:  # a group inside one node (HSDP's shard group) crosses no node link
             total += FLAT.link_bytes("allreduce" if gloo and kind == "reduce_scatter" else kind, nbytes, topo)
-        if hsdp and kind == "reduce_scatter":
-            total += _rail_traffic(topo, out_bytes, ALGORITHM_FACTORS["allreduce"](topo.num_nodes)).link_bytes()
+        if hsdp and kind == "reduce_scatter":  # every rail's ring all-reduce of the shard, at once
+            rails = Traffic(topo)
+            rails.rail_rings(ALGORITHM_FACTORS["allreduce"](topo.num_nodes) * out_bytes)
+            total += rails.link_bytes()
     return total
 
 
@@ -181,14 +173,13 @@ def _setup(name: str, args, topo) -> dict:
 
     run = {"name": name, "comms": None, "log": None, "hsdp": False, "skip": None}
     model = _gpt(args)
-    two_level = topo.is_uniform and topo.num_nodes > 1 and topo.local_size > 1
     if name == "compute":
         run["module"] = model
     elif name == "ddp":
         run["module"] = DDP(model, bucket_cap_mb=64)
     elif name in ("fsdp2", "hsdp"):
         if name == "hsdp":
-            if not two_level:
+            if not topo.two_levels:
                 run["skip"] = "needs two levels of equal nodes"
                 return run
             grid = torch.tensor([[topo.group_rank_to_global(r) for r in n] for n in topo.nodes])
@@ -217,14 +208,14 @@ def _setup(name: str, args, topo) -> dict:
         run["comms"] = fsdp.shard(model, topology=topo, error_feedback=name == "zero++")
         run["module"] = model
     elif name in ("hsdp-int8", "hsdp-int8/no-ef"):
-        if not two_level:
+        if not topo.two_levels:
             run["skip"] = "needs two levels of equal nodes"
             return run
         run["comms"] = fsdp.shard_hsdp(model, C.QuantizeCompressor(8), topology=topo,
                                        error_feedback=name == "hsdp-int8")
         run["module"] = model
     elif name == "hsdp-powersgd":
-        if not two_level:
+        if not topo.two_levels:
             run["skip"] = "needs two levels of equal nodes"
             return run
         comp = C.PowerSGDCompressor(rank=args.powersgd_rank, start_iter=args.powersgd_start)
@@ -404,7 +395,7 @@ def _predict(args, topo, measured: dict[str, float]) -> tuple[dict[str, float], 
     floors = {"ddp": (measured.get("compute", own + optimizer * nbytes), optimizer * nbytes)}
     if topo.world_size > 1:
         floors["fsdp"] = _sharded_floor(args, topo, dist.group.WORLD)
-    if topo.is_uniform and topo.num_nodes > 1 and topo.local_size > 1:
+    if topo.two_levels:
         floors["hsdp"] = _sharded_floor(args, topo, "node")
     inputs = {"cost_model": model.to_dict(), "optimizer_s_per_byte": optimizer,
               "floors_ms": {k: [1e3 * v for v in f] for k, f in floors.items()},

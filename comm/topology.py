@@ -661,9 +661,21 @@ class Topology:
         return len(self.nodes[self.node])
 
     @property
+    def rails(self) -> list[list[int]]:
+        """Rail j: the j-th rank of every node that has one, sorted (the order torch gives the
+        members of a new group); one rail per local index of the largest node."""
+        return [sorted(node[j] for node in self.nodes if len(node) > j) for j in range(max(len(n) for n in self.nodes))]
+
+    @property
     def is_uniform(self) -> bool:
         """All nodes have the same number of ranks."""
         return len({len(n) for n in self.nodes}) == 1
+
+    @property
+    def two_levels(self) -> bool:
+        """Nodes of equal size, more than one of them, of more than one rank each: where a
+        hierarchy (an intra-node level and a rail level) applies."""
+        return self.is_uniform and self.num_nodes > 1 and self.local_size > 1
 
     @property
     def layout(self) -> str:

@@ -90,6 +90,17 @@ class Traffic:
             for i, r in enumerate(members):
                 self.add(r, members[(i + 1) % len(members)], nbytes)
 
+    def all_pairs(self, members: list[int], nbytes: float) -> None:
+        """Every member sends ``nbytes`` to every other member (an all-to-all, or a gather's blocks)."""
+        for a in members:
+            for b in members:
+                self.add(a, b, nbytes)
+
+    def rail_rings(self, nbytes: float) -> None:
+        """Every rail of the topology a ring at once, each member sending ``nbytes`` to the next."""
+        for rail in self.topology.rails:
+            self.ring(rail, nbytes)
+
     def sent(self, rank: int) -> float:
         """Bytes ``rank`` sends in the call (what the engine counts on that rank)."""
         return sum(v for (s, _), v in self.pairs.items() if s == rank)

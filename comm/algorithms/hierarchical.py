@@ -40,10 +40,6 @@ def rail_order(topo: Topology) -> list[int]:
     return [r for j in range(topo.local_size) for r in sorted(node[j] for node in topo.nodes)]
 
 
-def _rails(topo: Topology) -> list[list[int]]:
-    return [sorted(node[j] for node in topo.nodes) for j in range(max(len(n) for n in topo.nodes))]
-
-
 class Hierarchical(Algorithm):
     name = "hierarchical"
     collectives = ("allreduce", "reduce_scatter", "all_gather")
@@ -61,22 +57,16 @@ class Hierarchical(Algorithm):
         if collective == "allreduce":
             shard = pad_to(nbytes, itemsize, local) / local
             for node in topology.nodes:
-                for a in node:
-                    for b in node:
-                        t.add(a, b, 2 * shard)  # reduce-scatter, then all-gather
-            for rail in _rails(topology):
+                t.all_pairs(node, 2 * shard)  # reduce-scatter, then all-gather
+            for rail in topology.rails:
                 t.ring(rail, ALGORITHM_FACTORS["allreduce"](len(rail)) * shard)
             return t
         # reduce-scatter / all-gather of a world-sized buffer: n blocks per rail position.
         block = nbytes / p
         for node in topology.nodes:
-            for a in node:
-                for b in node:
-                    t.add(a, b, n * block)
-        for rail in _rails(topology):
-            for a in rail:
-                for b in rail:
-                    t.add(a, b, block)
+            t.all_pairs(node, n * block)
+        for rail in topology.rails:
+            t.all_pairs(rail, block)
         return t
 
     def cost(self, model: CostModel, collective: str, nbytes: float, topology: Topology) -> float:

@@ -49,14 +49,9 @@ class TwoD(Algorithm):
             return t
         share, n_nodes, local = nbytes / p, topology.num_nodes, topology.local_size
         for node in topology.nodes:
-            for a in node:
-                for b in node:
-                    t.add(a, b, n_nodes * share)
-        for j in range(local):
-            rail = [n[j] for n in topology.nodes]
-            for a in rail:
-                for b in rail:
-                    t.add(a, b, local * share)
+            t.all_pairs(node, n_nodes * share)
+        for rail in topology.rails:
+            t.all_pairs(rail, local * share)
         return t
 
     def _time(self, model: CostModel, nbytes: float, topology: Topology, chunks: int) -> float:
@@ -100,8 +95,7 @@ def _two_d(call: Call) -> torch.futures.Future:
     me_local = topo.local_rank
     ins, outs = args.in_splits, args.out_splits
     node_of = {r: k for k, nd in enumerate(nodes) for r in nd}
-    # Rail j's members in rail-group order (torch orders a new group's ranks by rank).
-    rails = [sorted(nd[j] for nd in nodes) for j in range(local)]
+    rails = topo.rails  # rail j's members in rail-group order (torch orders a new group's ranks by rank)
     my_rail = rails[me_local]
     # One role per phase (the engine refuses a queue with two feeders); created in this order on
     # every rank, whatever the splits, so group creation never diverges.

@@ -48,7 +48,7 @@ def choose(compressor: Compressor, tensors: list[torch.Tensor], topology: Topolo
     Returns:
         The algorithm with the lower predicted time; ``"flat"`` on a tie.
     """
-    if topology.num_nodes == 1 or topology.local_size == 1 or not topology.is_uniform:
+    if not topology.two_levels:
         return "flat"
     if model is None:
         model = cost.model_for(topology, timeout=timeout)

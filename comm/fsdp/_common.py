@@ -20,13 +20,16 @@ import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 from ... import kernels
+from .. import algorithms
+from ..collectives import select_algorithm
+from ..compression import Compressor, QuantizeCompressor
 from ..engine import Phase, wait
 from ..errors import NonFiniteError, TopologyError
 from ..runtime import context
 from ..topology import Topology
 
-__all__ = ["Layout", "Codec", "Memory", "CommBase", "Bound", "reduction", "seed_of", "done_work", "as_work",
-           "cut_segments", "finite", "quantized_exchange", "LOW_PRECISION"]
+__all__ = ["Layout", "Codec", "Memory", "CommBase", "CollectiveComm", "BoundComm", "Bound", "reduction", "seed_of",
+           "done_work", "as_work", "cut_segments", "finite", "quantized_exchange", "LOW_PRECISION"]
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -367,6 +370,11 @@ class CommBase:
     def groups(self, role: str, topo: Topology | None = None):
         return context().groups(topo or self.resolve(), role, self.timeout)
 
+    # ----------------------------------------------------------------------------- protocol
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """FSDP2's ``Comm.allocate``: a plain buffer."""
+        return torch.empty(*size, dtype=dtype, device=device)
+
     # ----------------------------------------------------------------------------- bookkeeping
     def add_link_bytes(self, key: tuple, compute) -> None:
         """Add the busiest node link's bytes of one call (``compute()`` -> Traffic, cached by ``key``)."""
@@ -418,3 +426,83 @@ class Bound:
 
     layout: Layout
     param_group: object = field(default=None, repr=False)
+
+
+# --------------------------------------------------------------------------------- reduce-scatter / all-gather
+_ALGORITHMS = ("auto", "flat", "hierarchical")
+
+
+class CollectiveComm(CommBase):
+    """What the reduce-scatter and all-gather comms share: the exact algorithm (``auto``, ``flat``,
+    ``hierarchical``), the optional ``QuantizeCompressor`` and its block codec, and the start of an
+    exact call over the whole topology through the algorithm objects.
+
+    Subclasses set ``collective`` (``"reduce_scatter"``, ``"all_gather"``) and ``role`` (its name in
+    errors).
+    """
+
+    collective = ""
+    role = ""
+
+    def __init__(self, topology: Topology | None, algorithm: str, compressor: Compressor | None,
+                 timeout: float | None):
+        super().__init__(topology, timeout)
+        if not isinstance(algorithm, str) or algorithm not in _ALGORITHMS:
+            raise ValueError(f"{self.where}: algorithm {algorithm!r} is not supported; use 'auto', 'flat' or "
+                             f"'hierarchical'")
+        self.algorithm = algorithm
+        self.compressor = self._check_compressor(compressor)
+        self.codec = Codec(self.compressor.bits, self.compressor.block) if self.compressor is not None else None
+
+    def _check_compressor(self, compressor) -> QuantizeCompressor | None:
+        if compressor is None or isinstance(compressor, QuantizeCompressor):
+            return compressor
+        if isinstance(compressor, Compressor):
+            hint = ("for a bf16/fp16 reduction use MixedPrecisionPolicy(reduce_dtype=...) instead"
+                    if compressor.name in ("fp16", "bf16") else
+                    "its payloads cannot be reduce-scattered or gathered block by block (PowerSGD needs whole "
+                    "matrices and two all-reduces, top-k/sign payloads are not split by destination); use it "
+                    "across nodes in HSDP with AllReduceHook")
+            raise TypeError(f"{self.where}: {type(compressor).__name__} cannot serve a {self.role}: {hint}; pass "
+                            f"compressor=QuantizeCompressor(bits=8 or 4) or None")
+        raise TypeError(f"{self.where}: compressor must be None or a commopt.comm.compression.QuantizeCompressor, "
+                        f"got {type(compressor).__name__} {compressor!r}")
+
+    def choose(self, nbytes: int) -> str:
+        """The exact algorithm of a call over the whole topology (``auto``: the cost model's pick)."""
+        if self.algorithm == "flat":
+            return "flat"
+        return select_algorithm(self.collective, self.algorithm, nbytes, self.resolve(), self.timeout)
+
+    def two_level(self, topo: Topology | None = None) -> bool:
+        """Whether calls over the whole topology run two levels (not ``flat``, and the hierarchy applies)."""
+        return self.algorithm != "flat" and (topo or self.resolve()).two_levels
+
+    def start(self, prepared, red, src: torch.Tensor, group, nbytes: int, itemsize: int, tag: str,
+              blocking: bool) -> torch.futures.Future:
+        """Start the exact collective over the whole topology on the algorithm ``choose`` picks for
+        the world-sized buffer of ``nbytes``, and count its node-link bytes under ``tag``."""
+        topo, ctx = self.resolve(), context()
+        algo = self.choose(nbytes)
+        if algo != "flat":
+            ctx.prepare(topo, (algo,), self.timeout)
+        impl = algorithms.get(algo)
+        call = algorithms.Call(self.collective, prepared, red, group, topo if algo != "flat" else None,
+                               self.timeout, blocking, ctx, 1, src)
+        self.add_link_bytes((tag, algo, nbytes, itemsize),
+                            lambda: impl.traffic(self.collective, nbytes, topo, itemsize=itemsize))
+        return impl.start(call)
+
+
+class BoundComm:
+    """A comm bound to one FSDP module (set by :func:`register`): the comm and the module's layout;
+    the subclasses' ``__call__`` passes both on."""
+
+    def __init__(self, comm: CommBase, bound: Bound):
+        self.comm, self.bound = comm, bound
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return self.comm.allocate(size, dtype=dtype, device=device)
+
+    def __repr__(self) -> str:
+        return f"{self.comm!r} bound to {self.bound.layout.key or '<root>'!r}"

@@ -34,18 +34,16 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
 
 from .. import algorithms
 from ..algorithms._transport import exchange_all_gather, prepare
-from ..collectives import select_algorithm
 from ..compression import Compressor
 from ..engine import Phase, chain, wait
 from ..runtime import context
 from ..topology import Topology
-from ._common import Bound, Codec, CommBase, as_work, done_work
-from .reduce_scatter import check_algorithm, check_compressor
+from ._common import Bound, BoundComm, CollectiveComm, as_work, done_work
 
 __all__ = ["AllGatherComm"]
 
 
-class AllGatherComm(CommBase, AllGather):
+class AllGatherComm(CollectiveComm, AllGather):
     """torch's ``AllGather`` comm protocol (``FSDPModule.set_custom_all_gather``) on commopt's
     algorithms, exact or qwZ-quantized (see the module docstring for which calls are quantized).
 
@@ -58,22 +56,17 @@ class AllGatherComm(CommBase, AllGather):
     """
 
     where = "AllGatherComm"
+    collective, role = "all_gather", "all-gather"
 
     def __init__(self, topology: Topology | None = None, algorithm: str = "auto",
                  compressor: Compressor | None = None, *, timeout: float | None = None):
-        super().__init__(topology, timeout)
-        self.algorithm = check_algorithm(self.where, algorithm)
-        self.compressor = check_compressor(self.where, compressor, "all-gather")
-        self.codec = Codec(self.compressor.bits, self.compressor.block) if self.compressor is not None else None
+        super().__init__(topology, algorithm, compressor, timeout)
 
     @property
     def name(self) -> str:
         return self.algorithm if self.compressor is None else f"int{self.compressor.bits}"
 
     # ----------------------------------------------------------------------------- protocol
-    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
-
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  async_op: bool = False):
         return self.gather(output_tensor, input_tensor, group, async_op, None)
@@ -104,25 +97,10 @@ class AllGatherComm(CommBase, AllGather):
         wait(fut, None, op="fsdp/all_gather")
         return None
 
-    def choose(self, nbytes: int) -> str:
-        if self.algorithm == "flat":
-            return "flat"
-        return select_algorithm("all_gather", self.algorithm, nbytes, self.resolve(), self.timeout)
-
     def _start(self, out: torch.Tensor, src: torch.Tensor, group, tag: str, blocking: bool) -> torch.futures.Future:
         """All-gather ``src`` into ``out`` (both 1-D, contiguous) over the whole topology."""
-        topo, ctx = self.resolve(), context()
-        nbytes = out.numel() * out.element_size()
-        algo = self.choose(nbytes)
-        if algo != "flat":
-            ctx.prepare(topo, (algo,), self.timeout)
         p, _ = prepare(out, "sum", group.size())
-        impl = algorithms.get(algo)
-        call = algorithms.Call("all_gather", p, None, group, topo if algo != "flat" else None, self.timeout,
-                               blocking, ctx, 1, src)
-        self.add_link_bytes((tag, algo, nbytes, out.element_size()),
-                            lambda: impl.traffic("all_gather", nbytes, topo, itemsize=out.element_size()))
-        return impl.start(call)
+        return self.start(p, None, src, group, out.numel() * out.element_size(), out.element_size(), tag, blocking)
 
     # ----------------------------------------------------------------------------- exact
     def _exact(self, output: torch.Tensor, input: torch.Tensor, group, kind: str, blocking: bool):
@@ -173,8 +151,7 @@ class AllGatherComm(CommBase, AllGather):
         """What one call over the whole topology moves; ``nbytes``: the gathered (world, chunk) output
         in bytes of ``itemsize``. Quantized: the algorithm's traffic of the byte payloads."""
         topo = topology if topology is not None else self.resolve()
-        two = self.algorithm != "flat" and topo.is_uniform and topo.num_nodes > 1 and topo.local_size > 1
-        algo = "hierarchical" if two else "flat"
+        algo = "hierarchical" if self.two_level(topo) else "flat"
         if self.compressor is None:
             return algorithms.get(algo).traffic("all_gather", nbytes, topo, itemsize=itemsize)
         chunk = int(nbytes // itemsize) // topo.world_size
@@ -185,18 +162,9 @@ class AllGatherComm(CommBase, AllGather):
         return f"AllGatherComm(algorithm={self.algorithm!r}, compressor={self.compressor!r})"
 
 
-class _Bound(AllGather):
+class _Bound(BoundComm, AllGather):
     """An :class:`AllGatherComm` bound to one FSDP module (set by :func:`register`)."""
-
-    def __init__(self, comm: AllGatherComm, bound: Bound):
-        self.comm, self.bound = comm, bound
-
-    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return self.comm.allocate(size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  async_op: bool = False):
         return self.comm.gather(output_tensor, input_tensor, group, async_op, self.bound)
-
-    def __repr__(self) -> str:
-        return f"{self.comm!r} bound to {self.bound.layout.key or '<root>'!r}"

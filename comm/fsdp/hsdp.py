@@ -142,10 +142,8 @@ class AllReduceHook(CommBase):
             return int(algorithms.ALGORITHM_FACTORS["allreduce"](topo.num_nodes) * flat.numel() * flat.element_size())
 
         self.run([Phase("all_reduce_rail", all_reduce, rail)], "fsdp/hsdp/exact/inter", flat.device)
-        self.add_link_bytes(("exact", flat.numel(), flat.element_size()),
-                            lambda: algorithms.get("hierarchical").traffic(
-                                "allreduce", flat.numel() * flat.element_size() * topo.local_size, topo,
-                                itemsize=flat.element_size()))
+        sent = algorithms.ALGORITHM_FACTORS["allreduce"](topo.num_nodes) * flat.numel() * flat.element_size()
+        self.add_link_bytes(("exact", sent), lambda: self._rail_traffic(sent))
 
     def _compressed(self, flat: torch.Tensor, bound: Bound | None, average: bool) -> None:
         """Any other compressor: ``reduce_tensors`` along the rail on every parameter's shard."""
@@ -176,10 +174,8 @@ class AllReduceHook(CommBase):
 
     def _rail_traffic(self, sent: float) -> algorithms.Traffic:
         """Every rank sending ``sent`` bytes around its rail (a ring over the nodes)."""
-        topo = self.resolve()
-        t = algorithms.Traffic(topo)
-        for j in range(topo.local_size):
-            t.ring([node[j] for node in topo.nodes], sent)
+        t = algorithms.Traffic(self.resolve())
+        t.rail_rings(sent)
         return t
 
     def _quantized(self, flat: torch.Tensor, bound: Bound | None, average: bool) -> None:
@@ -245,8 +241,7 @@ class AllReduceHook(CommBase):
         numels = tuple(numels) if numels is not None else (numel,)
         t = algorithms.Traffic(topo)
         sizes = [self.codec.nbytes(cut_segments(numels, d * chunk, (d + 1) * chunk)) for d in range(nodes)]
-        for j in range(topo.local_size):
-            rail = sorted(node[j] for node in topo.nodes)
+        for rail in topo.rails:
             for a_i, a in enumerate(rail):
                 for b_i, b in enumerate(rail):
                     t.add(a, b, sizes[b_i] + sizes[a_i])  # a's chunk b (scatter), then a's reduced chunk

@@ -34,41 +34,16 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 from .. import algorithms
 from ..algorithms._transport import exchange_reduce_scatter, prepare
 from ..algorithms.hierarchical import rail_order
-from ..collectives import select_algorithm
-from ..compression import Compressor, QuantizeCompressor
+from ..compression import Compressor
 from ..engine import Phase, wait
 from ..runtime import context
 from ..topology import Topology
-from ._common import LOW_PRECISION, Bound, Codec, CommBase, Layout, done_work, quantized_exchange, reduction
+from ._common import LOW_PRECISION, Bound, BoundComm, CollectiveComm, Layout, done_work, quantized_exchange, reduction
 
-__all__ = ["ReduceScatterComm", "check_algorithm", "check_compressor"]
-
-_ALGORITHMS = ("auto", "flat", "hierarchical")
+__all__ = ["ReduceScatterComm"]
 
 
-def check_algorithm(where: str, algorithm) -> str:
-    if not isinstance(algorithm, str) or algorithm not in _ALGORITHMS:
-        raise ValueError(f"{where}: algorithm {algorithm!r} is not supported; use 'auto', 'flat' or 'hierarchical'")
-    return algorithm
-
-
-def check_compressor(where: str, compressor, role: str) -> QuantizeCompressor | None:
-    """The compressor of a reduce-scatter or all-gather: None or a ``QuantizeCompressor``."""
-    if compressor is None or isinstance(compressor, QuantizeCompressor):
-        return compressor
-    if isinstance(compressor, Compressor):
-        hint = ("for a bf16/fp16 reduction use MixedPrecisionPolicy(reduce_dtype=...) instead"
-                if compressor.name in ("fp16", "bf16") else
-                "its payloads cannot be reduce-scattered or gathered block by block (PowerSGD needs whole "
-                "matrices and two all-reduces, top-k/sign payloads are not split by destination); use it "
-                "across nodes in HSDP with AllReduceHook")
-        raise TypeError(f"{where}: {type(compressor).__name__} cannot serve a {role}: {hint}; pass "
-                        f"compressor=QuantizeCompressor(bits=8 or 4) or None")
-    raise TypeError(f"{where}: compressor must be None or a commopt.comm.compression.QuantizeCompressor, got "
-                    f"{type(compressor).__name__} {compressor!r}")
-
-
-class ReduceScatterComm(CommBase, ReduceScatter):
+class ReduceScatterComm(CollectiveComm, ReduceScatter):
     """torch's ``ReduceScatter`` comm protocol (``FSDPModule.set_custom_reduce_scatter``) on commopt's
     algorithms, exact or qgZ-quantized (see the module docstring for the phases).
 
@@ -96,19 +71,17 @@ class ReduceScatterComm(CommBase, ReduceScatter):
     """
 
     where = "ReduceScatterComm"
+    collective, role = "reduce_scatter", "reduce-scatter"
 
     def __init__(self, topology: Topology | None = None, algorithm: str = "auto",
                  compressor: Compressor | None = None, *, error_feedback: bool = True, seed: int = 0,
                  check_finite: bool = False, timeout: float | None = None):
-        super().__init__(topology, timeout)
-        self.algorithm = check_algorithm(self.where, algorithm)
-        self.compressor = check_compressor(self.where, compressor, "reduce-scatter")
+        super().__init__(topology, algorithm, compressor, timeout)
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"{self.where}: seed must be an int (the same on every rank), got {seed!r}")
         self.error_feedback = bool(error_feedback) and self.compressor is not None
         self.seed = seed
         self.finite_check = bool(check_finite)
-        self.codec = Codec(self.compressor.bits, self.compressor.block) if self.compressor is not None else None
 
     @property
     def name(self) -> str:
@@ -117,9 +90,6 @@ class ReduceScatterComm(CommBase, ReduceScatter):
         return f"int{self.compressor.bits}" + ("+ef" if self.error_feedback else "")
 
     # ----------------------------------------------------------------------------- protocol
-    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
-
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op=ReduceOp.SUM, async_op: bool = False):
         return self.reduce(output_tensor, input_tensor, group, op, async_op, None)
@@ -148,17 +118,6 @@ class ReduceScatterComm(CommBase, ReduceScatter):
             self._exact(output, input, group, site.kind, scale)
         return done_work(async_op)
 
-    def choose(self, nbytes: int) -> str:
-        """The exact algorithm of a call over the whole topology (``auto``: the cost model's pick)."""
-        if self.algorithm == "flat":
-            return "flat"
-        return select_algorithm("reduce_scatter", self.algorithm, nbytes, self.resolve(), self.timeout)
-
-    def two_level(self) -> bool:
-        """Whether quantized calls run qgZ's two levels (uniform nodes, both levels > 1 rank)."""
-        topo = self.resolve()
-        return (self.algorithm != "flat" and topo.is_uniform and topo.num_nodes > 1 and topo.local_size > 1)
-
     # ----------------------------------------------------------------------------- exact
     def _exact(self, output: torch.Tensor, input: torch.Tensor, group, kind: str, scale: float) -> None:
         world = group.size()
@@ -172,24 +131,15 @@ class ReduceScatterComm(CommBase, ReduceScatter):
                                                                  device=target.device)
         p, red = prepare(work, "sum", world)
         nbytes = src.numel() * src.element_size()
-        ctx = context()
         if kind == "full":
-            topo = self.resolve()
-            algo = self.choose(nbytes)
-            if algo != "flat":
-                ctx.prepare(topo, (algo,), self.timeout)
-            impl = algorithms.get(algo)
-            call = algorithms.Call("reduce_scatter", p, red, group, topo if algo != "flat" else None, self.timeout,
-                                   True, ctx, 1, src)
-            wait(impl.start(call), None, op=f"reduce_scatter/{algo}")
-            self.add_link_bytes(("rs", algo, nbytes, src.element_size()),
-                                lambda: impl.traffic("reduce_scatter", nbytes, topo, itemsize=src.element_size()))
+            wait(self.start(p, red, src, group, nbytes, src.element_size(), "rs", True), None,
+                 op="fsdp/reduce_scatter")
         elif kind == "node":
             self.run([Phase("reduce_scatter_node",
                             lambda: exchange_reduce_scatter(p.flat, src, ReduceOp.SUM, group, self.timeout), group)],
                      "fsdp/reduce_scatter/node", src.device)
         else:
-            call = algorithms.Call("reduce_scatter", p, red, group, None, self.timeout, True, ctx, 1, src)
+            call = algorithms.Call("reduce_scatter", p, red, group, None, self.timeout, True, context(), 1, src)
             wait(algorithms.get("flat").start(call), None, op="reduce_scatter/flat")
         if post != 1:
             work.mul_(post)
@@ -265,30 +215,19 @@ class ReduceScatterComm(CommBase, ReduceScatter):
         topo = topology if topology is not None else self.resolve()
         if self.compressor is None:
             algo = self.choose(int(nbytes)) if topology is None else (
-                "hierarchical" if self.algorithm != "flat" and topo.is_uniform and topo.num_nodes > 1
-                and topo.local_size > 1 else "flat")
+                "hierarchical" if self.two_level(topo) else "flat")
             return algorithms.get(algo).traffic("reduce_scatter", nbytes, topo, itemsize=itemsize)
         world = topo.world_size
         chunk = int(nbytes // itemsize) // world
         segs = list(segments) if segments is not None else [chunk]
         t = algorithms.Traffic(topo)
-        two = self.algorithm != "flat" and topo.is_uniform and topo.num_nodes > 1 and topo.local_size > 1
-        if not two:
-            p = self.codec.nbytes(segs)
-            for a in range(world):
-                for b in range(world):
-                    t.add(a, b, p)
+        if not self.two_level(topo):
+            t.all_pairs(list(range(world)), self.codec.nbytes(segs))
             return t
-        p1, p2 = self.codec.nbytes(segs * topo.num_nodes), self.codec.nbytes(segs)
         for node in topo.nodes:
-            for a in node:
-                for b in node:
-                    t.add(a, b, p1)
-        for j in range(topo.local_size):
-            rail = sorted(node[j] for node in topo.nodes)
-            for a in rail:
-                for b in rail:
-                    t.add(a, b, p2)
+            t.all_pairs(node, self.codec.nbytes(segs * topo.num_nodes))
+        for rail in topo.rails:
+            t.all_pairs(rail, self.codec.nbytes(segs))
         return t
 
     # ----------------------------------------------------------------------------- state
@@ -318,18 +257,9 @@ class ReduceScatterComm(CommBase, ReduceScatter):
                 f"error_feedback={self.error_feedback})")
 
 
-class _Bound(ReduceScatter):
+class _Bound(BoundComm, ReduceScatter):
     """A :class:`ReduceScatterComm` bound to one FSDP module (set by :func:`register`)."""
-
-    def __init__(self, comm: ReduceScatterComm, bound: Bound):
-        self.comm, self.bound = comm, bound
-
-    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return self.comm.allocate(size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op=ReduceOp.SUM, async_op: bool = False):
         return self.comm.reduce(output_tensor, input_tensor, group, op, async_op, self.bound)
-
-    def __repr__(self) -> str:
-        return f"{self.comm!r} bound to {self.bound.layout.key or '<root>'!r}"
