@@ -38,6 +38,7 @@ and again with each collective's time measured alone in place of the cost model'
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import glob
 import json
@@ -315,10 +316,7 @@ def _plans(args, topo, shapes: list[tuple[int, ...]]) -> dict:
     """Each run as the simulator's plan (None: DDP's schedule), on gloo: FSDP2's own all-gathers are
     issued when a block is reached; commopt's (``fsdp.shard``) are prefetched."""
     from commopt.comm import compression as C
-    from commopt.schedules.simulator import ShardedPlan
-
-    def q(bits: int, block: int = 256) -> float:  # block-quantized wire bytes per fp32 byte
-        return (bits / 8 + 4 / block) / 4
+    from commopt.schedules.simulator import ShardedPlan, quantized_ratio
 
     numel = sum(math.prod(s) for s in shapes)
     local = topo.local_size
@@ -326,19 +324,20 @@ def _plans(args, topo, shapes: list[tuple[int, ...]]) -> dict:
     rows = [(-(-s[0] // local), math.prod(s[1:])) if len(s) > 1 else (math.prod(s),) for s in shapes]
     # Payload over fp32 bytes of the shard (n=2: the ring factor is 1).
     psgd = C.PowerSGDCompressor(rank=args.powersgd_rank).shapes_bytes(rows, 2) / (4 * numel / local)
+    zero = ShardedPlan("fsdp", "hierarchical", hpz=True, weight_ratio=quantized_ratio(8), grad_ratio=quantized_ratio(4))
     plans = {
         "ddp": None,
         "fsdp2": ShardedPlan("fsdp", "flat", prefetch=False, reduce_scatter_as=native_rs),
         "hsdp": ShardedPlan("hsdp", prefetch=False, reduce_scatter_as=native_rs),
         "hierarchical": ShardedPlan("fsdp", "hierarchical"),
-        "zero++": ShardedPlan("fsdp", "hierarchical", hpz=True, weight_ratio=q(8), grad_ratio=q(4)),
-        "zero++/no-ef": ShardedPlan("fsdp", "hierarchical", hpz=True, weight_ratio=q(8), grad_ratio=q(4)),
-        "hsdp-int8": ShardedPlan("hsdp", grad_ratio=q(8)),
-        "hsdp-int8/no-ef": ShardedPlan("hsdp", grad_ratio=q(8)),
+        "zero++": zero,
+        "zero++/no-ef": zero,
+        "hsdp-int8": ShardedPlan("hsdp", grad_ratio=quantized_ratio(8)),
+        "hsdp-int8/no-ef": ShardedPlan("hsdp", grad_ratio=quantized_ratio(8)),
         "hsdp-powersgd": ShardedPlan("hsdp", grad_ratio=min(1.0, psgd)),
     }
     # On CPU (no streams) FSDP2's backward waits for every reduction (torch's and commopt's).
-    return {k: v if v is None else ShardedPlan(**{**v.__dict__, "blocking_reduce": True}) for k, v in plans.items()}
+    return {k: v if v is None else dataclasses.replace(v, blocking_reduce=True) for k, v in plans.items()}
 
 
 def _predict(args, topo, measured: dict[str, float]) -> tuple[dict[str, float], dict]:
@@ -423,8 +422,8 @@ def _predict(args, topo, measured: dict[str, float]) -> tuple[dict[str, float], 
         step, opt_seconds = floors[plan.kind]
         shard_bytes = nbytes / (topo.local_size if plan.kind == "hsdp" else topo.world_size)
         per_byte = psgd if name == "hsdp-powersgd" else quantize
-        plan = type(plan)(**{**plan.__dict__, "optimizer_seconds_per_byte": opt_seconds / shard_bytes,
-                             "codec_seconds_per_byte": per_byte})
+        plan = dataclasses.replace(plan, optimizer_seconds_per_byte=opt_seconds / shard_bytes,
+                                   codec_seconds_per_byte=per_byte)
         layers_k = scaled(step, opt_seconds)
         out[name] = simulate_sharded(layers_k, topo, plan, model).iteration
         # Each unit's collectives measured at its own size (the root's and a block's).

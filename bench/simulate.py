@@ -17,6 +17,7 @@ Compute comes from FLOPs: ``--tflops`` peak per rank times ``--mfu``; the link m
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 from ._plot import pyplot
@@ -98,15 +99,12 @@ def run(args) -> list[dict]:
     print(f"# {args.model}: {grad / 2**30:.2f} GiB of gradients over {len(layers)} layers; {n} nodes x {local} "
           f"ranks = {n * local}; inter {args.link_rate}, intra {args.intra_rate}; {args.algorithm}; "
           f"{args.tokens} tokens/rank at {args.tflops * args.mfu:.0f} TFLOP/s")
-    print(f"{'schedule':<34}{'iter ms':>10}{'compute ms':>12}{'comm ms':>10}{'exposed ms':>12}{'hidden':>8}")
+    _header("schedule")
     rows, results = [], {}
     for name, sched, ratio in runs:
         r = simulate(layers, link_service(args.algorithm, topo, model, ratio), sched)
         results[name] = r
-        rows.append({"schedule": name, "iteration": r.iteration, "compute": r.compute, "communication": r.communication,
-                     "exposed": r.exposed, "hidden": r.overlap})
-        print(f"{name:<34}{r.iteration * 1e3:>10.1f}{r.compute * 1e3:>12.1f}{r.communication * 1e3:>10.1f}"
-              f"{r.exposed * 1e3:>12.1f}{r.overlap:>8.0%}")
+        rows.append(_row(name, r))
     rows += _sharded_rows(args, layers, topo, model, opt)
     if args.png:
         _plot(results, args.png)
@@ -116,12 +114,24 @@ def run(args) -> list[dict]:
     return rows
 
 
+def _header(what: str) -> None:
+    print(f"{what:<34}{'iter ms':>10}{'compute ms':>12}{'comm ms':>10}{'exposed ms':>12}{'hidden':>8}")
+
+
+def _row(name: str, r) -> dict:
+    """Print one simulated iteration and return it as a JSON row."""
+    print(f"{name:<34}{r.iteration * 1e3:>10.1f}{r.compute * 1e3:>12.1f}{r.communication * 1e3:>10.1f}"
+          f"{r.exposed * 1e3:>12.1f}{r.overlap:>8.0%}")
+    return {"schedule": name, "iteration": r.iteration, "compute": r.compute, "communication": r.communication,
+            "exposed": r.exposed, "hidden": r.overlap}
+
+
 def _sharded_rows(args, layers, topo, model, opt: float) -> list[dict]:
     """The same model sharded (FSDP2 per layer, HSDP, the ZeRO++ recipe), beside the DDP rows."""
-    from commopt.schedules.simulator import ShardedPlan, simulate_sharded
+    from commopt.schedules.simulator import ShardedPlan, quantized_ratio, simulate_sharded
 
-    def ratio(bits: int, block: int = 256) -> float:  # block-quantized wire bytes per element
-        return min(1.0, (bits / 8 + 4 / block) / args.grad_bytes)
+    def ratio(bits: int) -> float:
+        return quantized_ratio(bits, element_bytes=args.grad_bytes)
 
     local = topo.local_size
     plans = [("fsdp2 (flat)", ShardedPlan("fsdp")),
@@ -130,16 +140,9 @@ def _sharded_rows(args, layers, topo, model, opt: float) -> list[dict]:
                                                                  weight_ratio=ratio(8), grad_ratio=ratio(4))),
              ("hsdp", ShardedPlan("hsdp")),
              ("hsdp, int8 across nodes", ShardedPlan("hsdp", grad_ratio=ratio(8)))]
-    print(f"{'sharded':<34}{'iter ms':>10}{'compute ms':>12}{'comm ms':>10}{'exposed ms':>12}{'hidden':>8}")
-    rows = []
-    for name, plan in plans:
-        plan = ShardedPlan(**{**plan.__dict__, "optimizer_seconds_per_byte": opt})
-        r = simulate_sharded(layers, topo, plan, model)
-        rows.append({"schedule": name, "iteration": r.iteration, "compute": r.compute, "communication": r.communication,
-                     "exposed": r.exposed, "hidden": r.overlap})
-        print(f"{name:<34}{r.iteration * 1e3:>10.1f}{r.compute * 1e3:>12.1f}{r.communication * 1e3:>10.1f}"
-              f"{r.exposed * 1e3:>12.1f}{r.overlap:>8.0%}")
-    return rows
+    _header("sharded")
+    return [_row(name, simulate_sharded(layers, topo, dataclasses.replace(plan, optimizer_seconds_per_byte=opt),
+                                        model)) for name, plan in plans]
 
 
 def _plot(results: dict, path: str) -> None:

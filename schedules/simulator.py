@@ -41,7 +41,7 @@ from .priority import fifo_plan, priority_plan, shape_priority, simulate_issue
 
 __all__ = ["Layer", "Schedule", "SimResult", "simulate", "transformer_layers", "layers_from_model",
            "TRANSFORMERS", "traffic_matrix", "iteration_traffic", "SCHEDULES", "link_service", "ShardedPlan",
-           "SHARDED_KINDS", "simulate_sharded"]
+           "SHARDED_KINDS", "simulate_sharded", "quantized_ratio"]
 
 _MB = 1024 * 1024
 SCHEDULES = ("none", "ddp", "fifo", "priority")
@@ -327,6 +327,12 @@ class ShardedPlan:
         for name in ("weight_ratio", "grad_ratio"):
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)}")
+
+
+def quantized_ratio(bits: int, block: int = 256, element_bytes: float = 4) -> float:
+    """Wire bytes over data bytes of a block-quantized payload (``QuantizeCompressor(bits, block)``:
+    ``bits`` per element plus one fp32 scale per ``block``) for elements of ``element_bytes``."""
+    return min(1.0, (bits / 8 + 4 / block) / element_bytes)
 
 
 def _sharded_times(plan: ShardedPlan, topology: Topology, model: cost.CostModel):

@@ -80,9 +80,8 @@ def predict(algorithm: str, compressor: Compressor, numels: list[int], shapes: l
     for j in range(local):  # every local rank's rail leaves the node through its link
         section = layout_for(compressor, numels, local_size=local, local_rank=j, rail_size=nodes)
         compressed += compressor.exchange_bytes(section.hi - section.lo, [shapes[i] for i in section.owned], nodes)
-        total = section.total
-    nbytes = total * itemsize
-    exact = hier.traffic("allreduce", nbytes, topology).link_bytes()
+    nbytes = section.total * itemsize
+    exact = hier.link_bytes("allreduce", nbytes, topology)
     if not exact:
         return 0.0
     inter = dataclasses.replace(model.inter, beta=model.inter.beta * compressed / exact)

@@ -69,9 +69,9 @@ from . import auto
 from .agreement import agreement, describe, disagreement, signature
 from .base import Compressor, CompressorState, Job, all_finite, check_tag, compute_dtype, derive_seed, tag_of
 from .feedback import ErrorFeedback
-from .layout import Layout, layout_for, stage, stage_sum, unstage
+from .layout import layout_for, stage, stage_sum, unstage
 
-__all__ = ["reduce_tensors", "CompressedReduction", "Layout", "layout_for"]
+__all__ = ["reduce_tensors", "CompressedReduction"]
 
 
 def reduce_tensors(compressor: Compressor, tensors: list[torch.Tensor], keys: list[str], *,
@@ -132,8 +132,7 @@ def reduce_tensors(compressor: Compressor, tensors: list[torch.Tensor], keys: li
     # first iteration after a restart (DDP's initial buckets) matches the rebuilt buckets it replaces.
     order = sorted(range(len(keys)), key=lambda i: keys[i])
     tensors, keys = [tensors[i] for i in order], [keys[i] for i in order]
-    rails = _rails(group, topology, timeout) if algorithm == "rail" else None
-    topo = None if algorithm == "rail" else _resolve(algorithm, compressor, tensors, group, topology, timeout)
+    topo, rails = _resolve(algorithm, compressor, tensors, group, topology, timeout)
     return CompressedReduction(compressor, tensors, keys, group=group, topology=topo, average=average, step=step,
                                seed=seed, feedback=feedback, state=state, check_finite=check_finite,
                                timeout=timeout, rails=rails).submit()
@@ -227,14 +226,15 @@ class CompressedReduction:
         """
         ctx, timeout, n = context(), self.timeout, self.compressor.n_rounds
         role = f"cmp-{self.name}-opt" if self.optimistic else f"cmp-{self.name}"
+        # One level: every rank of the group as one node (its groups: .intra), or this rank's rail.
         if rails is not None:
-            self.local, self.local_rank, self.rail_size = 1, 0, self.world
-            self.rs_group = self.ag_group = None
-            self.round_groups = [ctx.groups(rails, f"{role}-{i}-rail", timeout).rail for i in range(n)]
-            self.exact_group = ctx.groups(rails, f"{role}-exact-rail", timeout).rail if self.optimistic else None
-            self.check_group = None if self.optimistic else ctx.groups(rails, "cmp-check-rail", timeout).rail
-            return
-        flat = Topology.from_spec(f"1x{self.world}", group=group)
+            level, pick, suffix = rails, "rail", "-rail"
+        else:
+            level, pick, suffix = Topology.from_spec(f"1x{self.world}", group=group), "intra", ""
+
+        def level_group(name: str):
+            return getattr(ctx.groups(level, name + suffix, timeout), pick)
+
         if self.topo is not None:
             topo = self.topo
             self.local, self.local_rank, self.rail_size = topo.local_size, topo.local_rank, topo.num_nodes
@@ -245,9 +245,9 @@ class CompressedReduction:
         else:
             self.local, self.local_rank, self.rail_size = 1, 0, self.world
             self.rs_group = self.ag_group = None
-            self.round_groups = [ctx.groups(flat, f"{role}-{i}", timeout).intra for i in range(n)]
-            self.exact_group = ctx.groups(flat, f"{role}-exact", timeout).intra if self.optimistic else None
-        self.check_group = None if self.optimistic else ctx.groups(flat, "cmp-check", timeout).intra
+            self.round_groups = [level_group(f"{role}-{i}") for i in range(n)]
+            self.exact_group = level_group(f"{role}-exact") if self.optimistic else None
+        self.check_group = None if self.optimistic else level_group("cmp-check")
 
     # ------------------------------------------------------------------------------- phases
     def phases(self) -> list[Phase]:
@@ -273,6 +273,11 @@ class CompressedReduction:
         never writes it before the result overwrites the tensors, uses a lone tensor that already
         is that vector in place."""
         return stage(self.tensors, self.layout, self.cdtype, self.compressor.align, alias=self.optimistic)
+
+    def _own_shard(self) -> torch.Tensor:
+        """This rank's part of the input, without residuals: the node-summed shard (hierarchical) or
+        its section of the staged vector (staged now if the lazy path skipped it)."""
+        return self.shard if self.shard is not None else self._staged()[self.layout.lo: self.layout.hi]
 
     def _staged(self) -> torch.Tensor:
         """The staged vector, staged now if the lazy path skipped it (an exact step or a fallback)."""
@@ -350,7 +355,7 @@ class CompressedReduction:
         """The exact fallback (a non-finite step, compression not started or not worth it): the same
         collective on every rank of the group, because the decision was agreed or shape-made."""
         n = dist.get_world_size(group) if group is not None else 1
-        shard = self.shard if self.shard is not None else self._staged()[self.layout.lo: self.layout.hi]
+        shard = self._own_shard()
         self.exact = True
         self.job = Job(x=shard, out=shard, sent=None, group=group, n=n, rank=0, step=self.step, seed=self.seed,
                        tag=self.tag, what=self.what)
@@ -419,7 +424,7 @@ class CompressedReduction:
         job, nbytes = self.job, 0
         if not self.exact and job.nonfinite:
             # Every rank of the group saw the same reduced values, so all of them take this branch.
-            shard = self.shard if self.shard is not None else self._staged()[self.layout.lo: self.layout.hi]
+            shard = self._own_shard()
             if self.exact_group is not None and shard.numel():
                 wait_work(dist.all_reduce(shard, op=ReduceOp.SUM, group=self.exact_group, async_op=True),
                           self.timeout)
@@ -516,40 +521,38 @@ def _same_group(a: ProcessGroup | None, b: ProcessGroup | None) -> bool:
     return (world if a is None else a) is (world if b is None else b)
 
 
-def _rails(group: ProcessGroup | None, topology: Topology | None, timeout: float | None) -> Topology:
-    """The layout whose rails ``algorithm="rail"`` reduces over (detected when None): nodes of equal size."""
-    topo = context().topology(topology, group, timeout)
-    if not topo.is_uniform:
-        raise TopologyError(f"compressed reduction along the rail needs nodes of equal size, got "
-                            f"{[len(n) for n in topo.nodes]} ({topo.layout}): a rail is one rank per node",
-                            op="compress")
-    return topo
-
-
 def _resolve(algorithm: str, compressor: Compressor, tensors: list[torch.Tensor], group: ProcessGroup | None,
-             topology: Topology | None, timeout: float | None = None) -> Topology | None:
-    """The hierarchical topology, or None for a flat exchange (detecting it is bounded by ``timeout``).
+             topology: Topology | None, timeout: float | None = None) -> tuple[Topology | None, Topology | None]:
+    """``(hierarchical, rails)``: the topology of a hierarchical exchange, or the one whose rails
+    carry a ``"rail"`` reduction; both None for a flat exchange (detecting the topology is bounded
+    by ``timeout``).
 
     ``auto`` asks the cost model (``auto.choose``): the same answer on every rank, from shapes and
     the model rank 0 broadcast.
     """
     if algorithm == "flat":
-        return None
-    if algorithm not in ("hierarchical", "auto"):
+        return None, None
+    if algorithm not in ("hierarchical", "auto", "rail"):
         raise ValueError(f"compressed all-reduce: algorithm {algorithm!r} is not supported; use 'flat', "
                          f"'hierarchical' (compresses the inter-node phase only), 'auto' or 'rail'")
     topo = context().topology(topology, group, timeout)
     if not topo.is_uniform:
+        if algorithm == "rail":
+            raise TopologyError(f"compressed reduction along the rail needs nodes of equal size, got "
+                                f"{[len(n) for n in topo.nodes]} ({topo.layout}): a rail is one rank per node",
+                                op="compress")
         if algorithm == "hierarchical":
             raise TopologyError(f"compressed hierarchical all-reduce needs nodes of equal size, got "
                                 f"{[len(n) for n in topo.nodes]} ({topo.layout}); use algorithm='auto' "
                                 f"(falls back to flat) or 'flat'", op="compress")
-        return None
-    if topo.num_nodes == 1 or topo.local_size == 1:
-        return None  # one level only: nothing to keep exact
+        return None, None
+    if algorithm == "rail":
+        return None, topo
+    if not topo.two_levels:
+        return None, None  # one level only: nothing to keep exact
     if algorithm == "auto" and auto.choose(compressor, tensors, topo, timeout=timeout) == "flat":
-        return None
-    return topo
+        return None, None
+    return topo, None
 
 
 def _scaled(out: torch.Tensor, factor: float, dtype: torch.dtype, divide: bool, world: int) -> torch.Tensor:
