@@ -41,7 +41,8 @@ V = TypeVar("V")
 class Cache(Generic[K, V]):
     """One typed cache of the context: a dict guarded by the context's lock.
 
-    Entries with a ``close()`` method (INA sessions) are closed by :meth:`Context.destroy`.
+    Entries with a ``close()`` method (INA sessions) are closed by :meth:`Context.destroy`; others
+    are dropped.
     Compound updates take ``context().lock`` around several calls (it is re-entrant).
     """
 
@@ -197,8 +198,10 @@ class Context:
             self._sequences = {}
         for cache in (self.cost_models, self.alltoall_fits, self.topologies):
             cache._drain()
-        for session in self.ina_sessions._drain():
-            session.close()
+        for entry in self.ina_sessions._drain():
+            close = getattr(entry, "close", None)  # sessions; a group's agreed identity holds nothing
+            if close is not None:
+                close()
         if engine is not None:
             engine.shutdown()
         if dist.is_initialized():

@@ -34,7 +34,8 @@ import torch.distributed as dist
 from ..engine import Phase
 from ..errors import CommError
 from ..ina.backend import InaProcessGroup, parse_address
-from ..ina.session import InaSession, agree_identity
+from ..ina.session import DEFAULT_TIMEOUT, InaSession, agree_identity
+from ..ina.transport import OP
 from ..topology import Topology
 from ._transport import then_finish
 from .base import SWITCH, Algorithm, Call, Traffic
@@ -46,8 +47,6 @@ if TYPE_CHECKING:
 __all__ = ["Ina", "INA", "CODE_BYTES"]
 
 CODE_BYTES = 4  # every element travels as one int32 code, whatever its dtype
-_OP = "ina/all_reduce"
-_DEFAULT_TIMEOUT = 60.0  # seconds per call when neither the call nor the group gives one
 
 
 class Ina(Algorithm):
@@ -78,7 +77,7 @@ class Ina(Algorithm):
         p = call.prepared
         try:
             if call.red != dist.ReduceOp.SUM:
-                raise ValueError(f"{_OP}: in-network aggregation sums (and averages); reduce op {call.red} is not "
+                raise ValueError(f"{OP}: in-network aggregation sums (and averages); reduce op {call.red} is not "
                                  "supported, use algorithm='flat'")
             pg = call.group if call.group is not None else dist.group.WORLD
             if isinstance(pg, InaProcessGroup):
@@ -100,23 +99,21 @@ def _submit(call: Call, pg: Any, flat: torch.Tensor) -> torch.futures.Future:
     rank, size = dist.get_rank(call.group), dist.get_world_size(call.group)
     spec = getattr(call.topology, "ina_switch", None)
     if not spec:
-        raise CommError(f"{_OP}: no switch address: set COMMOPT_INA_SWITCH=host:port (read by "
+        raise CommError(f"{OP}: no switch address: set COMMOPT_INA_SWITCH=host:port (read by "
                         "Topology.from_env()) or pass a Topology with ina_switch, and run "
-                        "`commopt-bench ina-switch`", op=_OP, ranks=[rank])
+                        "`commopt-bench ina-switch`", op=OP, ranks=[rank])
     address = parse_address(str(spec))
-    timeout = call.timeout if call.timeout is not None else _DEFAULT_TIMEOUT
+    timeout = call.timeout if call.timeout is not None else DEFAULT_TIMEOUT
     ctx = call.context
     session = _session_for(ctx, pg, address, rank, size, flat.device, timeout)
 
     def exchange() -> int:
-        before = session.counters["payload_bytes"]
         try:
-            session.all_reduce(flat, "sum", timeout=timeout)
+            return session.exchange([flat], "sum", timeout)
         except BaseException:
             if session.broken is not None or session.closed:
                 _drop_session(ctx, pg, address, rank, size, session)
             raise
-        return session.counters["payload_bytes"] - before  # the int32 codes sent: what traffic() models
 
     return call.engine.submit([Phase("all_reduce", exchange, pg)], op="ina", result=None, device=flat.device,
                               blocking=call.blocking)
@@ -190,16 +187,13 @@ class _CachedSession(tuple):
 
 
 class _CachedIdentity:
-    """A group's agreed job identity in the context; ``close()`` (from destroy()) has nothing to free."""
+    """A group's agreed job identity in the context (nothing to close: destroy() just drops it)."""
 
     __slots__ = ("ref", "identity")
 
     def __init__(self, ref: Callable[[], Any], identity: tuple[int, int]):
         self.ref = ref
         self.identity = identity
-
-    def close(self) -> None:
-        pass  # an identity holds no socket or thread: destroy() just drops it
 
 
 def _drop_session(ctx: Context, pg: Any, address: tuple[str, int], rank: int, size: int,

@@ -53,6 +53,7 @@ from ..engine import Engine, Phase, wait
 from ..errors import CommError, CommTimeoutError
 from .faults import FaultConfig
 from .session import InaSession, draw_identity, identity_of, identity_tensor
+from .transport import OP
 
 __all__ = ["BACKEND_NAME", "InaOptions", "InaProcessGroup", "InaWork", "parse_address", "register_backend"]
 
@@ -126,7 +127,7 @@ class InaWork(dist.Work):
         op: the operation named by a timeout of ``wait(timeout)``.
     """
 
-    def __init__(self, future: Future, op: str = "ina/all_reduce"):
+    def __init__(self, future: Future, op: str = OP):
         super().__init__()
         self._future = future
         self._op = op
@@ -287,7 +288,7 @@ class InaProcessGroup(dist.ProcessGroup):
         if op is None or any(t.dtype not in _INA_DTYPES or t.is_sparse for t in tensors):
             if op == "avg":
                 raise CommError(f"ina all_reduce: AVG of {[str(t.dtype) for t in tensors]} is not supported by "
-                                "the gloo fallback; use SUM and divide", op="ina/all_reduce",
+                                "the gloo fallback; use SUM and divide", op=OP,
                                 seq=self._session.seq, ranks=[self.rank()])
             return self._gloo.allreduce(tensors, opts)
         return self._work(tensors, op, blocking=not getattr(opts, "asyncOp", True))
@@ -305,14 +306,11 @@ class InaProcessGroup(dist.ProcessGroup):
         """
         session = self._session
         call_timeout = timeout if timeout is not None else session.timeout
-        if session.epoch is None:
+        if session.epoch is None:  # joined sessions fail on the engine (InaWork.wait), not here
             session.join(call_timeout)  # no payload can be in flight before the first join
 
         def exchange() -> int:
-            before = session.counters["payload_bytes"]
-            for t in tensors:
-                session.all_reduce(t, op, timeout=call_timeout)
-            return session.counters["payload_bytes"] - before  # the int32 codes sent (Ina.traffic)
+            return session.exchange(tensors, op, call_timeout)
 
         return self._engine.submit([Phase("all_reduce", exchange, self)], op="ina", result=tensors,
                                    device=tensors[0].device if tensors else None, blocking=blocking)

@@ -75,7 +75,10 @@ from .protocol import (
 )
 from .transport import OP, Transport
 
+DEFAULT_TIMEOUT = 60.0  # seconds per call when neither the call nor the session is given one
+
 __all__ = [
+    "DEFAULT_TIMEOUT",
     "InaSession",
     "ina_all_reduce",
     "draw_identity",
@@ -124,7 +127,7 @@ class InaSession:
 
     def __init__(self, address: tuple[str, int], *, job_id: int, worker_id: int, num_workers: int,
                  nonce: int = 0, window: int = DEFAULT_WINDOW, payload_elems: int = DEFAULT_PAYLOAD_ELEMS,
-                 timeout: float = 60.0,
+                 timeout: float = DEFAULT_TIMEOUT,
                  max_retries: int = 20, initial_rto: float = 0.2, max_rto: float = 1.0,
                  min_rto: float = 0.05, headroom: int | None = None, faults: FaultConfig | None = None,
                  bind_host: str | None = None, segmented_results: bool = True):
@@ -265,6 +268,14 @@ class InaSession:
                              "algorithm='flat')")
         with self._lock:
             return self._all_reduce(tensor, op, self.timeout if timeout is None else timeout)
+
+    def exchange(self, tensors: list[torch.Tensor], op: str, timeout: float | None = None) -> int:
+        """:meth:`all_reduce` every tensor in turn; the payload bytes this worker sent (the int32
+        codes, what ``algorithms.ina``'s ``traffic()`` models): an engine phase's count."""
+        before = self.counters["payload_bytes"]
+        for t in tensors:
+            self.all_reduce(t, op, timeout=timeout)
+        return self.counters["payload_bytes"] - before
 
     # -- one collective --------------------------------------------------------------------------
 
@@ -462,7 +473,7 @@ class InaSession:
 
 
 def ina_all_reduce(tensor: torch.Tensor, *, address: tuple[str, int], job_id: int, worker_id: int,
-                   num_workers: int, op: str = "sum", timeout: float = 60.0, nonce: int = 0,
+                   num_workers: int, op: str = "sum", timeout: float = DEFAULT_TIMEOUT, nonce: int = 0,
                    session: InaSession | None = None, **session_options: Any) -> torch.Tensor:
     """All-reduce ``tensor`` in place through the in-network aggregation switch at ``address``.
 
