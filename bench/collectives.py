@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
-from ._launch import launch
+from ._launch import launch, topology_of
 from ._progress import progress
 
 __all__ = ["main", "parse_sizes", "run_sweep"]
@@ -112,18 +112,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # ------------------------------------------------------------------------------------ measuring
-def _topology(args):
-    from commopt.comm import Topology, context
-
-    if args.topology:
-        extra = {}
-        env = Topology.from_env() if os.environ.get("COMMOPT_NODES") else None
-        if env is not None:
-            extra = {"link_rate_bps": env.link_rate_bps, "ina_switch": env.ina_switch}
-        return Topology.from_spec(args.topology, **extra)
-    return context().topology(None, None)
-
-
 def _expected(op: str, redop: str, world: int, rank: int, count: int, dtype) -> torch.Tensor:
     """What every element must be, from rank arithmetic: rank r contributes (r + 1) + (i % 7)."""
     base = torch.arange(count, dtype=torch.float64) % 7
@@ -421,7 +409,7 @@ def _rank_body(args) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     if args.fail_rank == rank:
         raise RuntimeError(f"rank {rank}: failure injected by --fail-rank")
-    topo = _topology(args)
+    topo = topology_of(args)
     measured = float(os.environ.get("COMMOPT_LINK_MEASURED_BPS", "0") or 0) or None
     log = print if rank == 0 else (lambda *a, **k: None)
     log(f"# commopt-bench collectives: world_size={world} topology={topo.layout!r} "
