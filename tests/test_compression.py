@@ -595,3 +595,21 @@ def test_reductions_in_flight(ranks):
     """DESIGN 2 rule 1: multi-round compressors with many reductions in flight (FAULTS row 15's
     residuals included) give the one-at-a-time results."""
     ranks(2, _body_in_flight, timeout=60)
+
+
+def test_compressor_pickled_before_the_state_split_continues_on_its_default_state():
+    """A compressor pickled when it still held its call counter (and PowerSGD its warm starts)
+    itself unpickles with both in its default state, the format's only migration."""
+    import pickle
+
+    c = C.PowerSGDCompressor(rank=2)
+    old = {k: v for k, v in c.__dict__.items() if k != "_default_state"}
+    old.update(_calls=7, q_memory={"w": torch.ones(2, 3)})
+    fresh = C.PowerSGDCompressor.__new__(C.PowerSGDCompressor)
+    fresh.__setstate__(dict(old))
+    assert fresh.default_state.calls == 7 and torch.equal(fresh.default_state.q_memory["w"], torch.ones(2, 3))
+    again = pickle.loads(pickle.dumps(fresh))
+    assert again.default_state.calls == 7 and again.config() == c.config()
+    plain = C.FP16Compressor.__new__(C.FP16Compressor)
+    plain.__setstate__({k: v for k, v in C.FP16Compressor().__dict__.items() if k != "_default_state"} | {"_calls": 3})
+    assert plain.default_state.calls == 3

@@ -487,16 +487,13 @@ class Compressor:
 
     def __setstate__(self, d: dict) -> None:
         # A compressor pickled before the per-run state moved out of it held its call counter
-        # itself (and PowerSGD its Q memory): they become the default state's.
-        legacy = {k: d.pop(k) for k in ("_calls", "q_memory") if k in d}
+        # itself: it becomes the default state's (subclasses move their own memory likewise).
+        calls = d.pop("_calls", None)
         self.__dict__.update(d)
         self.__dict__.setdefault("_default_state", None)
         self.__dict__.setdefault("_warned", False)
-        if legacy:
-            state = self.default_state
-            state.calls = int(legacy.get("_calls", 0))
-            if "q_memory" in legacy and hasattr(state, "q_memory"):
-                state.q_memory = dict(legacy["q_memory"])
+        if calls is not None:
+            self.default_state.calls = int(calls)
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.config().items() if k != "name")

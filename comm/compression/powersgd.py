@@ -122,6 +122,12 @@ class PowerSGDCompressor(Compressor):
         self.orthogonalization_epsilon = float(orthogonalization_epsilon)
         self.batch_same_shape = bool(batch_same_shape)
 
+    def __setstate__(self, d: dict) -> None:
+        q_memory = d.pop("q_memory", None)  # pickled before the warm starts moved to the state
+        super().__setstate__(d)
+        if q_memory is not None:
+            self.default_state.q_memory = dict(q_memory)
+
     def config(self) -> dict:
         return {"name": self.name, "rank": self.rank, "start_iter": self.start_iter,
                 "min_compression_rate": self.min_compression_rate, "warm_start": self.warm_start,
