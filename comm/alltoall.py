@@ -25,9 +25,12 @@ Algorithms (:data:`ALGORITHMS`):
   of :func:`calibrate` when it ran for the layout, else by the level cost model; always from a size
   all ranks agree on (DESIGN 2, rule 2).
 
-Uneven splits (MoE routing): when only ``in_splits`` is given, the output splits are exchanged
-first; ``validate=True`` checks that every rank's splits agree before any payload moves. Setup
-exchanges and phases honour ``timeout`` (``CommTimeoutError`` instead of a hang).
+Before any payload byte moves, every rank knows that the calls agree (``collectives.agree``: rows
+or split mode, dtype, row width, algorithm), and with uneven splits (MoE routing) every rank holds
+every rank's splits (one small all-gather, which also gives each rank its output splits when only
+``in_splits`` is given): a disagreement raises on every rank instead of aborting a process in gloo or
+returning uninitialised rows. Setup exchanges and phases honour ``timeout`` (``CommTimeoutError``
+instead of a hang).
 
 Also here: :func:`all_to_all_autograd`, whose backward is the reverse all-to-all (for MoE layers),
 and what the benchmark prints: :func:`link_bytes` (bytes crossing a node link, equal for both),
@@ -48,8 +51,17 @@ from torch.distributed import ProcessGroup
 
 from . import algorithms, cost
 from .algorithms._transport import Prepared, done, row_bytes
-from .collectives import _check_tensor, _deliver, agree, check_group, check_timeout, checked, validate_same
-from .engine import wait, wait_work
+from .collectives import (
+    BOTH_SPLITS_GIVEN,
+    SPLITS_GIVEN,
+    _check_tensor,
+    _deliver,
+    agree,
+    check_group,
+    check_timeout,
+    validate_same,
+)
+from .engine import wait_work
 from .errors import CollectiveMismatchError, TopologyError
 from .runtime import context
 from .topology import Topology
@@ -161,7 +173,7 @@ def exchange_splits(in_splits: Splits, *, group: ProcessGroup | None = None, val
     ins = _as_list("in_splits", in_splits)
     problem = _check_splits("in_splits", ins, world, None, "input")
     if validate and world > 1:
-        return _agree(problem, ins, None, None, False, group, world, timeout)[0]
+        return _agree_splits(problem, ins, None, None, False, group, world, timeout)[0]
     if problem:
         raise ValueError(f"{_NAME}: {problem}")
     if world == 1:
@@ -172,9 +184,10 @@ def exchange_splits(in_splits: Splits, *, group: ProcessGroup | None = None, val
     return recv.tolist()
 
 
-def _agree(problem: str | None, ins: list[int], outs: list[int] | None, out_rows: int | None, even: bool,
-           group, world: int, timeout: float | None) -> tuple[list[int], int]:
-    """The ``validate=True`` check of the splits: one all-gather of every rank's splits.
+def _agree_splits(problem: str | None, ins: list[int], outs: list[int] | None, out_rows: int | None, even: bool,
+                  group, world: int, timeout: float | None) -> tuple[list[int], int]:
+    """The check of the splits (``validate=True``, and every uneven call): one all-gather of every
+    rank's splits.
 
     Every rank learns every rank's in/out splits and argument status, so every rank raises the same
     error for a bad argument anywhere, or for splits that disagree (rank i sends k rows to rank j but
@@ -187,7 +200,7 @@ def _agree(problem: str | None, ins: list[int], outs: list[int] | None, out_rows
     row += outs if outs is not None and len(outs) == world and not problem else [-1] * world
     mine = torch.tensor(row, dtype=torch.int64)
     gathered = [torch.empty_like(mine) for _ in range(world)]
-    wait_work(dist.all_gather(gathered, mine, group=group, async_op=True), timeout, f"{_NAME}/validate")
+    wait_work(dist.all_gather(gathered, mine, group=group, async_op=True), timeout, f"{_NAME}/splits")
     rows = [g.tolist() for g in gathered]
     bad = [r for r in range(world) if rows[r][0]]
     if bad:
@@ -222,6 +235,19 @@ def _agree(problem: str | None, ins: list[int], outs: list[int] | None, out_rows
             f"on rank j (or pass only in_splits and let all_to_all exchange them)", op=_NAME, ranks=odd)
     total = sum(map(sum, send))
     return (outs if outs is not None else [send[i][rank] for i in range(world)]), total
+
+
+def _agree_call(mode: int, input: torch.Tensor, algorithm: str, chunks: int | None, group, timeout: float | None,
+                bad_argument: str | None) -> None:
+    """:func:`collectives.agree` for an all-to-all. ``bad_argument``: this rank's own argument error,
+    raised here as ``ValueError`` once its peers know of it (they raise ``CollectiveMismatchError``)."""
+    try:
+        agree(_NAME, numel=mode, dtype=input.dtype, op="none", algorithm=algorithm, group=group, device=input.device,
+              timeout=timeout, row_bytes=row_bytes(input), chunks=chunks or 0, problem=bad_argument)
+    except CollectiveMismatchError:
+        if bad_argument is not None:
+            raise ValueError(f"{_NAME}: {bad_argument} (the other ranks raise CollectiveMismatchError)") from None
+        raise
 
 
 # --------------------------------------------------------------------------------- algorithms
@@ -268,20 +294,22 @@ def all_to_all(output: torch.Tensor | None, input: torch.Tensor, *, in_splits: S
             non-contiguous is fine), or None to allocate it (the result is returned).
         input: any supported dtype, at least 1-D; rows (dim 0) go to ranks in ``in_splits`` order.
         in_splits: rows for each rank (None: ``input.shape[0] / world_size`` each).
-        out_splits: rows from each rank. None with ``in_splits`` given: exchanged first (one small
-            all-to-all, or read from the validation exchange); None with ``in_splits`` None: even.
+        out_splits: rows from each rank. None with ``in_splits`` given: learnt from the peers'
+            in_splits (the split check below); None with ``in_splits`` None: even.
         group: the process group (None: WORLD).
         topology: the layout of ``group``; None detects it (once per group).
         algorithm: ``"auto"``, ``"flat"`` or ``"2d"`` (``TopologyError`` on unequal nodes).
-        async_op: return a Future completing with the output instead of waiting.
-        validate: before any payload moves, exchange a fingerprint (dtype, device, row shape) and
-            every rank's splits; mismatched dtypes or row shapes raise ``CollectiveMismatchError``,
-            splits that disagree across ranks ``CollectiveMismatchError``, and a bad argument on any
-            rank ``ValueError``, on every rank. Without it a bad argument raises on its own rank only,
-            and ranks whose calls differ (dtype, row width, rows of an even exchange, or out_splits
-            against what the peers send) raise ``CollectiveMismatchError`` on every rank through the
-            agreement check beside the payload (with both splits given: before it). Splits must be
-            passed on every rank or on none (``validate`` checks that too).
+        async_op: return a Future completing with the output instead of waiting (it returns once
+            the ranks have agreed, before the payload completes).
+        validate: before any payload moves, exchange a fingerprint (op, sequence number, dtype,
+            device, row shape) that names the ranks that differ. Without it, the call still agrees
+            before any payload byte moves: one small all-reduce (even rows or which splits were
+            passed, dtype, row width, algorithm, chunks, and whether any rank's arguments were bad)
+            and, for uneven splits, one small all-gather of every rank's splits. Either way, ranks
+            whose calls differ raise ``CollectiveMismatchError`` on every rank, a bad argument on any
+            rank raises ``ValueError`` there and an error on every other rank, and splits that
+            disagree (rank i sends k rows to rank j, which expects m; an output of other rows than
+            the peers send) raise ``CollectiveMismatchError`` on every rank naming the ranks.
         timeout: seconds the exchange (each 2-D phase) may take before ``CommTimeoutError``.
         chunks: pipelining depth of ``2d``, the same on every rank. None: chosen by the cost model
             from the mean per-rank size (known to all for even splits, read from the split exchange
@@ -309,31 +337,30 @@ def all_to_all(output: torch.Tensor | None, input: torch.Tensor, *, in_splits: S
     world = dist.get_world_size(group) if dist.is_initialized() else 1
     args = _normalise(output, input, in_splits, out_splits, world)
     agreed_bytes = None
-    # Both splits given without validation: this rank checks what its peers will send against its
-    # out_splits (the same small exchange as for in_splits alone), and every rank learns the verdict
-    # before any payload moves (a row count larger than the buffer would make gloo abort).
-    explicit = args.problem is None and out_splits is not None and not args.even and not validate and world > 1
-    split_problem = None
     if validate and world > 1:
         validate_same(_NAME, input[:0] if input.dim() else input, algorithm=algorithm, op="none", group=group,
                       timeout=timeout)
-        args.out_splits, total_rows = _agree(args.problem, args.in_splits, args.out_splits,
+        args.out_splits, total_rows = _agree_splits(args.problem, args.in_splits, args.out_splits,
                                              None if output is None else output.shape[0], args.even, group, world,
                                              timeout)
         agreed_bytes = total_rows * row_bytes(input) / world
-    elif args.problem:
+    elif args.problem and world == 1:
         raise ValueError(f"{_NAME}: {args.problem}")
-    elif (args.out_splits is None or explicit) and world > 1:
-        # Rows from each peer, plus each peer's total, which gives every rank the same mean size.
-        send = torch.tensor([[s, input.shape[0]] for s in args.in_splits], dtype=torch.int64)
-        recv = torch.empty_like(send)
-        wait_work(dist.all_to_all_single(recv, send, group=group, async_op=True), timeout, f"{_NAME}/splits")
-        sent_to_me = recv[:, 0].tolist()
-        if explicit and sent_to_me != args.out_splits:
-            split_problem = (f"out_splits={args.out_splits} but the peers send {sent_to_me} rows "
-                             f"(in_splits[{dist.get_rank(group)}] of each rank)")
-        args.out_splits = args.out_splits if explicit else sent_to_me
-        agreed_bytes = float(recv[:, 1].sum()) * row_bytes(input) / world
+    elif world > 1:
+        # Before anything else moves, the ranks agree on the call (even rows, or which splits were
+        # passed: only the uneven paths exchange splits), the row width, the dtype, the algorithm
+        # asked for and the depth; a bad argument on any rank fails every rank. Uneven splits are
+        # then checked by every rank against every rank's (one small all-gather), so that every rank
+        # reaches the same verdict before any payload moves (a row count larger than the buffer
+        # would make gloo abort, a smaller one return uninitialised rows).
+        given = out_splits is not None and not args.even
+        mode = input.shape[0] if args.even else (BOTH_SPLITS_GIVEN if given else SPLITS_GIVEN)
+        _agree_call(mode, input, algorithm, chunks, group, timeout, args.problem)
+        if not args.even:
+            args.out_splits, total_rows = _agree_splits(None, args.in_splits, args.out_splits,
+                                                 None if output is None else output.shape[0], False, group, world,
+                                                 timeout)
+            agreed_bytes = total_rows * row_bytes(input) / world
     if args.out_splits is None:  # world_size 1
         args.out_splits = list(args.in_splits)
     if args.even:
@@ -350,16 +377,6 @@ def all_to_all(output: torch.Tensor | None, input: torch.Tensor, *, in_splits: S
             output.copy_(input)
         return done(output) if async_op else output
     algo, topo, agreed_bytes = _choose(algorithm, input, topology, group, world, agreed_bytes, timeout)
-    check = None
-    if not validate:
-        # Even splits: every rank must send and receive the same rows; uneven ones agree through the
-        # split exchange (or, with both given, the verdict above).
-        check = agree(_NAME, numel=input.shape[0] if args.even else -1, dtype=input.dtype, op="none",
-                      algorithm=algo, group=group, device=input.device, timeout=timeout,
-                      row_bytes=row_bytes(input), problem=split_problem)
-        if explicit:
-            wait(check, timeout, op=f"{_NAME}/agree")
-            check = None
     copy_back = not output.is_contiguous()
     out_work = output.contiguous() if copy_back else output
     # _finish writes a copy back through the caller's strides from a 1-D work buffer.
@@ -374,7 +391,7 @@ def all_to_all(output: torch.Tensor | None, input: torch.Tensor, *, in_splits: S
     call = algorithms.Call("alltoall", p, None, group, topo, timeout, not async_op, ctx, chunks or 1,
                            input.contiguous(), args)
     fut = algorithms.get(algo).start(call)
-    return _deliver(checked(fut, check), async_op, timeout, f"{_NAME}/{algo}")
+    return _deliver(fut, async_op, timeout, f"{_NAME}/{algo}")
 
 
 # --------------------------------------------------------------------------------- autograd

@@ -15,7 +15,6 @@ caller's thread when the engine is idle (``Engine.submit``).
 from __future__ import annotations
 
 import math
-import threading
 from typing import TYPE_CHECKING, Union
 
 import torch
@@ -24,8 +23,8 @@ from torch.distributed import ProcessGroup, ReduceOp
 
 from . import algorithms, cost
 from .algorithms._transport import LOW_PRECISION, Prepared, done, prepare
-from .engine import chain, wait, wait_work
-from .errors import CollectiveMismatchError, CommTimeoutError, TopologyError
+from .engine import wait, wait_work
+from .errors import CollectiveMismatchError, CommError, CommTimeoutError, TopologyError
 from .runtime import context
 from .topology import Topology
 
@@ -33,7 +32,7 @@ if TYPE_CHECKING:
     from .compression.base import Compressor
 
 __all__ = ["all_reduce", "reduce_consistent", "reduce_scatter", "all_gather", "SUPPORTED_DTYPES", "select_algorithm",
-           "validate_same", "agree", "checked", "check_group", "check_timeout"]
+           "validate_same", "agree", "check_group", "check_timeout"]
 
 Result = Union[torch.Tensor, torch.futures.Future]
 
@@ -182,109 +181,100 @@ def _describe(rank: int, row: list[int]) -> str:
 
 
 # --------------------------------------------------------------------------------- agreement
-_ALGO_CODES = ("flat", "hierarchical", "leader", "ina", "2d")
-_HEADER = ("collective", "element count", "dtype", "reduce op", "algorithm", "row bytes")
+_HEADER = ("collective", "element count", "dtype", "reduce op", "algorithm", "row bytes", "pipelining chunks",
+           "signature (shapes, compressor settings, step)")
 
 
 def agree(kind: str, *, numel: int, dtype: torch.dtype, op: str, algorithm: str, group: ProcessGroup | None,
-          device: torch.device,
-          timeout: float | None, row_bytes: int = 0, problem: str | None = None) -> torch.futures.Future:
-    """Start the cheap mismatch check of a call that is not validated; a Future of None that fails
-    with ``CollectiveMismatchError`` when the ranks' calls differ.
+          device: torch.device, timeout: float | None, row_bytes: int = 0, chunks: int = 0, signature: int = 0,
+          problem: str | None = None) -> None:
+    """The agreement check of a call that is not validated: returns once every rank of ``group`` is
+    known to have called the same collective, before any payload byte moves.
 
-    One MAX all-reduce of six (value, -value) pairs (collective, element count, dtype, reduce op,
-    algorithm, row width) and a flag on ``group`` itself, issued on the caller's thread just before
-    the payload and waited for only with it: ranks agree when every max equals minus the max of the
-    negations and no rank raised the flag (``problem``: what this rank
-    found wrong with the call against its peers, e.g. split sizes). Without it a mismatch can return
-    normally with wrong values: gloo receives a shorter message into a longer buffer without
-    complaint, and padding hides a count that differs by less than the node size. Unlike
-    ``validate=True`` it cannot name the odd ranks, only the range of values. A mismatch that makes
-    gloo receive a longer message than the buffer still aborts that process (gloo's own failure,
-    as with plain torch): the check runs beside the payload, not before it. (A group of its own
-    for the check measured no faster on gloo and made the first flat call create a group, a
-    collective that pairs up wrongly where the ranks' first unvalidated calls differ.)
+    One MAX all-reduce of eight (value, -value) pairs (collective, element count, dtype, reduce op,
+    algorithm, row width, pipelining depth, and a caller's ``signature``: a compressed reduction's hash
+    of shapes, settings and step, below 2**62) and a flag, issued and waited for on the caller's thread on ``group``
+    itself: the ranks agree when every max equals minus the max of the negations and no rank raised
+    the flag (``problem``: what this rank found wrong with its own arguments or with what its peers
+    send, e.g. split sizes). The header has the same size on every rank whatever the call, so a disagreement can
+    never make gloo receive more bytes than a buffer holds (it aborts the process then) or leave a
+    shorter message in a longer buffer (it returns uninitialised memory then): every rank raises
+    ``CollectiveMismatchError`` and the group stays usable. Unlike ``validate=True`` it cannot name
+    the odd ranks, only the range of values. It costs one small-message latency per call; callers
+    whose buffers match by construction (the DDP hook, OverlapDataParallel, the FSDP2 comms) skip it.
+
+    Raises:
+        CollectiveMismatchError: the ranks' calls differ (on every rank).
+        CommTimeoutError: the check did not complete within ``timeout`` (a peer never arrived).
+        CommError: the check failed (a peer died); the payload never started.
     """
-    values = (_FINGERPRINT_OPS[kind], numel, SUPPORTED_DTYPES.index(dtype), _code(op),
-              _ALGO_CODES.index(algorithm), row_bytes)
+    values = (_FINGERPRINT_OPS[kind], numel, SUPPORTED_DTYPES.index(dtype), _code(op), _code(algorithm), row_bytes,
+              chunks, signature)
     header = torch.tensor([v for x in values for v in (x, -x)] + [int(problem is not None)], dtype=torch.int64,
                           device=device if device.type == "cuda" else "cpu")
-    engine = context().engine()
-    engine.count(f"{kind}/agree", algorithms.ALGORITHM_FACTORS["allreduce"](dist.get_world_size(group))
-                 * header.numel() * 8)
-    work = dist.all_reduce(header, op=ReduceOp.MAX, group=group, async_op=True)
-    fut = work.get_future()
-    if timeout is not None:
-        fut = engine.watch(fut, timeout, op=f"{kind}/agree")
-
-    def verify(_value) -> None:
-        got = header.cpu().tolist()
-        diffs = []
-        for i, field in enumerate(_HEADER):
-            hi, lo = got[2 * i], -got[2 * i + 1]
-            if hi != lo:
-                if field == "collective":
-                    inv = {v: k for k, v in _FINGERPRINT_OPS.items()}
-                    lo, hi = inv.get(lo, lo), inv.get(hi, hi)
-                elif field == "dtype":
-                    lo, hi = SUPPORTED_DTYPES[lo], SUPPORTED_DTYPES[hi]
-                elif field == "algorithm":
-                    lo, hi = _ALGO_CODES[lo], _ALGO_CODES[hi]
-                elif field == "reduce op":
-                    lo, hi = (c.to_bytes(7, "little").rstrip(b"\0").decode() for c in (lo, hi))
-                diffs.append(f"{field} ({lo} on some rank, {hi} on another)")
-        if got[-1]:
-            diffs.append("what some rank expects from its peers" + (f" (this rank: {problem})" if problem else ""))
-        if diffs:
-            raise CollectiveMismatchError(
-                f"{kind}: the ranks' calls differ in {', '.join(diffs)}; this rank called it with "
-                f"{f'{numel} elements' if numel >= 0 else 'uneven splits'} of {dtype} (op {op}, algorithm "
-                f"{algorithm}). Every rank must issue the same "
-                f"collective with the same shape and dtype; pass validate=True to name the ranks that differ",
-                op=kind)
-
-    return chain(fut, verify)
+    context().engine().count(f"{kind}/agree", algorithms.ALGORITHM_FACTORS["allreduce"](dist.get_world_size(group))
+                             * header.numel() * 8)
+    try:
+        wait_work(dist.all_reduce(header, op=ReduceOp.MAX, group=group, async_op=True), timeout)
+    except RuntimeError as exc:
+        raise _unagreed(kind, group, timeout, exc) from exc
+    got = header.cpu().tolist()
+    diffs = []
+    for i, field in enumerate(_HEADER):
+        hi, lo = got[2 * i], -got[2 * i + 1]
+        if hi != lo:
+            diffs.append(f"{field} ({_field_text(kind, field, lo)} on some rank, {_field_text(kind, field, hi)} "
+                         f"on another)")
+    if got[-1]:
+        diffs.append("the arguments of some rank (invalid there, or not what its peers send)"
+                     + (f" (this rank: {problem})" if problem else ""))
+    if diffs:
+        raise CollectiveMismatchError(
+            f"{kind}: the ranks' calls differ in {', '.join(diffs)}; this rank called it with "
+            f"{_count_text(kind, numel)} of {dtype} (op {op}, algorithm {algorithm}). No payload byte moved and "
+            f"the process group is still usable. Every rank must issue the same collective with the same "
+            f"shape and dtype; pass validate=True to name the ranks that differ", op=kind)
 
 
-def checked(payload: torch.futures.Future, check: torch.futures.Future | None) -> torch.futures.Future:
-    """``payload``'s outcome once ``check`` (from :func:`agree`) has passed; a mismatch found by the
-    check fails the result at once, even while the payload is still in flight (a mismatch can stall
-    it), and takes precedence over the payload's own failure. A check that itself failed (timeout, a
-    dead peer) leaves the verdict to the payload."""
-    if check is None:
-        return payload
-    out: torch.futures.Future = torch.futures.Future()
-    lock = threading.Lock()
-    claimed = [False]
+#: The element count an all-to-all agrees on: its rows with even splits, else one of these codes,
+#: so that ranks that pass splits and ranks that do not (different setup exchanges) disagree first.
+SPLITS_GIVEN, BOTH_SPLITS_GIVEN = -1, -2
 
-    def settle(_f: torch.futures.Future) -> None:
-        outcome = None
-        with lock:
-            if claimed[0] or not check.done():
-                return
-            try:
-                check.value()
-            except CollectiveMismatchError as exc:
-                outcome = ("err", exc)
-            except Exception:  # noqa: BLE001 - the check could not run: the payload decides
-                pass
-            if outcome is None:
-                if not payload.done():
-                    return
-                try:
-                    outcome = ("ok", payload.value())
-                except Exception as exc:  # noqa: BLE001 - forwarded unchanged
-                    outcome = ("err", exc)
-            # Claimed under the lock, delivered outside it (the result's callbacks are the caller's).
-            claimed[0] = True
-        if outcome[0] == "ok":
-            out.set_result(outcome[1])
-        else:
-            out.set_exception(outcome[1])
 
-    check.add_done_callback(settle)
-    payload.add_done_callback(settle)
-    return out
+def _count_text(kind: str, numel: int) -> str:
+    if kind == "all_to_all" and numel < 0:
+        return "in_splits only" if numel == SPLITS_GIVEN else "in_splits and out_splits"
+    return f"{numel} rows" if kind == "all_to_all" else f"{numel} elements"
+
+
+def _field_text(kind: str, field: str, value: int) -> object:
+    """A header value in words (the codes of :func:`agree` back to names)."""
+    if field == "collective":
+        return {v: k for k, v in _FINGERPRINT_OPS.items()}.get(value, value)
+    if field == "dtype":
+        return SUPPORTED_DTYPES[value] if 0 <= value < len(SUPPORTED_DTYPES) else value
+    if field == "algorithm":
+        return {_code(n): n for n in (*algorithms.ALGORITHMS, "auto")}.get(value, value)
+    if field == "reduce op":
+        return value.to_bytes(7, "little").rstrip(b"\0").decode(errors="replace")
+    if field == "element count" and kind == "all_to_all" and value < 0:
+        return "uneven splits (in_splits only)" if value == SPLITS_GIVEN else "uneven splits (both given)"
+    return value
+
+
+def _unagreed(kind: str, group: ProcessGroup | None, timeout: float | None, exc: BaseException) -> CommError:
+    """The error of an agreement check that could not complete: which peers, and what it means."""
+    rank = dist.get_rank()
+    peers = [r for r in dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+             if r != rank]
+    text = str(exc).lower()
+    cls = CommTimeoutError if isinstance(exc, TimeoutError) or "timeout" in text or "timed out" in text else CommError
+    bound = f"within {timeout:.1f} s" if timeout is not None else "within the group's timeout"
+    what = f"did not complete {bound}" if cls is CommTimeoutError else "failed"
+    return cls(f"{kind}: the agreement check before the payload {what} on rank {rank} ({type(exc).__name__}: "
+               f"{exc}); a peer among ranks {peers} never entered the call or died. No payload byte moved (the "
+               f"tensor is unchanged), but the process group may no longer be usable: destroy it and "
+               f"initialise a new one", op=f"{kind}/agree", ranks=peers)
 
 
 # --------------------------------------------------------------------------------- dispatch
@@ -362,8 +352,10 @@ def all_reduce(tensor: torch.Tensor, op: ReduceOp.RedOpType = ReduceOp.SUM, *, g
         async_op: return a Future completing with ``tensor`` instead of waiting.
         validate: exchange a fingerprint first; ranks that disagree raise
             ``CollectiveMismatchError`` on every rank before any payload moves, naming the ranks.
-            Without it, a small agreement check beside the payload (see :func:`agree`) still raises
-            ``CollectiveMismatchError`` on every rank when the ranks' calls differ.
+            Without it, a small agreement check before the payload (see :func:`agree`) still raises
+            ``CollectiveMismatchError`` on every rank, before any payload byte moves, when the ranks'
+            calls differ (count, dtype, reduce op, algorithm); calls of equal count but different
+            shapes reduce alike and agree.
         timeout: seconds each phase may take before ``CommTimeoutError`` (None: the group's own; a
             positive number, or ``inf`` for no bound of commopt's own). Group creation on a first
             call is bounded by it too.
@@ -372,9 +364,10 @@ def all_reduce(tensor: torch.Tensor, op: ReduceOp.RedOpType = ReduceOp.SUM, *, g
         ``tensor`` (reduced in place), or a ``Future`` of it when ``async_op``.
 
     Raises:
-        CollectiveMismatchError: the ranks' calls differ (with ``validate``: before any payload
-            moves, naming the ranks; without it: from the agreement check beside the payload).
+        CollectiveMismatchError: the ranks' calls differ, on every rank, before any payload moves
+            (with ``validate``: naming the ranks).
         CommTimeoutError: a rank did not arrive within ``timeout``.
+        CommError: a peer died before the ranks could agree (the tensor is unchanged).
         TypeError, ValueError: a bad argument (tensor, group, op, timeout, algorithm).
     """
     return reduce_consistent(tensor, op, group=group, topology=topology, algorithm=algorithm, compressor=compressor,
@@ -406,11 +399,11 @@ def reduce_consistent(tensor: torch.Tensor, op: ReduceOp.RedOpType = ReduceOp.SU
     topo = None if algorithm == "flat" else context().topology(topology, group, timeout)
     nbytes = tensor.numel() * tensor.element_size()
     algo = "flat" if topo is None else select_algorithm("allreduce", algorithm, nbytes, topo, timeout)
-    check = None if validate or not agree_sizes else agree(
-        name, numel=tensor.numel(), dtype=tensor.dtype, op=op_name, algorithm=algo, group=group, device=tensor.device,
-        timeout=timeout)
+    if agree_sizes and not validate:
+        agree(name, numel=tensor.numel(), dtype=tensor.dtype, op=op_name, algorithm=algo, group=group,
+              device=tensor.device, timeout=timeout)
     p, red = prepare(tensor, op_name, world)
-    fut = checked(_start("allreduce", algo, p, red, group, topo, timeout, not async_op, nbytes), check)
+    fut = _start("allreduce", algo, p, red, group, topo, timeout, not async_op, nbytes)
     return _deliver(fut, async_op, timeout, f"all_reduce/{algo}")
 
 
@@ -440,8 +433,9 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: ReduceOp.RedOp
 
     Args are those of :func:`all_reduce` (``output`` and ``input`` on one device, of one dtype;
     ``input.numel() == world_size * output.numel()``): ``validate`` exchanges a fingerprint first,
-    and without it the agreement check beside the payload raises ``CollectiveMismatchError`` on every
-    rank when the ranks' calls differ; ``timeout`` bounds every wait (``CommTimeoutError``).
+    and without it the agreement check before the payload raises ``CollectiveMismatchError`` on every
+    rank when the ranks' calls differ (before any payload byte moves); ``timeout`` bounds every wait
+    (``CommTimeoutError``).
 
     Returns:
         ``output``, or a ``Future`` of it when ``async_op``.
@@ -462,8 +456,9 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: ReduceOp.RedOp
     topo = None if algorithm == "flat" else context().topology(topology, group, timeout)
     algo = "flat" if topo is None else select_algorithm("reduce_scatter", algorithm,
                                                 input.numel() * input.element_size(), topo, timeout)
-    check = None if validate else agree(name, numel=output.numel(), dtype=output.dtype, op=op_name, algorithm=algo,
-                                        group=group, device=output.device, timeout=timeout)
+    if not validate:
+        agree(name, numel=output.numel(), dtype=output.dtype, op=op_name, algorithm=algo, group=group,
+              device=output.device, timeout=timeout)
     p, red = prepare(output, op_name, world)
     src = _source(input)
     if op_name == "avg" and src.dtype in LOW_PRECISION:
@@ -471,7 +466,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: ReduceOp.RedOp
         p.flat.mul_(world)  # prepare() pre-divided the output, which is overwritten anyway
     fut = _start("reduce_scatter", algo, p, red, group, topo, timeout, not async_op,
                  input.numel() * input.element_size(), src)
-    return _deliver(checked(fut, check), async_op, timeout, f"reduce_scatter/{algo}")
+    return _deliver(fut, async_op, timeout, f"reduce_scatter/{algo}")
 
 
 # --------------------------------------------------------------------------------- all-gather
@@ -485,8 +480,9 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, *, group: ProcessGroup
 
     Args are those of :func:`all_reduce` (``output`` and ``input`` on one device, of one dtype;
     ``output.numel() == world_size * input.numel()``): ``validate`` exchanges a fingerprint first,
-    and without it the agreement check beside the payload raises ``CollectiveMismatchError`` on every
-    rank when the ranks' calls differ; ``timeout`` bounds every wait (``CommTimeoutError``).
+    and without it the agreement check before the payload raises ``CollectiveMismatchError`` on every
+    rank when the ranks' calls differ (before any payload byte moves); ``timeout`` bounds every wait
+    (``CommTimeoutError``).
 
     Returns:
         ``output``, or a ``Future`` of it when ``async_op``.
@@ -505,10 +501,11 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, *, group: ProcessGroup
     topo = None if algorithm == "flat" else context().topology(topology, group, timeout)
     algo = "flat" if topo is None else select_algorithm("all_gather", algorithm,
                                                 output.numel() * output.element_size(), topo, timeout)
-    check = None if validate else agree(name, numel=input.numel(), dtype=input.dtype, op="none", algorithm=algo,
-                                        group=group, device=input.device, timeout=timeout)
+    if not validate:
+        agree(name, numel=input.numel(), dtype=input.dtype, op="none", algorithm=algo, group=group,
+              device=input.device, timeout=timeout)
     p, _ = prepare(output, "sum", world)
     src = _source(input)
     fut = _start("all_gather", algo, p, None, group, topo, timeout, not async_op,
                  output.numel() * output.element_size(), src)
-    return _deliver(checked(fut, check), async_op, timeout, f"all_gather/{algo}")
+    return _deliver(fut, async_op, timeout, f"all_gather/{algo}")

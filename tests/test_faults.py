@@ -13,6 +13,7 @@ import os
 import signal
 import threading
 import time
+import warnings
 from datetime import timedelta
 
 import pytest
@@ -363,90 +364,151 @@ def test_every_entry_point_bounded_by_its_timeout(tmp_path):
 
 
 # --------------------------------------------------------------------------------- mismatch, no validation
-def _mismatched_call(case: str, rank: int, topo):
-    """One call whose arguments differ across ranks (``validate=False``): returns the result or raises."""
-    from commopt.comm import all_to_all, reduce_scatter
-
-    if case == "hierarchical [7] vs [8]":  # the padding to a multiple of L hid the 8th element of rank 0
-        return all_reduce(torch.ones(7 if rank == 0 else 8), topology=topo, algorithm="hierarchical", timeout=TIMEOUT)
-    if case == "hierarchical, node 0 [7], node 1 [8]":  # every node agrees inside itself
-        return all_reduce(torch.ones(7 if rank < 2 else 8), topology=topo, algorithm="hierarchical",
-                          timeout=TIMEOUT)
-    if case == "flat [7] vs [8]":  # gloo's own ring returned wrong sums on two ranks
-        return all_reduce(torch.ones(7 if rank == 0 else 8), topology=topo, algorithm="flat", timeout=TIMEOUT)
-    if case == "flat SUM vs MAX":
-        return all_reduce(torch.ones(8), dist.ReduceOp.MAX if rank == 3 else dist.ReduceOp.SUM, topology=topo,
-                          algorithm="flat", timeout=TIMEOUT)
-    if case == "reduce_scatter flat [7] vs [8]":
-        n = 7 if rank == 0 else 8
-        return reduce_scatter(torch.empty(n), torch.ones(4 * n), topology=topo, algorithm="flat", timeout=TIMEOUT)
-    if case == "all_to_all 2d, rows of 2 vs 3":  # returned uninitialised memory on one rank
-        w = 2 if rank == 0 else 3
-        return all_to_all(torch.empty(4, w), torch.ones(4, w), topology=topo, algorithm="2d", timeout=TIMEOUT)
-    if case == "all_to_all flat, out_splits disagree":
-        out_splits = [2, 1, 1, 1] if rank == 2 else [1, 1, 1, 1]
-        return all_to_all(torch.empty(sum(out_splits)), torch.ones(4), in_splits=[1, 1, 1, 1], out_splits=out_splits,
-                          topology=topo, algorithm="flat", timeout=TIMEOUT)
-    raise AssertionError(case)
+def _mismatch_cases(world: int, spec: str) -> list[tuple[str, str]]:
+    """(case, what differs) for one world and topology: every collective x algorithm x the ways its
+    ranks' calls can differ (count, shape, dtype, block, rows, width, split mode, splits)."""
+    two_level = spec == "2x2"
+    ar = ["flat", "auto"] + (["hierarchical", "leader"] if two_level else [])
+    rs_ag = ["flat"] + (["hierarchical"] if two_level else [])
+    a2a = ["flat"] + (["2d"] if two_level else [])
+    cases = []
+    for algo in ar:
+        cases += [(f"all_reduce {algo}", d) for d in ("count 7 vs 8", "shape [20,2] vs [20,10]", "ndim [8] vs [2,8]",
+                                                      "dtype fp32 vs fp64", "dtype fp32 vs int32", "op sum vs max")]
+    for algo in rs_ag:
+        cases += [(f"reduce_scatter {algo}", d) for d in ("block 7 vs 8", "dtype fp32 vs bf16")]
+        cases += [(f"all_gather {algo}", d) for d in ("count 4 vs 5", "dtype fp32 vs fp64")]
+    for algo in a2a:
+        cases += [(f"all_to_all {algo}", d) for d in ("rows 8 vs 4", "width 2 vs 3", "dtype fp32 vs int32",
+                                                      "splits given vs even", "out_splits disagree",
+                                                      "output rows vs what peers send", "bad in_splits on one rank")]
+    for algo in ["flat"] + (["hierarchical"] if two_level else []):
+        cases += [(f"powersgd {algo}", d) for d in ("width [16,4] vs [16,8]", "count [16,4] vs [20,4]")]
+        cases += [(f"fp16 {algo}", "count 99 vs 100"), (f"int8 {algo}", "count 100 vs 300"),
+                  (f"int8 {algo}", "dtype fp32 vs int32")]
+    return cases
 
 
-def _mismatch_matrix(store_dir: str, cases: list[str], reinit: bool = True):
-    rank = dist.get_rank()
-    dist.destroy_process_group()  # the pool's own group; the pool is replaced after this test
-    results = []
-    for i, case in enumerate(cases):
-        # gloo's own operation timeout short too: a work left stuck by a mismatch (gloo's reduce-scatter
-        # never completes) ends in seconds, so that destroy_process_group() does not wait for it.
-        dist.init_process_group("gloo", store=dist.FileStore(os.path.join(store_dir, f"m{i}"), 4), rank=rank,
-                                world_size=4, timeout=timedelta(seconds=TIMEOUT + 4))
-        try:
-            value = _mismatched_call(case, rank, Topology.from_spec("2x2"))
-            results.append(("returned", value.tolist()))
-        except Exception as exc:  # noqa: BLE001 - the test inspects what was raised
-            results.append((type(exc).__name__, str(exc)[:800]))
-        destroy()
-        dist.destroy_process_group()
-    if reinit:  # not after a case that may kill a rank: the pool is replaced then
-        dist.init_process_group("gloo", store=dist.FileStore(os.path.join(store_dir, "final"), 4), rank=rank,
-                                world_size=4)
-    return results
+def _mismatched_call(case: str, differs: str, odd: bool, topo):
+    """One call whose arguments differ on the ``odd`` rank (``validate=False``): returns or raises."""
+    from commopt.comm import all_to_all, compression, reduce_scatter
+    from commopt.comm.collectives import all_gather
+
+    kind, algo = case.split()
+    world = topo.world_size
+
+    def tensor(default, other):
+        shape, dtype = other if odd else default
+        return torch.ones(shape, dtype=dtype)
+
+    f32, f64 = torch.float32, torch.float64
+    if kind == "all_reduce":
+        op = dist.ReduceOp.MAX if odd and differs == "op sum vs max" else dist.ReduceOp.SUM
+        t = {"count 7 vs 8": lambda: tensor((7, f32), (8, f32)),
+             "shape [20,2] vs [20,10]": lambda: tensor(((20, 2), f32), ((20, 10), f32)),
+             "ndim [8] vs [2,8]": lambda: tensor(((8,), f32), ((2, 8), f32)),
+             "dtype fp32 vs fp64": lambda: tensor((8, f32), (8, f64)),
+             "dtype fp32 vs int32": lambda: tensor((8, f32), (8, torch.int32)),
+             "op sum vs max": lambda: tensor((8, f32), (8, f32))}[differs]()
+        return all_reduce(t, op, topology=topo, algorithm=algo, timeout=TIMEOUT)
+    if kind == "reduce_scatter":
+        n, dtype = (8, torch.bfloat16 if differs.startswith("dtype") else f32) if odd else (7 if "block" in differs
+                                                                                            else 8, f32)
+        return reduce_scatter(torch.empty(n, dtype=dtype), torch.ones(world * n, dtype=dtype), topology=topo,
+                              algorithm=algo, timeout=TIMEOUT)
+    if kind == "all_gather":
+        n, dtype = (5 if "count" in differs else 4, f64 if "dtype" in differs else f32) if odd else (4, f32)
+        return all_gather(torch.empty(world * n, dtype=dtype), torch.ones(n, dtype=dtype), topology=topo,
+                          algorithm=algo, timeout=TIMEOUT)
+    if kind == "all_to_all":
+        rows, width, dtype = 2 * world, 2, f32
+        kw = {}
+        if differs == "rows 8 vs 4" and odd:
+            rows = world
+        elif differs == "width 2 vs 3" and odd:
+            width = 3
+        elif differs == "dtype fp32 vs int32" and odd:
+            dtype = torch.int32
+        elif differs == "splits given vs even" and odd:
+            kw = {"in_splits": [2] * world}
+        elif differs == "out_splits disagree":
+            kw = {"in_splits": [2] * world, "out_splits": [3] + [2] * (world - 2) + [1] if odd else [2] * world}
+        elif differs == "bad in_splits on one rank":
+            kw = {"in_splits": [3] + [2] * (world - 1) if odd else [2] * world}  # sums to 2 * world + 1
+        elif differs == "output rows vs what peers send":
+            kw = {"in_splits": [2] * world}
+            out = torch.empty(2 * world + (1 if odd else 0), width)
+            return all_to_all(out, torch.ones(rows, width), topology=topo, algorithm=algo, timeout=TIMEOUT, **kw)
+        return all_to_all(torch.empty(rows, width, dtype=dtype), torch.ones(rows, width, dtype=dtype), topology=topo,
+                          algorithm=algo, timeout=TIMEOUT, **kw)
+    make = {"powersgd": lambda: compression.PowerSGDCompressor(rank=2, start_iter=0),
+            "fp16": compression.FP16Compressor, "int8": lambda: compression.QuantizeCompressor(8)}[kind]
+    t = {"width [16,4] vs [16,8]": lambda: tensor(((16, 4), f32), ((16, 8), f32)),
+         "count [16,4] vs [20,4]": lambda: tensor(((16, 4), f32), ((20, 4), f32)),
+         "count 99 vs 100": lambda: tensor((99, f32), (100, f32)),
+         "count 100 vs 300": lambda: tensor((100, f32), (300, f32)),
+         "dtype fp32 vs int32": lambda: tensor((256, f32), (256, torch.int32))}[differs]()
+    return all_reduce(t, topology=topo, algorithm=algo, compressor=make(), timeout=TIMEOUT)
 
 
-def test_mismatch_without_validation_ends_loudly(tmp_path):
-    """FAULTS row 1 (and 2 for the reduce op) with validation off: a call whose size, reduce op or
-    split sizes differ across ranks raises CollectiveMismatchError on every rank (the agreement
-    check beside the payload), never a normal return with wrong values."""
-    cases = ["hierarchical [7] vs [8]", "hierarchical, node 0 [7], node 1 [8]", "flat [7] vs [8]",
-             "flat SUM vs MAX", "reduce_scatter flat [7] vs [8]", "all_to_all flat, out_splits disagree"]
-    pool = RankPool(4)
+def _mismatch_matrix(specs: list[str]):
+    """Every case of :func:`_mismatch_cases` in this one world, back to back: after each, a good call
+    shows that the group is still in step and usable."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    warnings.simplefilter("ignore")  # PowerSGD without error feedback warns; what it returns is the point
+    out = {}
+    for spec in specs:
+        topo = Topology.from_spec(spec)
+        for case, differs in _mismatch_cases(world, spec):
+            start = time.monotonic()
+            try:
+                value = _mismatched_call(case, differs, rank == world - 1, topo)
+                got = ("returned", str(value.tolist())[:200])
+            except Exception as exc:  # noqa: BLE001 - the test inspects what was raised
+                got = (type(exc).__name__, str(exc)[:600])
+            elapsed = time.monotonic() - start
+            check = all_reduce(torch.full((3,), rank + 1.0), topology=topo, algorithm="flat", timeout=TIMEOUT).tolist()
+            out[f"{spec} {case}: {differs}"] = got + (elapsed, check)
+    return out
+
+
+@pytest.mark.parametrize("world,specs", [(2, ["1x2"]), (4, ["1x4", "2x2"])])
+def test_mismatch_without_validation_raises_everywhere_before_any_byte_moves(world, specs):
+    """FAULTS rows 1-3 with validation off (issue 23): for every collective x algorithm x {count,
+    shape, dtype, block, rows, width, split mode, splits} disagreement, on 2 and 4 ranks, flat and
+    2x2, every rank raises CollectiveMismatchError (the rank with a bad argument of its own:
+    ValueError) at once, no process dies (gloo never sees a payload longer than its buffer: the ranks
+    agree before any byte moves), no rank returns, and the group is still usable afterwards. A fresh
+    world, since a process may die."""
+    pool = RankPool(world)
     try:
-        res = pool.run(_mismatch_matrix, str(tmp_path), cases, timeout=len(cases) * (TIMEOUT + SLACK) + 60)
+        res = pool.run(_mismatch_matrix, specs, timeout=300)
     finally:
         pool.close(graceful=False)
-    for rank in range(4):
-        for case, (kind, detail) in zip(cases, res[rank]):
-            assert kind == "CollectiveMismatchError", (rank, case, kind, detail)
-            assert "pass validate=True to name the ranks" in detail, detail
-    assert "element count (7 on some rank, 8 on another)" in res[3][0][1]
-    assert "reduce op (sum on some rank, max on another)" in res[0][3][1]
-    assert "out_splits=[2, 1, 1, 1] but the peers send [1, 1, 1, 1]" in res[2][5][1]
-
-
-def test_mismatch_that_gloo_aborts_never_returns_wrong_values(tmp_path):
-    """FAULTS row 1 with validation off, where gloo itself sees the difference: a rank that receives a
-    longer message than its buffer is aborted by gloo (as with plain torch); every other rank raises
-    (CollectiveMismatchError, or a CommError once its peer is gone), none returns normally."""
-    pool = RankPool(4)
-    try:
-        res = pool.run(_mismatch_matrix, str(tmp_path), ["all_to_all 2d, rows of 2 vs 3"], False,
-                       timeout=TIMEOUT + SLACK + 60, allow_dead=True)
-    finally:
-        pool.close(graceful=False)
-    for rank, r in enumerate(res):
-        if r is None:
-            continue  # aborted by gloo: loud
-        kind, detail = r[0]
-        assert kind in ("CollectiveMismatchError", "CommError", "CommTimeoutError"), (rank, kind, detail)
+    expect = [float(world * (world + 1) / 2)] * 3
+    odd = world - 1
+    for rank in range(world):
+        assert list(res[rank]) == list(res[0])
+        for case, (kind, detail, elapsed, check) in res[rank].items():
+            bad_argument = rank == odd and "bad in_splits" in case
+            assert kind == ("ValueError" if bad_argument else "CollectiveMismatchError"), (rank, case, kind, detail)
+            assert elapsed < TIMEOUT, (rank, case, elapsed, "not at once: the agreement timed out")
+            assert check == expect, (rank, case, check, "the group is out of step after the mismatch")
+            if bad_argument:
+                assert "sums to" in detail and "the other ranks raise CollectiveMismatchError" in detail, detail
+            elif "disagree" in case or "output rows" in case:  # the split check names the ranks
+                assert "split sizes disagree across ranks" in detail, detail
+            else:
+                assert "No payload byte moved" in detail and "pass validate=True" in detail, detail
+    got = {case.split(" ", 1)[1]: v[1] for case, v in res[0].items() if case.startswith(specs[-1])}
+    assert "element count (7 on some rank, 8 on another)" in got["all_reduce flat: count 7 vs 8"]
+    assert "reduce op (sum on some rank, max on another)" in got["all_reduce flat: op sum vs max"]
+    assert "dtype (torch.float32 on some rank, torch.int32 on another)" in got["all_reduce auto: dtype fp32 vs int32"]
+    assert f"rank 0 sends 2 rows to rank {odd}, which expects 3" in got["all_to_all flat: out_splits disagree"]
+    assert "uneven splits (in_splits only) on some rank" in got["all_to_all flat: splits given vs even"]
+    if world == 4:
+        assert "signature" in got["powersgd hierarchical: width [16,4] vs [16,8]"]
+        assert "algorithm" not in got["all_reduce hierarchical: count 7 vs 8"].split("differ in")[1].split(";")[0]
 
 
 # --------------------------------------------------------------------------------- bad input

@@ -417,7 +417,7 @@ class Compressor:
         work = target if target.is_contiguous() else target.contiguous()
         fut = reduce_tensors(self, [work], [key], group=group, topology=topology, algorithm=algorithm,
                              average=op == ReduceOp.AVG, step=step, seed=seed, feedback=error_feedback,
-                             state=state, check_finite=check_finite, timeout=timeout)
+                             state=state, check_finite=check_finite, timeout=timeout, agree=True)
         state.calls += 1  # a call refused before anything moved (bad input, a cold timeout) counts no step
 
         def finish(_value: object = None) -> torch.Tensor:
