@@ -57,6 +57,7 @@ from .collectives import (
     _check_tensor,
     _deliver,
     agree,
+    agreed,
     check_group,
     check_timeout,
     validate_same,
@@ -355,12 +356,19 @@ def all_to_all(output: torch.Tensor | None, input: torch.Tensor, *, in_splits: S
         # would make gloo abort, a smaller one return uninitialised rows).
         given = out_splits is not None and not args.even
         mode = input.shape[0] if args.even else (BOTH_SPLITS_GIVEN if given else SPLITS_GIVEN)
-        _agree_call(mode, input, algorithm, chunks, group, timeout, args.problem)
-        if not args.even:
-            args.out_splits, total_rows = _agree_splits(None, args.in_splits, args.out_splits,
-                                                 None if output is None else output.shape[0], False, group, world,
-                                                 timeout)
-            agreed_bytes = total_rows * row_bytes(input) / world
+
+        def check() -> None:
+            nonlocal agreed_bytes
+            _agree_call(mode, input, algorithm, chunks, group, timeout, args.problem)
+            if not args.even:
+                args.out_splits, total_rows = _agree_splits(None, args.in_splits, args.out_splits,
+                                                            None if output is None else output.shape[0], False,
+                                                            group, world, timeout)
+                agreed_bytes = total_rows * row_bytes(input) / world
+
+        failed = agreed(async_op, check)
+        if failed is not None:
+            return failed
     if args.out_splits is None:  # world_size 1
         args.out_splits = list(args.in_splits)
     if args.even:

@@ -15,7 +15,7 @@ caller's thread when the engine is idle (``Engine.submit``).
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Union
+from typing import TYPE_CHECKING, Callable, Union
 
 import torch
 import torch.distributed as dist
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from .compression.base import Compressor
 
 __all__ = ["all_reduce", "reduce_consistent", "reduce_scatter", "all_gather", "SUPPORTED_DTYPES", "select_algorithm",
-           "validate_same", "agree", "check_group", "check_timeout"]
+           "validate_same", "agree", "agreed", "check_group", "check_timeout"]
 
 Result = Union[torch.Tensor, torch.futures.Future]
 
@@ -277,6 +277,20 @@ def _unagreed(kind: str, group: ProcessGroup | None, timeout: float | None, exc:
                f"initialise a new one", op=f"{kind}/agree", ranks=peers)
 
 
+def agreed(async_op: bool, check: Callable[[], None]) -> torch.futures.Future | None:
+    """Run an agreement ``check`` (:func:`agree`); its ``CommError`` is raised, or, for ``async_op``,
+    returned as a failed Future, where every later failure of the call arrives too. None: agreed."""
+    try:
+        check()
+    except CommError as exc:
+        if not async_op:
+            raise
+        fut: torch.futures.Future = torch.futures.Future()
+        fut.set_exception(exc)
+        return fut
+    return None
+
+
 # --------------------------------------------------------------------------------- dispatch
 def _deliver(fut: torch.futures.Future, async_op: bool, timeout: float | None, op: str) -> Result:
     if async_op:
@@ -400,8 +414,10 @@ def reduce_consistent(tensor: torch.Tensor, op: ReduceOp.RedOpType = ReduceOp.SU
     nbytes = tensor.numel() * tensor.element_size()
     algo = "flat" if topo is None else select_algorithm("allreduce", algorithm, nbytes, topo, timeout)
     if agree_sizes and not validate:
-        agree(name, numel=tensor.numel(), dtype=tensor.dtype, op=op_name, algorithm=algo, group=group,
-              device=tensor.device, timeout=timeout)
+        failed = agreed(async_op, lambda: agree(name, numel=tensor.numel(), dtype=tensor.dtype, op=op_name,
+                                                algorithm=algo, group=group, device=tensor.device, timeout=timeout))
+        if failed is not None:
+            return failed
     p, red = prepare(tensor, op_name, world)
     fut = _start("allreduce", algo, p, red, group, topo, timeout, not async_op, nbytes)
     return _deliver(fut, async_op, timeout, f"all_reduce/{algo}")
@@ -457,8 +473,10 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: ReduceOp.RedOp
     algo = "flat" if topo is None else select_algorithm("reduce_scatter", algorithm,
                                                 input.numel() * input.element_size(), topo, timeout)
     if not validate:
-        agree(name, numel=output.numel(), dtype=output.dtype, op=op_name, algorithm=algo, group=group,
-              device=output.device, timeout=timeout)
+        failed = agreed(async_op, lambda: agree(name, numel=output.numel(), dtype=output.dtype, op=op_name,
+                                                algorithm=algo, group=group, device=output.device, timeout=timeout))
+        if failed is not None:
+            return failed
     p, red = prepare(output, op_name, world)
     src = _source(input)
     if op_name == "avg" and src.dtype in LOW_PRECISION:
@@ -502,8 +520,10 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, *, group: ProcessGroup
     algo = "flat" if topo is None else select_algorithm("all_gather", algorithm,
                                                 output.numel() * output.element_size(), topo, timeout)
     if not validate:
-        agree(name, numel=input.numel(), dtype=input.dtype, op="none", algorithm=algo, group=group,
-              device=input.device, timeout=timeout)
+        failed = agreed(async_op, lambda: agree(name, numel=input.numel(), dtype=input.dtype, op="none",
+                                                algorithm=algo, group=group, device=input.device, timeout=timeout))
+        if failed is not None:
+            return failed
     p, _ = prepare(output, "sum", world)
     src = _source(input)
     fut = _start("all_gather", algo, p, None, group, topo, timeout, not async_op,

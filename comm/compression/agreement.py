@@ -9,16 +9,21 @@ all-reduce carries [s, -s, h, -h] (s = element count and dtype, h = a 52-bit has
 dtype, compressor settings, step decision and op); optimistic exchanges append a tag of h to their
 first all-reduced payload (``base.tag_of``) and, in hierarchical mode, all-reduce [s, -s, h, -h]
 over the node alongside the intra-node reduce-scatter (no rail collective of its own).
+
+A standalone call (``Compressor.all_reduce``), whose ranks may pass anything, agrees first
+(:func:`agree_inputs`), before the algorithm's choice and its groups depend on the sizes.
 """
 
 from __future__ import annotations
 
 import torch
+from torch.distributed import ProcessGroup
 
+from .. import collectives
 from ..errors import CollectiveMismatchError
 from .base import Compressor, derive_seed
 
-__all__ = ["signature", "agreement", "disagreement", "describe"]
+__all__ = ["signature", "agreement", "disagreement", "describe", "agree_inputs"]
 
 _DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
@@ -63,3 +68,22 @@ def disagreement(values: torch.Tensor, mine: int, what: str, op: str) -> Collect
         f"the ranks of this compressed all-reduce hold different tensors: {detail} (this rank: {what}); "
         f"pass tensors of the same shapes and dtype, and the same compressor settings, step and op, on every "
         f"rank (AllReduceState(validate=True) names the ranks that differ)", op=op)
+
+
+def agree_inputs(compressor: Compressor, tensors: list[torch.Tensor], *, group: ProcessGroup | None, algorithm: str,
+                 average: bool, step: int, timeout: float | None) -> None:
+    """``CollectiveMismatchError`` on every rank of ``group`` unless every rank reduces tensors of the
+    same sizes (shapes, for matrix compressors) and dtype with the same settings, step and algorithm.
+
+    The exact collectives' agreement check (``collectives.agree``, whose header is the same on every
+    call, so a rank reducing integers exactly meets it too) with ``agreement.signature``'s hash, on
+    ``group`` and the caller's thread, before any choice or group creation that depends on the sizes:
+    ranks that differ would otherwise pick different algorithms, create different groups, or make
+    gloo abort on a payload longer than its buffer.
+    """
+    shapes = [tuple(t.shape) for t in tensors] if compressor.needs_matrices else []
+    _, h = signature(compressor, tensors[0].dtype, [t.numel() for t in tensors], shapes, compressor.active(step),
+                     average)
+    collectives.agree("all_reduce", numel=sum(t.numel() for t in tensors), dtype=tensors[0].dtype,
+                      op="avg" if average else "sum", algorithm=algorithm, group=group, device=tensors[0].device,
+                      timeout=timeout, signature=derive_seed(h, "step", step) & ((1 << 52) - 1))

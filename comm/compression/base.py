@@ -50,8 +50,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp
 
+from ..collectives import agreed, check_group, check_timeout
 from ..collectives import all_reduce as exact_all_reduce
-from ..collectives import check_group, check_timeout
 from ..engine import chain, wait
 from ..errors import CollectiveMismatchError
 from ..topology import Topology
@@ -390,6 +390,7 @@ class Compressor:
             CommTimeoutError: a wait passed ``timeout``.
             NonFiniteError: ``check_finite=True`` and a rank holds NaN/Inf.
         """
+        from .agreement import agree_inputs
         from .exchange import reduce_tensors
 
         name = f"{type(self).__name__}.all_reduce"
@@ -415,9 +416,13 @@ class Compressor:
         # In place like torch.distributed, also on a tensor that requires grad (no autograd record).
         target = tensor.detach()
         work = target if target.is_contiguous() else target.contiguous()
+        failed = agreed(async_op, lambda: agree_inputs(self, [work], group=group, algorithm=algorithm,
+                                                       average=op == ReduceOp.AVG, step=step, timeout=timeout))
+        if failed is not None:
+            return failed
         fut = reduce_tensors(self, [work], [key], group=group, topology=topology, algorithm=algorithm,
                              average=op == ReduceOp.AVG, step=step, seed=seed, feedback=error_feedback,
-                             state=state, check_finite=check_finite, timeout=timeout, agree=True)
+                             state=state, check_finite=check_finite, timeout=timeout)
         state.calls += 1  # a call refused before anything moved (bad input, a cold timeout) counts no step
 
         def finish(_value: object = None) -> torch.Tensor:

@@ -59,7 +59,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp
 
-from .. import collectives
 from ..algorithms import ALGORITHM_FACTORS
 from ..algorithms._transport import exchange_all_gather, exchange_reduce_scatter
 from ..engine import Phase, wait_work
@@ -72,14 +71,14 @@ from .base import Compressor, CompressorState, Job, all_finite, check_tag, compu
 from .feedback import ErrorFeedback
 from .layout import layout_for, stage, stage_sum, unstage
 
-__all__ = ["reduce_tensors", "agree_inputs", "CompressedReduction"]
+__all__ = ["reduce_tensors", "CompressedReduction"]
 
 
 def reduce_tensors(compressor: Compressor, tensors: list[torch.Tensor], keys: list[str], *,
                    group: ProcessGroup | None = None, topology: Topology | None = None, algorithm: str = "flat",
                    average: bool = True, step: int = 0, seed: int = 0, feedback: ErrorFeedback | None = None,
                    state: CompressorState | None = None, check_finite: bool = False,
-                   timeout: float | None = None, agree: bool = False) -> torch.futures.Future:
+                   timeout: float | None = None) -> torch.futures.Future:
     """Reduce ``tensors`` (contiguous, one floating dtype) in place over ``group`` through ``compressor``,
     or with ``algorithm="rail"`` over this rank's rail of ``topology``.
 
@@ -103,12 +102,6 @@ def reduce_tensors(compressor: Compressor, tensors: list[torch.Tensor], keys: li
             None: the compressor's default state.
         check_finite: raise ``NonFiniteError`` on every rank when any rank holds NaN/Inf.
         timeout: seconds each collective may take.
-        agree: the ranks' tensors may differ (a standalone call): before anything else (the
-            algorithm's choice, the creation of its groups, any payload), the ranks agree on the
-            input's signature over ``group`` on the caller's thread (:func:`agree_inputs`), so ranks
-            that differ raise ``CollectiveMismatchError`` on every rank. Callers whose buffers match
-            by construction (DDP's buckets, FSDP2's shards) leave it off.
-
     Returns:
         A Future completing with None once ``tensors`` hold the result.
     """
@@ -138,32 +131,10 @@ def reduce_tensors(compressor: Compressor, tensors: list[torch.Tensor], keys: li
     # first iteration after a restart (DDP's initial buckets) matches the rebuilt buckets it replaces.
     order = sorted(range(len(keys)), key=lambda i: keys[i])
     tensors, keys = [tensors[i] for i in order], [keys[i] for i in order]
-    if agree:
-        agree_inputs(compressor, tensors, group=group, algorithm=algorithm, average=average, step=step,
-                     timeout=timeout)
     topo, rails = _resolve(algorithm, compressor, tensors, group, topology, timeout)
     return CompressedReduction(compressor, tensors, keys, group=group, topology=topo, average=average, step=step,
                                seed=seed, feedback=feedback, state=state, check_finite=check_finite,
                                timeout=timeout, rails=rails).submit()
-
-
-def agree_inputs(compressor: Compressor, tensors: list[torch.Tensor], *, group: ProcessGroup | None, algorithm: str,
-                 average: bool, step: int, timeout: float | None) -> None:
-    """``CollectiveMismatchError`` on every rank of ``group`` unless every rank reduces tensors of the
-    same sizes (shapes, for matrix compressors) and dtype with the same settings, step and algorithm.
-
-    The exact collectives' agreement check (``collectives.agree``, whose header is the same on every
-    call, so a rank reducing integers exactly meets it too) with ``agreement.signature``'s hash, on
-    ``group`` and the caller's thread, before any choice or group creation that depends on the sizes:
-    ranks that differ would otherwise pick different algorithms, create different groups, or make
-    gloo abort on a payload longer than its buffer.
-    """
-    shapes = [tuple(t.shape) for t in tensors] if compressor.needs_matrices else []
-    _, h = signature(compressor, tensors[0].dtype, [t.numel() for t in tensors], shapes, compressor.active(step),
-                     average)
-    collectives.agree("all_reduce", numel=sum(t.numel() for t in tensors), dtype=tensors[0].dtype,
-                      op="avg" if average else "sum", algorithm=algorithm, group=group, device=tensors[0].device,
-                      timeout=timeout, signature=derive_seed(h, "step", step) & ((1 << 52) - 1))
 
 
 class CompressedReduction:
