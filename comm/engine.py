@@ -445,17 +445,23 @@ def all_of(futures: list[torch.futures.Future], result: Any) -> torch.futures.Fu
     return out
 
 
-def wait(future: torch.futures.Future, timeout: float | None = None, *, op: str = "wait") -> Any:
+def wait(future: torch.futures.Future, timeout: float | None = None, *, op: str = "wait",
+         deadline: float | None = None) -> Any:
     """Wait for an engine future; with ``timeout``, raise ``CommTimeoutError`` when it passes.
 
     Waiting with a timeout polls the future's state: a collective stuck in the backend cannot be
-    cancelled, but the caller gets control back and the error names the operation.
+    cancelled, but the caller gets control back and the error names the operation. ``deadline`` (a
+    ``time.monotonic()`` deadline of the whole call, which ``timeout`` then only names in the error)
+    bounds the wait by what is left of it.
     """
-    if timeout is None:
+    if timeout is None and deadline is None:
         return future.wait()
     done = threading.Event()
     future.add_done_callback(lambda _f: done.set())
-    if not done.wait(timeout):
+    left = timeout if deadline is None else max(0.0, deadline - time.monotonic())
+    if timeout is None:
+        timeout = left
+    if not done.wait(left):
         raise CommTimeoutError(f"did not complete within {timeout:.1f} s; a rank may not have entered "
                                f"the collective or may have died", op=op,
                                ranks=[dist.get_rank()] if dist.is_initialized() else None)

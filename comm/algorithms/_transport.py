@@ -21,7 +21,7 @@ from ..engine import Engine, Phase, all_of, chain, wait_work, wrap_error
 
 __all__ = ["Prepared", "prepare", "finish", "then_finish", "done", "pairwise", "exchange_reduce_scatter",
            "exchange_all_gather", "exchange_rows", "chunk_bounds", "flat_future", "byte_rows", "row_bytes",
-           "pipelined", "MIN_CHUNK_BYTES", "LOW_PRECISION"]
+           "pipelined", "deadline_of", "remaining", "MIN_CHUNK_BYTES", "LOW_PRECISION"]
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -86,6 +86,20 @@ def done(value: object) -> torch.futures.Future:
     fut: torch.futures.Future = torch.futures.Future()
     fut.set_result(value)
     return fut
+
+
+# --------------------------------------------------------------------------------- deadlines
+def deadline_of(timeout: float | None) -> float | None:
+    """The ``time.monotonic()`` deadline of a call that starts now and may take ``timeout`` seconds
+    (None: no bound of commopt's own)."""
+    return None if timeout is None else time.monotonic() + timeout
+
+
+def remaining(deadline: float | None) -> float | None:
+    """The seconds left until ``deadline`` (None: no bound), at least 1 ms: a phase that starts after
+    its call's deadline fails at once instead of waiting a timeout of its own (every phase of a call
+    shares the call's deadline)."""
+    return None if deadline is None else max(1e-3, deadline - time.monotonic())
 
 
 # --------------------------------------------------------------------------------- exchanges

@@ -23,7 +23,15 @@ import torch.distributed as dist
 
 from ..engine import Phase
 from ..topology import Topology
-from ._transport import exchange_all_gather, exchange_reduce_scatter, pipelined, then_finish, wait_work
+from ._transport import (
+    deadline_of,
+    exchange_all_gather,
+    exchange_reduce_scatter,
+    pipelined,
+    remaining,
+    then_finish,
+    wait_work,
+)
 from .base import ALGORITHM_FACTORS, Algorithm, Call, Traffic, pad_to, pipeline_time
 
 if TYPE_CHECKING:
@@ -128,11 +136,12 @@ class Hierarchical(Algorithm):
         staged = call.src.view(world, n)[torch.tensor(rail_order(topo))].reshape(-1)
         rs, rail = call.groups("hier-rs"), call.groups("hier-rs-rail")
         mid = staged.new_empty(nodes * n)
+        deadline = deadline_of(timeout)  # one for both phases: the call's timeout bounds the call
         phases = [
-            Phase("reduce_scatter_intra", lambda: exchange_reduce_scatter(mid, staged, red, rs.intra, timeout),
-                  rs.intra),
-            Phase("reduce_scatter_inter", lambda: exchange_reduce_scatter(p.flat, mid, red, rail.rail, timeout),
-                  rail.rail),
+            Phase("reduce_scatter_intra",
+                  lambda: exchange_reduce_scatter(mid, staged, red, rs.intra, remaining(deadline)), rs.intra),
+            Phase("reduce_scatter_inter",
+                  lambda: exchange_reduce_scatter(p.flat, mid, red, rail.rail, remaining(deadline)), rail.rail),
         ]
         fut = call.engine.submit(phases, op="reduce_scatter/hierarchical", device=call.src.device,
                                  blocking=call.blocking)
@@ -150,9 +159,12 @@ class Hierarchical(Algorithm):
             # gathered holds blocks in rail order; block i belongs to group rank order[i].
             p.flat.view(world, n)[order] = gathered.view(world, n)
 
+        deadline = deadline_of(timeout)  # one for both exchanges: the call's timeout bounds the call
         phases = [
-            Phase("all_gather_inter", lambda: exchange_all_gather(mid, src, rail.rail, timeout), rail.rail),
-            Phase("all_gather_intra", lambda: exchange_all_gather(gathered, mid, ag.intra, timeout), ag.intra),
+            Phase("all_gather_inter", lambda: exchange_all_gather(mid, src, rail.rail, remaining(deadline)),
+                  rail.rail),
+            Phase("all_gather_intra", lambda: exchange_all_gather(gathered, mid, ag.intra, remaining(deadline)),
+                  ag.intra),
             Phase("permute", permute),
         ]
         fut = call.engine.submit(phases, op="all_gather/hierarchical", device=src.device, blocking=call.blocking)
