@@ -6,14 +6,26 @@ out ``(world, chunk)`` and every row is the concatenation of each parameter's pa
 all-gather input is this rank's row. :class:`Layout` records those per-parameter segments (names
 and padded shard sizes, taken from the module when :func:`register` binds a comm to it), so that
 quantization blocks never straddle two parameters (a LayerNorm weight of 1.0 beside a matrix of
-0.02 would otherwise set the matrix's scale) and residuals are keyed by parameter name.
+0.02 would otherwise set the matrix's scale) and residuals are keyed by parameter name. The
+all-gather carries every parameter; the reduce-scatter (and the HSDP hook's shard) only those that
+require gradients: FSDP2 leaves frozen ones out (:meth:`Bound.reduced`).
+
+Failures reach the caller (FAULTS 4, 5 for FSDP2): every call computes one deadline from its
+``timeout`` when it starts, and every phase and every wait of the call is bounded by what is left
+of it; an asynchronous all-gather returns a :class:`CommWork` whose ``wait()`` raises the call's
+error (FSDP2 waits on it before it reads the gathered parameters). With ``check_finite=True`` the
+state changes of a backward are journalled (:class:`Journal`), so that ``NonFiniteError`` leaves
+every residual as it was before that backward.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
+import time
 from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -21,6 +33,7 @@ from torch.distributed import ReduceOp
 
 from ... import kernels
 from .. import algorithms
+from ..algorithms._transport import pairwise, remaining, wait_work
 from ..collectives import select_algorithm
 from ..compression import Compressor, QuantizeCompressor
 from ..engine import Phase, wait
@@ -28,8 +41,9 @@ from ..errors import NonFiniteError, TopologyError
 from ..runtime import context
 from ..topology import Topology
 
-__all__ = ["Layout", "Codec", "Memory", "CommBase", "CollectiveComm", "BoundComm", "Bound", "reduction", "seed_of",
-           "done_work", "as_work", "cut_segments", "finite", "quantized_exchange", "LOW_PRECISION"]
+__all__ = ["Layout", "Codec", "Memory", "Journal", "CommBase", "CollectiveComm", "BoundComm", "Bound", "CommWork",
+           "reduction", "seed_of", "done_work", "as_work", "cut_segments", "finite", "quantized_exchange",
+           "LOW_PRECISION"]
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -61,24 +75,85 @@ def reduction(op, world: int) -> tuple[float, str]:
                      f"ReduceOp.AVG or ReduceOp.PREMUL_SUM(factor)")
 
 
-def done_work(async_op: bool):
+class CommWork(dist.Work):
+    """The ``Work`` an asynchronous comm hands FSDP2: ``wait()`` returns once the call's engine
+    future has completed, and raises its error (``CommTimeoutError``, ``CommError``) when it failed,
+    within what is left of the call's deadline.
+
+    FSDP2 calls ``wait()`` before it reads the all-gather's output (``foreach_all_gather_copy_out``)
+    and ignores what it returns; torch's ``_create_work_from_future`` builds a Work whose ``wait()``
+    returns True even when the future holds an exception, so a forward whose all-gather had timed
+    out computed with whatever the buffer held (FAULTS 5: an evaluation loop never raised).
+
+    Args:
+        future: the engine future of the call.
+        op: the call's name in errors.
+        timeout: the call's timeout (named in a timeout error), None for none of commopt's own.
+        deadline: the call's ``time.monotonic()`` deadline, None for none.
+    """
+
+    def __init__(self, future: torch.futures.Future, op: str, timeout: float | None = None,
+                 deadline: float | None = None):
+        super().__init__()
+        self._future, self._op, self._timeout, self._deadline = future, op, timeout, deadline
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        """Block until the call completes; raise its error if it failed or its deadline passed
+        (``timeout``, when positive, bounds this wait too)."""
+        deadline = self._deadline
+        if timeout is not None and timeout.total_seconds() > 0:
+            own = time.monotonic() + timeout.total_seconds()
+            deadline = own if deadline is None else min(deadline, own)
+        wait(self._future, self._timeout, op=self._op, deadline=deadline)
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        return self._future
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+    def is_success(self) -> bool:
+        return self._future.done() and self.exception() is None
+
+    def exception(self) -> BaseException | None:
+        """The call's error once it has failed, else None."""
+        if not self._future.done():
+            return None
+        try:
+            self._future.value()
+        except Exception as exc:  # noqa: BLE001 - returned, not handled
+            return exc
+        return None
+
+    def result(self) -> list[torch.Tensor]:
+        self.wait()
+        return []
+
+    def synchronize(self) -> None:
+        # Engine phases synchronise their side stream before the future completes: the host wait
+        # orders the caller after them.
+        self.wait()
+
+    def block_current_stream(self) -> None:
+        self.wait()
+
+
+def done_work(async_op: bool) -> CommWork | None:
     """What a comm that finished before returning gives back: None, or for ``async_op`` a
     completed ``Work`` (the reduce-scatter always finishes: FSDP2 reads its output right after)."""
     if not async_op:
         return None
     fut: torch.futures.Future = torch.futures.Future()
     fut.set_result(None)
-    return as_work(fut, None)
+    return CommWork(fut, "fsdp")
 
 
-def as_work(fut: torch.futures.Future, op: str | None):
-    """A ``Work`` that completes with ``fut`` (FSDP2 waits on it before it reads the all-gather's
-    output), or, where torch cannot wrap a future, ``fut`` waited for here and None."""
-    make = getattr(torch._C._distributed_c10d, "_create_work_from_future", None)
-    if make is None:
-        wait(fut, None, op=op or "fsdp")
-        return None
-    return make(fut)
+def as_work(fut: torch.futures.Future, op: str, timeout: float | None = None,
+            deadline: float | None = None) -> CommWork:
+    """The ``Work`` FSDP2 waits on before it reads an asynchronous all-gather's output: it
+    completes with ``fut`` and its ``wait()`` raises ``fut``'s error (see :class:`CommWork`)."""
+    return CommWork(fut, op, timeout, deadline)
 
 
 # --------------------------------------------------------------------------------- layout
@@ -202,8 +277,6 @@ def quantized_exchange(codec: Codec, rows: list[torch.Tensor | None], segs: list
     the quantization lost; a non-finite input leaves it as it was (a NaN would poison every later
     step). Returns the bytes sent.
     """
-    from ..algorithms._transport import pairwise
-
     k = len(rows)
     send: list[torch.Tensor | None] = [None] * k
     recv: list[torch.Tensor | None] = [None] * k
@@ -260,6 +333,32 @@ class Memory:
         t = store[level] = torch.zeros(*rows, width, dtype=torch.float32, device=device)
         return t
 
+    def use(self, layout: Layout, reset: tuple[str, ...] = ()) -> None:
+        """Lay the residuals of ``layout.key`` out by ``layout``: the parameters FSDP2 reduces in this
+        call (those that require gradients; freezing or unfreezing one changes it).
+
+        A parameter in both layouts keeps its residual (moved to its new columns); one that joins
+        starts from zero; one that leaves (frozen: it is never sent again) drops its residual. The
+        levels named in ``reset`` start from zero when the layout changes (a residual whose columns
+        change owner with it, such as the HSDP hook's server residual of this rank's chunk).
+        """
+        old = self.layouts.get(layout.key)
+        self.layouts[layout.key] = layout
+        levels = self.buffers.get(layout.key)
+        if old is None or old == layout or not levels:
+            return
+        where = {name: (off, n) for name, off, n in zip(old.names, old.offsets(), old.numels)}
+        moved = {}
+        for level, t in levels.items():
+            new = t.new_zeros(*t.shape[:-1], layout.chunk)
+            if level not in reset:
+                for name, off, n in zip(layout.names, layout.offsets(), layout.numels):
+                    if name in where and where[name][1] == n:
+                        src = where[name][0]
+                        new[..., off: off + n] = t[..., src: src + n]
+            moved[level] = new
+        self.buffers[layout.key] = moved
+
     def state_dict(self, meta: dict) -> dict:
         residuals = {}
         for key, levels in self.buffers.items():
@@ -286,7 +385,9 @@ class Memory:
             level, _, name = full.partition("/")
             if name not in by_param:
                 raise ValueError(f"{where}: the checkpoint holds a residual of parameter {name!r}, which no "
-                                 f"module registered with this comm has; register the same model first")
+                                 f"module registered with this comm reduces (it is not in the model, or it is "
+                                 f"frozen: requires_grad=False); register the same model, with the same "
+                                 f"parameters frozen, first")
             key, off, n = by_param[name]
             if t.dim() < 1 or t.shape[-1] != n:
                 raise ValueError(f"{where}: residual {full!r} has shape {tuple(t.shape)}, expected (..., {n})")
@@ -296,6 +397,73 @@ class Memory:
             buf[..., off: off + n] = t
         self.buffers = new
         self.steps = {k: int(v) for k, v in state.get("steps", {}).items()}
+
+
+def _graph_task() -> int:
+    """The id of the autograd graph task (one backward) running this call; -1 outside backward."""
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    return -1 if current is None else int(current())
+
+
+def _copy(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {k: _copy(v) for k, v in value.items()}
+    return value
+
+
+class Journal:
+    """The state changes of one backward, kept so that they can be undone (``check_finite=True``).
+
+    FSDP2 reduces module after module in one backward; with ``check_finite=True`` a NaN found in a
+    later module's gradients raises ``NonFiniteError`` after the modules reduced before it have
+    updated their residuals. The step is then skipped, so it must leave every residual (and step
+    counter, and warm start) as it was before that backward: :meth:`keep` records an entry's value
+    the first time a call of the backward is about to change it, :meth:`undo` puts every recorded
+    value back. A call of another backward (another autograd graph task), or any call outside
+    backward, starts a new journal: the previous backward's changes stay (they are committed).
+    """
+
+    def __init__(self) -> None:
+        self._task: int | None = None
+        self._undo: dict[tuple, Callable[[], None]] = {}
+
+    def begin(self) -> None:
+        """Start a call: continue this backward's journal, or commit it and start a new one."""
+        task = _graph_task()
+        if task < 0 or task != self._task:
+            self._undo = {}
+        self._task = task
+
+    def keep(self, mapping: dict, key: Any) -> None:
+        """Record ``mapping[key]`` (a tensor, a dict of tensors, a number; or its absence)."""
+        ident = ("entry", id(mapping), key)
+        if ident in self._undo:
+            return
+        had = key in mapping
+        value = _copy(mapping[key]) if had else None
+
+        def restore() -> None:
+            if had:
+                mapping[key] = value
+            else:
+                mapping.pop(key, None)
+
+        self._undo[ident] = restore
+
+    def keep_state(self, obj: Any) -> None:
+        """Record an object with ``state_dict()`` / ``load_state_dict()`` (a compressor's state)."""
+        ident = ("state", id(obj))
+        if ident not in self._undo:
+            saved = obj.state_dict()
+            self._undo[ident] = lambda: obj.load_state_dict(saved)
+
+    def undo(self) -> None:
+        """Put back everything recorded since the backward began, newest first."""
+        for restore in reversed(list(self._undo.values())):
+            restore()
+        self._undo = {}
 
 
 # --------------------------------------------------------------------------------- base
@@ -316,6 +484,7 @@ class CommBase:
     """
 
     where = "fsdp"
+    finite_check = False  # check_finite=True (the reduce-scatter and HSDP comms): journal each backward
 
     def __init__(self, topology: Topology | None, timeout: float | None):
         if topology is not None and not isinstance(topology, Topology):
@@ -328,6 +497,7 @@ class CommBase:
         self.topology = topology
         self.timeout = None if timeout is None or math.isinf(timeout) else float(timeout)
         self.memory = Memory()
+        self.journal = Journal()
         self._sites: dict[int, _Site] = {}
         self._flat_topo: Topology | None = None
         self._link_bytes = 0.0
@@ -391,33 +561,46 @@ class CommBase:
     def reset_link_bytes(self) -> None:
         self._link_bytes = 0.0
 
-    def run(self, phases: list[Phase], op: str, device: torch.device) -> None:
-        """Run phases through the comm engine (their bytes counted under ``op``) and wait."""
-        wait(self.submit(phases, op, device, blocking=True), None, op=op)
+    def run(self, phases: list[Phase], op: str, device: torch.device, deadline: float | None) -> None:
+        """Run phases through the comm engine (their bytes counted under ``op``) and wait, until the
+        call's ``deadline`` at most (the phases themselves wait for what is left of it)."""
+        wait(self.submit(phases, op, device, blocking=True), self.timeout, op=op, deadline=deadline)
 
     def submit(self, phases: list[Phase], op: str, device: torch.device, *, blocking: bool) -> torch.futures.Future:
         """Queue phases on the comm engine (bytes counted under ``op``); a Future of their end."""
         return context().engine().submit(phases, op=op, device=device, blocking=blocking)
 
-    def check_finite(self, x: torch.Tensor, what: str) -> None:
+    def check_finite(self, x: torch.Tensor, what: str, deadline: float | None) -> None:
         """``check_finite=True``: agree on every rank whether any rank's input holds NaN/Inf (one small
-        all-gather over WORLD on a group of its own) and raise ``NonFiniteError`` on every rank if so."""
+        all-gather over WORLD on a group of its own) and raise ``NonFiniteError`` on every rank if so,
+        after undoing what this backward's earlier calls changed (:class:`Journal`)."""
+        self.journal.begin()
         bad = torch.tensor([0 if bool(torch.isfinite(x).all()) else 1], dtype=torch.int64)
         g = self.groups("fsdp-check", self.flat_topology()).intra
         flags = torch.zeros(dist.get_world_size(), dtype=torch.int64)
 
         def gather() -> int:
-            from ..algorithms._transport import wait_work
-
-            wait_work(dist.all_gather_into_tensor(flags, bad, group=g, async_op=True), self.timeout)
+            wait_work(dist.all_gather_into_tensor(flags, bad, group=g, async_op=True), self.timeout,
+                      deadline=deadline)
             return 8 * (dist.get_world_size() - 1)
 
-        self.run([Phase("check_finite", gather, g)], f"fsdp/{what}/check", x.device)
+        self.run([Phase("check_finite", gather, g)], f"fsdp/{what}/check", x.device, deadline)
         ranks = [r for r, f in enumerate(flags.tolist()) if f]
         if ranks:
+            self.journal.undo()
             raise NonFiniteError(f"{what}: ranks {ranks} hold NaN/Inf in their gradients (check_finite=True); "
-                                 f"no residual was changed; skip the step (e.g. lower the loss scale) and go on",
+                                 f"no residual, step counter or warm start was changed by this backward (what "
+                                 f"the modules reduced before this one changed was undone); skip the step: call "
+                                 f"reset_iter_state() on the root FSDP module (FSDP2's recovery after a backward "
+                                 f"raised), zero the gradients (e.g. lower the loss scale) and go on",
                                  op=f"fsdp/{what}", ranks=ranks)
+
+    def keep(self, key: str) -> None:
+        """Before a call of ``check_finite=True`` changes module ``key``'s residuals and step counter:
+        record them in this backward's journal."""
+        if self.finite_check:
+            for mapping in (self.memory.buffers, self.memory.steps, self.memory.layouts):
+                self.journal.keep(mapping, key)
 
 
 @dataclass
@@ -426,6 +609,29 @@ class Bound:
 
     layout: Layout
     param_group: object = field(default=None, repr=False)
+    _reduced: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def reduced(self) -> Layout:
+        """The layout of what FSDP2 reduces for this module now: its parameters that require
+        gradients, in order. FSDP2 leaves ``requires_grad=False`` parameters out of the
+        reduce-scatter (and so of the HSDP hook's shard); trainable ones without a gradient are in it,
+        as zeros, once :func:`register` has turned ``set_reduce_scatter_unused_params`` on. The
+        all-gather carries every parameter (:attr:`layout`)."""
+        fsdp_params = getattr(self.param_group, "fsdp_params", None)
+        if fsdp_params is None or len(fsdp_params) != len(self.layout.names):
+            return self.layout
+        mask = tuple(bool(fp.sharded_param.requires_grad) for fp in fsdp_params)
+        if all(mask):
+            return self.layout
+        out = self._reduced.get(mask)
+        if out is None:
+            def pick(values: tuple) -> tuple:
+                return tuple(v for v, m in zip(values, mask) if m)
+
+            lay = self.layout
+            out = self._reduced[mask] = Layout(lay.key, pick(lay.names), pick(lay.numels),
+                                               pick(lay.shapes) if lay.shapes else ())
+        return out
 
 
 # --------------------------------------------------------------------------------- reduce-scatter / all-gather
@@ -479,16 +685,17 @@ class CollectiveComm(CommBase):
         return self.algorithm != "flat" and (topo or self.resolve()).two_levels
 
     def start(self, prepared, red, src: torch.Tensor, group, nbytes: int, itemsize: int, tag: str,
-              blocking: bool) -> torch.futures.Future:
+              blocking: bool, deadline: float | None) -> torch.futures.Future:
         """Start the exact collective over the whole topology on the algorithm ``choose`` picks for
-        the world-sized buffer of ``nbytes``, and count its node-link bytes under ``tag``."""
+        the world-sized buffer of ``nbytes``, and count its node-link bytes under ``tag``; its phases
+        share what is left of the call's ``deadline``."""
         topo, ctx = self.resolve(), context()
         algo = self.choose(nbytes)
         if algo != "flat":
             ctx.prepare(topo, (algo,), self.timeout)
         impl = algorithms.get(algo)
         call = algorithms.Call(self.collective, prepared, red, group, topo if algo != "flat" else None,
-                               self.timeout, blocking, ctx, 1, src)
+                               remaining(deadline), blocking, ctx, 1, src)
         self.add_link_bytes((tag, algo, nbytes, itemsize),
                             lambda: impl.traffic(self.collective, nbytes, topo, itemsize=itemsize))
         return impl.start(call)

@@ -24,6 +24,11 @@ Which all-gathers are quantized, and why:
 - never one of a non-floating buffer (FSDP gathers bytes when a module mixes parameter dtypes).
 
 The optimizer always updates the exact fp32 shards: only the gathered compute copy is lossy.
+
+An asynchronous all-gather returns a ``Work`` whose ``wait()`` raises the call's error (FSDP2 waits
+on it before it reads the parameters, so a prefetched all-gather that failed or timed out raises
+from the forward or backward that needed it); every phase and every wait of one call share the
+deadline the call's ``timeout`` sets when it starts.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
 
 from .. import algorithms
-from ..algorithms._transport import exchange_all_gather, prepare
+from ..algorithms._transport import deadline_of, exchange_all_gather, prepare, remaining
 from ..compression import Compressor
 from ..engine import Phase, chain, wait
 from ..runtime import context
@@ -88,35 +93,40 @@ class AllGatherComm(CollectiveComm, AllGather):
             return done_work(async_op)
         site = self.site(group)
         blocking = not async_op
+        deadline = deadline_of(self.timeout)  # the call's: every phase and wait waits for what is left
         if self.compressor is not None and site.kind == "full" and input.is_floating_point():
-            fut = self._quantized(output, input, group, bound, blocking)
+            fut = self._quantized(output, input, group, bound, blocking, deadline)
         else:
-            fut = self._exact(output, input, group, site.kind, blocking)
+            fut = self._exact(output, input, group, site.kind, blocking, deadline)
         if async_op:
-            return as_work(fut, "fsdp/all_gather")
-        wait(fut, None, op="fsdp/all_gather")
+            return as_work(fut, "fsdp/all_gather", self.timeout, deadline)
+        wait(fut, self.timeout, op="fsdp/all_gather", deadline=deadline)
         return None
 
-    def _start(self, out: torch.Tensor, src: torch.Tensor, group, tag: str, blocking: bool) -> torch.futures.Future:
+    def _start(self, out: torch.Tensor, src: torch.Tensor, group, tag: str, blocking: bool,
+               deadline: float | None) -> torch.futures.Future:
         """All-gather ``src`` into ``out`` (both 1-D, contiguous) over the whole topology."""
         p, _ = prepare(out, "sum", group.size())
-        return self.start(p, None, src, group, out.numel() * out.element_size(), out.element_size(), tag, blocking)
+        return self.start(p, None, src, group, out.numel() * out.element_size(), out.element_size(), tag, blocking,
+                          deadline)
 
     # ----------------------------------------------------------------------------- exact
-    def _exact(self, output: torch.Tensor, input: torch.Tensor, group, kind: str, blocking: bool):
+    def _exact(self, output: torch.Tensor, input: torch.Tensor, group, kind: str, blocking: bool,
+               deadline: float | None) -> torch.futures.Future:
         target = output.detach()
         work = target.view(-1) if target.is_contiguous() else torch.empty(target.numel(), dtype=target.dtype,
                                                                           device=target.device)
         src = input.detach().reshape(-1)
         if kind == "full":
-            fut = self._start(work, src, group, "ag", blocking)
+            fut = self._start(work, src, group, "ag", blocking, deadline)
         elif kind == "node":
-            fut = self.submit([Phase("all_gather_node", lambda: exchange_all_gather(work, src, group, self.timeout),
-                                     group)], "fsdp/all_gather/node", src.device, blocking=blocking)
+            fut = self.submit([Phase("all_gather_node",
+                                     lambda: exchange_all_gather(work, src, group, remaining(deadline)), group)],
+                              "fsdp/all_gather/node", src.device, blocking=blocking)
         else:
             ctx = context()
             p, _ = prepare(work, "sum", group.size())
-            call = algorithms.Call("all_gather", p, None, group, None, self.timeout, blocking, ctx, 1, src)
+            call = algorithms.Call("all_gather", p, None, group, None, remaining(deadline), blocking, ctx, 1, src)
             fut = algorithms.get("flat").start(call)
         if work.data_ptr() == target.data_ptr():
             return fut
@@ -124,7 +134,7 @@ class AllGatherComm(CollectiveComm, AllGather):
 
     # ----------------------------------------------------------------------------- quantized
     def _quantized(self, output: torch.Tensor, input: torch.Tensor, group, bound: Bound | None,
-                   blocking: bool) -> torch.futures.Future:
+                   blocking: bool, deadline: float | None) -> torch.futures.Future:
         world, chunk = group.size(), input.numel()
         numels = bound.layout.numels if bound is not None and bound.layout.chunk == chunk else (chunk,)
         segs = [n for n in numels if n]
@@ -143,7 +153,7 @@ class AllGatherComm(CollectiveComm, AllGather):
             for b in range(world):
                 codec.decode(rows[b], segs, out[b])
 
-        return chain(self._start(gathered, payload, group, "qag", blocking), decode)
+        return chain(self._start(gathered, payload, group, "qag", blocking, deadline), decode)
 
     # ----------------------------------------------------------------------------- model
     def traffic(self, nbytes: float, topology: Topology | None = None, *, itemsize: int = 4,

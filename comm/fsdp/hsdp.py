@@ -26,7 +26,13 @@ The hook averages over the rail (FSDP averaged inside the node), as native HSDP 
 ``set_gradient_divide_factor`` sums instead, as native HSDP's all-reduce does then. NaN/Inf follow
 the DDP hook's policy: they propagate (a quantized block holding one decodes to NaN everywhere; a
 rail holding one reduces exactly) and never poison residuals, or with ``check_finite=True`` every
-rank raises ``NonFiniteError``.
+rank raises ``NonFiniteError``, leaving every residual and warm start as it was before that
+backward (the changes of the modules reduced before the one that held the NaN are undone).
+
+The shard FSDP2 hands the hook holds only the parameters that require gradients (frozen ones are
+left out of the reduce-scatter): residuals follow that layout, so error feedback stays on for the
+trainable parameters of a module that also holds frozen ones. Every phase of one call shares the
+call's deadline.
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 from .. import algorithms
-from ..algorithms._transport import pairwise, wait_work
+from ..algorithms._transport import deadline_of, pairwise, remaining, wait_work
 from ..compression import Compressor, ErrorFeedback, QuantizeCompressor, reduce_tensors
 from ..engine import Phase, wait
 from ..errors import TopologyError
@@ -102,7 +108,7 @@ class AllReduceHook(CommBase):
         return self.groups(role).rail
 
     def bind(self, bound: Bound):
-        self.memory.layouts[bound.layout.key] = bound.layout
+        self.memory.layouts[bound.layout.key] = bound.reduced()
 
         def hook(reduce_output: torch.Tensor) -> None:
             self.reduce(reduce_output, bound)
@@ -117,39 +123,55 @@ class AllReduceHook(CommBase):
     def reduce(self, t: torch.Tensor, bound: Bound | None) -> None:
         topo = self.resolve()
         nodes = topo.num_nodes
+        deadline = deadline_of(self.timeout)  # the call's: every phase below waits for what is left
         if self.finite_check and self.compressor is not None:
-            self.check_finite(t, "hsdp_all_reduce")
+            self.check_finite(t, "hsdp_all_reduce", deadline)
         if nodes == 1:
             return
         group = bound.param_group if bound is not None else None
         average = getattr(group, "gradient_divide_factor", None) is None
         flat = t.detach().view(-1)
         if self.quantized:
-            self._quantized(flat, bound, average)
+            self._quantized(flat, bound, average, deadline)
         elif self.compressor is not None:
-            self._compressed(flat, bound, average)
+            self._compressed(flat, bound, average, deadline)
         else:
-            self._exact(flat, average)
+            self._exact(flat, average, deadline)
 
-    def _exact(self, flat: torch.Tensor, average: bool) -> None:
+    def _layout(self, bound: Bound | None, size: int, keyed: bool) -> Layout:
+        """The layout of the ``size``-element shard FSDP2 handed the hook: the module's parameters
+        that require gradients (one segment when unbound; a clear error when residuals are keyed by
+        parameter and the shard does not match them)."""
+        if bound is not None:
+            layout = bound.reduced()
+            if layout.chunk == size:
+                return layout
+            if keyed:
+                raise ValueError(f"{self.where}: FSDP module {layout.key or '<root>'!r} handed the hook a shard of "
+                                 f"{size} elements but its parameters that require gradients hold {layout.chunk}: "
+                                 f"a trainable parameter got no gradient this step; commopt.comm.fsdp.register "
+                                 f"turns on set_reduce_scatter_unused_params(True) for error feedback, keep it on")
+        return Layout(bound.layout.key if bound is not None else "", ("<shard>",), (size,))
+
+    def _exact(self, flat: torch.Tensor, average: bool, deadline: float | None) -> None:
         """Native HSDP's rail all-reduce, in the reduce dtype."""
         topo = self.resolve()
         rail = self.rail()
 
         def all_reduce() -> int:
             wait_work(dist.all_reduce(flat, op=ReduceOp.AVG if average else ReduceOp.SUM, group=rail,
-                                      async_op=True), self.timeout)
+                                      async_op=True), self.timeout, deadline=deadline)
             return int(algorithms.ALGORITHM_FACTORS["allreduce"](topo.num_nodes) * flat.numel() * flat.element_size())
 
-        self.run([Phase("all_reduce_rail", all_reduce, rail)], "fsdp/hsdp/exact/inter", flat.device)
+        self.run([Phase("all_reduce_rail", all_reduce, rail)], "fsdp/hsdp/exact/inter", flat.device, deadline)
         sent = algorithms.ALGORITHM_FACTORS["allreduce"](topo.num_nodes) * flat.numel() * flat.element_size()
         self.add_link_bytes(("exact", sent), lambda: self._rail_traffic(sent))
 
-    def _compressed(self, flat: torch.Tensor, bound: Bound | None, average: bool) -> None:
+    def _compressed(self, flat: torch.Tensor, bound: Bound | None, average: bool, deadline: float | None) -> None:
         """Any other compressor: ``reduce_tensors`` along the rail on every parameter's shard."""
         topo = self.resolve()
         size = flat.numel()
-        layout = bound.layout if bound is not None and bound.layout.chunk == size else Layout("", ("<shard>",), (size,))
+        layout = self._layout(bound, size, self.feedback is not None)
         shapes = layout.shapes or tuple((n,) for n in layout.numels)
         tensors, keys, pos = [], [], 0
         for name, n, shape in zip(layout.names, layout.numels, shapes):
@@ -157,14 +179,21 @@ class AllReduceHook(CommBase):
                 tensors.append(flat[pos: pos + n].view(shape))
                 keys.append(name)
             pos += n
+        if self.finite_check:
+            self.keep(layout.key)
+            for kind in ("worker", "server") if self.feedback is not None else ():
+                for key in keys:
+                    self.journal.keep(self.feedback.residuals[kind], key)
+            if self.compressor_state is not None:
+                self.journal.keep_state(self.compressor_state)
         step = self.memory.steps.get(layout.key, 0)
         self.memory.steps[layout.key] = step + 1
         if not tensors:
             return
         fut = reduce_tensors(self.compressor, tensors, keys, topology=topo, algorithm="rail", average=average,
                              step=step, seed=self.seed, feedback=self.feedback, state=self.compressor_state,
-                             timeout=self.timeout)
-        wait(fut, None, op=f"fsdp/hsdp/{self.name}/inter")
+                             timeout=remaining(deadline))
+        wait(fut, self.timeout, op=f"fsdp/hsdp/{self.name}/inter", deadline=deadline)
         shapes = [tuple(t.shape) for t in tensors]
         active = self.compressor.active(step) and self.compressor.worth(sum(t.numel() for t in tensors), shapes)
         self.add_link_bytes(("cmp", active, tuple(shapes)),
@@ -178,11 +207,16 @@ class AllReduceHook(CommBase):
         t.rail_rings(sent)
         return t
 
-    def _quantized(self, flat: torch.Tensor, bound: Bound | None, average: bool) -> None:
+    def _quantized(self, flat: torch.Tensor, bound: Bound | None, average: bool, deadline: float | None) -> None:
         topo = self.resolve()
         nodes, size = topo.num_nodes, flat.numel()
-        layout = bound.layout if bound is not None and bound.layout.chunk == size else Layout("", ("<shard>",), (size,))
-        ef = self.error_feedback and bound is not None and bound.layout.chunk == size
+        ef = self.error_feedback and bound is not None
+        layout = self._layout(bound, size, ef)
+        self.keep(layout.key)
+        if ef:
+            # The server residual belongs to this rank's chunk of the shard, which moves when the
+            # layout does: it restarts from zero then (the worker residual moves with its columns).
+            self.memory.use(layout, reset=("server",))
         step = self.memory.steps.get(layout.key, 0)
         self.memory.steps[layout.key] = step + 1
         chunk = -(-size // nodes)
@@ -206,7 +240,7 @@ class AllReduceHook(CommBase):
         def scatter() -> int:
             return quantized_exchange(codec, rows, segs, reduced, me, rs, residual=worker,
                                       seed=(self.seed, layout.key, "worker"), step=step, stochastic=stochastic,
-                                      timeout=self.timeout)
+                                      timeout=remaining(deadline))
 
         payloads = [torch.empty(codec.nbytes(segs[d]), dtype=torch.uint8, device=flat.device) for d in range(nodes)]
 
@@ -218,12 +252,12 @@ class AllReduceHook(CommBase):
                 decoded = torch.empty_like(x)
                 codec.decode(payloads[me], segs[me], decoded)
                 torch.sub(x, decoded, out=server)
-            return pairwise(ag, self.timeout, [None if d == me else payloads[me] for d in range(nodes)],
+            return pairwise(ag, remaining(deadline), [None if d == me else payloads[me] for d in range(nodes)],
                             [None if d == me else payloads[d] for d in range(nodes)])
 
         bits = self.compressor.bits
-        self.run([Phase("reduce_scatter_rail", scatter, rs)], f"fsdp/hsdp/int{bits}/inter", flat.device)
-        self.run([Phase("all_gather_rail", gather, ag)], f"fsdp/hsdp/int{bits}/inter", flat.device)
+        self.run([Phase("reduce_scatter_rail", scatter, rs)], f"fsdp/hsdp/int{bits}/inter", flat.device, deadline)
+        self.run([Phase("all_gather_rail", gather, ag)], f"fsdp/hsdp/int{bits}/inter", flat.device, deadline)
         for d in range(nodes):
             codec.decode(payloads[d], segs[d], rows[d])
         if average:

@@ -22,6 +22,11 @@ this rank performs (level 1: the chunks it sends; level 2: the partial sums it s
 nearest; without it rounding is stochastic (unbiased) and nothing is kept. A group that lies inside
 one node (native HSDP's shard group) runs the plain exact exchange; any other group the group's own
 reduce-scatter.
+
+FSDP2 reduce-scatters only the parameters that require gradients: a frozen parameter
+(``requires_grad=False``) has no segment in the buffer and no residual (``Bound.reduced``); trainable
+ones keep theirs when another is frozen or unfrozen. Every phase of one call (the finiteness check,
+both levels) shares the call's deadline.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ from torch.distributed import ReduceOp
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 from .. import algorithms
-from ..algorithms._transport import exchange_reduce_scatter, prepare
+from ..algorithms._transport import deadline_of, exchange_reduce_scatter, prepare, remaining
 from ..algorithms.hierarchical import rail_order
 from ..compression import Compressor
 from ..engine import Phase, wait
@@ -96,7 +101,7 @@ class ReduceScatterComm(CollectiveComm, ReduceScatter):
 
     def bind(self, bound: Bound) -> _Bound:
         """The view of this comm that :func:`register` sets on one FSDP module."""
-        self.memory.layouts[bound.layout.key] = bound.layout
+        self.memory.layouts[bound.layout.key] = bound.reduced()
         return _Bound(self, bound)
 
     # ----------------------------------------------------------------------------- dispatch
@@ -110,16 +115,18 @@ class ReduceScatterComm(CollectiveComm, ReduceScatter):
             raise ValueError(f"{self.where}: input has {input.numel()} elements, expected world_size ({world}) x "
                              f"output ({output.numel()})")
         site = self.site(group)
+        deadline = deadline_of(self.timeout)  # the call's: every phase below waits for what is left
         if self.finite_check:
-            self.check_finite(input, "reduce_scatter")
+            self.check_finite(input, "reduce_scatter", deadline)
         if self.compressor is not None and site.kind == "full" and input.is_floating_point():
-            self._quantized(output, input, bound, scale)
+            self._quantized(output, input, bound, scale, deadline)
         else:
-            self._exact(output, input, group, site.kind, scale)
+            self._exact(output, input, group, site.kind, scale, deadline)
         return done_work(async_op)
 
     # ----------------------------------------------------------------------------- exact
-    def _exact(self, output: torch.Tensor, input: torch.Tensor, group, kind: str, scale: float) -> None:
+    def _exact(self, output: torch.Tensor, input: torch.Tensor, group, kind: str, scale: float,
+               deadline: float | None) -> None:
         world = group.size()
         src = input.detach().reshape(-1)
         post = scale
@@ -132,33 +139,38 @@ class ReduceScatterComm(CollectiveComm, ReduceScatter):
         p, red = prepare(work, "sum", world)
         nbytes = src.numel() * src.element_size()
         if kind == "full":
-            wait(self.start(p, red, src, group, nbytes, src.element_size(), "rs", True), None,
-                 op="fsdp/reduce_scatter")
+            wait(self.start(p, red, src, group, nbytes, src.element_size(), "rs", True, deadline), self.timeout,
+                 op="fsdp/reduce_scatter", deadline=deadline)
         elif kind == "node":
             self.run([Phase("reduce_scatter_node",
-                            lambda: exchange_reduce_scatter(p.flat, src, ReduceOp.SUM, group, self.timeout), group)],
-                     "fsdp/reduce_scatter/node", src.device)
+                            lambda: exchange_reduce_scatter(p.flat, src, ReduceOp.SUM, group, remaining(deadline)),
+                            group)], "fsdp/reduce_scatter/node", src.device, deadline)
         else:
-            call = algorithms.Call("reduce_scatter", p, red, group, None, self.timeout, True, context(), 1, src)
-            wait(algorithms.get("flat").start(call), None, op="reduce_scatter/flat")
+            call = algorithms.Call("reduce_scatter", p, red, group, None, remaining(deadline), True, context(), 1,
+                                   src)
+            wait(algorithms.get("flat").start(call), self.timeout, op="reduce_scatter/flat", deadline=deadline)
         if post != 1:
             work.mul_(post)
         if work is not target:
             target.copy_(work)
 
     # ----------------------------------------------------------------------------- quantized
-    def _quantized(self, output: torch.Tensor, input: torch.Tensor, bound: Bound | None, scale: float) -> None:
+    def _quantized(self, output: torch.Tensor, input: torch.Tensor, bound: Bound | None, scale: float,
+                   deadline: float | None) -> None:
         topo = self.resolve()
         world = topo.world_size
         chunk = input.numel() // world
-        layout = bound.layout if bound is not None else Layout("", ("<chunk>",), (chunk,))
+        layout = bound.reduced() if bound is not None else Layout("", ("<chunk>",), (chunk,))
         if chunk != layout.chunk:
             raise ValueError(
                 f"{self.where}: FSDP module {layout.key or '<root>'!r} reduce-scatters {chunk} elements per rank "
-                f"but its parameters hold {layout.chunk}: a parameter got no gradient this step; "
-                f"commopt.comm.fsdp.register turns on set_reduce_scatter_unused_params(True) for quantized "
-                f"comms, keep it on")
+                f"but its parameters that require gradients hold {layout.chunk}: a trainable parameter got no "
+                f"gradient this step; commopt.comm.fsdp.register turns on set_reduce_scatter_unused_params(True) "
+                f"for quantized comms, keep it on")
         ef = self.error_feedback and bound is not None
+        self.keep(layout.key)
+        if ef:
+            self.memory.use(layout)
         step = self.memory.steps.get(layout.key, 0)
         self.memory.steps[layout.key] = step + 1
         segs = [n for n in layout.numels if n]
@@ -177,31 +189,34 @@ class ReduceScatterComm(CollectiveComm, ReduceScatter):
             r1 = self.memory.get(layout, "level1", (local, nodes), input.device).view(local, -1) if ef else None
             r2 = self.memory.get(layout, "level2", (nodes,), input.device) if ef else None
             self._level(staged, mid, intra, topo.local_rank, segs * nodes, r1, (layout.key, "intra"), step,
-                        f"fsdp/reduce_scatter/int{bits}/intra", not ef)
+                        f"fsdp/reduce_scatter/int{bits}/intra", not ef, deadline)
             self._level(mid.view(nodes, chunk), out32, rail, dist.get_rank(rail), segs, r2, (layout.key, "rail"),
-                        step, f"fsdp/reduce_scatter/int{bits}/inter", not ef)
+                        step, f"fsdp/reduce_scatter/int{bits}/inter", not ef, deadline)
         else:
             g = self.groups("fsdp-qrs-flat", self.flat_topology()).intra
             r = self.memory.get(layout, "level1", (world,), input.device) if ef else None
             self._level(x32, out32, g, dist.get_rank(g), segs, r, (layout.key, "flat"), step,
-                        f"fsdp/reduce_scatter/int{bits}/flat", not ef)
+                        f"fsdp/reduce_scatter/int{bits}/flat", not ef, deadline)
         self.add_link_bytes(("qrs", tuple(segs)), lambda: self.traffic(world * chunk * 4, segments=segs))
         if scale != 1:
             out32.mul_(scale)
         output.detach().view(-1).copy_(out32)
 
     def _level(self, inp: torch.Tensor, out: torch.Tensor, group, me: int, segs: list[int],
-               residual: torch.Tensor | None, tag: tuple, step: int, op: str, stochastic: bool) -> None:
-        """One all-to-all level through the engine: row d of ``inp`` goes, quantized, to member d."""
+               residual: torch.Tensor | None, tag: tuple, step: int, op: str, stochastic: bool,
+               deadline: float | None) -> None:
+        """One all-to-all level through the engine: row d of ``inp`` goes, quantized, to member d,
+        within what is left of the call's ``deadline``."""
         k = inp.shape[0]
         rows = list(inp.unbind(0))
         res = list(residual.unbind(0)) if residual is not None else None
 
         def exchange() -> int:
             return quantized_exchange(self.codec, rows, [segs] * k, out, me, group, residual=res,
-                                      seed=(self.seed, *tag), step=step, stochastic=stochastic, timeout=self.timeout)
+                                      seed=(self.seed, *tag), step=step, stochastic=stochastic,
+                                      timeout=remaining(deadline))
 
-        self.run([Phase("all_to_all", exchange, group)], op, inp.device)
+        self.run([Phase("all_to_all", exchange, group)], op, inp.device, deadline)
 
     # ----------------------------------------------------------------------------- model
     def traffic(self, nbytes: float, topology: Topology | None = None, *, itemsize: int = 4,
