@@ -370,9 +370,10 @@ def all_reduce(tensor: torch.Tensor, op: ReduceOp.RedOpType = ReduceOp.SUM, *, g
             ``CollectiveMismatchError`` on every rank, before any payload byte moves, when the ranks'
             calls differ (count, dtype, reduce op, algorithm); calls of equal count but different
             shapes reduce alike and agree.
-        timeout: seconds each phase may take before ``CommTimeoutError`` (None: the group's own; a
-            positive number, or ``inf`` for no bound of commopt's own). Group creation on a first
-            call is bounded by it too.
+        timeout: seconds the call may take before ``CommTimeoutError`` (None: the group's own; a
+            positive number, or ``inf`` for no bound of commopt's own). It bounds the agreement
+            check, then the payload: every phase of a multi-phase algorithm waits for what is left
+            of one deadline. Group creation on a first call is bounded by it too.
 
     Returns:
         ``tensor`` (reduced in place), or a ``Future`` of it when ``async_op``.

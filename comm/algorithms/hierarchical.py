@@ -107,6 +107,7 @@ class Hierarchical(Algorithm):
         topo, red, timeout = call.topology, call.red, call.timeout
         rs, ar, ag = (call.groups(role) for role in ("hier-rs", "hier-ar", "hier-ag"))
         local = topo.local_size
+        deadline = deadline_of(timeout)  # one for every phase of every chunk: the timeout bounds the call
 
         def phases(chunk: torch.Tensor) -> list[Phase]:
             # This rank's shard is its own block of the chunk (a multiple of L): reduced there,
@@ -115,17 +116,19 @@ class Hierarchical(Algorithm):
             out = []
             if rs.intra is not None:
                 out.append(Phase("reduce_scatter",
-                                 lambda: exchange_reduce_scatter(shard, chunk, red, rs.intra, timeout), rs.intra))
+                                 lambda: exchange_reduce_scatter(shard, chunk, red, rs.intra, remaining(deadline)),
+                                 rs.intra))
             if ar.rail is not None:
                 n = len(ar.rail_ranks)
 
                 def rail_all_reduce() -> int:
-                    wait_work(dist.all_reduce(shard, op=red, group=ar.rail, async_op=True), timeout)
+                    wait_work(dist.all_reduce(shard, op=red, group=ar.rail, async_op=True), remaining(deadline))
                     return int(ALGORITHM_FACTORS["allreduce"](n) * shard.numel() * shard.element_size())
 
                 out.append(Phase("all_reduce", rail_all_reduce, ar.rail))
             if ag.intra is not None:
-                out.append(Phase("all_gather", lambda: exchange_all_gather(chunk, shard, ag.intra, timeout), ag.intra))
+                out.append(Phase("all_gather", lambda: exchange_all_gather(chunk, shard, ag.intra, remaining(deadline)),
+                                 ag.intra))
             return out
 
         return pipelined(call, local, phases, "hierarchical")
