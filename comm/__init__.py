@@ -1,6 +1,6 @@
 """commopt.comm: topology, the comm engine, collectives, compression, hooks, in-network aggregation.
 
-Re-exports the public entry points (DESIGN 10): ``Topology``, ``all_reduce``, ``reduce_scatter``,
+Re-exports the public entry points (docs/architecture.md section 2.1): ``Topology``, ``all_reduce``, ``reduce_scatter``,
 ``all_gather``, ``all_to_all``, ``destroy``, and the submodules ``hooks``, ``compression``, ``errors``
 and ``cost``.
 """

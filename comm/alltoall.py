@@ -17,13 +17,13 @@ Algorithms (:data:`ALGORITHMS`):
   they overlap the other chunks' exchanges; skipped where they are the identity). Every rank sends
   L - 1 + N - 1 messages instead of N*L - 1, and the same bytes cross the node link as with ``flat``,
   so it wins where per-message cost dominates (many ranks per node, small messages). Phases (1)-(2)
-  run through the comm engine (one role per phase, DESIGN 2) and are pipelined over chunks (depth
+  run through the comm engine (one role per phase, docs/architecture.md section 3) and are pipelined over chunks (depth
   from the cost model): chunk 2's intra-node exchange overlaps chunk 1's inter-node one, and
   alternate chunks use two rail streams so the node link stays busy while one synchronises. Needs
   nodes of equal size;
 - ``auto``: ``flat`` on one-level or non-uniform topologies, else the cheaper by the measured lines
   of :func:`calibrate` when it ran for the layout, else by the level cost model; always from a size
-  all ranks agree on (DESIGN 2, rule 2).
+  all ranks agree on (docs/architecture.md section 3, rule 2).
 
 Before any payload byte moves, every rank knows that the calls agree (``collectives.agree``: rows
 or split mode, dtype, row width, algorithm), and with uneven splits (MoE routing) every rank holds

@@ -1,7 +1,7 @@
 """Topology-aware all-reduce, reduce-scatter and all-gather with torch's contract.
 
-The contract (DESIGN 7.2): in place, ``group=None`` means WORLD, a group of size 1 returns at once,
-``async_op=True`` returns a ``torch.futures.Future`` completing with the result tensor; AVG is SUM
+The contract (docs/architecture.md section 6.1): in place, ``group=None`` means WORLD, a group of size 1 returns at
+once, ``async_op=True`` returns a ``torch.futures.Future`` completing with the result tensor; AVG is SUM
 plus a division, done before the reduction for fp16/bf16 (so 4 ranks of 40 000 do not overflow)
 and after it for wider types; AVG on integers raises ``TypeError``.
 

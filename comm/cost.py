@@ -9,7 +9,7 @@ ring edge, and the ring crosses the node boundary once per node only with contig
 ``auto`` takes, in order: an explicit :class:`CostModel`, the cached calibration of this layout
 (:func:`calibrate`), the configured link rate of the emulated cluster, documented defaults
 (:data:`DEFAULT_INTRA`, :data:`DEFAULT_INTER`). Whatever the source, rank 0's model is broadcast
-once per topology so every rank chooses the same algorithm (DESIGN 2, rule 2).
+once per topology so every rank chooses the same algorithm (docs/architecture.md section 3, rule 2).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The comm engine: one FIFO queue and one worker thread per process group (DESIGN 2).
+"""The comm engine: one FIFO queue and one worker thread per process group (docs/architecture.md section 3).
 
 A multi-phase collective (hierarchical all-reduce: reduce-scatter, all-reduce, all-gather) is a
 list of :class:`Phase` objects, each bound to a process group. ``Engine.submit`` enqueues the first
@@ -199,7 +199,7 @@ class Engine:
             if w.feeder is None:
                 w.feeder = feeder
             elif w.feeder != feeder:
-                # Two feeders would make this queue's order depend on timing (DESIGN 2, rule 1).
+                # Two feeders would make this queue's order depend on timing (docs/architecture.md section 3, rule 1).
                 raise RuntimeError(
                     f"commopt engine: queue {name} is fed by both {w.feeder!r} and {feeder!r}; "
                     f"use a separate process group per phase role (context().groups(topology, role))")
@@ -401,7 +401,7 @@ def chain(future: torch.futures.Future, fn: Callable[[Any], Any]) -> torch.futur
 
     torch's ``Future.then`` turns an exception raised in the callback into a ``RuntimeError``
     ("Got the following error when running the callback"), which would hide a
-    ``CommTimeoutError`` from the caller. ``fn`` does local work only (DESIGN 2, rule 1).
+    ``CommTimeoutError`` from the caller. ``fn`` does local work only (docs/architecture.md section 3, rule 1).
     """
     out: torch.futures.Future = torch.futures.Future()
 
@@ -427,7 +427,7 @@ def all_of(futures: list[torch.futures.Future], result: Any) -> torch.futures.Fu
     lock = threading.Lock()
 
     def done(f: torch.futures.Future) -> None:
-        # A callback only does bookkeeping; it never issues a collective (DESIGN 2, rule 1).
+        # A callback only does bookkeeping; it never issues a collective (docs/architecture.md section 3, rule 1).
         try:
             f.value()
         except Exception as exc:  # noqa: BLE001 - forwarded

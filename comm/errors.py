@@ -1,8 +1,8 @@
 """Exceptions of commopt.
 
 Every message names the operation, its sequence number, the ranks and the shapes/dtypes involved,
-and says what to do (DESIGN 3, FAULTS). Errors raised inside the comm engine's worker threads travel
-through futures; DDP wraps an asynchronous hook failure in a ``RuntimeError`` whose text keeps the
+and says what to do (docs/architecture.md section 6.2, docs/faults.md). Errors raised inside the comm engine's worker
+threads travel through futures; DDP wraps an asynchronous hook failure in a ``RuntimeError`` whose text keeps the
 ``str()`` of the original, so every subclass puts its class name at the start of its message.
 """
 

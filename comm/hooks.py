@@ -42,7 +42,7 @@ class AllReduceState:
         error_feedback: keep residual memory for biased compressors, keyed by parameter name (a
             biased compressor without it warns: it may not converge).
         warmup_steps: exact all-reduce for this many steps before compressing.
-        validate: exchange a fingerprint before each bucket's reduction (FAULTS rows 1-3).
+        validate: exchange a fingerprint before each bucket's reduction (docs/faults.md rows 1-3).
         timeout: seconds each phase may take before ``CommTimeoutError`` (None: the group's own).
         seed: the seed of all compressor randomness, identical on every rank (never the global RNG).
         check_finite: with a compressor, raise ``NonFiniteError`` on every rank when any rank's bucket
@@ -181,7 +181,7 @@ def _check_arguments(topology, algorithm, compressor, process_group, warmup_step
 
 
 def check_result(bucket: dist.GradBucket, result: object) -> torch.Tensor:
-    """The hook contract DDP relies on, checked before DDP copies the result (FAULTS row 14)."""
+    """The hook contract DDP relies on, checked before DDP copies the result (docs/faults.md row 14)."""
     buf = bucket.buffer()
     if isinstance(result, torch.futures.Future):
         raise ValueError(f"comm hook for bucket {bucket.index()} returned a nested Future; return a "

@@ -1,4 +1,4 @@
-"""The runtime context: everything commopt keeps per process, in one typed object (DESIGN 3).
+"""The runtime context: everything commopt keeps per process, in one typed object (docs/architecture.md section 5.1).
 
 One :class:`Context` per process holds the comm engine, the derived process groups per layout and
 role, the cost models (one typed cache per kind of model), the topologies detected per group, the
@@ -142,7 +142,7 @@ class Context:
 
         Args:
             topology: the layout; its ``group`` must span WORLD (torch creates groups over WORLD).
-            role: the phase role (one group per phase role, DESIGN 2).
+            role: the phase role (one group per phase role, docs/architecture.md section 3).
             timeout: seconds the layout check and each ``new_group`` may wait for the other ranks
                 (None: the group's own timeout for the check, torch's default for creation).
 

@@ -10,7 +10,7 @@ and inter-node "rail" groups (the ranks with the same local index on every node)
 runtime context (``commopt.comm.context().groups(topology, role)``), collectively and in the same
 order on every rank, once per layout and role. Each multi-phase algorithm uses one role per phase,
 so that every process group only ever carries one phase of one algorithm and the order in which
-phases reach a group is the submission order on every rank (DESIGN 2).
+phases reach a group is the submission order on every rank (docs/architecture.md section 3).
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def ina_switch_from_env() -> tuple[str, int] | None:
 
     Needs no layout, unlike :meth:`Topology.from_env` (which calls it): under torchrun the ``"ina"``
     backend finds its switch with this alone, without ``COMMOPT_NODES``. It is the one place that
-    reads the variable (DESIGN 7.6). An IPv6 host may be bracketed ("[::1]:5555").
+    reads the variable (docs/architecture.md section 6.3). An IPv6 host may be bracketed ("[::1]:5555").
 
     Raises:
         TopologyError: the variable is set but is not "host:port" with a port in 1..65535.

@@ -1,4 +1,4 @@
-"""commopt.comm.algorithms: every algorithm, one object each (DESIGN 3).
+"""commopt.comm.algorithms: every algorithm, one object each (docs/architecture.md section 5.2).
 
 ``flat``, ``hierarchical``, ``leader``, ``2d`` (all-to-all) and ``ina``; each says which
 topologies and collectives it ``supports``, the group ``roles`` it needs, the ``traffic`` it puts

@@ -185,14 +185,14 @@ def _link_share(algo: Algorithm, collective: str, nodes: tuple[tuple[int, ...], 
 
 
 class Algorithm:
-    """The interface every algorithm module implements once (DESIGN 3)."""
+    """The interface every algorithm module implements once (docs/architecture.md section 5.2)."""
 
     name: str = ""
     collectives: tuple[str, ...] = ()
     needs_uniform: bool = False
 
     def roles(self, topology: Topology) -> tuple[str, ...]:
-        """The group roles (one process group per phase role, DESIGN 2) the algorithm uses."""
+        """The group roles (one process group per phase role, docs/architecture.md section 3) the algorithm uses."""
         return ()
 
     def supports(self, topology: Topology, collective: str) -> str | None:

@@ -9,7 +9,7 @@ looked up in the runtime context's ``ina_sessions`` or, on the group's first INA
 under a job identity that rank 0 draws and broadcasts over the group, and JOINed on the switch
 (both collectives of every rank, so they stay in the caller's order); (2) on the comm engine's
 worker of the group, the session's agreement round and payload exchange (:mod:`commopt.comm.ina.
-session`); ``async_op=True`` returns while (2) runs (FAULTS row 37). The group's queue orders its
+session`); ``async_op=True`` returns while (2) runs (docs/faults.md row 37). The group's queue orders its
 INA calls, which is the order the session's packets need; a blocking call with nothing else in
 flight runs (2) on the caller's thread (``Engine.submit``). On an ``"ina"`` process group the
 group's own session and engine serve the call (``InaProcessGroup.submit_all_reduce``), so one

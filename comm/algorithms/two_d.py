@@ -8,8 +8,8 @@ pipelined, (0) and (3) gather/scatter each chunk's rows so that they overlap the
 exchanges; skipped where they are the identity). Every rank sends L - 1 + N - 1 messages instead
 of N*L - 1, and the same bytes cross the node link as with ``flat``, so it wins where per-message
 cost dominates (many ranks per node, small messages). Phases (1)-(2) run through the comm engine
-(one role per phase, DESIGN 2) and are pipelined over chunks (depth from the cost model): chunk 2's
-intra-node exchange overlaps chunk 1's inter-node one, and alternate chunks use two rail streams so
+(one role per phase, docs/architecture.md section 3) and are pipelined over chunks (depth from the cost model): chunk
+2's intra-node exchange overlaps chunk 1's inter-node one, and alternate chunks use two rail streams so
 the node link stays busy while one synchronises.
 """
 

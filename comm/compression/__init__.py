@@ -1,4 +1,4 @@
-"""commopt.comm.compression: gradient compressors with error feedback (DESIGN 3, 10).
+"""commopt.comm.compression: gradient compressors with error feedback (docs/architecture.md sections 5.3 and 2.1).
 
 Every compressor is usable alone (``compressor.all_reduce(tensor, group=None)``) and through the DDP
 hook (``hooks.AllReduceState(compressor=...)``); with ``algorithm="hierarchical"`` only the

@@ -16,7 +16,7 @@ crosses the node links. So, for the staged vector of ``S`` bytes (``layout.py``)
 hierarchy only adds phases), and where the topology has one level. The model is
 ``cost.model_for(topology)`` (an explicit model, the cached calibration, the configured link rate,
 or the documented defaults), which rank 0 broadcasts once per topology; the rest depends only on
-shapes: every rank chooses the same (DESIGN 2, rule 2).
+shapes: every rank chooses the same (docs/architecture.md section 3, rule 2).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 A compressor turns this rank's contribution ``x`` (a flat floating vector, the gradient plus the
 error-feedback residual) into the SUM over a process group of what every rank transmitted. Every
 trait a caller branches on is declared on :class:`Compressor` with its default, and read as an
-attribute (never with ``getattr``); GRACE's compressor/memory split (DESIGN 3):
+attribute (never with ``getattr``); GRACE's compressor/memory split (docs/architecture.md section 5.3):
 
 - ``summable`` (True): its payload can be summed by an all-reduce (casts, random-k with shared
   indices, PowerSGD's factors); otherwise it is exchanged another way (all-gather, all-to-all);
@@ -12,7 +12,7 @@ attribute (never with ``getattr``); GRACE's compressor/memory split (DESIGN 3):
 - ``needs_matrices`` (False): it compresses whole tensors (PowerSGD), so a topology-aware exchange
   must not cut tensors (the tensor-aligned intra-node partition of ``layout.py``);
 - ``n_rounds`` (1): the collectives it issues per exchange, each on a process group of its own role
-  (the comm engine refuses a queue fed by two different predecessors, DESIGN 2);
+  (the comm engine refuses a queue fed by two different predecessors, docs/architecture.md section 3);
 - ``uses_server_residual`` (False): a round re-compresses an aggregated chunk and keeps that error
   in ``job.server`` (the 1-bit all-reduce's server error feedback);
 - ``chunked`` (False): the rounds cut ``x`` into n equal chunks (all-to-all), so ``x`` is padded to
@@ -22,7 +22,7 @@ attribute (never with ``getattr``); GRACE's compressor/memory split (DESIGN 3):
   bucket's flat buffer as one tensor;
 - ``optimistic`` (False): every collective result of its rounds is identical on every rank of the
   group (the all-reduced fp16/bf16 cast, PowerSGD's all-reduced P and Q), so whether that result is
-  non-finite is a value every rank already agrees on (DESIGN 2, rule 2): the exchange then runs no
+  non-finite is a value every rank already agrees on (docs/architecture.md section 3, rule 2): the exchange then runs no
   agreed check before reducing, and a round that finds its reduced result non-finite sets
   ``job.nonfinite``; the exchange redoes that reduction exactly (fp32) from the kept input. With no
   check to compare the ranks' inputs either, the first round appends ``job.tag`` (``TAG_LEN``
@@ -213,7 +213,7 @@ class Round:
 
 
 class CompressorState:
-    """What a run of a compressor mutates, kept apart from its settings (DESIGN 3).
+    """What a run of a compressor mutates, kept apart from its settings (docs/architecture.md section 5.3).
 
     One compressor configuration can serve several models: each hook state
     (``hooks.AllReduceState``) holds a state of its own, made by ``compressor.new_state()``, and
@@ -296,7 +296,7 @@ class Compressor:
     def worth(self, numel: int, shapes: list[tuple[int, ...]]) -> bool:
         """Whether a vector of ``numel`` elements holding ``shapes`` is worth compressing.
 
-        Decided from shapes only (DESIGN 2, rule 2), so every rank decides the same.
+        Decided from shapes only (docs/architecture.md section 3, rule 2), so every rank decides the same.
         """
         return numel >= max(1, self.min_numel)
 

@@ -4,7 +4,7 @@ One round: (1) all-reduce of the cast values. By default this is torch's ``fp16_
 pre-divide by the number of contributing ranks (so the sum is the mean and cannot exceed the largest
 input), cast, all-reduce, cast back. No agreed check runs first: the reduced values are identical on
 every rank, so "did it overflow, or did some rank send NaN/Inf" is a value every rank agrees on
-without another collective (DESIGN 2, rule 2). If so, the exchange redoes the reduction exactly in
+without another collective (docs/architecture.md section 3, rule 2). If so, the exchange redoes the reduction exactly in
 fp32 from the kept input (never a silent inf: a mean above 65504 comes out exact); with
 ``check_finite=True`` a genuine NaN/Inf raises ``NonFiniteError`` on every rank.
 

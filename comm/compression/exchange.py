@@ -1,10 +1,10 @@
-"""The compressed reduction of a list of tensors, as a sequence of named stages (DESIGN 3).
+"""The compressed reduction of a list of tensors, as a sequence of named stages (docs/architecture.md section 5.3).
 
 One code path serves the DDP hook (a bucket's gradients), ``Compressor.all_reduce`` (one tensor)
 and ``OverlapDataParallel``. :class:`CompressedReduction` derives once which path a call takes
 (flat or hierarchical, checked or optimistic, with error feedback or without) and runs it as
-stages, each a method readable on its own, each phase through the comm engine (DESIGN 2, rule 1) on
-a process group of its own role:
+stages, each a method readable on its own, each phase through the comm engine (docs/architecture.md section 3, rule 1)
+on a process group of its own role:
 
 ==============  ==========================================================================
 stage           on the caller's thread: the tensors into one staged vector (``layout.py``)
@@ -20,7 +20,7 @@ apply_feedback  the residuals: what was meant minus what was sent (phase "residu
 unstage         the result into the tensors, averaged
 ==============  ==========================================================================
 
-"agree" makes "some rank has a NaN/Inf" and "max |x|" values every rank agrees on (DESIGN 2, rule
+"agree" makes "some rank has a NaN/Inf" and "max |x|" values every rank agrees on (docs/architecture.md section 3, rule
 2), for compressors that need an agreed scale (int8/int4, ``FP16Compressor(agreed_scale=True)``),
 and raises ``CollectiveMismatchError`` on every rank when the ranks' inputs differ
 (``agreement.py``). Its bytes are counted. A non-finite step reduces exactly (NaN propagates,
@@ -142,7 +142,7 @@ class CompressedReduction:
 
     Built on the caller's thread, which stages the tensors; :meth:`submit` hands the phases to the
     engine. The phases hold this object (through bound methods); it never holds them, so nothing
-    keeps a phase, and with it the process groups, alive past its run (FAULTS row 30).
+    keeps a phase, and with it the process groups, alive past its run (docs/faults.md row 30).
 
     Attributes set once (the path):
         hierarchical: a two-level exchange (the rail rounds compressed, intra-node phases exact).
@@ -219,8 +219,8 @@ class CompressedReduction:
         """The process group of every phase role, created collectively (the same order everywhere).
 
         Optimistic exchanges start at their first round, checked ones after the check: a queue must
-        keep one feeder (DESIGN 2), so the two modes of one compressor family use groups of their own.
-        On rails, every group is this rank's rail of its role (the rails of every rank are created
+        keep one feeder (docs/architecture.md section 3), so the two modes of one compressor family use groups of their
+        own. On rails, every group is this rank's rail of its role (the rails of every rank are created
         together, over the whole group).
         """
         ctx, timeout, n = context(), self.timeout, self.compressor.n_rounds
@@ -414,7 +414,7 @@ class CompressedReduction:
         if self.exact or self.job.nonfinite:
             return 0  # agreed: the exact path, or an earlier round's reduced result was non-finite
         # Each round issues its collective on its own group (same members, another role): two
-        # buckets in flight must never share a queue between two rounds (DESIGN 2, rule 1).
+        # buckets in flight must never share a queue between two rounds (docs/architecture.md section 3, rule 1).
         self.job.group = group
         return self.rounds[i].fn(self.job)
 

@@ -20,7 +20,7 @@ or, on modules already sharded with ``fully_shard``::
   ``compressor=QuantizeCompressor(...)`` the reduce-scatter is qgZ (int4/int8 all-to-all per level,
   fp32 sums) and the all-gather qwZ (int8 weights across nodes).
 - :class:`AllReduceHook`: compressed HSDP through ``set_all_reduce_hook``.
-- :func:`register`: validates on every rank first (FAULTS 33), then binds the comms to every module.
+- :func:`register`: validates on every rank first (docs/faults.md row 33), then binds the comms to every module.
 
 What is lossy: only what a compressor touches. Quantized all-gathers change the weights forward and
 backward compute with (never the fp32 shards the optimizer updates), quantized reduce-scatters and

@@ -10,7 +10,7 @@ quantization blocks never straddle two parameters (a LayerNorm weight of 1.0 bes
 all-gather carries every parameter; the reduce-scatter (and the HSDP hook's shard) only those that
 require gradients: FSDP2 leaves frozen ones out (:meth:`Bound.reduced`).
 
-Failures reach the caller (FAULTS 4, 5 for FSDP2): every call computes one deadline from its
+Failures reach the caller (docs/faults.md rows 4, 5 for FSDP2): every call computes one deadline from its
 ``timeout`` when it starts, and every phase and every wait of the call is bounded by what is left
 of it; an asynchronous all-gather returns a :class:`CommWork` whose ``wait()`` raises the call's
 error (FSDP2 waits on it before it reads the gathered parameters). With ``check_finite=True`` the
@@ -83,7 +83,7 @@ class CommWork(dist.Work):
     FSDP2 calls ``wait()`` before it reads the all-gather's output (``foreach_all_gather_copy_out``)
     and ignores what it returns; torch's ``_create_work_from_future`` builds a Work whose ``wait()``
     returns True even when the future holds an exception, so a forward whose all-gather had timed
-    out computed with whatever the buffer held (FAULTS 5: an evaluation loop never raised).
+    out computed with whatever the buffer held (docs/faults.md row 5: an evaluation loop never raised).
 
     Args:
         future: the engine future of the call.
@@ -289,7 +289,7 @@ def quantized_exchange(codec: Codec, rows: list[torch.Tensor | None], segs: list
         codec.encode(x, segs[d], send[d], seed=seed_of(*seed, me, d), step=step, stochastic=stochastic)
         recv[d] = torch.empty(codec.nbytes(segs[me]), dtype=torch.uint8, device=device)
         if residual is not None and finite(x):
-            # A NaN/Inf input would poison the residual: keep the previous one (FAULTS 35).
+            # A NaN/Inf input would poison the residual: keep the previous one (docs/faults.md row 35).
             decoded = torch.empty_like(x)
             codec.decode(send[d], segs[d], decoded)
             torch.sub(x, decoded, out=residual[d])

@@ -1,4 +1,4 @@
-"""``AllGatherComm``: FSDP2's parameter all-gather through commopt's algorithms (DESIGN 3).
+"""``AllGatherComm``: FSDP2's parameter all-gather through commopt's algorithms (docs/architecture.md section 5.4).
 
 Exact (``compressor=None``): ``flat`` is the group's own all-gather; ``hierarchical`` is
 ``algorithms.hierarchical`` ((1) all-gather inter-node along the rail, 1/L of the final data per
@@ -148,7 +148,8 @@ class AllGatherComm(CollectiveComm, AllGather):
         out = output.detach().view(world, chunk)
 
         def decode(_value) -> None:
-            # Local work after the gather (DESIGN 2: no collective here): every shard, this rank's too.
+            # Local work after the gather (docs/architecture.md section 3: no collective here):
+            # every shard, this rank's too.
             rows = gathered.view(world, nbytes)
             for b in range(world):
                 codec.decode(rows[b], segs, out[b])

@@ -1,4 +1,5 @@
-"""``ReduceScatterComm``: FSDP2's gradient reduce-scatter through commopt's algorithms (DESIGN 3).
+"""``ReduceScatterComm``: FSDP2's gradient reduce-scatter through commopt's algorithms
+(docs/architecture.md section 5.4).
 
 Exact (``compressor=None``) calls are one more consumer of the algorithm objects: ``flat`` is the
 group's own reduce-scatter, ``hierarchical`` is ``algorithms.hierarchical`` ((1) permute the blocks
@@ -62,7 +63,7 @@ class ReduceScatterComm(CollectiveComm, ReduceScatter):
         algorithm: ``"auto"``, ``"flat"`` or ``"hierarchical"`` (quantized: two levels where the
             hierarchy applies, else one).
         compressor: None (exact) or ``QuantizeCompressor(bits=8 | 4, block=...)``; any other
-            compressor is a ``TypeError`` (FAULTS 33).
+            compressor is a ``TypeError`` (docs/faults.md row 33).
         error_feedback: with a compressor, keep residuals per parameter name and round to nearest;
             False rounds stochastically (unbiased) and keeps nothing.
         seed: seeds stochastic rounding, the same on every rank.

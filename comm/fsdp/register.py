@@ -1,7 +1,7 @@
 """``register``: commopt's comms on every FSDP module of a tree, validated first; ``shard`` and
 ``shard_hsdp``: a model sharded with the ZeRO++ recipe or as compressed HSDP in one call.
 
-``register`` checks everything on every rank before it sets anything (FAULTS 33): a module with more
+``register`` checks everything on every rank before it sets anything (docs/faults.md row 33): a module with more
 than one parameter group (torch's custom comms serve one), a mesh that is not the topology's (FSDP
 sharding over ranks that are neither the topology's group nor one node; for the HSDP hook, not this
 rank's node), a topology the algorithm cannot run on (``hierarchical`` on 2+1), a compressor that
@@ -220,7 +220,7 @@ def _agree(problems: list[tuple[type, str]], fingerprint: str) -> None:
 
 
 def _prepare(topo: Topology, rs, ag, ar) -> None:
-    """Create every group and the cost model the comms will use, collectively (DESIGN 3)."""
+    """Create every group and the cost model the comms will use, collectively (docs/architecture.md section 5.1)."""
     ctx = context()
     # From the layout alone (local_size differs between the nodes of 2+1): auto consults the cost
     # model whenever there is more than one level.

@@ -8,8 +8,8 @@ an internal gloo group built on the same store. DDP therefore runs on it unchang
 parameters at construction (gloo) and all-reduces gradient buckets (switch).
 
 Where the switch address comes from, in order: ``InaOptions.switch``; ``COMMOPT_INA_SWITCH``, read by
-``topology.ina_switch_from_env()`` (the one place that reads it, DESIGN 7.6; it needs no layout, so
-torchrun jobs need not set ``COMMOPT_NODES``). Without either, group creation fails with a
+``topology.ina_switch_from_env()`` (the one place that reads it, docs/architecture.md section 6.3; it needs no layout,
+so torchrun jobs need not set ``COMMOPT_NODES``). Without either, group creation fails with a
 :class:`CommError` saying how to pass it; a malformed variable raises ``TopologyError`` naming it.
 
 The job's identity is agreed when the group is created: rank 0 draws a random job id (or takes
@@ -21,7 +21,7 @@ partitioned slot pool without ever sharing a job.
 The switch's all-reduces run on the group's own comm engine (:class:`~commopt.comm.engine.Engine`,
 one FIFO worker for the group, so they reach the switch in the order they were issued, which the
 session's packet order needs), and ``allreduce`` returns at once a :class:`InaWork` that completes
-later (FAULTS row 37): DDP launches a bucket's all-reduce and goes on with backward, waiting only at
+later (docs/faults.md row 37): DDP launches a bucket's all-reduce and goes on with backward, waiting only at
 the end. A synchronous ``dist.all_reduce(t)`` (``asyncOp`` false) runs on the calling thread when
 nothing else is in flight (the engine's blocking path: no thread hand-off). The session's JOIN, a
 collective of every rank through the switch, happens on the calling thread before the first
@@ -31,7 +31,7 @@ re-raises from ``backward()``).
 
 The group owns its engine rather than using ``commopt.comm.context()``'s: the runtime context
 imports the algorithm objects, ``ina``'s among them, which import this package, so this module
-cannot import the runtime without an import cycle (DESIGN 1). Its byte counter is
+cannot import the runtime without an import cycle (docs/architecture.md section 1). Its byte counter is
 :attr:`InaProcessGroup.engine`'s ``bytes_sent()["ina"]`` (the payload's int32 codes, as
 ``algorithms.ina.Ina.traffic`` predicts); ``all_reduce(..., algorithm="ina")`` on an ``"ina"``
 group goes through the same engine, so one session keeps one order.

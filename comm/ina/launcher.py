@@ -140,7 +140,7 @@ class SwitchProcess:
 
     The child runs :func:`serve_main` through ``launch_command`` (exec'd, never a forked copy of
     this interpreter). Use as a context manager; ``stop()`` sends SIGTERM and, if the child does not
-    exit, SIGKILL, so nothing is left behind (FAULTS 30).
+    exit, SIGKILL, so nothing is left behind (docs/faults.md row 30).
 
     Args:
         host: bind address (loopback by default).

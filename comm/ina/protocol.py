@@ -3,8 +3,8 @@
 One UDP datagram carries one fixed 48-byte header, packed with :mod:`struct` in network byte order,
 followed by ``count`` little-endian int32 lanes (or, for a stats reply, ``count`` little-endian
 uint64 counters). Nothing else crosses the socket: no pickle, no JSON, no variable-length fields, so
-the switch can validate every field against fixed bounds before it touches any state (DESIGN 9,
-FAULTS 28).
+the switch can validate every field against fixed bounds before it touches any state (docs/architecture.md section 10,
+docs/faults.md row 28).
 
 Header layout (``!4sBBBBHHHHQIIIIiI``, version 2)::
 
@@ -206,7 +206,7 @@ STAT_NAMES = (
     "jobs_refused",
     "jobs_released",
     "stats_requests",
-    # job isolation (FAULTS 25, 28): packets of a job id in use whose identity (nonce) matches no job;
+    # job isolation (docs/faults.md rows 25, 28): packets of a job id in use whose identity (nonce) matches no job;
     # JOINs refused (a running job's worker already joined, other parameters, the per-source limit
     # of incomplete jobs); LEAVEs matching no session; incomplete JOINs released by the join timeout
     "identity_refused",

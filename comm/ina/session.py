@@ -96,7 +96,7 @@ class InaSession:
 
     The UDP socket (:class:`~.transport.Transport`) is connected to the switch and stays open until
     :meth:`close`. Not thread-safe across calls by design of the protocol (every worker must issue the
-    same collectives in the same order, DESIGN 2); a lock serialises callers.
+    same collectives in the same order, docs/architecture.md section 3); a lock serialises callers.
 
     Args:
         address: the switch's (host, port).
@@ -116,7 +116,7 @@ class InaSession:
         min_rto: floor of the adaptive retransmission timeout (loopback round trips are far shorter,
             but a descheduled peer or switch is not a lost packet).
         headroom: bits of headroom (default ``ceil(log2 n)``); fewer is allowed and is corrected by
-            saturation detection and a redone round, which is what tests of FAULTS 27 use.
+            saturation detection and a redone round, which is what tests of docs/faults.md row 27 use.
         faults: seeded fault injection (tests); None sends and receives untouched.
         bind_host: local address; by default the kernel picks the interface that reaches the switch
             (loopback for a loopback switch).

@@ -30,7 +30,7 @@ older epoch are stale and dropped. So a job whose worker crashed mid-aggregation
 slots behind once its next incarnation joins, and idle jobs' partitions are reclaimed after
 ``job_idle_timeout`` seconds.
 
-JOINs cannot disturb a running job (FAULTS 28). An incarnation is *running* while all its workers are
+JOINs cannot disturb a running job (docs/faults.md row 28). An incarnation is *running* while all its workers are
 joined, none has sent LEAVE and it had traffic within ``job_idle_timeout``; a JOIN for it from one of
 its workers with another session tag, or with another number of workers, is refused and counted
 (``joins_refused``) and answered with an ERROR to its sender only: the running job's worker count,
@@ -42,7 +42,7 @@ job's next incarnation, is released ``join_timeout`` seconds after its last JOIN
 (``pending_released``; joining workers retransmit JOIN well within that), and one source address may
 hold at most ``max_pending_per_source`` incomplete jobs at a time.
 
-The switch binds to 127.0.0.1 unless told otherwise (FAULTS 29). It never imports torch. Its process
+The switch binds to 127.0.0.1 unless told otherwise (docs/faults.md row 29). It never imports torch. Its process
 (:class:`~.launcher.SwitchProcess`, the command line, the stats query) is :mod:`.launcher`'s.
 """
 

@@ -1,4 +1,4 @@
-"""commopt.comm.integrations: thin adapters for the frameworks people train with (DESIGN 3).
+"""commopt.comm.integrations: thin adapters for the frameworks people train with (docs/architecture.md section 5.6).
 
 Each submodule imports its framework only when it is itself imported, so importing this package
 costs nothing and never fails because a framework is missing:
