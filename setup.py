@@ -1,6 +1,6 @@
 """commopt: cheaper communication for distributed PyTorch training.
 
-The four source folders stay at the repository root (DESIGN 1) and are mapped into the single
+The four source folders stay at the repository root (docs/architecture.md section 1) and are mapped into the single
 import package ``commopt``; ``commopt`` itself is a namespace package without ``__init__.py``.
 """
 

@@ -1,6 +1,6 @@
 """The one gate for the optional dependencies of :mod:`commopt.kernels` (numba, CuPy).
 
-Importing commopt must never fail because numba or CuPy is missing or broken (DESIGN 4), and
+Importing commopt must never fail because numba or CuPy is missing or broken (docs/architecture.md section 5.7), and
 importing either costs hundreds of milliseconds, so each dependency is imported lazily, once, on
 first use. The gate stores the outcome: ``available`` and, when the import failed, the error, so a
 forced backend can say exactly why it cannot run. These two gates and the compiled-module caches of

@@ -1,6 +1,6 @@
 """commopt.schedules: overlap schedulers, their plans, the autotuner and the iteration simulator.
 
-``OverlapDataParallel`` (DESIGN 10) overlaps gradient reduction with backward and with the next
+``OverlapDataParallel`` (docs/architecture.md section 2.1) overlaps gradient reduction with backward and with the next
 forward, issuing chunks in an order every rank shares (``plan``, ``priority``); ``profile`` holds
 the per-step timings re-planning reads, ``checkpoint`` the format of its per-bucket optimizers'
 checkpoint; ``autotune`` picks bucket sizes, partition and credit from measured steps; ``simulator``

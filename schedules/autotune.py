@@ -5,8 +5,8 @@ credit online with Bayesian optimisation for the same reason). Here the search i
 coordinate descent: bucket cap, then first-bucket cap, then partition, then credit, each value timed
 over a few real training steps of ``OverlapDataParallel`` on a copy of the model (the caller's model
 is never stepped). Every rank times its own steps and the slowest rank's time is agreed with one
-all-reduce (MAX), so every rank makes the same choice (DESIGN 2, rule 2) and a rank that is slow for
-local reasons is what the choice optimises for. Every trial and the choice are logged.
+all-reduce (MAX), so every rank makes the same choice (docs/architecture.md section 3, rule 2) and a rank that is slow
+for local reasons is what the choice optimises for. Every trial and the choice are logged.
 """
 
 from __future__ import annotations

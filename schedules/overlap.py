@@ -1,13 +1,13 @@
 """``OverlapDataParallel``: gradient reduction overlapped with backward *and* the next forward.
 
 DDP hides communication behind backward, but its optimizer step waits for the last bucket and the
-next forward waits for the step. Here (DESIGN 5, ByteScheduler's idea on plain PyTorch):
+next forward waits for the step. Here (docs/architecture.md section 5.8, ByteScheduler's idea on plain PyTorch):
 
 (1) backward: as each parameter's gradient is accumulated, it is copied into its bucket's flat
     buffer; a bucket whose gradients are all in is *ready*;
 (2) the chunks of a shared :class:`~commopt.schedules.plan.IssuePlan` (partitioned, ordered by the
     next forward's need, at most ``credit`` bytes in flight) go to the comm engine in plan order,
-    never in local readiness order (DESIGN 2, rule 2): when a bucket becomes ready, the training
+    never in local readiness order (docs/architecture.md section 3, rule 2): when a bucket becomes ready, the training
     thread submits every chunk of the plan whose bucket, and whose predecessors' buckets, are
     ready (those that became issuable together as one engine op). All of them go to one engine
     queue, the wrapper's private group's, whose worker starts them in that order, each once the
@@ -48,7 +48,7 @@ bandwidth-delay product ``alpha / beta``, the larger). The model is broadcast fr
 rank gets the same numbers. A re-plan applies the same rule to rank 0's fit of its profiled busy
 periods (:meth:`StepProfile.service_fit`, when periods of two mean chunk sizes or more were measured
 and the fit found a per-byte cost) and broadcasts the result with the plan; local timings never decide
-anything on their own rank (DESIGN 2, rule 2). ``partition_bytes`` and ``credit_bytes`` give the
+anything on their own rank (docs/architecture.md section 3, rule 2). ``partition_bytes`` and ``credit_bytes`` give the
 numbers in use; the choice is logged (``logging``, this module's logger, INFO).
 
 Checkpointing: the optimizer is one per bucket, so there is no single ``optimizer.state_dict()``.
@@ -130,8 +130,8 @@ class OverlapDataParallel(nn.Module):
     order, the engine queue of the wrapper's private group starts them one after another (each when
     the credit allows it), and the plan broadcasts of re-planning run in the same queue. So there
     is no scheduler beside the engine: one queue, fed by one thread, orders everything the wrapper
-    issues, and every rank issues the same sequence (DESIGN 2). Measured against the private issuer
-    thread this replaced (2 ranks, gloo loopback, a 6-layer TinyGPT, interleaved rounds): the same
+    issues, and every rank issues the same sequence (docs/architecture.md section 3). Measured against the private
+    issuer thread this replaced (2 ranks, gloo loopback, a 6-layer TinyGPT, interleaved rounds): the same
     steady step time within +-3 % (flat with the model's sizes, flat with 256 KiB chunks under a
     512 KiB credit, hierarchical on 1x2) and bit-identical parameters.
 
@@ -650,8 +650,8 @@ class OverlapDataParallel(nn.Module):
 
     def _submit_ready(self, step: _Step) -> None:
         """Training thread: hand the engine, in plan order, every chunk not yet submitted whose bucket
-        is ready, up to the first whose bucket is not (DESIGN 2, rule 2: never in readiness order).
-        Chunks that become issuable together go as one op (one queue hand-off, not one per chunk:
+        is ready, up to the first whose bucket is not (docs/architecture.md section 3, rule 2: never in readiness
+        order). Chunks that become issuable together go as one op (one queue hand-off, not one per chunk:
         each costs ~30 us of the training thread inside backward on a loaded 2-core host). A step
         whose re-plan has not arrived yet submits nothing (it is checked again at each ready bucket,
         and waited for at the next wait)."""
@@ -753,7 +753,7 @@ class OverlapDataParallel(nn.Module):
                                  topology=self._topology, algorithm=self.algorithm, async_op=True, timeout=self.timeout)
 
     def _chunk_done(self, step: _Step, c: Chunk, k: int, fut: torch.futures.Future) -> None:
-        # Bookkeeping only (DESIGN 2, rule 1): the training thread steps the optimizer.
+        # Bookkeeping only (docs/architecture.md section 3, rule 1): the training thread steps the optimizer.
         try:
             fut.value()
             err = None

@@ -1,4 +1,4 @@
-"""MoE all-to-all overlapped with expert computation (DESIGN 5, pipeline).
+"""MoE all-to-all overlapped with expert computation (docs/architecture.md section 5.8, pipeline).
 
 An MoE layer's expert-parallel step is ``combine(experts(dispatch(x)))``: an all-to-all that sends
 each token to the rank holding its expert, the experts, and the reverse all-to-all. Unchunked, the
@@ -11,7 +11,7 @@ Phases of the forward pass: (1) a local permute (``kernels.permute_chunks``) tha
 contiguous; (2) all dispatch all-to-alls issued asynchronously, in chunk order; (3) for each chunk:
 wait for its dispatch, run the experts, issue its combine asynchronously; (4) wait for the combines
 and permute back. The backward pass mirrors it with the gradient. Every rank issues the same
-collectives in the same order (chunk order; DESIGN 2), whatever the local timing.
+collectives in the same order (chunk order; docs/architecture.md section 3), whatever the local timing.
 
 Chunking is by rows inside every (peer, segment) block -- a segment is one expert's rows -- so every
 chunk carries a share of every expert's tokens. For a row-wise ``compute`` (an MLP applied to each

@@ -1,4 +1,4 @@
-"""Bucket plans and issue plans, shared by every rank (DESIGN 2 rule 2, DESIGN 5).
+"""Bucket plans and issue plans, shared by every rank (docs/architecture.md section 3 rule 2, section 5.8).
 
 A *bucket plan* groups the gradients of a model into flat buffers: parameters are taken in the order
 their gradients are expected to become ready (the reverse of registration order, as DDP does), a

@@ -1,4 +1,4 @@
-"""ByteScheduler-style issue plans: partition, priority of the next forward, credit (DESIGN 5).
+"""ByteScheduler-style issue plans: partition, priority of the next forward, credit (docs/architecture.md section 5.8).
 
 Backward produces gradients last layer first, but the next forward needs them first layer first.
 Issued in ready order (DDP), the first layer's gradients wait behind everything else and the next
@@ -7,7 +7,7 @@ buckets into chunks, so a late, urgent bucket never waits behind a whole large o
 chunks that are ready, issue the one the next forward needs first; (3) keep at most ``credit`` bytes
 in flight, so that chunks not yet issued can still be overtaken by more urgent ones.
 
-Applied to *local* readiness, step (2) would issue in a different order on every rank (DESIGN 2,
+Applied to *local* readiness, step (2) would issue in a different order on every rank (docs/architecture.md section 3,
 rule 2). Here the policy runs once, as a small discrete-event simulation over shapes and timings
 (profiled on one rank), and its output is an :class:`~commopt.schedules.plan.IssuePlan`: a fixed
 order that every rank then follows, waiting for a chunk's bucket when it is not yet ready locally.

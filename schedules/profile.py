@@ -3,7 +3,7 @@
 ``OverlapDataParallel`` records, per synchronised step, when the forward ended, when each bucket
 became ready, and when each chunk was issued and completed. Rank 0 fits the link from its own
 profile (:meth:`StepProfile.service_fit`) and plans the next step from it; the plan, with the
-partition and credit the fit chose, is broadcast (DESIGN 2, rule 2: local timings never decide
+partition and credit the fit chose, is broadcast (docs/architecture.md section 3, rule 2: local timings never decide
 anything on their own rank).
 """
 

@@ -1,4 +1,5 @@
-"""A discrete-event model of data-parallel training iterations, and the traffic matrix (DESIGN 5).
+"""A discrete-event model of data-parallel training iterations, and the traffic matrix
+(docs/architecture.md section 5.8).
 
 The model (the quantities ASTRA-sim reports): per-layer forward and backward compute times and
 gradient sizes (measured from a model on this machine with :func:`layers_from_model`, or derived
