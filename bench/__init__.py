@@ -1,4 +1,4 @@
 """commopt.bench: benchmarks, the emulated cluster, models and plots (``commopt-bench``).
 
-Nothing in commopt imports this package (DESIGN 1).
+Nothing in commopt imports this package (docs/architecture.md section 1).
 """

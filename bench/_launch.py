@@ -2,9 +2,9 @@
 
 - ``--spawn N``: N local rank processes (spawned, never forked: numba's OpenMP layer is not
   fork-safe), rendezvous through a ``FileStore`` in a temporary directory, gloo bound to loopback
-  (DESIGN 9), one thread each;
+  (docs/architecture.md section 10), one thread each;
 - under ``mpirun``: rank and size from the MPI environment, a ``FileStore`` whose path rank 0
-  broadcasts with mpi4py, and any failure aborts the whole job (FAULTS row 31);
+  broadcasts with mpi4py, and any failure aborts the whole job (docs/faults.md row 31);
 - under ``torchrun`` or ``commopt-bench cluster``: ``env://`` from ``RANK``/``WORLD_SIZE``/``MASTER_*``;
 - otherwise a single process (world size 1).
 
@@ -119,7 +119,7 @@ def _run_mpi(body: Body, args: Any, rank: int, size: int, timeout: float) -> int
         del store
         code = body(args)
         _shutdown()
-    except BaseException:  # noqa: BLE001 - any failure must end the whole job (FAULTS row 31)
+    except BaseException:  # noqa: BLE001 - any failure must end the whole job (docs/faults.md row 31)
         # One write, then a moment for mpirun's proxy to forward it: MPI_Abort kills the job at
         # once, and output still in flight between the proxy and mpirun is dropped (seen in CI:
         # only the traceback's first line arrived).
@@ -135,7 +135,8 @@ def _run_mpi(body: Body, args: Any, rank: int, size: int, timeout: float) -> int
 
 def _spawn_main(body: Body, args: Any, rank: int, world: int, store_path: str, timeout: float,
                 threads: int) -> None:
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # commopt's own ranks stay on loopback (DESIGN 9)
+    # commopt's own ranks stay on loopback (docs/architecture.md section 10)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(threads)
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
                             timeout=timedelta(seconds=timeout))

@@ -1,4 +1,4 @@
-"""The progress bar of every long benchmark (DESIGN 6): one helper, so they all behave alike.
+"""The progress bar of every long benchmark (docs/architecture.md section 5.9): one helper, so they all behave alike.
 
 A bar is drawn on stderr by rank 0 only, and only where someone watches: when stderr is a terminal.
 CI logs and redirected runs stay quiet. ``COMMOPT_PROGRESS=1`` forces the bar on, ``=0`` off:

@@ -98,7 +98,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="measure each algorithm with and without validate=True, interleaved")
     p.add_argument("--no-calibrate", dest="calibrate", action="store_false",
                    help="skip measuring the two link levels first (auto then uses the cached or default model)")
-    # Fault injection for the test of FAULTS row 31 (a failing rank must end the whole job).
+    # Fault injection for the test of docs/faults.md row 31 (a failing rank must end the whole job).
     p.add_argument("--fail-rank", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--timeout", type=float, default=120.0, help="seconds before a collective is declared hung")
     return p

@@ -1,6 +1,6 @@
 """``commopt-bench ina-overlap``: does DDP on the ``"ina"`` backend overlap its all-reduces with backward?
 
-FAULTS row 37 asks that the ``"ina"`` backend's ``allreduce`` return a work that completes later, so
+docs/faults.md row 37 asks that the ``"ina"`` backend's ``allreduce`` return a work that completes later, so
 that DDP's backward is not blocked by the switch. This benchmark shows whether it is: N local ranks
 (spawned, default 2) wrap a model of ``--layers`` layers of ``--layer-mb`` MiB of fp32 parameters each
 in DDP on an ``"ina"`` group (``bucket_cap_mb=--layer-mb``: one bucket per layer) and time, per step,
@@ -21,9 +21,9 @@ layer's input, so it runs after the layer's parameter gradients are ready, as th
 compute would), which keeps the cores free for the switch and the ranks' communication threads.
 Synchronous all-reduces add up: ``delay`` is about ``layers x allreduce``. Overlapped ones hide
 behind the padding, and only what does not fit behind the last layer's padding shows. The numbers
-are the slowest rank's per step; the summary line gives medians. Not a test (DESIGN 7.9).
+are the slowest rank's per step; the summary line gives medians. Not a test (docs/architecture.md section 9.4).
 
-Measured on a busy 2-core box, 2 ranks, defaults: with the synchronous backend (before FAULTS row 37)
+Measured on a busy 2-core box, 2 ranks, defaults: with the synchronous backend (before docs/faults.md row 37)
 ``delay`` was 196-279 ms, 8.0-9.3 all-reduces; with the asynchronous one 18-21 ms, 0.65-0.76 of one
 all-reduce (24-32 ms), of which DDP's own work is 14-20 ms (``floor``, gloo's delay is the same): the
 all-reduces add 1-4 ms, 0.04-0.17 of one. The floor is DDP's own copying and bookkeeping, not the

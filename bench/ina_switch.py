@@ -15,7 +15,7 @@ times after one warm-up, and prints per-worker throughput (bytes of the tensor /
 with the switch's retransmission counters. It first measures the switch's own work per datagram
 in-process (no scheduling noise): the bound a Python switch puts on throughput. ``local(ms)`` is the
 workers' own exponent + quantize + dequantize time for the tensor, for comparison. The switch
-binds to loopback unless ``--host`` says otherwise (FAULTS 29).
+binds to loopback unless ``--host`` says otherwise (docs/faults.md row 29).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Models used by the benchmarks and examples (DESIGN 6): a small GPT-style model and an MoE layer.
+"""Models used by the benchmarks and examples (docs/architecture.md section 5.9):
+a small GPT-style model and an MoE layer.
 
 Nothing in commopt imports this module (``bench`` is the top of the dependency order).
 """

@@ -1,4 +1,4 @@
-"""``commopt-bench cluster``: an emulated multi-node cluster on one Linux box (DESIGN 6).
+"""``commopt-bench cluster``: an emulated multi-node cluster on one Linux box (docs/architecture.md section 5.9).
 
 One network namespace per node, joined to a fabric by a tbf-shaped link, loopback inside a node. By
 concern: ``netns`` (the namespaces, links and processes: :class:`Cluster`), ``host`` (what the cluster

@@ -4,7 +4,7 @@ On one machine every rank talks over unshaped loopback, where no topology-aware 
 The cluster gives each *node* its own network namespace and joins it to a star fabric through a
 rate-limited link, so traffic inside a node stays on loopback (the "NVLink") while traffic between
 nodes crosses a real, shaped link (the "NIC"). Then it runs a command once per rank inside its node's
-namespace (DESIGN 6)::
+namespace (docs/architecture.md section 5.9)::
 
     commopt-bench cluster --nodes 2 --ranks-per-node 2 --link-rate 200mbit -- \\
         commopt-bench collectives --op allreduce --algo flat,hierarchical,auto --sizes 1M,4M,16M
@@ -12,7 +12,7 @@ namespace (DESIGN 6)::
 :func:`main`: (1) checks the usage, then the privileges; (2) builds the cluster (``netns``); (3) probes
 each link's achieved rate (``probe``) and prints it with the configured one; (4) runs the ranks, their
 output prefixed (``launch``); (5) tears everything down, whatever happens, a signal included. Only
-this module reads environment variables (DESIGN 7.6).
+this module reads environment variables (docs/architecture.md section 6.3).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ The requirements (capabilities, iproute2) are checked before anything is created
 one is named with how to get it. Every namespace of a run starts with the run's prefix
 ``co-<launcher pid>-<launcher start time>-<tag>``; a launcher killed by SIGKILL cannot tear down, so
 :func:`cleanup_leftovers` (``--cleanup``) removes the namespaces whose launcher, pid *and* start
-time, is gone. Nothing here reads environment variables (DESIGN 7.6).
+time, is gone. Nothing here reads environment variables (docs/architecture.md section 6.3).
 """
 
 from __future__ import annotations

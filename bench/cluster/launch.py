@@ -4,7 +4,7 @@ Ranks are placed node by node (or interleaved, the pathological placement); each
 environment that ``Topology.from_env()`` and torch's ``env://`` rendezvous read; their output is
 copied to the launcher's streams, each line prefixed ``[rank k]`` (a progress bar redrawn in place
 on a terminal); the first failing rank's code ends the run and the other ranks are killed.
-Nothing here reads environment variables (DESIGN 7.6): the CLI passes the base environment in.
+Nothing here reads environment variables (docs/architecture.md section 6.3): the CLI passes the base environment in.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ Ethernet/IP/TCP headers; (3) everything is torn down whatever happens (what a SI
 left is found by its prefix: ``host.cleanup_leftovers``).
 
 Nothing here depends on netem: the kernels we run on lack it, so ``delay_ms`` detects its absence and
-says so. Nothing here reads environment variables (DESIGN 7.6).
+says so. Nothing here reads environment variables (docs/architecture.md section 6.3).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from .probe import LinkProbe, agent_argv, exchange
 
 __all__ = ["Cluster", "parse_rate"]
 
-_SUBNET = "10.77.0"  # private, and it only ever exists inside this run's namespaces (FAULTS row 29)
+_SUBNET = "10.77.0"  # private, and it only ever exists inside this run's namespaces (docs/faults.md row 29)
 _SWITCH_HOST = 254
 _MAX_NODES = 200
 _MIN_BURST_BYTES = 128 * 1024  # > one 64 KiB GSO super-packet, with room to spare

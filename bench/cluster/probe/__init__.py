@@ -3,7 +3,7 @@
 Both sides of one protocol live here. The agent (:func:`agent`, run as
 ``python -m commopt.bench.cluster.probe ADDRESS SECONDS``, one inside each node's namespace):
 
-(1) listens on ADDRESS only, the namespace's own address (FAULTS row 29), and prints ``port P``;
+(1) listens on ADDRESS only, the namespace's own address (docs/faults.md row 29), and prints ``port P``;
 (2) reads ``HOST PORT`` of the next node from stdin;
 (3) for SECONDS receives from the previous node while sending to the next;
 (4) prints one JSON line: ``tx_bytes``, ``rx_bytes`` and ``rx_bps``, the steady receive rate.
