@@ -1,4 +1,4 @@
-"""A pool of spawned rank processes that runs test bodies (DESIGN 8).
+"""A pool of spawned rank processes that runs test bodies (docs/architecture.md section 9).
 
 Importing torch (and numba) costs seconds of CPU per process, so each world size keeps one pool of
 rank processes for the whole session; every test body is a module-level function shipped by

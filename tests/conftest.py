@@ -1,4 +1,4 @@
-"""Shared fixtures: the rank pools of DESIGN 8 (see ``_pool.py``)."""
+"""Shared fixtures: the rank pools of docs/architecture.md section 9 (see ``_pool.py``)."""
 
 from __future__ import annotations
 

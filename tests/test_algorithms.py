@@ -6,7 +6,7 @@ tensors it actually posted (padding and pipelining chunks included); ``traffic()
 algorithm's model of the same call, which ``cost``, ``auto``, the simulator and the benchmarks read.
 The two are computed independently, so a phase that sends more (or less) than the model says, or a
 model that forgets padding, fails here. The ``ina`` algorithm is checked in test_ina_async.py (it
-needs a switch). FAULTS row 23 (2+1, interleaved and one-level topologies).
+needs a switch). docs/faults.md row 23 (2+1, interleaved and one-level topologies).
 """
 
 from __future__ import annotations

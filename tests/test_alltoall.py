@@ -1,7 +1,7 @@
 """commopt.comm.all_to_all against torch.distributed.all_to_all_single (gloo, CPU).
 
 Each topology runs its whole matrix (algorithms x dtypes x split patterns) in one pool call; the
-oracle is ``dist.all_to_all_single`` on the same data, computed in the ranks. FAULTS rows covered:
+oracle is ``dist.all_to_all_single`` on the same data, computed in the ranks. docs/faults.md rows covered:
 1 (row shapes that differ across ranks, validate=True), 3 (dtype mismatch across ranks), 4 (a rank
 never enters: flat, 2-D phases, split exchange), 7 (world size 1), 8 (zero-sized splits, empty
 input, zero-width rows), 9 (non-contiguous input and output), 11 (each dtype through each
@@ -116,7 +116,7 @@ def _run_matrix(spec) -> int:
         inp = _data(4 * world, (7,), torch.float32, rank)
         got = all_to_all(None, inp, topology=topo, algorithm=algo, chunks=3)
         _check(got, _oracle(inp, [4] * world, [4] * world), f"{algo} even chunked")
-        # Non-contiguous input (a transpose) and output (a column slice): FAULTS row 9.
+        # Non-contiguous input (a transpose) and output (a column slice): docs/faults.md row 9.
         base = _data(6, (2 * world,), torch.float32, rank)
         inp = base.t()  # (2*world, 6), not contiguous
         want = _oracle(inp, [2] * world, [2] * world)
@@ -125,7 +125,7 @@ def _run_matrix(spec) -> int:
         all_to_all(out, inp, topology=topo, algorithm=algo)
         _check(out, want, f"{algo} non-contiguous")
         assert torch.equal(holder[:, 0], torch.zeros(2 * world)), "wrote outside the output view"
-        # Empty: nobody sends anything; and zero-width rows: FAULTS row 8.
+        # Empty: nobody sends anything; and zero-width rows: docs/faults.md row 8.
         z = torch.zeros(0, 3, dtype=torch.float16)
         got = all_to_all(None, z, in_splits=[0] * world, out_splits=[0] * world, topology=topo, algorithm=algo)
         assert got.shape == (0, 3) and got.dtype == torch.float16
@@ -138,7 +138,7 @@ def _run_matrix(spec) -> int:
 
 @pytest.mark.parametrize("spec", ["1x4", "2x2", "4x1", [[0, 2], [1, 3]]], ids=["1x4", "2x2", "4x1", "interleaved"])
 def test_matches_all_to_all_single_4_ranks(ranks, spec):
-    """Every algorithm, dtype and split pattern equals gloo's all_to_all_single (FAULTS 8, 9, 11, 23)."""
+    """Every algorithm, dtype and split pattern equals gloo's all_to_all_single (docs/faults.md rows 8, 9, 11, 23)."""
     counts = ranks(4, _run_matrix, spec, timeout=120)
     assert counts[0] > 0 and len(set(counts)) == 1
 
@@ -158,13 +158,13 @@ def _two_plus_one() -> str:
 
 
 def test_non_uniform_2_plus_1(ranks):
-    """FAULTS row 23: on 2+1, auto falls back to flat (and is correct); explicit 2d raises on every rank."""
+    """docs/faults.md row 23: on 2+1, auto falls back to flat (and is correct); explicit 2d raises on every rank."""
     msgs = ranks(3, _two_plus_one, timeout=90)
     assert all("TopologyError" in m for m in msgs), msgs
 
 
 def _bad_inputs() -> dict:
-    """Bad splits: errors on every rank, never a hang (FAULTS rows 1, 3, plus split disagreement)."""
+    """Bad splits: errors on every rank, never a hang (docs/faults.md rows 1, 3, plus split disagreement)."""
     rank = dist.get_rank()
     topo = Topology.from_spec("2x2")
     seen: dict[str, str] = {}
@@ -199,7 +199,7 @@ def _bad_inputs() -> dict:
         out = torch.empty(9 if rank == 3 else 8, 1)
         expect(f"output rows {algo}", CollectiveMismatchError, all_to_all,
             out, x, in_splits=[2] * 4, topology=topo, algorithm=algo, validate=True)
-        # FAULTS row 1: row shapes differ across ranks ([8, 2] vs [8, 10]); row 3: dtypes differ.
+        # docs/faults.md row 1: row shapes differ across ranks ([8, 2] vs [8, 10]); row 3: dtypes differ.
         y = torch.zeros(8, 10 if rank == 1 else 2)
         expect(f"shape {algo}", CollectiveMismatchError, all_to_all,
             None, y, topology=topo, algorithm=algo, validate=True)
@@ -298,13 +298,13 @@ def _calibrated() -> tuple:
 
 def test_calibrate_is_rank_consistent(ranks):
     """calibrate() fits per-algorithm lines from the slowest rank's times: identical on every rank,
-    so auto's choice is too (DESIGN 2, rule 2). No time is asserted."""
+    so auto's choice is too (docs/architecture.md section 3, rule 2). No time is asserted."""
     results = ranks(4, _calibrated, timeout=60)
     assert len(set(results)) == 1, results
 
 
 def test_world_size_one():
-    """FAULTS row 7: without a process group, all_to_all is a copy and the autograd one an identity."""
+    """docs/faults.md row 7: without a process group, all_to_all is a copy and the autograd one an identity."""
     x = torch.arange(6.0).reshape(3, 2)
     out = torch.empty_like(x)
     assert all_to_all(out, x) is out and torch.equal(out, x)
@@ -368,7 +368,7 @@ def _a2a_never_enters(timeout: float):
 
 
 def test_rank_never_enters_all_to_all():
-    """FAULTS row 4 for the all-to-all (flat; 2d in its engine phases; 2d in its split exchange): the
+    """docs/faults.md row 4 for the all-to-all (flat; 2d in its engine phases; 2d in its split exchange): the
     others raise CommTimeoutError after the timeout, before timeout + slack, naming the operation.
     Fresh processes: the group is left out of step."""
     from _pool import RankPool

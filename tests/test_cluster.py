@@ -1,7 +1,7 @@
-"""The emulated cluster (``commopt-bench cluster``, bench/cluster/; issue 3, FAULTS rows 29, 30, 32).
+"""The emulated cluster (``commopt-bench cluster``, bench/cluster/; issue 3, docs/faults.md rows 29, 30, 32).
 
 Tests marked ``netns`` build real namespaces and skip without root/CAP_NET_ADMIN/CAP_SYS_ADMIN or
-iproute2. None asserts a rate or a time (DESIGN 7.9): the probe must report a *positive* rate, and
+iproute2. None asserts a rate or a time (docs/architecture.md section 9.4): the probe must report a *positive* rate, and
 every subprocess runs under a timeout so that nothing hangs. Launchers are fresh processes, so their
 namespaces are recognised by their prefix ``co-<launcher pid hex>-``; other runs (other agents'
 tests) may exist at the same time and are never counted or touched.
@@ -151,7 +151,7 @@ def sweep():
 
 
 def test_missing_privileges_fake_capability_set():
-    """FAULTS row 32 (and issue 3): without CAP_NET_ADMIN / CAP_SYS_ADMIN or iproute2, say what is
+    """docs/faults.md row 32 (and issue 3): without CAP_NET_ADMIN / CAP_SYS_ADMIN or iproute2, say what is
     missing and how to get it, from a fake capability set."""
     root = (1 << 41) - 1
     assert cl.missing_requirements(root, "/usr/sbin/ip", "/usr/sbin/tc") == []
@@ -212,7 +212,7 @@ def test_rank_environments_replace_inherited_values():
 
 
 def test_leftover_prefixes_skip_live_launchers():
-    """FAULTS row 32: --cleanup takes only clusters whose launcher (pid *and* start time) is gone."""
+    """docs/faults.md row 32: --cleanup takes only clusters whose launcher (pid *and* start time) is gone."""
     names = ["co-10-aa-0001-fab", "co-10-aa-0001-n0", "co-10-aa-0001-n1",  # launcher 0x10 alive
              "co-10-ab-0002-n0",  # same pid, other start time: the pid was recycled -> leftover
              "co-20-aa-0003-sw", "co-20-aa-0003-fab",  # launcher 0x20 dead
@@ -372,7 +372,7 @@ def test_pump_copies_lines_unchanged_elsewhere():
 @needs_netns
 @pytest.mark.parametrize("placement, layout", [("contiguous", "0,1;2,3"), ("interleaved", "0,2;1,3")])
 def test_rank_environment_and_teardown(placement, layout, sweep):
-    """FAULTS rows 29 and 32: each rank sees the env contract, runs in its node's namespace on an
+    """docs/faults.md rows 29 and 32: each rank sees the env contract, runs in its node's namespace on an
     address that exists only there; nothing is left after success."""
     probe = ["--probe-seconds", "0.3"] if placement == "contiguous" else ["--probe-seconds", "0"]
     code, out, err, pid = _run_cli("--nodes", "2", "--ranks-per-node", "2", "--link-rate", "200mbit",
@@ -403,7 +403,7 @@ def test_rank_environment_and_teardown(placement, layout, sweep):
     assert os.readlink("/proc/self/ns/net") not in by_node[0] | by_node[1]
     host_addrs = subprocess.run(["ip", "-o", "-4", "addr"], capture_output=True, text=True,
                                 timeout=10).stdout
-    assert master.pop() + "/" not in host_addrs  # FAULTS row 29: the address exists only inside
+    assert master.pop() + "/" not in host_addrs  # docs/faults.md row 29: the address exists only inside
     host_links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, timeout=10).stdout
     assert not any(f": {name}" in host_links for name in ("cbr0:", "cn0@", "cf0@", "cn0:", "cf0:"))
     record = _record(out)
@@ -455,7 +455,7 @@ def test_off_rate_link_warns_and_strict_refuses(strict, tmp_path, monkeypatch, c
 @pytest.mark.netns
 @needs_netns
 def test_lifecycle_cycles_leak_nothing(sweep):
-    """FAULTS row 30: 20 cycles of up -> run ranks -> down in one process leak no threads, file
+    """docs/faults.md row 30: 20 cycles of up -> run ranks -> down in one process leak no threads, file
     descriptors, processes or namespaces."""
     def fds() -> int:
         return len(os.listdir("/proc/self/fd"))
@@ -477,7 +477,7 @@ def test_lifecycle_cycles_leak_nothing(sweep):
 @pytest.mark.netns
 @needs_netns
 def test_rank_failure_returns_its_code_and_kills_the_others(sweep):
-    """FAULTS row 32: a crashing rank's exit code comes back, the other ranks are killed, nothing is
+    """docs/faults.md row 32: a crashing rank's exit code comes back, the other ranks are killed, nothing is
     left behind."""
     snippet = ("import os, sys, time; print('pid', os.getpid(), flush=True); r = int(os.environ['RANK']);"
                " time.sleep(0.5) if r == 1 else time.sleep(60); sys.exit(7)")
@@ -493,7 +493,7 @@ def test_rank_failure_returns_its_code_and_kills_the_others(sweep):
 @pytest.mark.netns
 @needs_netns
 def test_sigint_tears_everything_down(sweep):
-    """FAULTS row 32: Ctrl-C (SIGINT) to the launcher kills the ranks and removes the namespaces."""
+    """docs/faults.md row 32: Ctrl-C (SIGINT) to the launcher kills the ranks and removes the namespaces."""
     proc = _launch("--nodes", "2", "--ranks-per-node", "1", "--link-rate", "200mbit",
                    "--probe-seconds", "0", command=[sys.executable, "-c", _SLEEP_SNIPPET])
     pids = _wait_ready(proc, 2)
@@ -508,7 +508,7 @@ def test_sigint_tears_everything_down(sweep):
 @pytest.mark.netns
 @needs_netns
 def test_sigterm_mid_setup_leaves_nothing(sweep):
-    """FAULTS row 32: SIGTERM while namespaces are still being created (an ``ip netns add`` in
+    """docs/faults.md row 32: SIGTERM while namespaces are still being created (an ``ip netns add`` in
     flight must not finish after the teardown looked) leaves no namespace behind."""
     proc = _launch("--nodes", "6", "--link-rate", "200mbit", "--probe-seconds", "0",
                    command=["true"])
@@ -541,7 +541,7 @@ def test_interrupt_deferred_inside_shield():
 @pytest.mark.netns
 @needs_netns
 def test_cleanup_after_sigkilled_launcher(sweep):
-    """FAULTS row 32: a SIGKILLed launcher cannot tear down; its ranks die with it (death signal)
+    """docs/faults.md row 32: a SIGKILLed launcher cannot tear down; its ranks die with it (death signal)
     and --cleanup removes its namespaces, but not those of a live cluster."""
     proc = _launch("--nodes", "2", "--ranks-per-node", "1", "--link-rate", "200mbit",
                    "--probe-seconds", "0", command=[sys.executable, "-c", _SLEEP_SNIPPET])

@@ -2,8 +2,9 @@
 
 The oracle is rank arithmetic: every rank regenerates every rank's input from its seed and reduces
 them in float64 locally, so no result of the code under test (nor of gloo) enters the expectation.
-Each (topology, algorithm) runs its whole matrix of dtypes x ops x sizes in one pool call (DESIGN 8).
-FAULTS rows: 7 (world/group of size 1), 8 (zero elements), 9 (non-contiguous), 10 (integers and
+Each (topology, algorithm) runs its whole matrix of dtypes x ops x sizes in one pool call
+(docs/architecture.md section 9).
+docs/faults.md rows: 7 (world/group of size 1), 8 (zero elements), 9 (non-contiguous), 10 (integers and
 bool), 11 (each dtype), 12 (fp16 overflow), 23 (2+1 and interleaved topologies).
 """
 
@@ -81,13 +82,13 @@ def _all_reduce_matrix(spec, algorithm: str) -> int:
         assert out is t and t.dtype == dtype and t.shape == (numel,)
         _close(t, _oracle(inputs, op), inputs, world, f"{algorithm} {dtype} {op} n={numel}")
         checked += 1
-    # Non-contiguous input (FAULTS row 9): same result as contiguous, written back in place.
+    # Non-contiguous input (docs/faults.md row 9): same result as contiguous, written back in place.
     base = [_input(r, 35, torch.float64, 99).view(7, 5) for r in range(world)]
     t = base[rank].clone().t()
     out = all_reduce(t, topology=topo, algorithm=algorithm)
     assert out is t and not t.is_contiguous()
     _close(t, _oracle([b.t() for b in base], "sum"), [b.t() for b in base], world, "non-contiguous")
-    # bool: SUM is logical OR, MIN logical AND (FAULTS row 10).
+    # bool: SUM is logical OR, MIN logical AND (docs/faults.md row 10).
     flags = [torch.tensor([r == 0, True, False, r % 2 == 1]) for r in range(world)]
     t = flags[rank].clone()
     all_reduce(t, topology=topo, algorithm=algorithm)
@@ -95,7 +96,7 @@ def _all_reduce_matrix(spec, algorithm: str) -> int:
     t = flags[rank].clone()
     all_reduce(t, ReduceOp.MIN, topology=topo, algorithm=algorithm)
     assert t.tolist() == [world == 1, True, False, False]
-    # fp16 overflow (FAULTS row 12): 40 000 on every rank averages to 40 000, never inf.
+    # fp16 overflow (docs/faults.md row 12): 40 000 on every rank averages to 40 000, never inf.
     t = torch.full((1000,), 40_000.0, dtype=torch.float16)
     all_reduce(t, ReduceOp.AVG, topology=topo, algorithm=algorithm)
     assert torch.equal(t, torch.full((1000,), 40_000.0, dtype=torch.float16))
@@ -164,12 +165,12 @@ def _uneven_nodes():
 
 
 def test_hierarchical_rejects_uneven_nodes(ranks):
-    """FAULTS row 23: on 2+1, hierarchical is a clear error on every rank and auto falls back."""
+    """docs/faults.md row 23: on 2+1, hierarchical is a clear error on every rank and auto falls back."""
     assert ranks(3, _uneven_nodes) == [[3.0] * 4] * 3
 
 
 def _world_one():
-    # A group of size 1 inside a 2-rank world: identity, no communication (FAULTS row 7).
+    # A group of size 1 inside a 2-rank world: identity, no communication (docs/faults.md row 7).
     rank = dist.get_rank()
     solo = [dist.new_group([0]), dist.new_group([1])][rank]
     before = context().engine().bytes_sent()
@@ -223,7 +224,7 @@ def _in_flight():
 
 
 def test_many_async_ops_in_flight(ranks):
-    """The test that catches phases chained from callbacks (DESIGN 2, rule 1)."""
+    """The test that catches phases chained from callbacks (docs/architecture.md section 3, rule 1)."""
     for _ in range(3):
         assert ranks(4, _in_flight, timeout=120) == [True] * 4
 
@@ -274,7 +275,7 @@ def _mismatch(kind: str):
 
 @pytest.mark.parametrize("kind", ["shape", "ndim", "dtype"])
 def test_validation_catches_mismatch(ranks, kind):
-    """FAULTS rows 1 and 3: shape, ndim or dtype mismatch is a clear error on every rank."""
+    """docs/faults.md rows 1 and 3: shape, ndim or dtype mismatch is a clear error on every rank."""
     res = ranks(4, _mismatch, kind)
     bad = [1] if kind == "dtype" else [2]
     for r in res:

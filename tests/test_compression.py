@@ -3,7 +3,7 @@
 Oracles: every rank regenerates every rank's input from its seed and sums them in float64 locally;
 lossless settings (top-k / random-k at ratio 1, full-rank PowerSGD) must match it, lossy ones must
 stay within their error bound, and error feedback must conserve mass exactly. Many cases run inside
-one pool call (DESIGN 8). FAULTS rows: 8, 9, 10, 11, 12, 13, 15, 16, 17.
+one pool call (docs/architecture.md section 9). docs/faults.md rows: 8, 9, 10, 11, 12, 13, 15, 16, 17.
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def _body_matrix(topo_spec: str, algorithm: str) -> dict:
         for i, (t, s) in enumerate(zip(ts, shapes)):
             ref = torch.stack(_inputs(world, s, torch.float64, salt=30 + i)).sum(0)
             assert torch.allclose(t, ref, rtol=0, atol=1e-9 * ref.abs().max().item()), (batch, s)
-    # FAULTS row 9: a transposed (non-contiguous) input gives the contiguous result, in place.
+    # docs/faults.md row 9: a transposed (non-contiguous) input gives the contiguous result, in place.
     for make in (lambda: C.PowerSGDCompressor(rank=3, start_iter=0), C.FP16Compressor,
                  lambda: C.TopKCompressor(0.2), C.OneBitCompressor):
         base = _inputs(world, (12, 40), torch.float32, salt=2)[rank]
@@ -101,7 +101,7 @@ def _body_matrix(topo_spec: str, algorithm: str) -> dict:
         out = make().all_reduce(a, topology=topo, algorithm=algorithm, step=3, error_feedback=ErrorFeedback())
         make().all_reduce(b, topology=topo, algorithm=algorithm, step=3, error_feedback=ErrorFeedback())
         assert out is a and torch.equal(a, b), make
-    # FAULTS row 8: zero elements and k = 0 are no-ops of the right dtype, with no NaN.
+    # docs/faults.md row 8: zero elements and k = 0 are no-ops of the right dtype, with no NaN.
     for c in _lossless() + [C.TopKCompressor(0.0), C.SignCompressor(), C.QuantizeCompressor()]:
         e = torch.empty(0, 5, dtype=torch.float16)
         assert c.all_reduce(e, topology=topo, algorithm=algorithm) is e and e.dtype == torch.float16
@@ -117,7 +117,7 @@ def _body_matrix(topo_spec: str, algorithm: str) -> dict:
     zero = torch.zeros(8, 6)
     C.PowerSGDCompressor(start_iter=0, min_compression_rate=0).all_reduce(zero, topology=topo, algorithm=algorithm)
     assert torch.equal(zero, torch.zeros(8, 6)), "an all-zero matrix must not produce NaN"
-    # FAULTS row 10: integers pass through, SUM bit-exact; AVG on integers raises TypeError.
+    # docs/faults.md row 10: integers pass through, SUM bit-exact; AVG on integers raises TypeError.
     for c in (C.FP16Compressor(), C.TopKCompressor(0.1), C.QuantizeCompressor()):
         i = torch.full((33,), rank + 1, dtype=torch.int64)
         c.all_reduce(i, topology=topo, algorithm=algorithm)
@@ -128,7 +128,7 @@ def _body_matrix(topo_spec: str, algorithm: str) -> dict:
 
 
 def _body_fp16_overflow() -> None:
-    """FAULTS row 12: fp16 gradients of 40 000 on 4 ranks average to 40 000, never inf."""
+    """docs/faults.md row 12: fp16 gradients of 40 000 on 4 ranks average to 40 000, never inf."""
     rank, world = dist.get_rank(), dist.get_world_size()
     for algorithm, topo in (("flat", None), ("hierarchical", Topology.from_spec("2x2"))):
         for dtype in (torch.float16, torch.float32):
@@ -259,7 +259,7 @@ def _body_optimistic_check_finite() -> dict:
 
 
 def _body_conservation(algorithm: str, topo_spec: str, steps: int) -> dict:
-    """FAULTS row 15: sum of results + final residuals (worker and server) = sum of inputs, fp64."""
+    """docs/faults.md row 15: sum of results + final residuals (worker and server) = sum of inputs, fp64."""
     rank, world = dist.get_rank(), dist.get_world_size()
     topo = Topology.from_spec(topo_spec)
     worst = {}
@@ -284,7 +284,7 @@ def _body_conservation(algorithm: str, topo_spec: str, steps: int) -> dict:
 
 
 def _body_nonfinite(algorithm: str, topo_spec: str) -> None:
-    """FAULTS row 13: NaN/Inf on one rank only propagates (exact fallback) and leaves residuals as
+    """docs/faults.md row 13: NaN/Inf on one rank only propagates (exact fallback) and leaves residuals as
     they were; check_finite=True raises NonFiniteError on every rank."""
     rank, world = dist.get_rank(), dist.get_world_size()
     topo = Topology.from_spec(topo_spec)
@@ -318,7 +318,7 @@ def _body_nonfinite(algorithm: str, topo_spec: str) -> None:
 
 
 def _body_randomness() -> dict:
-    """FAULTS row 17: random-k indices and PowerSGD's Q agree across ranks and change across
+    """docs/faults.md row 17: random-k indices and PowerSGD's Q agree across ranks and change across
     steps; the global RNG is untouched."""
     rank = dist.get_rank()
     rng = torch.get_rng_state()
@@ -413,19 +413,19 @@ def _body_auto() -> dict:
 
 # ------------------------------------------------------------------------------------------ tests
 def test_compressors_match_oracle_flat(ranks):
-    """FAULTS rows 8, 9, 10, 11: every compressor and dtype on 2 ranks: lossless settings equal the
+    """docs/faults.md rows 8, 9, 10, 11: every compressor and dtype on 2 ranks: lossless settings equal the
     float64 oracle, lossy ones stay within their bound; non-contiguous, empty, k=0, integer inputs."""
     ranks(2, _body_matrix, "1x2", "flat", timeout=120)
 
 
 def test_compressors_match_oracle_hierarchical(ranks):
-    """FAULTS rows 8-11 on 4 ranks as 2x2 with only the inter-node phase compressed (and 4x1/1x4
+    """docs/faults.md rows 8-11 on 4 ranks as 2x2 with only the inter-node phase compressed (and 4x1/1x4
     through auto, which must fall back to flat)."""
     ranks(4, _body_matrix, "2x2", "hierarchical", timeout=180)
 
 
 def test_fp16_overflow_four_ranks(ranks):
-    """FAULTS row 12: 40 000 on 4 ranks through the fp16 compressor, flat and hierarchical."""
+    """docs/faults.md row 12: 40 000 on 4 ranks through the fp16 compressor, flat and hierarchical."""
     ranks(4, _body_fp16_overflow)
 
 
@@ -445,20 +445,20 @@ def test_optimistic_check_finite_raises_everywhere(ranks):
 
 @pytest.mark.parametrize("algorithm,world,spec,steps", [("flat", 2, "1x2", 200), ("hierarchical", 4, "2x2", 40)])
 def test_error_feedback_conservation(ranks, algorithm, world, spec, steps):
-    """FAULTS row 15: over 200 fp64 steps (40 on the slower 2x2 pool), sum of results + final
+    """docs/faults.md row 15: over 200 fp64 steps (40 on the slower 2x2 pool), sum of results + final
     residuals (worker and server) = sum of inputs to 1e-12."""
     ranks(world, _body_conservation, algorithm, spec, steps, timeout=180)
 
 
 @pytest.mark.parametrize("algorithm,world,spec", [("flat", 2, "1x2"), ("hierarchical", 4, "2x2")])
 def test_nonfinite_one_rank(ranks, algorithm, world, spec):
-    """FAULTS row 13: NaN/Inf on one rank with each compressor: propagates, residuals unpoisoned,
+    """docs/faults.md row 13: NaN/Inf on one rank with each compressor: propagates, residuals unpoisoned,
     check_finite raises NonFiniteError on every rank."""
     ranks(world, _body_nonfinite, algorithm, spec, timeout=120)
 
 
 def test_randomness_shared_and_global_rng_untouched(ranks):
-    """FAULTS row 17: random-k indices and PowerSGD's Q identical across ranks, different across steps."""
+    """docs/faults.md row 17: random-k indices and PowerSGD's Q identical across ranks, different across steps."""
     ranks(2, _body_randomness)
 
 
@@ -471,7 +471,7 @@ def test_auto_follows_the_cost_model(ranks):
 
 
 def test_unbiased_monte_carlo():
-    """FAULTS row 16: random-k (scaled d/k) and stochastic int8/int4 quantization are unbiased: the
+    """docs/faults.md row 16: random-k (scaled d/k) and stochastic int8/int4 quantization are unbiased: the
     mean of 10^4 seeds is within 5 standard errors of the input, element by element."""
     x = torch.randn(64, generator=torch.Generator().manual_seed(0), dtype=torch.float64).float() * 2
     n = 10_000
@@ -592,8 +592,8 @@ def _body_in_flight() -> None:
 
 
 def test_reductions_in_flight(ranks):
-    """DESIGN 2 rule 1: multi-round compressors with many reductions in flight (FAULTS row 15's
-    residuals included) give the one-at-a-time results."""
+    """docs/architecture.md section 3 rule 1: multi-round compressors with many reductions in flight
+    (docs/faults.md row 15's residuals included) give the one-at-a-time results."""
     ranks(2, _body_in_flight, timeout=60)
 
 

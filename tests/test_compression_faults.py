@@ -140,7 +140,7 @@ def _never_enters() -> dict:
 
 
 def test_compressed_rank_never_enters():
-    """FAULTS row 4: with one rank alive but never entering, every other rank's compressed
+    """docs/faults.md row 4: with one rank alive but never entering, every other rank's compressed
     reduction raises CommTimeoutError after the timeout and before timeout + slack: ``all_reduce``
     and the DDP hook, flat and hierarchical 2x2, cold (the first call, which creates the groups) and
     warm (after a good call; hierarchical PowerSGD once left rank 0 in gloo's reduce-scatter, whose
@@ -238,7 +238,7 @@ def _mismatches() -> dict:
 
 
 def test_mismatch_without_validation_raises_everywhere(ranks):
-    """FAULTS rows 1 and 3 without validation: ranks whose inputs differ in size, dtype or shape
+    """docs/faults.md rows 1 and 3 without validation: ranks whose inputs differ in size, dtype or shape
     but whose staged payloads have equal lengths (which gloo does not notice) raise
     CollectiveMismatchError on every rank, with the input unchanged, instead of returning wrong
     values; the groups stay in step (the next call is right). Checked compressors carry the input's
@@ -265,7 +265,7 @@ def _sizes_differ_flat_fp16():
 
 
 def test_optimistic_sizes_differ_flat_ends_loudly():
-    """FAULTS row 1 without validation, optimistic flat: fp16 payloads of different lengths (no
+    """docs/faults.md row 1 without validation, optimistic flat: fp16 payloads of different lengths (no
     check phase runs first) end in gloo's own failure, which aborts the rank that receives too
     much ("Received data size doesn't match expected size") and fails the others; no rank returns."""
     pool = RankPool(2)
@@ -325,7 +325,7 @@ def _compressed_lifecycle(store_dir: str, spec: str, cycles: int) -> dict:
 
 
 def test_compressed_lifecycle_leaks_nothing(ranks, tmp_path):
-    """FAULTS row 30 for the compressed paths: cycles of init -> fp16, PowerSGD and int8 reductions
+    """docs/faults.md row 30 for the compressed paths: cycles of init -> fp16, PowerSGD and int8 reductions
     (flat and hierarchical) -> ``commopt.comm.destroy()`` -> ``destroy_process_group()`` with the
     garbage collector off grow neither file descriptors (gloo's sockets and listeners) nor OS
     threads, and no reference cycle holds a process group, phase, reduction (``CompressedReduction``)
@@ -403,7 +403,7 @@ def _bad_inputs() -> dict:
 
 
 def test_bad_input_is_a_clear_error_at_the_call(ranks):
-    """FAULTS preamble ("fails the same way on every rank, quickly, ... says what to do") and row 22
+    """docs/faults.md preamble ("fails the same way on every rank, quickly, ... says what to do") and row 22
     (sparse tensors) for bad input: ``compressor.all_reduce`` of a list, None, a NumPy array or a sparse tensor, and
     each bad argument, raises TypeError/ValueError at the call (also with ``async_op=True``), on
     every rank, saying what to do; the input is unchanged, the step counter did not move, and the

@@ -1,5 +1,5 @@
 """The comm engine on its own (no process group): FIFO order per queue, the feeder rule, failures
-delivered through the future, and the blocking fast path (DESIGN 2-3)."""
+delivered through the future, and the blocking fast path (docs/architecture.md sections 3 and 5.1)."""
 
 import threading
 
@@ -74,7 +74,7 @@ def test_a_queue_fed_by_two_queues_is_refused():
 
 
 def test_a_phase_finishing_after_shutdown_starts_no_thread():
-    """FAULTS row 5 (a peer died mid 2-D all-to-all): the survivors' intra-node phase completes after
+    """docs/faults.md row 5 (a peer died mid 2-D all-to-all): the survivors' intra-node phase completes after
     destroy(); its successor must fail instead of starting a worker that nothing would stop."""
     engine = Engine()
     a, b = _Key(), _Key()
@@ -97,7 +97,7 @@ def test_a_phase_finishing_after_shutdown_starts_no_thread():
 
 def test_release_stops_a_queue_after_its_work_and_a_later_submission_restarts_it():
     """A wrapper that owns a private group releases its queue on close(): the queued work still
-    completes, and no idle worker thread outlives the group (FAULTS row 30)."""
+    completes, and no idle worker thread outlives the group (docs/faults.md row 30)."""
     engine = Engine()
     group, other = _Key(), _Key()
     try:

@@ -52,7 +52,7 @@ def _op_mismatch():
 
 
 def test_op_mismatch_after_100_good_ops(ranks):
-    """FAULTS row 2: names both ops and the sequence number, on every rank."""
+    """docs/faults.md row 2: names both ops and the sequence number, on every rank."""
     for seq, bad, msg in ranks(4, _op_mismatch, timeout=120):
         assert seq == 100 and bad == [3]
         assert "rank 0: all_reduce #100" in msg and "rank 3: all_to_all #100" in msg
@@ -76,7 +76,7 @@ def _never_enters(algo: str, validate: bool):
 @pytest.mark.parametrize("algo,validate", [("flat", False), ("hierarchical", False), ("leader", True),
                                            ("hierarchical", True)])
 def test_rank_never_enters(algo, validate):
-    """FAULTS row 4: the others raise CommTimeoutError between timeout and timeout + slack; with
+    """docs/faults.md row 4: the others raise CommTimeoutError between timeout and timeout + slack; with
     validation on, the error names the missing rank."""
     pool = RankPool(4)
     try:
@@ -141,7 +141,7 @@ def _killed(mode: str, algo: str):
     ("exit", "2d"),
 ])
 def test_rank_killed_mid_collective(mode, algo):
-    """FAULTS row 5: survivors raise within timeout + slack; the engine's threads exit."""
+    """docs/faults.md row 5: survivors raise within timeout + slack; the engine's threads exit."""
     pool = RankPool(4)
     try:
         res = pool.run(_killed, mode, algo, timeout=TIMEOUT + SLACK + 40, allow_dead=True)
@@ -187,7 +187,7 @@ def _hook_raises():
 
 
 def test_exception_in_hook_reaches_backward():
-    """FAULTS row 6: the failing rank's backward carries the original type and message; the others
+    """docs/faults.md row 6: the failing rank's backward carries the original type and message; the others
     raise instead of hanging."""
     pool = RankPool(2)  # the ranks end out of step: processes of their own, not the shared pool's
     try:
@@ -245,7 +245,7 @@ def _lifecycle(store_dir: str, cycles: int):
 
 
 def test_lifecycle_leaks_nothing(ranks, tmp_path):
-    """FAULTS row 30: 20 cycles of init -> hierarchical, async leader, 2-D all-to-all, hierarchical
+    """docs/faults.md row 30: 20 cycles of init -> hierarchical, async leader, 2-D all-to-all, hierarchical
     PowerSGD -> destroy on a 2x2, with the garbage collector off, leak no OS threads or file
     descriptors (sockets and listeners included). The INA paths: test_ina_procs.py; the other
     compressors: test_compression_faults.py."""
@@ -332,7 +332,7 @@ def _absent_matrix(store_dir: str, cases: list, timeout: float):
 
 
 def test_every_entry_point_bounded_by_its_timeout(tmp_path):
-    """FAULTS row 4, for every public entry point and algorithm, cold (group creation) and warm, sync and
+    """docs/faults.md row 4, for every public entry point and algorithm, cold (group creation) and warm, sync and
     async: with one rank alive but absent, every other rank raises within timeout + slack (never a
     hang: gloo's future-less reduce-scatter and the creation of derived groups are bounded too)."""
     timeout = 1.5
@@ -474,7 +474,7 @@ def _mismatch_matrix(specs: list[str]):
 
 @pytest.mark.parametrize("world,specs", [(2, ["1x2"]), (4, ["1x4", "2x2"])])
 def test_mismatch_without_validation_raises_everywhere_before_any_byte_moves(world, specs):
-    """FAULTS rows 1-3 with validation off (issue 23): for every collective x algorithm x {count,
+    """docs/faults.md rows 1-3 with validation off (issue 23): for every collective x algorithm x {count,
     shape, dtype, block, rows, width, split mode, splits} disagreement, on 2 and 4 ranks, flat and
     2x2, every rank raises CollectiveMismatchError (the rank with a bad argument of its own:
     ValueError) at once, no process dies (gloo never sees a payload longer than its buffer: the ranks

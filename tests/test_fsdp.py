@@ -5,7 +5,7 @@ Oracles, each run in the same test from the same seeds on the same data: native 
 the quantized comms, the per-rank local gradients of an unsharded replica, from which the test
 computes the error bound of the block size and bits. The model's parameters do not divide by the
 world size (FSDP pads; one has fewer rows than ranks, so some ranks hold an empty shard).
-FAULTS rows: 33 (register validates on every rank), 34 (padding, a world of 1, empty shards),
+docs/faults.md rows: 33 (register validates on every rank), 34 (padding, a world of 1, empty shards),
 35 (NaN/Inf with a compressor), 36 (error-feedback checkpoint).
 """
 
@@ -180,7 +180,7 @@ def _body_exact(spec: str, steps: int) -> list[str]:
 
 @pytest.mark.parametrize("world,spec", [(4, "2x2"), (4, "1x4"), (4, "4x1"), (4, "0,2;1,3"), (3, "2+1")])
 def test_exact_comms_give_native_fsdp2_gradients(ranks, world, spec):
-    """FAULTS 34: parameters that do not divide by the world (padding, empty shards) reduce exactly
+    """docs/faults.md row 34: parameters that do not divide by the world (padding, empty shards) reduce exactly
     as native FSDP2 over several steps, for flat, auto, hierarchical and hpZ where they apply."""
     out = ranks(world, _body_exact, spec, 3, timeout=120)
     assert out[0] and all(o == out[0] for o in out)
@@ -279,7 +279,7 @@ def _body_quantized_bound(spec: str, steps: int) -> dict:
 @pytest.mark.parametrize("world,spec", [(4, "2x2"), (4, "1x4"), (4, "4x1"), (3, "2+1")])
 def test_quantized_reduce_scatter_within_the_bound(ranks, world, spec):
     """int4 and int8 qgZ (two levels on 2x2, one elsewhere; 2+1 falls back to one level): every
-    step's gradient error is within the bound of the data, block size and bits (FAULTS 34: shards
+    step's gradient error is within the bound of the data, block size and bits (docs/faults.md row 34: shards
     padded, some empty)."""
     out = ranks(world, _body_quantized_bound, spec, 3, timeout=120)
     for bits, ratio in out[0].items():
@@ -521,7 +521,7 @@ def _default_comm(m: nn.Module) -> str:
 
 
 def _body_register_errors(spec: str) -> list[str]:
-    """FAULTS 33: every refusal is an error on every rank at register (or at the comm's
+    """docs/faults.md row 33: every refusal is an error on every rank at register (or at the comm's
     construction), before any step; nothing is registered and the model still trains natively."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
@@ -622,7 +622,7 @@ def _nan_positions(grads: dict) -> dict:
 
 
 def _body_nonfinite(spec: str) -> dict:
-    """FAULTS 35: a NaN in rank 0's gradient propagates into its quantization block of the reduced
+    """docs/faults.md row 35: a NaN in rank 0's gradient propagates into its quantization block of the reduced
     shard (never silently zeroed; through compressed HSDP, int8 or PowerSGD, into that element
     only), leaves every residual finite, and with check_finite=True raises NonFiniteError on every
     rank."""
@@ -707,7 +707,7 @@ def _steps(m, opt, start: int, stop: int) -> None:
 
 
 def _body_checkpoint(spec: str, total: int, split: int, kind: str = "zero++") -> bytes:
-    """FAULTS 36: the ZeRO++ recipe with error feedback (or compressed HSDP with PowerSGD: residuals
+    """docs/faults.md row 36: the ZeRO++ recipe with error feedback (or compressed HSDP with PowerSGD: residuals
     and warm starts), checkpointed at ``split`` (shards and the comms' state, torch.save), rebuilt
     from scratch and restored with weights_only=True, continues bit-identically to the uninterrupted
     run; without the comms' state it does not."""
@@ -757,7 +757,7 @@ def test_error_feedback_checkpoint_restores_bit_identically(ranks):
 
 # ------------------------------------------------------------------------------------------ world of one
 def _body_world_one() -> None:
-    """FAULTS 34: a world of one: the comms are identities (no communication), and the recipe trains
+    """docs/faults.md row 34: a world of one: the comms are identities (no communication), and the recipe trains
     exactly as native FSDP2 does."""
     from torch.distributed import ReduceOp
 

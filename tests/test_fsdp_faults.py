@@ -244,7 +244,7 @@ def _body_frozen(steps: int) -> dict:
 
 
 def test_frozen_and_unused_parameters_train_as_native_fsdp2(ranks):
-    """FAULTS rows 34 and 20 (FSDP2, frozen and unused parameters): every comm accepts the model and
+    """docs/faults.md rows 34 and 20 (FSDP2, frozen and unused parameters): every comm accepts the model and
     trains it as native FSDP2 / native HSDP do (see the body); qgZ no longer fails mid-backward
     counting a frozen parameter, and the HSDP hook keeps error feedback for the trainable ones."""
     out = ranks(2, _body_frozen, 2, timeout=150)
@@ -350,7 +350,7 @@ def _body_nonfinite() -> dict:
 
 
 def test_nonfinite_backward_leaves_every_residual_as_it_was(ranks):
-    """FAULTS row 35 (check_finite=True): NonFiniteError's "no residual was changed" is true for the
+    """docs/faults.md row 35 (check_finite=True): NonFiniteError's "no residual was changed" is true for the
     whole backward, not only for the module that held the NaN."""
     out = ranks(2, _body_nonfinite, timeout=120)
     assert out[0]["qgz"] and out[0]["hsdp-int8"]
@@ -480,7 +480,7 @@ def _check_raised(outcome, where: str, what: str) -> None:
 
 
 def test_stalled_or_killed_rank_fails_the_next_forward(tmp_path):
-    """FAULTS row 5 (FSDP2), 2 ranks: with the ZeRO++ recipe (int8 weights gathered asynchronously
+    """docs/faults.md row 5 (FSDP2), 2 ranks: with the ZeRO++ recipe (int8 weights gathered asynchronously
     and prefetched), a rank that stalls before forward makes the other's training forward raise
     CommTimeoutError from the forward itself (not garbage losses until the next reduce-scatter), and
     its evaluation loop (forward only, no_grad) raise at its first iteration, within the timeout plus
@@ -502,7 +502,7 @@ def test_stalled_or_killed_rank_fails_the_next_forward(tmp_path):
 
 
 def _deadline_calls(store_dir: str) -> list:
-    """FAULTS row 4 (FSDP2): one deadline per comm call. Three calls whose first phase is slow (a
+    """docs/faults.md row 4 (FSDP2): one deadline per comm call. Three calls whose first phase is slow (a
     peer enters it ``late`` seconds after the others) and whose second phase never completes (a
     rank stays ``absent``): the quantized two-level reduce-scatter (intra-node, then the rail), the
     exact hierarchical reduce-scatter (the same order) and the exact hierarchical all-gather (the
@@ -551,9 +551,9 @@ def _deadline_calls(store_dir: str) -> list:
 
 
 def test_every_phase_of_a_comm_call_shares_its_deadline(tmp_path):
-    """FAULTS row 4 (FSDP2), on a 2x2: a comm call raises CommTimeoutError within its timeout even
+    """docs/faults.md row 4 (FSDP2), on a 2x2: a comm call raises CommTimeoutError within its timeout even
     when its first phase took most of it (one deadline for the call, every phase waiting for what is
-    left of it); before, rank 0 raised one timeout after its slow first phase. And FAULTS row 5
+    left of it); before, rank 0 raised one timeout after its slow first phase. And docs/faults.md row 5
     (FSDP2) where the hierarchy matters, in the same fresh processes: exact hierarchical comms with
     prefetch and a rank stalled before forward, the ZeRO++ recipe (hpZ) with a rank stalled between
     forward and backward."""

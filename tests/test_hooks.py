@@ -1,6 +1,6 @@
 """The DDP comm hook, exact path: the same parameters as DDP's own reduction (issue 2).
 
-FAULTS rows: 7 (world of one), 14 (wrong hook result), 19 (no_sync), 20 (unused parameters),
+docs/faults.md rows: 7 (world of one), 14 (wrong hook result), 19 (no_sync), 20 (unused parameters),
 21 (gradient_as_bucket_view both ways), 22 (sparse gradients refused at registration).
 """
 
@@ -79,7 +79,7 @@ def _compare(algo: str, bucket_view: bool, unused: bool, accumulate: int):
 
 @pytest.mark.parametrize("algo", ["hierarchical", "flat", "auto"])
 def test_ddp_hook_matches_ddp(ranks, algo):
-    """FAULTS rows 19-21: with and without bucket views, no_sync accumulation, unused parameters."""
+    """docs/faults.md rows 19-21: with and without bucket views, no_sync accumulation, unused parameters."""
     cases = [(True, False, 1), (False, False, 1), (True, True, 1), (False, False, 3)]
     for bucket_view, unused, accumulate in cases:
         res = ranks(4, _compare, algo, bucket_view, unused, accumulate, timeout=180)
@@ -94,7 +94,7 @@ def _pickle_and_checks():
     state = hooks.AllReduceState(Topology.from_spec("1x2"), "hierarchical", process_group=dist.group.WORLD)
     clone = pickle.loads(pickle.dumps(state))
     assert clone.process_group is None and clone.topology is None and clone.algorithm == "hierarchical"
-    # Sparse gradients are refused at registration, not mid-backward (FAULTS row 22).
+    # Sparse gradients are refused at registration, not mid-backward (docs/faults.md row 22).
     emb = DDP(nn.Embedding(10, 3, sparse=True))
     with pytest.raises(NotImplementedError, match="sparse gradients"):
         hooks.register(emb, hooks.AllReduceState())
@@ -123,7 +123,7 @@ class _FakeBucket:
 
 
 def test_check_result_names_bucket_and_sizes():
-    """FAULTS row 14: a wrong numel, dtype or a nested future is a ValueError before DDP copies it."""
+    """docs/faults.md row 14: a wrong numel, dtype or a nested future is a ValueError before DDP copies it."""
     bucket = _FakeBucket(torch.zeros(10))
     assert hooks.check_result(bucket, [torch.ones(10)]).shape == (10,)
     with pytest.raises(ValueError, match=r"bucket 3 produced numel=9 dtype=torch.float32; expected numel=10"):

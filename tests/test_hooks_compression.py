@@ -2,8 +2,9 @@
 
 References: the uncompressed run (plain DDP), torch's own ``powerSGD_hook`` at equal settings, the
 single-large-batch run (``no_sync``), the same run with another DDP option (``gradient_as_bucket_view``)
-or uninterrupted (checkpoint/restore). Tiny models, few steps, many cases per pool call (DESIGN 8).
-FAULTS rows: 13, 14, 15, 18, 19, 20, 21, 22.
+or uninterrupted (checkpoint/restore). Tiny models, few steps, many cases per pool call
+(docs/architecture.md section 9).
+docs/faults.md rows: 13, 14, 15, 18, 19, 20, 21, 22.
 """
 
 from __future__ import annotations
@@ -136,7 +137,7 @@ def _body_vs_torch_powersgd(steps: int) -> dict:
 
 
 def _body_no_sync() -> None:
-    """FAULTS row 19: two micro-batches under no_sync equal one large batch, for stateful hooks."""
+    """docs/faults.md row 19: two micro-batches under no_sync equal one large batch, for stateful hooks."""
     rank = dist.get_rank()
     for name in ("fp16", "powersgd", "topk", "onebit"):
         make = _compressors()[name]
@@ -163,7 +164,7 @@ def _body_no_sync() -> None:
 
 
 def _body_unused() -> None:
-    """FAULTS row 20: unused parameters (find_unused_parameters / static_graph) stay put and keep a
+    """docs/faults.md row 20: unused parameters (find_unused_parameters / static_graph) stay put and keep a
     zero residual, for every compressor."""
     for kwargs in ({"find_unused_parameters": True}, {"static_graph": True}):
         for name, make in _compressors().items():
@@ -179,7 +180,7 @@ def _body_unused() -> None:
 
 
 def _body_bucket_view() -> dict:
-    """FAULTS rows 21 and 15: gradient_as_bucket_view True/False give identical parameters for every
+    """docs/faults.md rows 21 and 15: gradient_as_bucket_view True/False give identical parameters for every
     hook (several buckets, rebuilt after step 1); residual memory stays one tensor per parameter."""
     numel = sum(p.numel() for p in _model().parameters())
     mem = {}
@@ -198,7 +199,7 @@ def _body_bucket_view() -> dict:
 
 
 def _body_checkpoint() -> None:
-    """FAULTS row 18: checkpoint at step 3, restore into fresh objects, run to 6: bit-identical to
+    """docs/faults.md row 18: checkpoint at step 3, restore into fresh objects, run to 6: bit-identical to
     the uninterrupted run; the state loads with weights_only=True; another world size is an error."""
     rank = dist.get_rank()
     # DDP's first iteration after a restart uses its initial buckets, rebuilt after one step. Per-tensor
@@ -308,14 +309,14 @@ def _body_compressor_state() -> None:
 
 
 def _body_sparse() -> None:
-    """FAULTS row 22: sparse gradients are refused at registration, not mid-backward."""
+    """docs/faults.md row 22: sparse gradients are refused at registration, not mid-backward."""
     model = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 1))
     with pytest.raises(NotImplementedError, match="sparse"):
         register(DDP(model), AllReduceState(compressor=C.TopKCompressor()))
 
 
 def _body_nonfinite_hook() -> None:
-    """FAULTS row 13 through DDP: a NaN gradient on one rank reaches every rank (exact fallback) and
+    """docs/faults.md row 13 through DDP: a NaN gradient on one rank reaches every rank (exact fallback) and
     leaves residuals as they were; with check_finite=True every rank's backward raises, naming
     NonFiniteError (DDP wraps asynchronous hook errors in RuntimeError)."""
     rank = dist.get_rank()
@@ -386,28 +387,28 @@ def test_powersgd_matches_torch_powersgd_hook(ranks):
 
 
 def test_no_sync_accumulation(ranks):
-    """FAULTS row 19: no_sync gradient accumulation with stateful hooks."""
+    """docs/faults.md row 19: no_sync gradient accumulation with stateful hooks."""
     ranks(2, _body_no_sync, timeout=120)
 
 
 def test_unused_parameters_and_static_graph(ranks):
-    """FAULTS row 20: find_unused_parameters=True and static_graph=True with every compressor."""
+    """docs/faults.md row 20: find_unused_parameters=True and static_graph=True with every compressor."""
     ranks(2, _body_unused, timeout=180)
 
 
 def test_gradient_as_bucket_view_and_residual_memory(ranks):
-    """FAULTS rows 21 and 15: bucket views both ways, identical; residual memory O(model) after the
+    """docs/faults.md rows 21 and 15: bucket views both ways, identical; residual memory O(model) after the
     bucket rebuild."""
     ranks(2, _body_bucket_view, timeout=180)
 
 
 def test_checkpoint_restore_bit_identical(ranks):
-    """FAULTS row 18: restore mid-training continues bit-identically (CPU); weights_only load."""
+    """docs/faults.md row 18: restore mid-training continues bit-identically (CPU); weights_only load."""
     ranks(2, _body_checkpoint, timeout=180)
 
 
 def test_nonfinite_through_ddp(ranks):
-    """FAULTS row 13 through the DDP hook: NaN on one rank propagates with residuals untouched;
+    """docs/faults.md row 13 through the DDP hook: NaN on one rank propagates with residuals untouched;
     check_finite=True raises on every rank."""
     ranks(2, _body_nonfinite_hook, timeout=120)
 
@@ -420,7 +421,7 @@ def test_one_compressor_two_models_and_old_checkpoint(ranks):
 
 
 def test_sparse_gradients_refused_at_register(ranks):
-    """FAULTS row 22: nn.Embedding(sparse=True) raises NotImplementedError at register()."""
+    """docs/faults.md row 22: nn.Embedding(sparse=True) raises NotImplementedError at register()."""
     ranks(2, _body_sparse)
 
 
@@ -436,7 +437,7 @@ class _FakeBucket:
 
 
 def test_hook_result_checked():
-    """FAULTS row 14: a wrong numel, dtype or a nested future is a ValueError naming the bucket."""
+    """docs/faults.md row 14: a wrong numel, dtype or a nested future is a ValueError naming the bucket."""
     b = _FakeBucket(10)
     assert check_result(b, torch.ones(10)) is not None
     for bad in (torch.ones(9), torch.ones(10, dtype=torch.float64), torch.futures.Future()):

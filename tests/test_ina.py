@@ -1,4 +1,4 @@
-"""Simulated in-network aggregation: protocol, switch and worker sessions (FAULTS rows 24-30).
+"""Simulated in-network aggregation: protocol, switch and worker sessions (docs/faults.md rows 24-30).
 
 One switch process (spawned) serves the whole module; workers are threads of the test process, each
 with its own UDP session, so no test pays for importing torch in new processes. Every test uses its
@@ -122,7 +122,7 @@ def _session(address: tuple[str, int], job: int, w: int, n: int, **kw: Any) -> I
 
 
 def test_exactness_all_dtypes_ops_sizes(switch):
-    """FAULTS row 24 (no faults): bit-equal to the integer sum of the quantized contributions, within
+    """docs/faults.md row 24 (no faults): bit-equal to the integer sum of the quantized contributions, within
     the documented bound of the fp64 sum; fp32/fp16/bf16, sum/avg, 0..multi-window sizes, 3 workers
     (not a power of two), non-contiguous tensors, and an all-zero tensor."""
     n, job = 3, next(_JOB)
@@ -180,7 +180,7 @@ def _faulty_run(switch: SwitchProcess, n: int, faults: Callable[[int], FaultConf
 @pytest.mark.parametrize("direction", ["send", "recv"])
 @pytest.mark.parametrize("loss", [0.01, 0.05, 0.10])
 def test_loss_each_direction_exact(switch, loss, direction):
-    """FAULTS row 24: 1 %, 5 %, 10 % loss worker->switch or switch->worker: results stay exactly the
+    """docs/faults.md row 24: 1 %, 5 %, 10 % loss worker->switch or switch->worker: results stay exactly the
     integer sum; retransmissions are counted and bounded by the retry budget."""
     link = LinkFaults(loss=loss)
 
@@ -199,7 +199,7 @@ def test_loss_each_direction_exact(switch, loss, direction):
 
 
 def test_bursts_duplicates_reordering(switch):
-    """FAULTS rows 24 and 25: loss bursts in both directions, duplicated and reordered packets in both
+    """docs/faults.md rows 24 and 25: loss bursts in both directions, duplicated and reordered packets in both
     directions: exact results; the switch ignores and counts the duplicates."""
     def faults(w: int) -> FaultConfig:
         link = LinkFaults(burst_start=0.02, burst_length=4, duplicate=0.1, reorder=0.1)
@@ -212,7 +212,7 @@ def test_bursts_duplicates_reordering(switch):
 
 
 def test_lost_result_recovered_from_shadow_copy(switch):
-    """FAULTS row 24: the result packet of chunk 0 is lost on its way to worker 0; worker 0's
+    """docs/faults.md row 24: the result packet of chunk 0 is lost on its way to worker 0; worker 0's
     retransmission is answered from the slot's kept copy while the peer already uses the other copy."""
     n, job = 2, next(_JOB)
     xs = _inputs(n, 8 * 512, torch.float32, seed=3)
@@ -243,7 +243,7 @@ def _raw_socket() -> socket.socket:
 
 
 def test_stale_and_foreign_packets_ignored(switch):
-    """FAULTS row 25: packets of a foreign job id and stale packets of an earlier epoch are ignored and
+    """docs/faults.md row 25: packets of a foreign job id and stale packets of an earlier epoch are ignored and
     counted, while a job runs to exact results."""
     n, job = 2, next(_JOB)
     xs = _inputs(n, 3000, torch.float32, seed=5)
@@ -280,7 +280,7 @@ def test_stale_and_foreign_packets_ignored(switch):
 
 
 def test_stalled_worker_then_next_job(switch):
-    """FAULTS row 26: a worker stalls mid-job (stops after one collective): the others raise
+    """docs/faults.md row 26: a worker stalls mid-job (stops after one collective): the others raise
     CommTimeoutError within timeout + slack naming it; the job's slots are freed when its next
     incarnation joins, and that next job succeeds."""
     n, job, timeout = 3, next(_JOB), 2.0
@@ -313,7 +313,7 @@ def test_stalled_worker_then_next_job(switch):
 
 
 def test_overflow_headroom_and_rescale(switch):
-    """FAULTS row 27: inputs at the top of their exponent on every worker, all the same sign, whose
+    """docs/faults.md row 27: inputs at the top of their exponent on every worker, all the same sign, whose
     naive int32 sum would wrap: the agreed exponent's headroom keeps the sum in range; with the
     headroom removed the switch saturates, flags it, and every worker redoes the round with headroom
     instead of wrapping."""
@@ -337,7 +337,7 @@ def test_overflow_headroom_and_rescale(switch):
 
 
 def test_nonfinite_mismatch_and_bad_dtypes(switch):
-    """FAULTS row 27 (and rows 1, 3 for INA): NaN/Inf on one rank raises NonFiniteError on every rank
+    """docs/faults.md row 27 (and rows 1, 3 for INA): NaN/Inf on one rank raises NonFiniteError on every rank
     before quantizing; a numel mismatch raises CollectiveMismatchError on every rank; the session stays
     usable after both; integer tensors and unknown ops are rejected up front."""
     n, job = 3, next(_JOB)
@@ -407,7 +407,7 @@ def _malformed(rng: random.Random) -> list[tuple[str, bytes]]:
 
 
 def test_malformed_and_random_packets_counted(switch):
-    """FAULTS row 28: truncated, bad magic/version, oversized length, worker or slot out of range,
+    """docs/faults.md row 28: truncated, bad magic/version, oversized length, worker or slot out of range,
     unknown dtype, and 10^4 random byte strings are rejected and counted, and the switch keeps
     serving (no pickle on that path: the header is struct-parsed and bounds-checked)."""
     rng = random.Random(28)
@@ -437,7 +437,7 @@ def test_malformed_and_random_packets_counted(switch):
 
 
 def test_switch_binds_loopback_by_default(switch):
-    """FAULTS row 29: the switch (object, spawned process and CLI) binds to 127.0.0.1 unless told
+    """docs/faults.md row 29: the switch (object, spawned process and CLI) binds to 127.0.0.1 unless told
     otherwise; the CLI prints its address, answers stats, and exits 0 on SIGTERM."""
     sw = Switch()
     try:
@@ -469,7 +469,7 @@ def test_switch_binds_loopback_by_default(switch):
 
 
 def test_session_lifecycle_no_leaks(switch):
-    """FAULTS row 30: 20 cycles of session open -> all-reduce -> close leak no file descriptors or
+    """docs/faults.md row 30: 20 cycles of session open -> all-reduce -> close leak no file descriptors or
     threads."""
     n, job = 2, next(_JOB)
 
@@ -492,7 +492,7 @@ def test_session_lifecycle_no_leaks(switch):
 
 
 def test_protocol_header_roundtrip():
-    """FAULTS row 28: the header is a fixed 48-byte struct (version 2: with the 64-bit job identity);
+    """docs/faults.md row 28: the header is a fixed 48-byte struct (version 2: with the 64-bit job identity);
     packing then validating gives the fields back, the published offsets point at the fields' bytes,
     and struct refuses out-of-range values at the sender."""
     from commopt.comm.ina.protocol import (
@@ -544,7 +544,7 @@ def test_protocol_header_roundtrip():
 
 
 def test_quantize_matches_float64_reference():
-    """FAULTS row 27: the float32 quantizer gives exactly round-half-even(x * 2**s) computed in float64
+    """docs/faults.md row 27: the float32 quantizer gives exactly round-half-even(x * 2**s) computed in float64
     (an independent oracle), for every dtype, magnitudes from tiny to large, and shifts of both signs."""
     g = torch.Generator().manual_seed(27)
     scales = {torch.float32: (1e-30, 1e-3, 1.0, 1e4, 3e37), torch.float16: (1e-3, 1.0, 1e3),
@@ -565,7 +565,7 @@ def test_quantize_matches_float64_reference():
 
 
 def test_jobs_share_the_switch_through_partitions():
-    """FAULTS row 25: two jobs of different sizes aggregate concurrently on one switch, each exactly,
+    """docs/faults.md row 25: two jobs of different sizes aggregate concurrently on one switch, each exactly,
     in their own partitions; a job beyond the pool's partitions is refused with a clear error, and
     gets one once another job leaves."""
     from commopt.comm.errors import CommError
@@ -599,7 +599,7 @@ def _delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
 
 
 def test_two_jobs_sharing_a_job_id_stay_apart(switch):
-    """FAULTS row 25: two independent jobs with the same job id (as two worlds with the same group
+    """docs/faults.md row 25: two independent jobs with the same job id (as two worlds with the same group
     name had) but their own drawn nonces aggregate at the same time on one switch: job A sends 1.0
     and job B 100.0 on every call, and each gets exactly its own sum, 2.0 and 200.0, on every call;
     the two identities differ; packets with the job id and a foreign nonce are refused and counted."""
@@ -645,7 +645,7 @@ def test_two_jobs_sharing_a_job_id_stay_apart(switch):
 
 
 def test_forged_join_and_leave_cannot_touch_a_running_job(switch):
-    """FAULTS row 28: forged JOINs for a running job (the issue's one-worker JOIN, re-JOINs of its
+    """docs/faults.md row 28: forged JOINs for a running job (the issue's one-worker JOIN, re-JOINs of its
     workers with other sessions, a JOIN with more workers) and forged LEAVEs of its workers are refused
     and counted, each JOIN answered with an ERROR to the forger only; the running job keeps its epoch
     and worker count and its next all-reduces are exact. The forger knows the job's identity here,
@@ -705,7 +705,7 @@ def _reduce_once(address: tuple[str, int], job: int, w: int, x: torch.Tensor, **
 
 
 def test_join_flood_is_bounded_and_released_within_seconds():
-    """FAULTS row 28: a flood of JOINs that never complete: sixteen for unused job ids from one socket
+    """docs/faults.md row 28: a flood of JOINs that never complete: sixteen for unused job ids from one socket
     (the issue's attack) take at most max_pending_per_source partitions and the rest are refused and
     counted, while a real job still joins at once; sixteen from eight sockets take the pool's four
     partitions, and every abandoned JOIN releases its partition within seconds (the join timeout),
@@ -744,7 +744,7 @@ def test_join_flood_is_bounded_and_released_within_seconds():
 
 
 def test_abandoned_join_for_an_ended_job_is_released():
-    """FAULTS row 28: the JOIN of a job's next incarnation that never completes (worker 0 left and
+    """docs/faults.md row 28: the JOIN of a job's next incarnation that never completes (worker 0 left and
     rejoined, worker 1 left and never came back) holds the job's partition only until the join
     timeout; then the pending JOIN is dropped and the partition freed, and both are counted."""
     sw = Switch(pool_slots=32, partition_size=16, join_timeout=0.2)  # in-process: handle() directly

@@ -1,15 +1,15 @@
-"""In-network aggregation through the comm engine: asynchronous, counted, and failing loudly (FAULTS row 37).
+"""In-network aggregation through the comm engine: asynchronous, counted, and failing loudly (docs/faults.md row 37).
 
 ``all_reduce(..., algorithm="ina", async_op=True)`` and the ``"ina"`` backend's
 ``dist.all_reduce(t, async_op=True)`` must return before the reduction completes (DDP's backward is
 not blocked), complete later with the right sum, and deliver a failure to the caller. The proof that
-a call returned early does not use a clock (DESIGN 7.9): the peer enters the reduction only after the
-caller has returned and looked at its future, through the pool's store, so a call that blocked until
+a call returned early does not use a clock (docs/architecture.md section 9.4): the peer enters the reduction only after
+the caller has returned and looked at its future, through the pool's store, so a call that blocked until
 the reduction completed would wait for a peer that never comes and fail the test by its timeout.
 
 The engine's byte counter of an INA call must equal ``Ina.traffic()`` (the payload's int32 codes; see
 ``commopt.comm.algorithms.ina``), for every supported dtype, on a gloo group (the process's engine)
-and on an ``"ina"`` group (that group's own engine). The rank pool of DESIGN 8 runs the bodies (2
+and on an ``"ina"`` group (that group's own engine). The rank pool of docs/architecture.md section 9 runs the bodies (2
 ranks, gloo); the switches run in the test process. DDP on the ``"ina"`` backend is
 ``test_ina_procs.py``'s.
 """
@@ -92,7 +92,7 @@ def _algorithm_async(address: str, token: str) -> dict:
 
 
 def test_algorithm_ina_async_returns_before_the_reduction(ranks, switch):
-    """FAULTS row 37: all_reduce(t, algorithm="ina", async_op=True) returns a future that is not done
+    """docs/faults.md row 37: all_reduce(t, algorithm="ina", async_op=True) returns a future that is not done
     while the peer has not even entered the call (it enters only after this rank returned), and
     completes with the exact sum; the engine counts the payload's int32 codes, which is what
     Ina.traffic() says, for fp32/fp16/bf16, odd sizes, blocking and async calls."""
@@ -132,7 +132,7 @@ def _backend_async(address: str, token: str) -> dict:
 
 
 def test_ina_backend_async_work_completes_later(ranks, switch):
-    """FAULTS row 37: on the "ina" backend, dist.all_reduce(t, async_op=True) returns a work that is not
+    """docs/faults.md row 37: on the "ina" backend, dist.all_reduce(t, async_op=True) returns a work that is not
     completed while the peer has not entered the call; wait() gives the exact sum and get_future()
     holds the reduced tensor; the group's engine counts what Ina.traffic() says, and algorithm="ina"
     on that group goes through the same session and engine; the group (a new_group) is destroyed."""
@@ -190,7 +190,7 @@ def _switch_gone(address: str, pid: int) -> dict:
 
 
 def test_ina_failure_reaches_the_caller(ranks):
-    """FAULTS row 37: with the switch gone after a warm-up, an async all_reduce(algorithm="ina") and an
+    """docs/faults.md row 37: with the switch gone after a warm-up, an async all_reduce(algorithm="ina") and an
     async "ina"-backend all-reduce fail on wait() with CommTimeoutError (a CommError), and the
     backend work's future fails with a RuntimeError naming CommTimeoutError (what DDP re-raises)."""
     with SwitchProcess(partition_size=16) as sw:  # its own: rank 0 stops it mid-test

@@ -3,7 +3,7 @@ and the backend's configuration (a one-rank group in this process).
 
 These tests start fresh processes (spawned, never forked) because they must: DDP needs
 ``init_process_group("ina")`` in new ranks, and a crash needs a process to kill. They are few and
-small (DESIGN 8); each has a wall-clock guard and kills whatever it started.
+small (docs/architecture.md section 9); each has a wall-clock guard and kills whatever it started.
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def _train(backend: str, store_path: str, rank: int, options: Any) -> tuple[list
 
 
 def _cycles(tmp: str, rank: int, address: str, cycles: int = 10) -> tuple[int, int]:
-    """FAULTS row 30: init("ina") -> all-reduce -> destroy, repeatedly; returns fds (first, last)."""
+    """docs/faults.md row 30: init("ina") -> all-reduce -> destroy, repeatedly; returns fds (first, last)."""
     import torch.distributed as dist
 
     from commopt.comm.ina import InaOptions
@@ -173,7 +173,7 @@ def _reap(procs: list[Any]) -> None:
 
 
 def test_ddp_on_ina_backend_matches_gloo():
-    """FAULTS rows 24 and 30 (end to end): DDP on init_process_group("ina") (2 spawned ranks, FileStore
+    """docs/faults.md rows 24 and 30 (end to end): DDP on init_process_group("ina") (2 spawned ranks, FileStore
     in a tmp dir) trains 5 steps to the same parameters as gloo DDP, within the quantization
     tolerance; fp16/bf16/AVG all-reduce go through the switch and the other collectives through gloo;
     10 init -> all-reduce -> destroy cycles leak no file descriptors; the collective layer's adapter
@@ -231,7 +231,7 @@ def _world_rank(world: str, rank: int, tmp: str, address: str, value: float, bar
         identity = identities()
         destroy()
         dist.destroy_process_group()
-        # FAULTS row 30, the INA part: init -> ina all_reduce -> destroy with the collector off leaks no
+        # docs/faults.md row 30, the INA part: init -> ina all_reduce -> destroy with the collector off leaks no
         # socket, file descriptor or thread (sessions close explicitly; nothing cyclic holds them).
         gc.disable()
         counts = []
@@ -253,11 +253,11 @@ def _world_rank(world: str, rank: int, tmp: str, address: str, value: float, bar
 
 
 def test_two_worlds_on_one_switch_never_share_a_job():
-    """FAULTS row 25: two independent 2-rank worlds (spawned, each with its own FileStore; their
+    """docs/faults.md row 25: two independent 2-rank worlds (spawned, each with its own FileStore; their
     WORLD groups have the same name, from which job ids used to be derived) call
     all_reduce(t, algorithm="ina", topology=Topology.from_env()) at the same time on one switch:
     world A sends 1.0 and world B 100.0, and on every call A gets exactly 2.0 and B exactly 200.0; the
-    ranks of a world agree on one job identity and the two worlds never share it. Then (FAULTS row 30,
+    ranks of a world agree on one job identity and the two worlds never share it. Then (docs/faults.md row 30,
     INA part) init -> ina all_reduce -> destroy cycles with the garbage collector off leave no file
     descriptor, thread or open session behind."""
     ctx = mp.get_context("spawn")
@@ -296,7 +296,7 @@ def _doomed_worker(address: tuple[str, int], job: int, started: Any) -> None:
 
 
 def test_killed_worker_survivors_raise_then_next_job(tmp_path):
-    """FAULTS row 26: a worker process is SIGKILLed mid-job: the two survivors raise CommTimeoutError
+    """docs/faults.md row 26: a worker process is SIGKILLed mid-job: the two survivors raise CommTimeoutError
     within timeout + slack, naming it; the job's slots are freed when its next incarnation (2 workers,
     same job id) joins, and that job succeeds."""
     timeout, job = 3.0, 4242
@@ -365,7 +365,7 @@ def test_killed_worker_survivors_raise_then_next_job(tmp_path):
 
 
 def test_backend_switch_address_from_options_or_environment(tmp_path, monkeypatch):
-    """FAULTS row 29 (configuration): init_process_group("ina") takes the switch from InaOptions, or
+    """docs/faults.md row 29 (configuration): init_process_group("ina") takes the switch from InaOptions, or
     from COMMOPT_INA_SWITCH alone (no layout variables, as under torchrun without COMMOPT_NODES), and
     says what to do when neither names one."""
     import torch.distributed as dist
@@ -398,7 +398,7 @@ def test_backend_switch_address_from_options_or_environment(tmp_path, monkeypatc
 
 
 def test_ina_switch_from_env_needs_no_layout(monkeypatch):
-    """FAULTS row 29 (configuration): COMMOPT_INA_SWITCH is read without any layout variable; unset
+    """docs/faults.md row 29 (configuration): COMMOPT_INA_SWITCH is read without any layout variable; unset
     gives None; a malformed value is a TopologyError naming the variable and the 'host:port' form,
     from the accessor, from Topology.from_env() and from init_process_group("ina")."""
     import torch.distributed as dist
@@ -438,7 +438,7 @@ def test_ina_switch_from_env_needs_no_layout(monkeypatch):
 
 @pytest.mark.parametrize("dummy", [0])
 def test_import_registers_backend_idempotently(dummy):
-    """FAULTS row 30: importing commopt.comm.ina registers "ina" once; registering again is a no-op."""
+    """docs/faults.md row 30: importing commopt.comm.ina registers "ina" once; registering again is a no-op."""
     import torch.distributed as dist
 
     import commopt.comm.ina as ina

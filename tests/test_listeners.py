@@ -1,4 +1,4 @@
-"""FAULTS row 29: where commopt launches ranks itself, every listening socket is on loopback.
+"""docs/faults.md row 29: where commopt launches ranks itself, every listening socket is on loopback.
 
 ``commopt-bench collectives --spawn N`` rendezvous through a FileStore and binds gloo to ``lo``; this
 test watches the listening TCP sockets of the benchmark's processes while it runs. (The switch's and

@@ -4,7 +4,7 @@ The oracle is a single-process computation written independently here: every ran
 ranks' tokens and all experts' parameters with plain ``torch.distributed``, routes token by token
 with explicit loops (capacity counted first choices first, tokens in order) and applies each expert
 to each row. Output and gradients (tokens, gate, experts) of the distributed layer must equal it
-(float64); the overlapped variant must equal the unchunked one. FAULTS rows covered: 8 (experts and
+(float64); the overlapped variant must equal the unchunked one. docs/faults.md rows covered: 8 (experts and
 ranks that receive no tokens: capacity drops and uneven routing give zero-sized splits), 23
 (interleaved placement for the 2-D exchange).
 """
@@ -200,7 +200,7 @@ def test_chunk_layout():
 
 
 def test_moe_single_process():
-    """World size 1 (FAULTS row 7): the layer runs without a process group, degree 2 equals degree 1."""
+    """World size 1 (docs/faults.md row 7): the layer runs without a process group, degree 2 equals degree 1."""
     x = torch.randn(9, D, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     a = MoE(D, H, E, top_k=2, seed=3, dtype=torch.float64)(x)
     b = MoE(D, H, E, top_k=2, seed=3, dtype=torch.float64, overlap_degree=2)(x)

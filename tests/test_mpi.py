@@ -1,4 +1,4 @@
-"""``commopt-bench`` and ``Topology.from_env()`` under ``mpirun`` (issue 2; FAULTS rows 31, 38).
+"""``commopt-bench`` and ``Topology.from_env()`` under ``mpirun`` (issue 2; docs/faults.md rows 31, 38).
 
 Marker ``mpi``: skips without mpirun/mpi4py.
 """
@@ -38,7 +38,7 @@ def test_mpirun_collectives_sweep_is_correct():
 
 
 def test_mpirun_failure_on_one_rank_ends_the_job():
-    """FAULTS row 31: a failure on one rank aborts the whole job promptly (no finalize deadlock)."""
+    """docs/faults.md row 31: a failure on one rank aborts the whole job promptly (no finalize deadlock)."""
     start = time.monotonic()
     res = _mpirun(2, "--sizes", "1K", "--fail-rank", "1", timeout=120)
     assert res.returncode != 0
@@ -85,13 +85,14 @@ dist.destroy_process_group()
     ("localhost:1,127.0.0.1:2", 4, "0,3;1,2", None),  # 0 -> a, 1, 2 -> b, 3 -> a
 ], ids=["default", "node-by-node", "round-robin", "irregular"])
 def test_mpirun_from_env_gives_the_real_placement(tmp_path, hosts, n, layout, split):
-    """FAULTS row 38: under a real mpirun, Topology.from_env() and detect() give MPI's placement on
+    """docs/faults.md row 38: under a real mpirun, Topology.from_env() and detect() give MPI's placement on
     every rank, never a node-by-node guess; every rank's local rank is MPI's (MPI_LOCALRANKID)."""
     script = tmp_path / "placement_rank.py"
     script.write_text(_PLACEMENT_RANK)
     cmd = ["mpirun"] + (["-hosts", hosts] if hosts else []) + ["-n", str(n), sys.executable, str(script),
                                                               str(tmp_path / "store"), "--split" if split else "-"]
-    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo")  # DESIGN 9: these ranks talk over loopback only
+    # docs/architecture.md section 10: these ranks talk over loopback only
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo")
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=150, stdin=subprocess.DEVNULL, env=env)
     assert res.returncode == 0, res.stdout + res.stderr
     reports = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("store.*.json"))]

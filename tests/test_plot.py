@@ -3,7 +3,7 @@
 The JSON comes from real runs of the benchmarks on two spawned ranks with tiny sizes, so the schema
 the plots read is the one the benchmarks write. Each plot function returns what it drew, read back
 from the figure's artists; the tests hold those series against the JSON, and check that the PNG
-exists and is a PNG of the expected size. No test looks at a time or a rate (DESIGN 7.9).
+exists and is a PNG of the expected size. No test looks at a time or a rate (docs/architecture.md section 9.4).
 """
 
 from __future__ import annotations

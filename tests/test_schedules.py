@@ -448,7 +448,7 @@ def test_matches_ddp_sgd_adamw(ranks):
 
 def test_algorithms_and_compressor_2x2(ranks):
     """Each algorithm on a 2x2 topology, and an FP16 compressor (hierarchical: only the inter-node
-    phase compressed) against DDP with commopt's hook and the same compressor (FAULTS row 11, fp64
+    phase compressed) against DDP with commopt's hook and the same compressor (docs/faults.md row 11, fp64
     through each algorithm)."""
     out = ranks(4, _body_algorithms, STEPS, timeout=170)
     for rank_out in out:
@@ -466,7 +466,7 @@ def test_algorithms_and_compressor_2x2(ranks):
 
 
 def test_gradient_accumulation(ranks):
-    """``no_sync`` micro-batches then a synchronising one equal DDP's no_sync (FAULTS row 19)."""
+    """``no_sync`` micro-batches then a synchronising one equal DDP's no_sync (docs/faults.md row 19)."""
     out = ranks(2, _body_accumulation, 3, 3, timeout=90)
     for rank_out in out:
         for opt, (diff, steps) in rank_out.items():
@@ -495,7 +495,7 @@ def test_issue_order_shared_when_readiness_differs(ranks):
 
 def test_unused_parameters(ranks):
     """A parameter unused on one rank is averaged with zeros; one unused everywhere stays put under
-    SGD, as with DDP(find_unused_parameters=True) (FAULTS row 20)."""
+    SGD, as with DDP(find_unused_parameters=True) (docs/faults.md row 20)."""
     out = ranks(2, _body_unused, 3, timeout=60)
     for r in out:
         assert r["diff"] <= EXACT
@@ -503,7 +503,7 @@ def test_unused_parameters(ranks):
 
 def test_timeout_when_a_rank_does_not_reduce(ranks):
     """A rank that never enters a step's reduction: the other's next forward raises CommTimeoutError
-    after the timeout, naming the op and step, instead of hanging (FAULTS row 4); once the late
+    after the timeout, naming the op and step, instead of hanging (docs/faults.md row 4); once the late
     rank catches up, both finish cleanly."""
     out = ranks(2, _body_timeout, 1.0, timeout=120)
     assert out[0]["raised"] is not None and "overlap/wait" in out[0]["raised"], out[0]
@@ -535,7 +535,7 @@ def _plain_training(data, opt_name: str = "adamw") -> list[torch.Tensor]:
 
 def test_single_process_equals_plain_training():
     """Without a process group (world size 1) the wrapper is plain training: no communication, the
-    same parameters as one optimizer stepping the model (FAULTS row 7)."""
+    same parameters as one optimizer stepping the model (docs/faults.md row 7)."""
     if dist.is_initialized():
         pytest.skip("needs a process without torch.distributed")
     data = _data(0, STEPS, 2)
@@ -591,7 +591,7 @@ def _body_solo_groups(steps: int) -> dict:
 
 
 def test_one_rank_group_in_a_larger_world_trains_locally(ranks):
-    """FAULTS row 7, a group of size 1: a wrapper over a group of one rank (each rank its own)
+    """docs/faults.md row 7, a group of size 1: a wrapper over a group of one rank (each rank its own)
     reduces nothing and equals plain local training on that rank's data, although WORLD has two
     ranks (it once reduced its chunks over WORLD)."""
     for r in ranks(2, _body_solo_groups, STEPS, timeout=60):

@@ -1,4 +1,4 @@
-"""Topology constructors, validation and derived groups (issue 2; FAULTS rows 4, 23, 38).
+"""Topology constructors, validation and derived groups (issue 2; docs/faults.md rows 4, 23, 38).
 
 Row 38 (launchers) is driven here with the variables torchrun and MPI set, in the 4-rank pool, and
 in test_mpi.py under a real ``mpirun``; row 4 (a rank never arrives) for group creation.
@@ -135,7 +135,7 @@ def _inconsistent():
 
 
 def test_inconsistent_specs_fail_on_every_rank(ranks):
-    """FAULTS row 23: inconsistent topology specs across ranks give a clear error on every rank."""
+    """docs/faults.md row 23: inconsistent topology specs across ranks give a clear error on every rank."""
     res = ranks(4, _inconsistent)
     for msg in res:
         assert msg is not None and "ranks disagree on the topology" in msg
@@ -295,7 +295,7 @@ def _launchers(cases):
 
 
 def test_launcher_placements(ranks):
-    """FAULTS row 38: from_env() and detect() give torchrun's node-by-node placement and MPI's real
+    """docs/faults.md row 38: from_env() and detect() give torchrun's node-by-node placement and MPI's real
     placement (round robin included), a clear error on every rank where the variables contradict
     each other, and on a plain spawn from_env() raises while detect() works."""
     import re
@@ -414,7 +414,7 @@ def _one_rank_stays_away(flag_dir):
 
 
 def test_group_creation_is_bounded_by_its_timeout(ranks, tmp_path):
-    """FAULTS row 4: a rank alive but never calling groups(): the others raise CommTimeoutError after
+    """docs/faults.md row 4: a rank alive but never calling groups(): the others raise CommTimeoutError after
     the timeout and before timeout + slack, both in the layout check and in new_group."""
     res = ranks(4, _one_rank_stays_away, str(tmp_path), timeout=2 * (CREATE_TIMEOUT + SLACK) + 30, allow_dead=True)
     assert res[3] is None
