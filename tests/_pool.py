@@ -126,6 +126,29 @@ class RankPool:
         self.close(graceful=False)
         self._start()
 
+    def threads(self) -> int:
+        """The most OS threads any rank process holds (Linux's /proc; 0 where it cannot be read)."""
+        counts = [0]
+        for p in self._procs:
+            try:
+                counts.append(len(os.listdir(f"/proc/{p.pid}/task")))
+            except OSError:
+                pass
+        return max(counts)
+
+    def recycle(self, max_threads: int) -> bool:
+        """Replace the ranks when one holds more than ``max_threads`` threads; True if it did.
+
+        Every gloo process group keeps a polling loop thread and two worker threads, and an idle
+        loop still costs CPU (200 idle groups: about a third of a core per process). A kept pool
+        accumulates the groups of every test it serves, so on 2 cores the suite would slow down as
+        it runs; fresh processes between tests start from none.
+        """
+        if self.threads() <= max_threads:
+            return False
+        self.restart()
+        return True
+
     def close(self, graceful: bool = True) -> None:
         if graceful:
             for q in self._tasks:

@@ -6,6 +6,9 @@ import pytest
 from _pool import RankPool
 
 _POOLS: dict[int, RankPool] = {}
+# Threads a kept rank process may hold between tests before it is replaced (see RankPool.recycle):
+# about 35 gloo process groups.
+_MAX_THREADS = 120
 
 
 @pytest.fixture(scope="session")
@@ -26,3 +29,13 @@ def ranks():
     for pool in _POOLS.values():
         pool.close()
     _POOLS.clear()
+
+
+@pytest.fixture(autouse=True)
+def _recycle_heavy_pools():
+    """After each test, replace a kept pool whose ranks have accumulated many process groups (their
+    idle polling threads would tax every later test on a 2-core machine); only between tests, so a
+    test that calls ``ranks`` twice keeps its processes."""
+    yield
+    for pool in _POOLS.values():
+        pool.recycle(_MAX_THREADS)

@@ -257,23 +257,25 @@ def test_mismatch_without_validation_raises_everywhere(ranks):
 def _sizes_differ_flat_fp16():
     rank = dist.get_rank()
     y = torch.randn(100 if rank == 0 else 200)
+    before = y.clone()
     try:
         C.FP16Compressor().all_reduce(y, timeout=TIMEOUT)
     except Exception as exc:  # noqa: BLE001 - the test inspects it
-        return f"raised {type(exc).__name__}"
-    return "returned normally"
+        return f"raised {type(exc).__name__}", torch.equal(y, before)
+    return "returned normally", torch.equal(y, before)
 
 
 def test_optimistic_sizes_differ_flat_ends_loudly():
-    """docs/faults.md row 1 without validation, optimistic flat: fp16 payloads of different lengths (no
-    check phase runs first) end in gloo's own failure, which aborts the rank that receives too
-    much ("Received data size doesn't match expected size") and fails the others; no rank returns."""
+    """docs/faults.md row 1 without validation, optimistic flat: fp16 payloads of different lengths
+    (no check phase runs before the payload) used to end in gloo's own failure, which aborted the
+    rank that received too much; a standalone call now agrees on its input first, so every rank
+    raises CollectiveMismatchError with its tensor unchanged and no process dies."""
     pool = RankPool(2)
     try:
-        res = pool.run(_sizes_differ_flat_fp16, timeout=TIMEOUT + SLACK + 20, allow_dead=True)
+        res = pool.run(_sizes_differ_flat_fp16, timeout=TIMEOUT + SLACK + 20)
     finally:
         pool.close(graceful=False)
-    assert all(r is None or r.startswith("raised") for r in res), res
+    assert res == [("raised CollectiveMismatchError", True)] * 2, res
 
 
 # ------------------------------------------------------------------------------------------ lifecycle
