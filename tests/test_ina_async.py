@@ -2,10 +2,13 @@
 
 ``all_reduce(..., algorithm="ina", async_op=True)`` and the ``"ina"`` backend's
 ``dist.all_reduce(t, async_op=True)`` must return before the reduction completes (DDP's backward is
-not blocked), complete later with the right sum, and deliver a failure to the caller. The proof that
-a call returned early does not use a clock (docs/architecture.md section 9.4): the peer enters the reduction only after
-the caller has returned and looked at its future, through the pool's store, so a call that blocked until
-the reduction completed would wait for a peer that never comes and fail the test by its timeout.
+not blocked), complete later with the right sum, and deliver a failure to the caller. The proofs
+that a call returned early do not use a clock (docs/architecture.md section 9.4): for the backend,
+the peer enters the reduction only after the caller has returned and looked at its future, through
+the pool's store; for ``all_reduce``, which returns only once every rank has entered and agreed on
+the call, the switch process is paused (SIGSTOP) from before the calls until the caller has looked.
+A call that blocked until the reduction completed would wait forever and fail the test by its
+timeout.
 
 The engine's byte counter of an INA call must equal ``Ina.traffic()`` (the payload's int32 codes; see
 ``commopt.comm.algorithms.ina``), for every supported dtype, on a gloo group (the process's engine)
@@ -16,7 +19,9 @@ ranks, gloo); the switches run in the test process. DDP on the ``"ina"`` backend
 
 from __future__ import annotations
 
+import os
 import secrets
+import signal
 
 import pytest
 import torch
@@ -28,9 +33,14 @@ TIMEOUT = 30.0  # seconds per INA call (the store waits as long)
 
 
 @pytest.fixture(scope="module")
-def switch():
+def switch_process():
     with SwitchProcess(partition_size=16) as sw:
-        yield f"{sw.address[0]}:{sw.address[1]}"
+        yield sw
+
+
+@pytest.fixture(scope="module")
+def switch(switch_process):
+    return f"{switch_process.address[0]}:{switch_process.address[1]}"
 
 
 def _topology(address: str | None):
@@ -52,6 +62,24 @@ def _after_peer_looked(token: str, rank: int, call):
     return result, pending
 
 
+def _while_switch_paused(pid: int, rank: int, call):
+    """Both ranks call while the switch is paused (SIGSTOP), from before the calls until rank 0 has
+    looked at its future: the reduction cannot complete before the call returns, whatever the timing.
+    (The peer enters the call too: ``all_reduce`` returns only once the ranks agree on the call,
+    through the gloo group, which needs no switch.)"""
+    if rank == 0:
+        os.kill(pid, signal.SIGSTOP)
+    dist.barrier()
+    try:
+        result = call()
+        pending = not result.done()
+        dist.barrier()  # both ranks have looked
+    finally:
+        if rank == 0:
+            os.kill(pid, signal.SIGCONT)
+    return result, pending
+
+
 def _counted_calls(topo, counter, reduce) -> list[tuple[str, int, float, float]]:
     """Bytes the engine counted per call against ``Ina.traffic`` for fp32/fp16/bf16 and odd sizes."""
     from commopt.comm.algorithms import get
@@ -68,7 +96,7 @@ def _counted_calls(topo, counter, reduce) -> list[tuple[str, int, float, float]]
     return out
 
 
-def _algorithm_async(address: str, token: str) -> dict:
+def _algorithm_async(address: str, pid: int) -> dict:
     from commopt.comm import all_reduce, context, destroy
 
     rank = dist.get_rank()
@@ -77,7 +105,7 @@ def _algorithm_async(address: str, token: str) -> dict:
         warm = torch.full((5000,), 1.0 + rank)
         all_reduce(warm, algorithm="ina", topology=topo, timeout=TIMEOUT)  # identity and JOIN: collective
         t = torch.full((70000,), 1.0 + rank)
-        fut, pending = _after_peer_looked(token, rank, lambda: all_reduce(
+        fut, pending = _while_switch_paused(pid, rank, lambda: all_reduce(
             t, algorithm="ina", topology=topo, timeout=TIMEOUT, async_op=True))
         got = fut.wait()
         engine = context().engine()
@@ -91,13 +119,13 @@ def _algorithm_async(address: str, token: str) -> dict:
         destroy()  # closes this rank's session: the next body starts from a fresh context
 
 
-def test_algorithm_ina_async_returns_before_the_reduction(ranks, switch):
+def test_algorithm_ina_async_returns_before_the_reduction(ranks, switch, switch_process):
     """docs/faults.md row 37: all_reduce(t, algorithm="ina", async_op=True) returns a future that is not done
-    while the peer has not even entered the call (it enters only after this rank returned), and
-    completes with the exact sum; the engine counts the payload's int32 codes, which is what
+    while the switch cannot aggregate (paused from before the call until the caller has looked), and
+    completes with the exact sum once it runs again; the engine counts the payload's int32 codes, which is what
     Ina.traffic() says, for fp32/fp16/bf16, odd sizes, blocking and async calls."""
-    results = ranks(2, _algorithm_async, switch, f"ina-async-{secrets.token_hex(4)}", timeout=120)
-    assert results[0]["pending"], "algorithm='ina', async_op=True returned an already completed future"
+    results = ranks(2, _algorithm_async, switch, switch_process.pid, timeout=120)
+    assert all(r["pending"] for r in results), "algorithm='ina', async_op=True returned an already completed future"
     for rank, r in enumerate(results):
         assert r["warm"] == [3.0] and r["sum"] == [3.0] and r["same"], (rank, r)
         for dtype, n, counted, expect in r["counted"]:
