@@ -498,8 +498,3 @@ def wait_work(work, timeout: float | None, op: str | None = None, *, deadline: f
                                f"{exc}. Another rank did not reach this collective or died", op=op,
                                ranks=[rank]) from exc
 
-
-def as_timedelta(timeout: float | timedelta | None) -> timedelta | None:
-    if timeout is None or isinstance(timeout, timedelta):
-        return timeout
-    return timedelta(seconds=float(timeout))
