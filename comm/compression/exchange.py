@@ -52,7 +52,6 @@ compressor and the shapes (``auto.py``); flat where the levels share one resourc
 from __future__ import annotations
 
 import functools
-import weakref
 from typing import Callable
 
 import torch
@@ -564,20 +563,11 @@ def _scaled(out: torch.Tensor, factor: float, dtype: torch.dtype, divide: bool, 
 
 
 def _phase(name: str, group: ProcessGroup | None, body: Callable[[ProcessGroup | None], int]) -> Phase:
-    """A phase whose byte count is known only once it ran (it may fall back to an exact reduction).
+    """A phase whose byte count is known only once it ran (it may fall back to an exact reduction):
+    ``body`` returns the bytes it sent, which the engine counts.
 
-    Its ``fn`` holds the phase only weakly: a phase whose function refers back to it is a reference
-    cycle, which would keep the phase, its reduction and their process groups alive after
-    ``commopt.comm.destroy()`` until the garbage collector happens to run (sockets and threads).
+    The phase holds the reduction through ``body`` (a bound method); the reduction never holds the
+    phase, so no reference cycle keeps the phase and its process groups alive after
+    ``commopt.comm.destroy()`` (docs/faults.md row 30).
     """
-    phase = Phase(name, None, group)
-    phase.fn = functools.partial(_run_counted, weakref.ref(phase), body, group)
-    return phase
-
-
-def _run_counted(phase_ref: weakref.ref, body: Callable[[ProcessGroup | None], int],
-                 group: ProcessGroup | None) -> None:
-    nbytes = int(body(group) or 0)
-    phase = phase_ref()
-    if phase is not None:
-        phase.nbytes = nbytes
+    return Phase(name, functools.partial(body, group), group)
