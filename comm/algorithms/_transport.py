@@ -21,9 +21,15 @@ from ..engine import Engine, Phase, all_of, chain, wait_work, wrap_error
 
 __all__ = ["Prepared", "prepare", "finish", "then_finish", "done", "pairwise", "exchange_reduce_scatter",
            "exchange_all_gather", "exchange_rows", "chunk_bounds", "flat_future", "byte_rows", "row_bytes",
-           "pipelined", "deadline_of", "remaining", "MIN_CHUNK_BYTES", "LOW_PRECISION"]
+           "pipelined", "deadline_of", "remaining", "MIN_CHUNK_BYTES", "LOW_PRECISION", "all_gather_single",
+           "reduce_scatter_single"]
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+# torch 2.13 renamed the tensor variants of all-gather and reduce-scatter; older releases (>= 2.3)
+# have only the old names. Every caller uses these two, never the torch names directly.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 # The smallest chunk a pipeline cuts (bytes): below it, per-message latency costs more than the
 # overlap gains.

@@ -14,17 +14,13 @@ import torch
 import torch.distributed as dist
 
 from ..topology import Topology
-from ._transport import byte_rows, flat_future, row_bytes
+from ._transport import all_gather_single, byte_rows, flat_future, reduce_scatter_single, row_bytes
 from .base import ALGORITHM_FACTORS, Algorithm, Call, Traffic
 
 if TYPE_CHECKING:
     from ..cost import CostModel
 
 __all__ = ["Flat", "FLAT"]
-
-# torch 2.13 renamed the tensor variants; older releases (>= 2.3) have only the old names.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class Flat(Algorithm):
@@ -69,13 +65,13 @@ class Flat(Algorithm):
     def reduce_scatter(self, call: Call) -> torch.futures.Future:
         p, world = call.prepared, dist.get_world_size(call.group)
         call.engine.count("reduce_scatter/flat", (world - 1) * p.flat.numel() * p.flat.element_size())
-        work = _reduce_scatter_single(p.flat, call.src, op=call.red, group=call.group, async_op=True)
+        work = reduce_scatter_single(p.flat, call.src, op=call.red, group=call.group, async_op=True)
         return flat_future(call.engine, work, p, "reduce_scatter/flat", call.timeout, call.group)
 
     def all_gather(self, call: Call) -> torch.futures.Future:
         p, world, src = call.prepared, dist.get_world_size(call.group), call.src
         call.engine.count("all_gather/flat", (world - 1) * src.numel() * src.element_size())
-        work = _all_gather_single(p.flat, src, group=call.group, async_op=True)
+        work = all_gather_single(p.flat, src, group=call.group, async_op=True)
         return flat_future(call.engine, work, p, "all_gather/flat", call.timeout, call.group)
 
     def all_to_all(self, call: Call) -> torch.futures.Future:
