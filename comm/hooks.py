@@ -26,7 +26,7 @@ from .compression import Compressor, CompressorState, ErrorFeedback, reduce_tens
 from .engine import chain
 from .topology import Topology
 
-__all__ = ["AllReduceState", "allreduce_hook", "register", "check_result"]
+__all__ = ["AllReduceState", "allreduce_hook", "register", "check_result", "check_dense_gradients"]
 
 
 class AllReduceState:
@@ -263,6 +263,17 @@ allreduce_hook.__annotations__.update(bucket=dist.GradBucket, state=AllReduceSta
                                       **{"return": torch.futures.Future[torch.Tensor]})
 
 
+def check_dense_gradients(module: torch.nn.Module, reducer: str, hint: str = "use sparse=False") -> None:
+    """Raise ``NotImplementedError`` when a submodule of ``module`` produces sparse gradients
+    (``nn.Embedding(sparse=True)``, ``nn.EmbeddingBag(sparse=True)``), which ``reducer`` (the
+    dense reduction that would meet them, e.g. "DDP comm hooks") cannot reduce; ``hint`` says what to
+    do instead. Checked when a model is wrapped or a hook registered, never mid-backward."""
+    for name, sub in module.named_modules():
+        if getattr(sub, "sparse", False) is True:
+            raise NotImplementedError(f"module {name or type(sub).__name__} produces sparse gradients, which "
+                                      f"{reducer} cannot reduce; {hint}")
+
+
 def register(ddp_model: torch.nn.parallel.DistributedDataParallel, state: AllReduceState) -> None:
     """Validate ``ddp_model`` for ``state``, then ``ddp_model.register_comm_hook(state, allreduce_hook)``.
 
@@ -279,11 +290,8 @@ def register(ddp_model: torch.nn.parallel.DistributedDataParallel, state: AllRed
         raise TypeError(f"register expects an AllReduceState as its state, got {type(state).__name__} {state!r}; "
                         f"pass hooks.AllReduceState(...) (for a hook of your own use "
                         f"ddp_model.register_comm_hook)")
-    for name, module in ddp_model.module.named_modules():
-        if getattr(module, "sparse", False) is True:
-            raise NotImplementedError(
-                f"module {name or type(module).__name__} produces sparse gradients, which DDP comm hooks "
-                f"cannot reduce; use sparse=False or leave the default DDP reduction for this model")
+    check_dense_gradients(ddp_model.module, "DDP comm hooks", "use sparse=False or leave the default DDP "
+                          "reduction for this model")
     for name, param in ddp_model.module.named_parameters():
         if param.requires_grad and param.dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"parameter {name} has dtype {param.dtype}, which commopt does not reduce")

@@ -88,6 +88,7 @@ from commopt.comm.collectives import reduce_consistent, select_algorithm
 from commopt.comm.compression import Compressor, ErrorFeedback, reduce_tensors
 from commopt.comm.engine import Phase, wait
 from commopt.comm.errors import CommError, CommTimeoutError
+from commopt.comm.hooks import check_dense_gradients
 from commopt.comm.topology import Topology
 
 from . import checkpoint
@@ -191,10 +192,7 @@ class OverlapDataParallel(nn.Module):
             if not p.is_floating_point():
                 raise TypeError(f"parameter {names.get(id(p))} has dtype {p.dtype}; OverlapDataParallel "
                                 f"reduces floating-point gradients only")
-        for name, m in module.named_modules():
-            if getattr(m, "sparse", False) is True:
-                raise NotImplementedError(f"module {name or type(m).__name__} produces sparse gradients, which "
-                                          f"OverlapDataParallel cannot reduce; use sparse=False")
+        check_dense_gradients(module, "OverlapDataParallel")
         self._keys = [names.get(id(p), f"param{i}") for i, p in enumerate(self._params)]
         self._distributed = dist.is_initialized() and dist.get_world_size(process_group) > 1
         self._group: ProcessGroup | None = None
