@@ -31,7 +31,7 @@ from .topology import Topology
 if TYPE_CHECKING:
     from .compression.base import Compressor
 
-__all__ = ["all_reduce", "reduce_consistent", "reduce_scatter", "all_gather", "SUPPORTED_DTYPES", "select_algorithm",
+__all__ = ["all_reduce", "reduce_scatter", "all_gather", "SUPPORTED_DTYPES", "select_algorithm",
            "validate_same", "agree", "agreed", "check_group", "check_timeout"]
 
 Result = Union[torch.Tensor, torch.futures.Future]
@@ -350,7 +350,8 @@ def _start(kind: str, algo: str, p: Prepared, red: ReduceOp | None, group, topo:
 # --------------------------------------------------------------------------------- all-reduce
 def all_reduce(tensor: torch.Tensor, op: ReduceOp.RedOpType = ReduceOp.SUM, *, group: ProcessGroup | None = None,
                topology: Topology | None = None, algorithm: str = "auto", compressor: Compressor | None = None,
-               async_op: bool = False, validate: bool = False, timeout: float | None = None) -> Result:
+               async_op: bool = False, validate: bool = False, timeout: float | None = None,
+               agreement: bool = True) -> Result:
     """All-reduce ``tensor`` in place over ``group`` with a topology-aware algorithm.
 
     Args:
@@ -374,6 +375,12 @@ def all_reduce(tensor: torch.Tensor, op: ReduceOp.RedOpType = ReduceOp.SUM, *, g
             positive number, or ``inf`` for no bound of commopt's own). It bounds the agreement
             check, then the payload: every phase of a multi-phase algorithm waits for what is left
             of one deadline. Group creation on a first call is bounded by it too.
+        agreement: run the agreement check (:func:`agree`) when not validating. ``False`` is for
+            callers whose ranks hold the same buffers by construction (DDP's buckets, which DDP
+            checks across ranks when it wraps the model; OverlapDataParallel's plan, shared by every
+            rank): the check is an extra small collective per call (about one latency: on a
+            CPU-bound loopback it doubled a 1 KiB flat all-reduce). Ranks that disagree on it
+            disagree on the collectives they issue: pass the same value on every rank.
 
     Returns:
         ``tensor`` (reduced in place), or a ``Future`` of it when ``async_op``.
@@ -385,18 +392,6 @@ def all_reduce(tensor: torch.Tensor, op: ReduceOp.RedOpType = ReduceOp.SUM, *, g
         CommError: a peer died before the ranks could agree (the tensor is unchanged).
         TypeError, ValueError: a bad argument (tensor, group, op, timeout, algorithm).
     """
-    return reduce_consistent(tensor, op, group=group, topology=topology, algorithm=algorithm, compressor=compressor,
-                             async_op=async_op, validate=validate, timeout=timeout, agree_sizes=True)
-
-
-def reduce_consistent(tensor: torch.Tensor, op: ReduceOp.RedOpType = ReduceOp.SUM, *,
-                      group: ProcessGroup | None = None, topology: Topology | None = None, algorithm: str = "auto",
-                      compressor: Compressor | None = None, async_op: bool = False, validate: bool = False,
-                      timeout: float | None = None, agree_sizes: bool = False) -> Result:
-    """:func:`all_reduce` for callers whose ranks hold the same buffers by construction (DDP's buckets,
-    which DDP checks across ranks when it wraps the model; OverlapDataParallel's plan, shared by
-    every rank): ``agree_sizes=False`` leaves out the agreement check, an extra small collective
-    per call (about one latency: on a CPU-bound loopback it doubled a 1 KiB flat all-reduce)."""
     name = "all_reduce"
     _check_tensor(name, tensor)
     check_group(name, group)
@@ -414,7 +409,7 @@ def reduce_consistent(tensor: torch.Tensor, op: ReduceOp.RedOpType = ReduceOp.SU
     topo = None if algorithm == "flat" else context().topology(topology, group, timeout)
     nbytes = tensor.numel() * tensor.element_size()
     algo = "flat" if topo is None else select_algorithm("allreduce", algorithm, nbytes, topo, timeout)
-    if agree_sizes and not validate:
+    if agreement and not validate:
         failed = agreed(async_op, lambda: agree(name, numel=tensor.numel(), dtype=tensor.dtype, op=op_name,
                                                 algorithm=algo, group=group, device=tensor.device, timeout=timeout))
         if failed is not None:

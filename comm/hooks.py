@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
-from .collectives import SUPPORTED_DTYPES, check_group, check_timeout, reduce_consistent, validate_same
+from .collectives import SUPPORTED_DTYPES, all_reduce, check_group, check_timeout, validate_same
 from .compression import Compressor, CompressorState, ErrorFeedback, reduce_tensors
 from .engine import chain
 from .topology import Topology
@@ -252,8 +252,8 @@ def allreduce_hook(state: AllReduceState, bucket: dist.GradBucket) -> torch.futu
                              timeout=state.timeout)
         return chain(fut, lambda _value: check_result(bucket, buf))
     # DDP's buckets match across ranks by construction: no agreement check per bucket.
-    fut = reduce_consistent(buf, ReduceOp.AVG, group=group, topology=state.topology, algorithm=state.algorithm,
-                            async_op=True, validate=state.validate, timeout=state.timeout)
+    fut = all_reduce(buf, ReduceOp.AVG, group=group, topology=state.topology, algorithm=state.algorithm,
+                     async_op=True, validate=state.validate, timeout=state.timeout, agreement=False)
     return chain(fut, lambda value: check_result(bucket, value))
 
 

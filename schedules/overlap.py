@@ -84,7 +84,7 @@ from torch import nn
 from torch.distributed import ProcessGroup, ReduceOp
 
 from commopt.comm import algorithms, context, cost
-from commopt.comm.collectives import reduce_consistent, select_algorithm
+from commopt.comm.collectives import all_reduce, select_algorithm
 from commopt.comm.compression import Compressor, ErrorFeedback, reduce_tensors
 from commopt.comm.engine import Phase, wait
 from commopt.comm.errors import CommError, CommTimeoutError
@@ -747,8 +747,8 @@ class OverlapDataParallel(nn.Module):
                                   feedback=self._feedback, state=self._compressor_state, timeout=self.timeout)
         # Chunks come from the plan every rank shares: no agreement check per chunk. Flat ones are
         # issued right here, so both streams see them in this queue's order.
-        return reduce_consistent(buf[c.start: c.stop], ReduceOp.AVG, group=self._streams[k % 2],
-                                 topology=self._topology, algorithm=self.algorithm, async_op=True, timeout=self.timeout)
+        return all_reduce(buf[c.start: c.stop], ReduceOp.AVG, group=self._streams[k % 2], topology=self._topology,
+                          algorithm=self.algorithm, async_op=True, timeout=self.timeout, agreement=False)
 
     def _chunk_done(self, step: _Step, c: Chunk, k: int, fut: torch.futures.Future) -> None:
         # Bookkeeping only (docs/architecture.md section 3, rule 1): the training thread steps the optimizer.
