@@ -20,7 +20,6 @@ every residual as it was before that backward.
 
 from __future__ import annotations
 
-import hashlib
 import math
 import time
 from dataclasses import dataclass, field
@@ -36,24 +35,14 @@ from .. import algorithms
 from ..algorithms._transport import pairwise, remaining, wait_work
 from ..collectives import select_algorithm
 from ..compression import Compressor, QuantizeCompressor
+from ..compression.base import all_finite, derive_seed
 from ..engine import Phase, wait
 from ..errors import NonFiniteError, TopologyError
 from ..runtime import context
 from ..topology import Topology
 
 __all__ = ["Layout", "Codec", "Memory", "Journal", "CommBase", "CollectiveComm", "BoundComm", "Bound", "CommWork",
-           "reduction", "seed_of", "done_work", "as_work", "cut_segments", "finite", "quantized_exchange",
-           "LOW_PRECISION"]
-
-LOW_PRECISION = (torch.float16, torch.bfloat16)
-
-
-def seed_of(*parts: int | str) -> int:
-    """A 62-bit seed from ints and strings: the same on every rank for the same parts."""
-    h = hashlib.blake2b(digest_size=8)
-    for p in parts:
-        h.update(str(p).encode() + b"\x1f")
-    return int.from_bytes(h.digest(), "little") >> 2
+           "reduction", "done_work", "as_work", "cut_segments", "quantized_exchange"]
 
 
 def reduction(op, world: int) -> tuple[float, str]:
@@ -233,7 +222,7 @@ class Codec:
         s_pos, c_pos, x_pos = 0, 4 * nscales, 0
         for i, n in enumerate(segments):
             codes, sc = kernels.quantize(x[x_pos: x_pos + n], bits=self.bits, block=self.block,
-                                         seed=seed_of(seed, i), step=step, stochastic=stochastic)
+                                         seed=derive_seed(seed, i), step=step, stochastic=stochastic)
             scales[s_pos: s_pos + sc.numel()] = sc
             nb = self._code_bytes(n)
             out[c_pos: c_pos + nb] = codes.view(torch.uint8)
@@ -260,12 +249,6 @@ class Codec:
             s_pos, c_pos, x_pos = s_pos + ns, c_pos + nb, x_pos + n
 
 
-def finite(x: torch.Tensor) -> bool:
-    """Whether every element of ``x`` is finite, in one pass where it is (NaN/Inf propagate through
-    a sum; an overflowing sum of finite values is confirmed element-wise)."""
-    return bool(torch.isfinite(x.sum())) or bool(torch.isfinite(x).all())
-
-
 def quantized_exchange(codec: Codec, rows: list[torch.Tensor | None], segs: list[list[int]], out: torch.Tensor,
                        me: int, group, *, residual: list[torch.Tensor | None] | None, seed: tuple, step: int,
                        stochastic: bool, timeout: float | None) -> int:
@@ -286,9 +269,9 @@ def quantized_exchange(codec: Codec, rows: list[torch.Tensor | None], segs: list
             continue
         x = rows[d] if residual is None else rows[d] + residual[d]
         send[d] = torch.empty(codec.nbytes(segs[d]), dtype=torch.uint8, device=device)
-        codec.encode(x, segs[d], send[d], seed=seed_of(*seed, me, d), step=step, stochastic=stochastic)
+        codec.encode(x, segs[d], send[d], seed=derive_seed(*seed, me, d), step=step, stochastic=stochastic)
         recv[d] = torch.empty(codec.nbytes(segs[me]), dtype=torch.uint8, device=device)
-        if residual is not None and finite(x):
+        if residual is not None and all_finite(x):
             # A NaN/Inf input would poison the residual: keep the previous one (docs/faults.md row 35).
             decoded = torch.empty_like(x)
             codec.decode(send[d], segs[d], decoded)
@@ -575,7 +558,7 @@ class CommBase:
         all-gather over WORLD on a group of its own) and raise ``NonFiniteError`` on every rank if so,
         after undoing what this backward's earlier calls changed (:class:`Journal`)."""
         self.journal.begin()
-        bad = torch.tensor([0 if bool(torch.isfinite(x).all()) else 1], dtype=torch.int64)
+        bad = torch.tensor([0 if all_finite(x) else 1], dtype=torch.int64)
         g = self.groups("fsdp-check", self.flat_topology()).intra
         flags = torch.zeros(dist.get_world_size(), dtype=torch.int64)
 
@@ -635,9 +618,6 @@ class Bound:
 
 
 # --------------------------------------------------------------------------------- reduce-scatter / all-gather
-_ALGORITHMS = ("auto", "flat", "hierarchical")
-
-
 class CollectiveComm(CommBase):
     """What the reduce-scatter and all-gather comms share: the exact algorithm (``auto``, ``flat``,
     ``hierarchical``), the optional ``QuantizeCompressor`` and its block codec, and the start of an
@@ -653,9 +633,10 @@ class CollectiveComm(CommBase):
     def __init__(self, topology: Topology | None, algorithm: str, compressor: Compressor | None,
                  timeout: float | None):
         super().__init__(topology, timeout)
-        if not isinstance(algorithm, str) or algorithm not in _ALGORITHMS:
-            raise ValueError(f"{self.where}: algorithm {algorithm!r} is not supported; use 'auto', 'flat' or "
-                             f"'hierarchical'")
+        # With a compressor, only the algorithms that can carry one (its flat or two-level exchange).
+        known = [algorithms.AUTO, *algorithms.names(self.collective, codec=compressor is not None)]
+        if not isinstance(algorithm, str) or algorithm not in known:
+            raise ValueError(f"{self.where}: algorithm {algorithm!r} is not supported; use one of {known}")
         self.algorithm = algorithm
         self.compressor = self._check_compressor(compressor)
         self.codec = Codec(self.compressor.bits, self.compressor.block) if self.compressor is not None else None

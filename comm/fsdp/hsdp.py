@@ -44,10 +44,11 @@ from torch.distributed import ReduceOp
 from .. import algorithms
 from ..algorithms._transport import deadline_of, pairwise, remaining, wait_work
 from ..compression import Compressor, ErrorFeedback, QuantizeCompressor, reduce_tensors
+from ..compression.base import all_finite, derive_seed
 from ..engine import Phase, wait
 from ..errors import TopologyError
 from ..topology import Topology
-from ._common import Bound, Codec, CommBase, Layout, cut_segments, finite, quantized_exchange, seed_of
+from ._common import Bound, Codec, CommBase, Layout, cut_segments, quantized_exchange
 
 __all__ = ["AllReduceHook"]
 
@@ -246,9 +247,9 @@ class AllReduceHook(CommBase):
 
         def gather() -> int:
             x = reduced if server is None else reduced + server
-            codec.encode(x, segs[me], payloads[me], seed=seed_of(self.seed, layout.key, "server", me), step=step,
+            codec.encode(x, segs[me], payloads[me], seed=derive_seed(self.seed, layout.key, "server", me), step=step,
                          stochastic=stochastic)
-            if server is not None and finite(x):
+            if server is not None and all_finite(x):
                 decoded = torch.empty_like(x)
                 codec.decode(payloads[me], segs[me], decoded)
                 torch.sub(x, decoded, out=server)

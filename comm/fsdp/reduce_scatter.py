@@ -38,13 +38,13 @@ from torch.distributed import ReduceOp
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 from .. import algorithms
-from ..algorithms._transport import deadline_of, exchange_reduce_scatter, prepare, remaining
+from ..algorithms._transport import LOW_PRECISION, deadline_of, exchange_reduce_scatter, prepare, remaining
 from ..algorithms.hierarchical import rail_order
 from ..compression import Compressor
 from ..engine import Phase, wait
 from ..runtime import context
 from ..topology import Topology
-from ._common import LOW_PRECISION, Bound, BoundComm, CollectiveComm, Layout, done_work, quantized_exchange, reduction
+from ._common import Bound, BoundComm, CollectiveComm, Layout, done_work, quantized_exchange, reduction
 
 __all__ = ["ReduceScatterComm"]
 
