@@ -19,6 +19,7 @@ rank 0 broadcasts with mpi4py), under ``torchrun`` or ``commopt-bench cluster`` 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import math
 import os
@@ -30,10 +31,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
+from commopt.comm import algorithms
+
 from ._launch import launch, topology_of
 from ._progress import progress
 
-__all__ = ["main", "parse_sizes", "run_sweep"]
+__all__ = ["main", "parse_sizes", "run_sweep", "algorithm_names"]
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
            "bfloat16": torch.bfloat16, "int32": torch.int32, "int64": torch.int64}
@@ -76,9 +79,10 @@ def _fmt_size(n: int) -> str:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="commopt-bench collectives", description=__doc__.split("\n\n")[0])
     p.add_argument("--op", default="allreduce", help=f"comma list of {', '.join(_OPS)}")
-    p.add_argument("--algo", default="flat,hierarchical", help="comma list: flat, hierarchical, leader, "
-                   "ina, auto (allreduce); flat, hierarchical, auto (reduce_scatter, all_gather); flat, 2d, auto "
-                   "(alltoall); torch: plain torch.distributed, without commopt's agreement check (its cost)")
+    per_op = "; ".join(f"{', '.join(algorithms.names(op) + [algorithms.AUTO])} ({op})" for op in _OPS)
+    p.add_argument("--algo", default="flat,hierarchical", help=f"comma list of registered algorithms: {per_op}; "
+                   "torch: plain torch.distributed, without commopt's agreement check (its cost); MODULE:NAME: "
+                   "algorithm NAME, registered by importing MODULE on every rank (an algorithm of your own)")
     p.add_argument("--sizes", default="1K:16M", type=parse_sizes,
                    help="bytes per rank: '1K,64K' or a doubling range '1K:16M' (alltoall: bytes per peer)")
     p.add_argument("--dtype", default="float32", choices=list(_DTYPES))
@@ -195,6 +199,25 @@ def _agree_iters(seconds: float, requested: int) -> int:
     return int(min(200, max(9, math.ceil(1.0 / max(float(t), 1e-6)))))
 
 
+def algorithm_names(text: str) -> list[str]:
+    """The ``--algo`` list as algorithm names; ``MODULE:NAME`` imports MODULE first (on this rank),
+    whose import registers NAME with ``commopt.comm.algorithms.register``."""
+    out = []
+    for item in (a.strip() for a in text.split(",")):
+        module, sep, name = item.rpartition(":")
+        if sep:
+            try:
+                importlib.import_module(module)
+            except ImportError as exc:
+                raise SystemExit(f"--algo {item}: cannot import {module!r} ({exc}); put it on PYTHONPATH "
+                                 f"or install it") from exc
+            if name not in algorithms.ALGORITHMS:
+                raise SystemExit(f"--algo {item}: importing {module!r} registered no algorithm {name!r}; "
+                                 f"registered: {sorted(algorithms.ALGORITHMS)}")
+        out.append(name)
+    return out
+
+
 def run_sweep(args, topo, log=print) -> list[dict]:
     """Measure every (op, size, algorithm) and return one row per combination."""
     from commopt.comm import context, cost
@@ -205,7 +228,7 @@ def run_sweep(args, topo, log=print) -> list[dict]:
     redop = _REDOPS[args.redop]
     esize = torch.empty((), dtype=dtype).element_size()
     ops = [o.strip() for o in args.op.split(",")]
-    algos = [a.strip() for a in args.algo.split(",")]
+    algos = algorithm_names(args.algo)
     variants = [(a, v) for a in algos for v in ((False, True) if args.compare_validate else (args.validate,))]
     model = cost.model_for(topo) if world > 1 else None
     rows: list[dict] = []

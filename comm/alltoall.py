@@ -5,7 +5,7 @@
 ``torch.distributed.all_to_all_single``. Splits are in rows (dim 0); any dtype and trailing shape; the
 data moves as raw bytes, so every dtype is exact.
 
-Algorithms (:data:`ALGORITHMS`):
+Algorithms (the registry's all-to-all ones, ``algorithms.names("alltoall")``):
 
 - ``flat``: the group's own all-to-all, issued on the caller's thread (every rank sends p - 1
   messages, p - L of them across its node's link);
@@ -43,7 +43,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Union
+from typing import Callable, Union
 
 import torch
 import torch.distributed as dist
@@ -71,7 +71,6 @@ __all__ = [
     "all_to_all",
     "all_to_all_autograd",
     "exchange_splits",
-    "ALGORITHMS",
     "link_bytes",
     "predict",
     "choose_algorithm",
@@ -83,7 +82,6 @@ __all__ = [
 Result = Union[torch.Tensor, torch.futures.Future]
 Splits = Union[Sequence[int], torch.Tensor, None]
 
-ALGORITHMS = ("flat", "2d")
 _NAME = "all_to_all"
 
 
@@ -261,22 +259,28 @@ def _mean_bytes(input: torch.Tensor, group, world: int, timeout: float | None) -
     return float(total.item()) / world
 
 
+def _known(algorithm: str) -> None:
+    """``ValueError`` unless ``algorithm`` is ``"auto"`` or a registered all-to-all algorithm."""
+    known = algorithms.names("alltoall")
+    if algorithm != algorithms.AUTO and algorithm not in known:
+        raise ValueError(f"{_NAME}: unknown algorithm {algorithm!r}; choose one of {known + [algorithms.AUTO]}")
+
+
 def _choose(algorithm: str, input: torch.Tensor, topology: Topology | None, group, world: int,
             agreed_bytes: float | None, timeout: float | None) -> tuple[str, Topology | None, float | None]:
-    if algorithm not in ALGORITHMS + ("auto",):
-        raise ValueError(f"{_NAME}: unknown algorithm {algorithm!r}; choose one of {list(ALGORITHMS) + ['auto']}")
+    _known(algorithm)
     if algorithm == "flat":
         return "flat", None, agreed_bytes
     topo = context().topology(topology, group, timeout)
-    if algorithm == "2d" and not topo.is_uniform:
-        raise TopologyError(
-            f"algorithm '2d' needs nodes of equal size, got node sizes {[len(n) for n in topo.nodes]} "
-            f"({topo.layout}); use algorithm='auto' (falls back to flat) or 'flat'", op=f"{_NAME}/2d")
-    if topo.num_nodes == 1 or topo.num_nodes == topo.world_size:
-        return "flat", topo, agreed_bytes  # one level: the 2-D phases degenerate to the flat exchange
-    if algorithm == "2d":
-        return "2d", topo, agreed_bytes
-    if not topo.is_uniform:
+    if algorithm != algorithms.AUTO:
+        impl = algorithms.get(algorithm)
+        reason = impl.supports(topo, "alltoall")
+        if reason is not None:
+            raise TopologyError(f"{reason}; use algorithm='auto' (falls back to flat) or 'flat'",
+                                op=f"{_NAME}/{algorithm}")
+        # One level: the 2-D phases degenerate to the flat exchange (``flat_on_one_level``).
+        return impl.runs(topo, "alltoall"), topo, agreed_bytes
+    if topo.num_nodes == 1 or topo.num_nodes == topo.world_size or not topo.is_uniform:
         return "flat", topo, agreed_bytes
     if agreed_bytes is None:
         agreed_bytes = _mean_bytes(input, group, world, timeout)
@@ -470,8 +474,7 @@ def link_bytes(algorithm: str, nbytes: float, topology: Topology) -> float:
     Equal for ``flat`` and ``2d`` (each of a node's L ranks sends (p - L)/p of its buffer off-node,
     the 2-D one just in fewer, larger messages); ``auto`` is whichever it picks.
     """
-    if algorithm not in ALGORITHMS + ("auto",):
-        raise ValueError(f"{_NAME}: unknown algorithm {algorithm!r}")
+    _known(algorithm)
     return cost.link_bytes("flat" if algorithm == "auto" else algorithm, nbytes, topology, "alltoall")
 
 
@@ -482,10 +485,8 @@ def predict(algorithm: str, nbytes: float, topology: Topology, model: cost.CostM
     model = model or cost.CostModel(cost.DEFAULT_INTRA, cost.DEFAULT_INTER)
     if algorithm == "auto":
         algorithm = choose_algorithm(nbytes, topology, model)
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"{_NAME}: unknown algorithm {algorithm!r}; choose one of {list(ALGORITHMS) + ['auto']}")
-    if algorithm == "2d" and topology.num_nodes in (1, topology.world_size):
-        algorithm = "flat"
+    _known(algorithm)
+    algorithm = algorithms.get(algorithm).runs(topology, "alltoall")  # 2d on one level runs flat
     return cost.predict(algorithm, nbytes, topology, model, op="alltoall")
 
 
@@ -499,12 +500,13 @@ def choose_algorithm(nbytes: float, topology: Topology, model: cost.CostModel | 
     """
     if topology.num_nodes in (1, topology.world_size) or not topology.is_uniform:
         return "flat"
+    options = [a for a in algorithms.candidates("alltoall") if algorithms.get(a).supports(topology, "alltoall") is None]
     if model is None:
         fitted = context().alltoall_fits.get(_calibration_key(topology))
-        if fitted is not None:
-            return min(ALGORITHMS, key=lambda a: (fitted[a].time(nbytes), ALGORITHMS.index(a)))
+        if fitted is not None and all(a in fitted for a in options):
+            return cost.choose(options, nbytes, topology, None, op="alltoall", measured=fitted)
         model = cost.model_for(topology, timeout=timeout)
-    return cost.choose(["flat", "2d"], nbytes, topology, model, op="alltoall")
+    return cost.choose(options, nbytes, topology, model, op="alltoall")
 
 
 def _calibration_key(topology: Topology) -> tuple:
@@ -513,14 +515,13 @@ def _calibration_key(topology: Topology) -> tuple:
 
 def calibrate(topology: Topology, *, sizes: tuple[int, int] = (16 * 1024, 4 << 20), reps: int = 3,
               chunks: int | None = None) -> dict[str, cost.LinkModel]:
-    """Time ``flat`` and ``2d`` on this machine and let ``auto`` choose from the measurements.
+    """Time ``auto``'s all-to-all candidates (``flat`` and ``2d``) on this machine and let ``auto``
+    choose from the measurements.
 
-    The level model predicts message counts and bytes; what it cannot see is this machine's cost of
-    each extra synchronising phase (thread hand-offs, the copies, a CPU shared by many ranks), which
-    decides small exchanges. So: at two per-rank sizes, each algorithm runs ``reps`` times (after a
-    warm-up); each time is the slowest rank's (an all-reduce MAX, so every rank fits the same
-    numbers); ``cost.fit`` gives each algorithm an effective ``alpha + S * beta`` line, rank 0's
-    broadcast. Stored in
+    ``cost.measure_lines`` times each at two per-rank sizes (``reps`` times after a warm-up, the
+    slowest rank's best) and fits each an effective ``alpha + S * beta`` line, rank 0's broadcast:
+    what the level model cannot see is this machine's cost of each extra synchronising phase (thread
+    hand-offs, the copies, a CPU shared by many ranks), which decides small exchanges. Stored in
     commopt's one cache per layout (released by ``destroy()``); collective over the topology's group.
 
     Returns:
@@ -528,31 +529,16 @@ def calibrate(topology: Topology, *, sizes: tuple[int, int] = (16 * 1024, 4 << 2
     """
     if topology.world_size == 1 or topology.num_nodes in (1, topology.world_size) or not topology.is_uniform:
         return {}
-    import time  # local: only calibration reads the clock
-
     world, group = topology.world_size, topology.group
-    fits: dict[str, cost.LinkModel] = {}
-    for algo in ALGORITHMS:
-        times = []
-        for size in sizes:
-            rows = max(1, size // (4 * world))
-            x = torch.zeros(rows * world, dtype=torch.float32)
-            out = torch.empty_like(x)
-            all_to_all(out, x, topology=topology, algorithm=algo, chunks=chunks, group=group)  # warm-up
-            best = float("inf")
-            for _ in range(reps):
-                start = time.perf_counter()
-                all_to_all(out, x, topology=topology, algorithm=algo, chunks=chunks, group=group)
-                best = min(best, time.perf_counter() - start)
-            slowest = torch.tensor([best], dtype=torch.float64)
-            dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
-            times.append(float(slowest))
-        fits[algo] = cost.fit([float(max(1, s // (4 * world)) * 4 * world) for s in sizes], times)
-    # lstsq may differ in the last bit between processes: rank 0's fit is the one every rank uses.
-    flat = torch.tensor([v for a in ALGORITHMS for v in (fits[a].alpha, fits[a].beta)], dtype=torch.float64)
-    dist.broadcast(flat, src=topology.group_rank_to_global(0), group=group)
-    values = flat.tolist()
-    fits = {a: cost.LinkModel(values[2 * i], values[2 * i + 1]) for i, a in enumerate(ALGORITHMS)}
+
+    def make_call(algo: str, nbytes: int) -> Callable[[], object]:
+        x = torch.zeros(nbytes // 4, dtype=torch.float32)
+        out = torch.empty_like(x)
+        return lambda: all_to_all(out, x, topology=topology, algorithm=algo, chunks=chunks, group=group)
+
+    # Whole float32 rows, at least one per rank: the bytes each call really moves.
+    exact = [max(1, s // (4 * world)) * 4 * world for s in sizes]
+    fits = cost.measure_lines(topology, algorithms.candidates("alltoall"), make_call, exact, reps)
     context().alltoall_fits.put(_calibration_key(topology), fits)
     return fits
 

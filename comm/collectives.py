@@ -5,11 +5,11 @@ once, ``async_op=True`` returns a ``torch.futures.Future`` completing with the r
 plus a division, done before the reduction for fp16/bf16 (so 4 ranks of 40 000 do not overflow)
 and after it for wider types; AVG on integers raises ``TypeError``.
 
-Algorithms are objects in ``commopt.comm.algorithms`` (``flat``, ``hierarchical``, ``leader``,
-``ina``), each with its phases, traffic and cost; ``auto`` is the cheapest applicable one by the
-cost model (``commopt.comm.cost``). This module validates, agrees, chooses and starts: nothing
-here is algorithm-specific. A blocking call lets a single-chunk multi-phase algorithm run on the
-caller's thread when the engine is idle (``Engine.submit``).
+Algorithms are objects in ``commopt.comm.algorithms``'s registry (``flat``, ``hierarchical``,
+``leader``, ``ina`` and any registered one), each with its phases, traffic and cost; ``auto`` is the
+cheapest applicable candidate by the cost model (``commopt.comm.cost``). This module validates,
+agrees, chooses and starts: nothing here is algorithm-specific. A blocking call lets a single-chunk
+multi-phase algorithm run on the caller's thread when the engine is idle (``Engine.submit``).
 """
 
 from __future__ import annotations
@@ -254,7 +254,7 @@ def _field_text(kind: str, field: str, value: int) -> object:
     if field == "dtype":
         return SUPPORTED_DTYPES[value] if 0 <= value < len(SUPPORTED_DTYPES) else value
     if field == "algorithm":
-        return {_code(n): n for n in (*algorithms.ALGORITHMS, "auto")}.get(value, value)
+        return {_code(n): n for n in (*algorithms.ALGORITHMS, algorithms.AUTO)}.get(value, value)
     if field == "reduce op":
         return value.to_bytes(7, "little").rstrip(b"\0").decode(errors="replace")
     if field == "element count" and kind == "all_to_all" and value < 0:
@@ -307,25 +307,28 @@ def _source(input: torch.Tensor) -> torch.Tensor:
 def _require(algo: algorithms.Algorithm, topo: Topology, kind: str) -> None:
     reason = algo.supports(topo, kind)
     if reason is not None:
-        hint = "use algorithm='auto' (falls back) or 'leader'" if algo.needs_uniform else "use algorithm='auto'"
+        others = [n for n in algorithms.names(kind) if algorithms.get(n).supports(topo, kind) is None]
+        hint = f"use algorithm='auto' (falls back) or one of {others}"
         raise TopologyError(f"{kind}: {reason}; {hint}", op=algo.name)
 
 
 def select_algorithm(kind: str, algorithm: str, nbytes: int, topo: Topology, timeout: float | None = None) -> str:
-    """The algorithm a call would run: ``algorithm`` itself (checked), or what ``auto`` picks.
+    """The algorithm a call would run: ``algorithm`` itself (checked; ``flat`` where it degenerates
+    to it on one level), or what ``auto`` picks among the registry's candidates.
 
     Args:
         kind: "allreduce", "reduce_scatter" or "all_gather".
+        algorithm: ``"auto"`` or the name of a registered algorithm that implements ``kind`` over
+            the whole group (``algorithms.names(kind)``).
         nbytes: the per-rank buffer (all-reduce) or the whole world-sized buffer (the others).
     """
     known = algorithms.names(kind)
-    if algorithm != "auto":
+    if algorithm != algorithms.AUTO:
         if algorithm not in known:
-            raise ValueError(f"{kind}: unknown algorithm {algorithm!r}; choose one of {known + ['auto']}")
-        _require(algorithms.get(algorithm), topo, kind)
-        if algorithm == "hierarchical" and kind != "allreduce" and (topo.num_nodes == 1 or topo.local_size == 1):
-            return "flat"  # one level: the hierarchical phases degenerate to the flat one
-        return algorithm
+            raise ValueError(f"{kind}: unknown algorithm {algorithm!r}; choose one of {known + [algorithms.AUTO]}")
+        impl = algorithms.get(algorithm)
+        _require(impl, topo, kind)
+        return impl.runs(topo, kind)
     if topo.num_nodes == 1 or topo.num_nodes == topo.world_size:
         return "flat"  # one level only: the hierarchy adds phases and saves nothing
     options = [c for c in algorithms.candidates(kind) if algorithms.get(c).supports(topo, kind) is None]
@@ -361,7 +364,8 @@ def all_reduce(tensor: torch.Tensor, op: ReduceOp.RedOpType = ReduceOp.SUM, *, g
         op: ``ReduceOp.SUM``, ``AVG``, ``MAX`` or ``MIN``.
         group: the process group (None: WORLD).
         topology: the layout of ``group``; None detects it (once per group).
-        algorithm: ``"auto"``, ``"flat"``, ``"hierarchical"``, ``"leader"`` or ``"ina"``.
+        algorithm: ``"auto"``, or a registered all-reduce algorithm (``algorithms.names("allreduce")``:
+            ``"flat"``, ``"hierarchical"``, ``"leader"``, ``"ina"``, and any registered one).
         compressor: a ``commopt.comm.compression`` compressor; float tensors are then reduced
             through its ``all_reduce`` (error feedback is the caller's, see ``hooks``).
         async_op: return a Future completing with ``tensor`` instead of waiting.

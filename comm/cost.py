@@ -20,6 +20,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -39,6 +40,7 @@ __all__ = [
     "predict",
     "link_bytes",
     "choose",
+    "measure_lines",
     "fit",
     "calibrate",
     "model_for",
@@ -121,13 +123,67 @@ def chunks_for(algorithm: str, nbytes: float, topo: Topology, model: CostModel, 
     return algorithms.get(algorithm).chunks(model, op, nbytes, topo)
 
 
-def choose(candidates: list[str], nbytes: float, topo: Topology, model: CostModel,
-           op: str = "allreduce") -> str:
-    """The candidate with the lowest predicted time (ties go to the earlier candidate); ``flat``
-    where the model's levels share one resource (``model.shared``: the hierarchy only adds phases)."""
+def choose(candidates: list[str], nbytes: float, topo: Topology, model: CostModel | None,
+           op: str = "allreduce", *, measured: dict[str, LinkModel] | None = None) -> str:
+    """The candidate with the lowest predicted time (ties go to the earlier candidate).
+
+    Args:
+        candidates: algorithm names (``algorithms.candidates(op)`` that support ``topo``).
+        nbytes: the per-rank buffer (all-reduce, all-to-all) or the whole world-sized one.
+        model: the level model the algorithms' ``cost`` predicts under; where its levels share one
+            resource (``model.shared``: the hierarchy only adds phases) a reduction runs ``flat``.
+        measured: an effective ``alpha + S * beta`` line per algorithm measured on this layout
+            (:func:`measure_lines`); when it covers every candidate, the lines decide, not ``model``
+            (which may then be None).
+    """
+    if measured is not None and all(a in measured for a in candidates):
+        return min(candidates, key=lambda a: (measured[a].time(nbytes), candidates.index(a)))
+    if model is None:
+        raise ValueError(f"cost.choose: no model and no measured line for every candidate of {candidates}; pass "
+                         f"model=cost.model_for(topology)")
     if model.shared and "flat" in candidates and op != "alltoall":
         return "flat"
     return min(candidates, key=lambda a: (predict(a, nbytes, topo, model, op), candidates.index(a)))
+
+
+def measure_lines(topology: Topology, names: list[str], make_call: Callable[[str, int], Callable[[], object]],
+                  sizes: list[int], reps: int) -> dict[str, LinkModel]:
+    """Time each named algorithm on this machine and fit it an effective ``alpha + S * beta`` line.
+
+    The level model predicts message counts and bytes; what it cannot see is this machine's cost of
+    each extra synchronising phase (thread hand-offs, copies, a CPU shared by many ranks), which
+    decides small calls. So: at each of ``sizes`` (bytes), each algorithm runs ``reps`` times after a
+    warm-up; each time is the slowest rank's best (an all-reduce MAX, so every rank fits the same
+    numbers); :func:`fit` gives each algorithm its line, and rank 0's lines are broadcast (lstsq may
+    differ in the last bit between processes). Collective over the topology's group.
+
+    Args:
+        topology: the layout timed (its group runs the calls).
+        names: the algorithms, in the order every rank times them.
+        make_call: ``make_call(name, nbytes)`` -> a callable running one call of ``nbytes``.
+        sizes: the sizes in bytes, each the exact size ``make_call`` moves.
+        reps: timed calls per algorithm and size.
+    """
+    group = topology.group
+    fits: dict[str, LinkModel] = {}
+    for name in names:
+        times = []
+        for size in sizes:
+            call = make_call(name, size)
+            call()  # warm-up
+            best = float("inf")
+            for _ in range(reps):
+                start = time.perf_counter()
+                call()
+                best = min(best, time.perf_counter() - start)
+            slowest = torch.tensor([best], dtype=torch.float64)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+            times.append(float(slowest))
+        fits[name] = fit([float(s) for s in sizes], times)
+    flat = torch.tensor([v for a in names for v in (fits[a].alpha, fits[a].beta)], dtype=torch.float64)
+    dist.broadcast(flat, src=topology.group_rank_to_global(0), group=group)
+    values = flat.tolist()
+    return {a: LinkModel(values[2 * i], values[2 * i + 1]) for i, a in enumerate(names)}
 
 
 def fit(sizes: list[float], times: list[float], *, messages: float = 1.0,

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
+from . import algorithms
 from .collectives import SUPPORTED_DTYPES, all_reduce, check_group, check_timeout, validate_same
 from .compression import Compressor, CompressorState, ErrorFeedback, reduce_tensors
 from .engine import chain
@@ -34,9 +35,11 @@ class AllReduceState:
 
     Args:
         topology: the layout of the process group (None: detected on first use).
-        algorithm: any all-reduce algorithm of ``commopt.comm.collectives`` ("auto", "flat",
-            "hierarchical", "leader", "ina"); with a compressor: "flat", "hierarchical" (only the
-            inter-node phase is compressed) or "auto".
+        algorithm: "auto" or any all-reduce algorithm of the registry
+            (``commopt.comm.algorithms.names("allreduce")``: "flat", "hierarchical", "leader", "ina",
+            and any registered one); with a compressor: "auto" or one that can carry it
+            (``names("allreduce", codec=True)``: "flat", "hierarchical", where only the inter-node
+            phase is compressed).
         compressor: a ``commopt.comm.compression`` compressor, or None for exact reduction.
         process_group: the group to reduce over (None: WORLD, as DDP).
         error_feedback: keep residual memory for biased compressors, keyed by parameter name (a
@@ -149,10 +152,6 @@ class AllReduceState:
             self.compressor_state = self.compressor.default_state if self.compressor is not None else None
 
 
-_ALGORITHMS = ("auto", "flat", "hierarchical", "leader", "ina")
-_COMPRESSED_ALGORITHMS = ("auto", "flat", "hierarchical")
-
-
 def _check_arguments(topology, algorithm, compressor, process_group, warmup_steps, timeout, seed) -> None:
     """Every argument of :class:`AllReduceState` checked when it is built, not mid-backward."""
     name = "AllReduceState"
@@ -160,18 +159,19 @@ def _check_arguments(topology, algorithm, compressor, process_group, warmup_step
         raise TypeError(f"{name}: topology must be a commopt.comm.Topology or None (detected), got "
                         f"{type(topology).__name__} {topology!r}; build one after init_process_group, e.g. "
                         f"Topology.from_spec('2x2') or Topology.from_env()")
-    if not isinstance(algorithm, str) or algorithm not in _ALGORITHMS:
-        raise ValueError(f"{name}: unknown algorithm {algorithm!r}; choose one of {list(_ALGORITHMS)}")
+    known = [algorithms.AUTO, *algorithms.names("allreduce")]
+    if not isinstance(algorithm, str) or algorithm not in known:
+        raise ValueError(f"{name}: unknown algorithm {algorithm!r}; choose one of {known}")
     if compressor is not None:
         if not isinstance(compressor, Compressor):
             hint = " (a class: instantiate it)" if isinstance(compressor, type) else ""
             raise TypeError(f"{name}: compressor must be a commopt.comm.compression compressor instance or None, "
                             f"got {type(compressor).__name__} {compressor!r}{hint}; e.g. "
                             f"compression.FP16Compressor() or compression.PowerSGDCompressor(rank=4)")
-        if algorithm not in _COMPRESSED_ALGORITHMS:
+        compressible = [algorithms.AUTO, *algorithms.names("allreduce", codec=True)]
+        if algorithm not in compressible:
             raise ValueError(f"{name}: algorithm {algorithm!r} cannot carry a compressor; with a compressor use "
-                             f"one of {list(_COMPRESSED_ALGORITHMS)} ('hierarchical' compresses the inter-node "
-                             f"phase only)")
+                             f"one of {compressible} ('hierarchical' compresses the inter-node phase only)")
     check_group(name, process_group)
     if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, numbers.Integral) or warmup_steps < 0:
         raise ValueError(f"{name}: warmup_steps must be an int >= 0, got {warmup_steps!r}")

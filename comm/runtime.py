@@ -169,9 +169,11 @@ class Context:
                 self._groups[key] = result
             return result
 
-    def prepare(self, topology: Topology, algorithm_names: Iterable[str] = ("flat", "hierarchical", "leader", "2d"),
+    def prepare(self, topology: Topology, algorithm_names: Iterable[str] | None = None,
                 timeout: float | None = None) -> None:
-        """Create every process group the named algorithms need on ``topology``, collectively.
+        """Create every process group the named algorithms need on ``topology``, collectively
+        (``algorithm_names`` None: every algorithm ``auto`` may pick, ``algorithms.ALGORITHMS``'
+        automatic ones).
 
         Call it on every rank with the same arguments before the first collective (the public
         entry points call it for the algorithm they run; wrappers such as OverlapDataParallel call
@@ -182,6 +184,8 @@ class Context:
         """
         if topology.world_size == 1 or not dist.is_initialized():
             return
+        if algorithm_names is None:
+            algorithm_names = [n for n, a in algorithms.ALGORITHMS.items() if a.automatic]
         for name in algorithm_names:
             algo = algorithms.get(name)
             if algo.needs_uniform and not topology.is_uniform:

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from ._transport import Prepared
 
 __all__ = ["Algorithm", "Call", "Traffic", "SWITCH", "COLLECTIVES", "ALGORITHM_FACTORS", "PHASE_HANDOFF",
-           "COPY_BETA", "pipeline_time", "pad_to"]
+           "COPY_BETA", "pipeline_time", "pad_to", "GROUP_SCOPE", "RAIL_SCOPE", "ALL_PHASES", "INTER_PHASE"]
 
 COLLECTIVES = ("allreduce", "reduce_scatter", "all_gather", "alltoall")
 
@@ -52,6 +52,13 @@ PHASE_HANDOFF = 0.2e-3
 COPY_BETA = 1 / 10e9
 
 SWITCH = -1  # the in-network aggregation switch, as an endpoint of Traffic.pairs
+
+# Algorithm.scope: the ranks one call reduces over.
+GROUP_SCOPE = "group"
+RAIL_SCOPE = "rail"
+# Algorithm.codec_phase: where a compressor applies.
+ALL_PHASES = "all"
+INTER_PHASE = "inter"
 
 
 def pad_to(nbytes: float, itemsize: int, multiple: int) -> float:
@@ -185,11 +192,42 @@ def _link_share(algo: Algorithm, collective: str, nodes: tuple[tuple[int, ...], 
 
 
 class Algorithm:
-    """The interface every algorithm module implements once (docs/architecture.md section 5.2)."""
+    """The interface every algorithm module implements once (docs/architecture.md section 5.2).
+
+    The class attributes are the algorithm's declared traits; every caller that accepts algorithm
+    names (the collectives, the DDP hook, the compressed reduction, ``auto``, the FSDP2 comms, the
+    benchmarks) asks the registry (``commopt.comm.algorithms``) through them, never a list of its own.
+
+    Attributes:
+        name: the ``algorithm=`` string that selects it (unique in the registry; not ``"auto"``).
+        collectives: the collectives it implements (a subset of :data:`COLLECTIVES`).
+        needs_uniform: runs only on nodes of equal size (``supports`` says so otherwise).
+        automatic: ``auto`` weighs it (by :meth:`cost`) for the collectives it implements; ties go
+            to the algorithm registered first.
+        scope: which ranks one call reduces over: :data:`GROUP_SCOPE` (every rank of the call's group: the
+            public collectives and the DDP hook run only these) or :data:`RAIL_SCOPE` (this rank's rail of
+            the topology: the inter-node level of a reduction whose intra-node level already ran).
+        codec_phase: where a compressor applies when the algorithm carries one: :data:`ALL_PHASES`
+            (every byte it moves is encoded), :data:`INTER_PHASE` (only the inter-node phase; the
+            intra-node phases stay exact), or None: it cannot carry one.
+        flat_on_one_level: the collectives it hands to ``flat`` on a topology of one level (one
+            node, or one rank per node), where its phases would degenerate to the flat one.
+    """
 
     name: str = ""
     collectives: tuple[str, ...] = ()
     needs_uniform: bool = False
+    automatic: bool = False
+    scope: str = GROUP_SCOPE
+    codec_phase: str | None = None
+    flat_on_one_level: tuple[str, ...] = ()
+
+    def runs(self, topology: Topology, collective: str) -> str:
+        """The name of the algorithm a call of ``collective`` on ``topology`` really runs: ``flat``
+        where this one degenerates to it on one level (:attr:`flat_on_one_level`), else itself."""
+        if collective in self.flat_on_one_level and topology.num_nodes in (1, topology.world_size):
+            return "flat"
+        return self.name
 
     def roles(self, topology: Topology) -> tuple[str, ...]:
         """The group roles (one process group per phase role, docs/architecture.md section 3) the algorithm uses."""

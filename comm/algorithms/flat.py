@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from ..topology import Topology
 from ._transport import all_gather_single, byte_rows, flat_future, reduce_scatter_single, row_bytes
-from .base import ALGORITHM_FACTORS, Algorithm, Call, Traffic
+from .base import ALGORITHM_FACTORS, ALL_PHASES, Algorithm, Call, Traffic
 
 if TYPE_CHECKING:
     from ..cost import CostModel
@@ -26,6 +26,8 @@ __all__ = ["Flat", "FLAT"]
 class Flat(Algorithm):
     name = "flat"
     collectives = ("allreduce", "reduce_scatter", "all_gather", "alltoall")
+    automatic = True
+    codec_phase = ALL_PHASES  # a compressed flat reduction encodes everything, over every rank
 
     def supports(self, topology: Topology, collective: str) -> str | None:
         return None if collective in self.collectives else super().supports(topology, collective)

@@ -32,7 +32,15 @@ from ._transport import (
     then_finish,
     wait_work,
 )
-from .base import ALGORITHM_FACTORS, Algorithm, Call, Traffic, pad_to, pipeline_time
+from .base import ALGORITHM_FACTORS, INTER_PHASE, Algorithm, Call, Traffic, pad_to, pipeline_time
+from .roles import (
+    HIER_AG_INTRA,
+    HIER_AG_RAIL,
+    HIER_ALL_GATHER,
+    HIER_ALL_REDUCE,
+    HIER_REDUCE_SCATTER,
+    HIER_RS_RAIL,
+)
 
 if TYPE_CHECKING:
     from ..cost import CostModel
@@ -52,9 +60,12 @@ class Hierarchical(Algorithm):
     name = "hierarchical"
     collectives = ("allreduce", "reduce_scatter", "all_gather")
     needs_uniform = True
+    automatic = True
+    codec_phase = INTER_PHASE  # with a compressor, only the rail phase is encoded
+    flat_on_one_level = ("reduce_scatter", "all_gather")
 
     def roles(self, topology: Topology) -> tuple[str, ...]:
-        return ("hier-rs", "hier-ar", "hier-ag", "hier-rs-rail", "hier-ag-rail", "hier-ag-intra")
+        return (HIER_REDUCE_SCATTER, HIER_ALL_REDUCE, HIER_ALL_GATHER, HIER_RS_RAIL, HIER_AG_RAIL, HIER_AG_INTRA)
 
     # ----------------------------------------------------------------------------- model
     def traffic(self, collective: str, nbytes: float, topology: Topology, *, itemsize: int = 1) -> Traffic:
@@ -105,7 +116,7 @@ class Hierarchical(Algorithm):
     # ----------------------------------------------------------------------------- phases
     def all_reduce(self, call: Call) -> torch.futures.Future:
         topo, red, timeout = call.topology, call.red, call.timeout
-        rs, ar, ag = (call.groups(role) for role in ("hier-rs", "hier-ar", "hier-ag"))
+        rs, ar, ag = (call.groups(role) for role in (HIER_REDUCE_SCATTER, HIER_ALL_REDUCE, HIER_ALL_GATHER))
         local = topo.local_size
         deadline = deadline_of(timeout)  # one for every phase of every chunk: the timeout bounds the call
 
@@ -137,7 +148,7 @@ class Hierarchical(Algorithm):
         topo, red, timeout, p = call.topology, call.red, call.timeout, call.prepared
         world, nodes, n = topo.world_size, topo.num_nodes, p.flat.numel()
         staged = call.src.view(world, n)[torch.tensor(rail_order(topo))].reshape(-1)
-        rs, rail = call.groups("hier-rs"), call.groups("hier-rs-rail")
+        rs, rail = call.groups(HIER_REDUCE_SCATTER), call.groups(HIER_RS_RAIL)
         mid = staged.new_empty(nodes * n)
         deadline = deadline_of(timeout)  # one for both phases: the call's timeout bounds the call
         phases = [
@@ -153,7 +164,7 @@ class Hierarchical(Algorithm):
     def all_gather(self, call: Call) -> torch.futures.Future:
         topo, timeout, p, src = call.topology, call.timeout, call.prepared, call.src
         world, nodes, n = topo.world_size, topo.num_nodes, src.numel()
-        rail, ag = call.groups("hier-ag-rail"), call.groups("hier-ag-intra")
+        rail, ag = call.groups(HIER_AG_RAIL), call.groups(HIER_AG_INTRA)
         mid = src.new_empty(nodes * n)
         gathered = src.new_empty(world * n)
         order = torch.tensor(rail_order(topo))

@@ -15,6 +15,7 @@ from ..engine import Phase
 from ..topology import Topology
 from ._transport import pipelined, wait_work
 from .base import ALGORITHM_FACTORS, Algorithm, Call, Traffic, pipeline_time
+from .roles import LEADER_ALL_REDUCE, LEADER_BROADCAST, LEADER_REDUCE
 
 if TYPE_CHECKING:
     from ..cost import CostModel
@@ -27,9 +28,10 @@ _CHUNK_OPTIONS = (1, 2, 4, 8, 16)
 class Leader(Algorithm):
     name = "leader"
     collectives = ("allreduce",)
+    automatic = True
 
     def roles(self, topology: Topology) -> tuple[str, ...]:
-        return ("leader-reduce", "leader-ar", "leader-bcast")
+        return (LEADER_REDUCE, LEADER_ALL_REDUCE, LEADER_BROADCAST)
 
     def traffic(self, collective: str, nbytes: float, topology: Topology, *, itemsize: int = 1) -> Traffic:
         t = Traffic(topology)
@@ -63,7 +65,7 @@ class Leader(Algorithm):
 
     def all_reduce(self, call: Call) -> torch.futures.Future:
         topo, red, timeout = call.topology, call.red, call.timeout
-        lr, la, lb = (call.groups(role) for role in ("leader-reduce", "leader-ar", "leader-bcast"))
+        lr, la, lb = (call.groups(role) for role in (LEADER_REDUCE, LEADER_ALL_REDUCE, LEADER_BROADCAST))
         leader = topo.group_rank_to_global(topo.nodes[topo.node][0])
         is_leader = topo.local_rank == 0
 

@@ -25,6 +25,7 @@ from ..engine import Phase, all_of, wait_work
 from ..topology import Topology
 from ._transport import byte_rows, exchange_rows, row_bytes, then_finish
 from .base import COPY_BETA, PHASE_HANDOFF, Algorithm, Call, Traffic
+from .roles import A2A_INTER, A2A_INTER_B, A2A_INTRA, A2A_META
 
 if TYPE_CHECKING:
     from ..cost import CostModel
@@ -36,9 +37,11 @@ class TwoD(Algorithm):
     name = "2d"
     collectives = ("alltoall",)
     needs_uniform = True
+    automatic = True
+    flat_on_one_level = ("alltoall",)
 
     def roles(self, topology: Topology) -> tuple[str, ...]:
-        return ("a2a-intra", "a2a-inter", "a2a-inter-b", "a2a-meta")
+        return (A2A_INTRA, A2A_INTER, A2A_INTER_B, A2A_META)
 
     def traffic(self, collective: str, nbytes: float, topology: Topology, *, itemsize: int = 1) -> Traffic:
         """Even splits of ``nbytes`` per rank: (1) to local rank k everything bound for rail k,
@@ -99,11 +102,11 @@ def _two_d(call: Call) -> torch.futures.Future:
     my_rail = rails[me_local]
     # One role per phase (the engine refuses a queue with two feeders); created in this order on
     # every rank, whatever the splits, so group creation never diverges.
-    intra_g = call.groups("a2a-intra").intra
+    intra_g = call.groups(A2A_INTRA).intra
     # Two rail streams, alternating chunks: while one synchronises with its rail peer (or scatters
     # its chunk), the other keeps the node link busy (NCCL runs several channels for the same reason).
-    inter_gs = [call.groups(role).rail for role in ("a2a-inter", "a2a-inter-b")]
-    meta_g = call.groups("a2a-meta").intra  # used on the caller's thread only
+    inter_gs = [call.groups(role).rail for role in (A2A_INTER, A2A_INTER_B)]
+    meta_g = call.groups(A2A_META).intra  # used on the caller's thread only
 
     # m[s][q]: rows local peer s sends to my_rail[q]; known locally for even splits.
     if args.even:

@@ -1,6 +1,8 @@
-"""``algorithm="auto"`` with a compressor: flat or hierarchical, whichever the cost model predicts faster.
+"""``algorithm="auto"`` with a compressor: the candidate the cost model predicts fastest.
 
-The hierarchical exchange compresses only its inter-node phase: the intra-node reduce-scatter and
+The candidates are the registry's automatic algorithms that can carry a compressor
+(``algorithms.candidates("allreduce", codec=True)``: flat and hierarchical), each predicted by its
+``codec_phase``. The hierarchical exchange compresses only its inter-node phase: the intra-node reduce-scatter and
 all-gather move the uncompressed shard. The flat exchange compresses everything, over a ring that
 crosses the node links. So, for the staged vector of ``S`` bytes (``layout.py``):
 
@@ -36,7 +38,7 @@ __all__ = ["choose", "predict"]
 
 def choose(compressor: Compressor, tensors: list[torch.Tensor], topology: Topology, *,
            model: cost.CostModel | None = None, timeout: float | None = None) -> str:
-    """``"flat"`` or ``"hierarchical"`` for reducing ``tensors`` through ``compressor`` on ``topology``.
+    """The algorithm (``"flat"`` or ``"hierarchical"``) for reducing ``tensors`` through ``compressor`` on ``topology``.
 
     Args:
         compressor: the compressor.
@@ -46,7 +48,7 @@ def choose(compressor: Compressor, tensors: list[torch.Tensor], topology: Topolo
         timeout: seconds ``cost.model_for``'s broadcast may take.
 
     Returns:
-        The algorithm with the lower predicted time; ``"flat"`` on a tie.
+        The algorithm with the lowest predicted time; the earlier in the registry (``"flat"``) on a tie.
     """
     if not topology.two_levels:
         return "flat"
@@ -57,11 +59,15 @@ def choose(compressor: Compressor, tensors: list[torch.Tensor], topology: Topolo
     numels = [t.numel() for t in tensors]
     shapes = [tuple(t.shape) for t in tensors]
     itemsize = compute_dtype(tensors[0].dtype).itemsize
+    options = [a for a in algorithms.candidates("allreduce", codec=True)
+               if algorithms.get(a).supports(topology, "allreduce") is None]
     try:
-        times = {a: predict(a, compressor, numels, shapes, itemsize, topology, model) for a in ("flat", "hierarchical")}
+        times = [predict(a, compressor, numels, shapes, itemsize, topology, model) for a in options]
     except NotImplementedError:
-        return "hierarchical"  # a compressor that cannot say its payload: only the node links are compressed
-    return "hierarchical" if times["hierarchical"] < times["flat"] else "flat"
+        # A compressor that cannot say its payload: compress only the node links.
+        return next(a for a in options if algorithms.get(a).codec_phase == algorithms.INTER_PHASE)
+    # Ties go to the earlier candidate in the registry (flat).
+    return options[min(range(len(options)), key=lambda i: (times[i], i))]
 
 
 def predict(algorithm: str, compressor: Compressor, numels: list[int], shapes: list[tuple[int, ...]],
@@ -69,20 +75,21 @@ def predict(algorithm: str, compressor: Compressor, numels: list[int], shapes: l
     """Predicted seconds of the compressed exchange of tensors of ``numels`` / ``shapes`` elements
     (computed in ``itemsize``-byte floats) with ``algorithm`` (see the module docstring)."""
     p, local, nodes = topology.world_size, topology.local_size, topology.num_nodes
-    if algorithm == "flat":
+    algo = algorithms.get(algorithm)
+    if algo.scope != algorithms.GROUP_SCOPE or algo.codec_phase is None:
+        known = algorithms.names("allreduce", codec=True)
+        raise ValueError(f"compressed auto: no prediction for algorithm {algorithm!r}; one of {known}")
+    if algo.codec_phase == algorithms.ALL_PHASES:
         total = layout_for(compressor, numels, local_size=1, local_rank=0, rail_size=p).total
         sent = compressor.exchange_bytes(total, shapes, p)
-        return algorithms.get("flat").cost(model, "allreduce", sent / ALGORITHM_FACTORS["allreduce"](p), topology)
-    if algorithm != "hierarchical":
-        raise ValueError(f"compressed auto: no prediction for algorithm {algorithm!r}; 'flat' or 'hierarchical'")
-    hier = algorithms.get("hierarchical")
+        return algo.cost(model, "allreduce", sent / ALGORITHM_FACTORS["allreduce"](p), topology)
     compressed = 0
     for j in range(local):  # every local rank's rail leaves the node through its link
         section = layout_for(compressor, numels, local_size=local, local_rank=j, rail_size=nodes)
         compressed += compressor.exchange_bytes(section.hi - section.lo, [shapes[i] for i in section.owned], nodes)
     nbytes = section.total * itemsize
-    exact = hier.link_bytes("allreduce", nbytes, topology)
+    exact = algo.link_bytes("allreduce", nbytes, topology)
     if not exact:
         return 0.0
     inter = dataclasses.replace(model.inter, beta=model.inter.beta * compressed / exact)
-    return hier.cost(dataclasses.replace(model, inter=inter, chunks=1), "allreduce", nbytes, topology)
+    return algo.cost(dataclasses.replace(model, inter=inter, chunks=1), "allreduce", nbytes, topology)

@@ -58,8 +58,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp
 
+from .. import algorithms
 from ..algorithms import ALGORITHM_FACTORS
 from ..algorithms._transport import exchange_all_gather, exchange_reduce_scatter
+from ..algorithms.roles import COMPRESSED_CHECK
 from ..engine import Phase, wait_work
 from ..errors import NonFiniteError, TopologyError
 from ..runtime import context
@@ -245,7 +247,7 @@ class CompressedReduction:
             self.rs_group = self.ag_group = None
             self.round_groups = [level_group(f"{role}-{i}") for i in range(n)]
             self.exact_group = level_group(f"{role}-exact") if self.optimistic else None
-        self.check_group = None if self.optimistic else level_group("cmp-check")
+        self.check_group = None if self.optimistic else level_group(COMPRESSED_CHECK)
 
     # ------------------------------------------------------------------------------- phases
     def phases(self) -> list[Phase]:
@@ -522,33 +524,39 @@ def _same_group(a: ProcessGroup | None, b: ProcessGroup | None) -> bool:
 def _resolve(algorithm: str, compressor: Compressor, tensors: list[torch.Tensor], group: ProcessGroup | None,
              topology: Topology | None, timeout: float | None = None) -> tuple[Topology | None, Topology | None]:
     """``(hierarchical, rails)``: the topology of a hierarchical exchange, or the one whose rails
-    carry a ``"rail"`` reduction; both None for a flat exchange (detecting the topology is bounded
+    carry a rail-scope reduction; both None for a flat exchange (detecting the topology is bounded
     by ``timeout``).
 
-    ``auto`` asks the cost model (``auto.choose``): the same answer on every rank, from shapes and
-    the model rank 0 broadcast.
+    The path follows the algorithm's declared traits (``commopt.comm.algorithms``): its ``scope``
+    (the whole group, or this rank's rail) and its ``codec_phase`` (every phase encoded: one level;
+    the inter-node phase only: two levels). ``auto`` asks the cost model (``auto.choose``): the same
+    answer on every rank, from shapes and the model rank 0 broadcast.
     """
-    if algorithm == "flat":
-        return None, None
-    if algorithm not in ("hierarchical", "auto", "rail"):
-        raise ValueError(f"compressed all-reduce: algorithm {algorithm!r} is not supported; use 'flat', "
-                         f"'hierarchical' (compresses the inter-node phase only), 'auto' or 'rail'")
+    if algorithm == algorithms.AUTO:
+        algo = None
+    else:
+        known = algorithms.names("allreduce", scope=None, codec=True)
+        if algorithm not in known:
+            raise ValueError(f"compressed all-reduce: algorithm {algorithm!r} is not supported; use "
+                             f"{algorithms.AUTO!r} or one that can carry a compressor: {known} ('hierarchical' "
+                             f"compresses the inter-node phase only; 'rail' reduces over this rank's rail)")
+        algo = algorithms.get(algorithm)
+        if algo.scope == algorithms.GROUP_SCOPE and algo.codec_phase == algorithms.ALL_PHASES:
+            return None, None  # one level over the whole group: no topology needed
     topo = context().topology(topology, group, timeout)
-    if not topo.is_uniform:
-        if algorithm == "rail":
-            raise TopologyError(f"compressed reduction along the rail needs nodes of equal size, got "
-                                f"{[len(n) for n in topo.nodes]} ({topo.layout}): a rail is one rank per node",
-                                op="compress")
-        if algorithm == "hierarchical":
-            raise TopologyError(f"compressed hierarchical all-reduce needs nodes of equal size, got "
-                                f"{[len(n) for n in topo.nodes]} ({topo.layout}); use algorithm='auto' "
-                                f"(falls back to flat) or 'flat'", op="compress")
+    if algo is not None and algo.supports(topo, "allreduce") is not None:
+        hint = ("a rail is one rank per node" if algo.scope == algorithms.RAIL_SCOPE else
+                "use algorithm='auto' (falls back to flat) or 'flat'")
+        raise TopologyError(f"compressed all-reduce: {algo.supports(topo, 'allreduce')}; {hint}", op="compress")
+    if algo is None and not topo.is_uniform:
         return None, None
-    if algorithm == "rail":
+    if algo is not None and algo.scope == algorithms.RAIL_SCOPE:
         return None, topo
     if not topo.two_levels:
         return None, None  # one level only: nothing to keep exact
-    if algorithm == "auto" and auto.choose(compressor, tensors, topo, timeout=timeout) == "flat":
+    if algo is None:
+        algo = algorithms.get(auto.choose(compressor, tensors, topo, timeout=timeout))
+    if algo.codec_phase == algorithms.ALL_PHASES:
         return None, None
     return topo, None
 

@@ -23,7 +23,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from .. import cost
+from .. import algorithms, cost
+from ..algorithms.roles import FSDP_CHECK, FSDP_HSDP_ROLES, FSDP_QRS_FLAT, FSDP_QRS_INTRA, FSDP_QRS_RAIL
 from ..compression import Compressor, QuantizeCompressor
 from ..errors import TopologyError
 from ..runtime import context
@@ -229,20 +230,22 @@ def _prepare(topo: Topology, rs, ag, ar) -> None:
         if comm is None:
             continue
         if comm.algorithm != "flat":
-            ctx.prepare(topo, ("hierarchical",), comm.timeout)
+            # Every algorithm the comm may run (auto's candidates, or the one named), not flat.
+            names = algorithms.candidates(comm.collective) if comm.algorithm == algorithms.AUTO else [comm.algorithm]
+            ctx.prepare(topo, [n for n in names if n != "flat"], comm.timeout)
             if comm.algorithm == "auto" and two_level:
                 cost.model_for(topo, timeout=comm.timeout)
     if rs is not None and rs.compressor is not None:
         if rs.two_level():
-            rs.groups("fsdp-qrs-intra")
-            rs.groups("fsdp-qrs-rail")
+            rs.groups(FSDP_QRS_INTRA)
+            rs.groups(FSDP_QRS_RAIL)
         else:
-            rs.groups("fsdp-qrs-flat", rs.flat_topology())
+            rs.groups(FSDP_QRS_FLAT, rs.flat_topology())
     for comm in (rs, ar):
         if comm is not None and comm.finite_check:
-            comm.groups("fsdp-check", comm.flat_topology())
+            comm.groups(FSDP_CHECK, comm.flat_topology())
     if ar is not None:
-        for role in ("fsdp-hsdp", "fsdp-hsdp-rs", "fsdp-hsdp-ag"):
+        for role in FSDP_HSDP_ROLES:
             ar.rail(role)
 
 
