@@ -618,9 +618,6 @@ class Bound:
 
 
 # --------------------------------------------------------------------------------- reduce-scatter / all-gather
-_ALGORITHMS = ("auto", "flat", "hierarchical")
-
-
 class CollectiveComm(CommBase):
     """What the reduce-scatter and all-gather comms share: the exact algorithm (``auto``, ``flat``,
     ``hierarchical``), the optional ``QuantizeCompressor`` and its block codec, and the start of an
@@ -636,9 +633,10 @@ class CollectiveComm(CommBase):
     def __init__(self, topology: Topology | None, algorithm: str, compressor: Compressor | None,
                  timeout: float | None):
         super().__init__(topology, timeout)
-        if not isinstance(algorithm, str) or algorithm not in _ALGORITHMS:
-            raise ValueError(f"{self.where}: algorithm {algorithm!r} is not supported; use 'auto', 'flat' or "
-                             f"'hierarchical'")
+        # With a compressor, only the algorithms that can carry one (its flat or two-level exchange).
+        known = [algorithms.AUTO, *algorithms.names(self.collective, codec=compressor is not None)]
+        if not isinstance(algorithm, str) or algorithm not in known:
+            raise ValueError(f"{self.where}: algorithm {algorithm!r} is not supported; use one of {known}")
         self.algorithm = algorithm
         self.compressor = self._check_compressor(compressor)
         self.codec = Codec(self.compressor.bits, self.compressor.block) if self.compressor is not None else None
