@@ -38,11 +38,17 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from commopt.comm import Topology, all_reduce, cost
+from commopt.schedules import Layer, OverlapDataParallel, Schedule, simulate
+from commopt.schedules.simulator import layers_from_model
 
 from ._launch import launch
 from ._progress import progress
@@ -131,13 +137,23 @@ def _loss(model: nn.Module, idx: torch.Tensor, tgt: torch.Tensor) -> torch.Tenso
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1))
 
 
-def _run(args) -> int:
-    if args.switch_interval:
-        sys.setswitchinterval(args.switch_interval)
-    from commopt.comm import Topology, all_reduce, cost
-    from commopt.schedules import Layer, OverlapDataParallel, Schedule, simulate
-    from commopt.schedules.simulator import layers_from_model
+@dataclass
+class _Job:
+    """What every step of the benchmark shares: the arguments, this rank, the model and its batch."""
 
+    args: argparse.Namespace
+    rank: int
+    world: int
+    log: Callable[..., None]
+    base: nn.Module
+    idx: torch.Tensor
+    tgt: torch.Tensor
+    nbytes: int
+    topo: Topology
+
+
+def _setup(args) -> _Job:
+    """The model (the same on every rank), this rank's batch and the topology; logs the header."""
     rank, world = dist.get_rank(), dist.get_world_size()
     log = print if rank == 0 else (lambda *a, **k: None)
     torch.manual_seed(0)
@@ -150,8 +166,12 @@ def _run(args) -> int:
     log(f"# overlap benchmark: {world} ranks ({topo.layout}), TinyGPT {args.layers}x{args.d_model}, "
         f"{nbytes / 2**20:.1f} MiB of gradients, batch {args.batch}x{args.seq}, {args.optimizer}, "
         f"algorithm {args.algorithm}, link rate {os.environ.get('COMMOPT_LINK_RATE_BPS', 'loopback')}")
+    return _Job(args, rank, world, log, base, idx, tgt, nbytes, topo)
 
-    # (1) the link, fitted from all-reduces of a few sizes (comm.cost.fit).
+
+def _fit_link(job: _Job) -> tuple[cost.LinkModel, cost.CostModel]:
+    """(1) the link, fitted from all-reduces of a few sizes (comm.cost.fit), and the model of it."""
+    args, topo = job.args, job.topo
     sizes = [1 << 18, 1 << 20, 1 << 22, 1 << 24]
     times = []
     for s in sizes:
@@ -163,62 +183,75 @@ def _run(args) -> int:
             all_reduce(buf, algorithm=args.algorithm, topology=topo)
             reps.append(time.perf_counter() - t0)
         times.append(_agreed_max(_median(reps)))
-    p = world
+    p = job.world
     link = cost.fit([float(s) for s in sizes], times, messages=2 * (p - 1), bytes_factor=2 * (p - 1) / p)
-    model = cost.CostModel(cost.DEFAULT_INTRA, link, chunks=1)
-    log(f"# link fit: alpha {link.alpha * 1e6:.0f} us, {8 / link.beta / 1e6:.0f} Mbit/s")
+    job.log(f"# link fit: alpha {link.alpha * 1e6:.0f} us, {8 / link.beta / 1e6:.0f} Mbit/s")
+    return link, cost.CostModel(cost.DEFAULT_INTRA, link, chunks=1)
 
-    # (2) four kinds of block, interleaved round by round (the order rotates) because the machine is
-    # shared: compute only (T_compute: forward + backward; the optimizer timed apart), the gradient
-    # reduction only (T_comm: DDP's 25 MiB buckets back to back), DDP default, OverlapDataParallel.
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
-    plain = copy.deepcopy(base)
-    plain_opt = _optimizer(args.optimizer)(list(plain.parameters()))
-    grads = [torch.zeros(max(1, min(nbytes, 25 << 20) // 4)) for _ in range(max(1, math.ceil(nbytes / (25 << 20))))]
-    ddp_model = copy.deepcopy(base)
-    ddp = DDP(ddp_model)
-    ddp_opt = _optimizer(args.optimizer)(list(ddp_model.parameters()))
-    odp = OverlapDataParallel(copy.deepcopy(base), _optimizer(args.optimizer), topology=topo,
-                              algorithm=args.algorithm, bucket_cap_mb=args.bucket_cap_mb,
-                              first_bucket_cap_mb=args.first_bucket_cap_mb, plan=args.plan,
-                              partition_mb=args.partition_mb, credit_mb=args.credit_mb, replan_every=10)
-    # The same wrapper over a group of this rank alone: its compute (hooks, bucket copies, threads,
-    # per-bucket optimizer steps) without any communication, the input of its prediction.
-    solo = [dist.new_group([r]) for r in range(world)]
-    odp_solo = OverlapDataParallel(copy.deepcopy(base), _optimizer(args.optimizer), process_group=solo[rank],
-                                   algorithm=args.algorithm, bucket_cap_mb=args.bucket_cap_mb,
-                                   first_bucket_cap_mb=args.first_bucket_cap_mb, plan=args.plan,
-                                   partition_mb=odp.partition_bytes / 2**20, credit_mb=odp.credit_bytes / 2**20,
-                                   replan_every=0)
-    opt_t: list[float] = []
+class _Blocks:
+    """(2) the kinds of timed block, each ``block(n) -> seconds per step`` of ``n`` steps started
+    together on every rank: compute only (T_compute: forward + backward; the optimizer timed apart),
+    the gradient reduction only (T_comm: DDP's 25 MiB buckets back to back), DDP default,
+    OverlapDataParallel, compute beside a reducing thread, and the wrapper over a group of one rank."""
 
-    def compute_block(n: int) -> float:
+    def __init__(self, job: _Job):
+        args, base, rank, nbytes = job.args, job.base, job.rank, job.nbytes
+        self.job = job
+        self.plain = copy.deepcopy(base)
+        self.plain_opt = _optimizer(args.optimizer)(list(self.plain.parameters()))
+        self.grads = [torch.zeros(max(1, min(nbytes, 25 << 20) // 4))
+                      for _ in range(max(1, math.ceil(nbytes / (25 << 20))))]
+        ddp_model = copy.deepcopy(base)
+        self.ddp = DDP(ddp_model)
+        self.ddp_opt = _optimizer(args.optimizer)(list(ddp_model.parameters()))
+        self.odp = OverlapDataParallel(copy.deepcopy(base), _optimizer(args.optimizer), topology=job.topo,
+                                       algorithm=args.algorithm, bucket_cap_mb=args.bucket_cap_mb,
+                                       first_bucket_cap_mb=args.first_bucket_cap_mb, plan=args.plan,
+                                       partition_mb=args.partition_mb, credit_mb=args.credit_mb, replan_every=10)
+        # The same wrapper over a group of this rank alone: its compute (hooks, bucket copies, threads,
+        # per-bucket optimizer steps) without any communication, the input of its prediction.
+        solo = [dist.new_group([r]) for r in range(job.world)]
+        self.odp_solo = OverlapDataParallel(copy.deepcopy(base), _optimizer(args.optimizer), process_group=solo[rank],
+                                            algorithm=args.algorithm, bucket_cap_mb=args.bucket_cap_mb,
+                                            first_bucket_cap_mb=args.first_bucket_cap_mb, plan=args.plan,
+                                            partition_mb=self.odp.partition_bytes / 2**20,
+                                            credit_mb=self.odp.credit_bytes / 2**20, replan_every=0)
+        self.opt_t: list[float] = []  # the plain model's optimizer steps
+        self.steady: list[float] = []  # OverlapDataParallel's steady-state step per block
+
+    def all(self) -> dict[str, Callable[[int], float]]:
+        return {"compute": self.compute, "comm": self.comm, "ddp": self.ddp_block, "overlap": self.overlap,
+                "contended": self.contended, "wrapper": self.wrapper}
+
+    def compute(self, n: int) -> float:
+        job = self.job
         dist.barrier()
         total = 0.0
         for _ in range(n):
             t0 = time.perf_counter()
-            _loss(plain, idx, tgt).backward()
+            _loss(self.plain, job.idx, job.tgt).backward()
             t1 = time.perf_counter()
-            plain_opt.step()
-            plain_opt.zero_grad(set_to_none=True)
-            opt_t.append(time.perf_counter() - t1)
+            self.plain_opt.step()
+            self.plain_opt.zero_grad(set_to_none=True)
+            self.opt_t.append(time.perf_counter() - t1)
             total += t1 - t0
         return total / n
 
-    def contended_block(n: int) -> float:
+    def contended(self, n: int) -> float:
         """Compute only, while a thread reduces gradients back to back (the contention the simulator
         charges to compute that overlaps communication). The thread stops when every rank is done."""
+        job, algorithm = self.job, self.job.args.algorithm
         done = torch.zeros(1)
         dist.barrier()
 
         def reduce_until_all_done() -> None:
             while True:
-                for gbuf in grads:
-                    all_reduce(gbuf, algorithm=args.algorithm, topology=topo)
+                for gbuf in self.grads:
+                    all_reduce(gbuf, algorithm=algorithm, topology=job.topo)
                 flag = done.clone()
-                all_reduce(flag, algorithm="flat", topology=topo)
-                if flag.item() >= world:
+                all_reduce(flag, algorithm="flat", topology=job.topo)
+                if flag.item() >= job.world:
                     return
 
         thread = threading.Thread(target=reduce_until_all_done, name="contention")
@@ -227,15 +260,16 @@ def _run(args) -> int:
         try:
             for _ in range(n):
                 t0 = time.perf_counter()
-                _loss(plain, idx, tgt).backward()
+                _loss(self.plain, job.idx, job.tgt).backward()
                 total += time.perf_counter() - t0
-                plain.zero_grad(set_to_none=True)
+                self.plain.zero_grad(set_to_none=True)
         finally:
             done.fill_(1.0)
             thread.join()
         return total / n
 
-    def per_step(n: int, step: Callable[[], None], drain: Callable[[], None] = lambda: None) -> float:
+    @staticmethod
+    def _per_step(n: int, step: Callable[[], None], drain: Callable[[], None] = lambda: None) -> float:
         """Seconds per step of ``n`` steps started together on every rank, ``drain`` included."""
         dist.barrier()
         t0 = time.perf_counter()
@@ -244,133 +278,205 @@ def _run(args) -> int:
         drain()
         return (time.perf_counter() - t0) / n
 
-    def ddp_step() -> None:
-        _loss(ddp, idx, tgt).backward()
-        ddp_opt.step()
-        ddp_opt.zero_grad(set_to_none=True)
+    def wrapper(self, n: int) -> float:
+        job = self.job
+        return self._per_step(n, lambda: _loss(self.odp_solo, job.idx, job.tgt).backward(), self.odp_solo.synchronize)
 
-    def solo_block(n: int) -> float:
-        return per_step(n, lambda: _loss(odp_solo, idx, tgt).backward(), odp_solo.synchronize)
+    def comm(self, n: int) -> float:
+        def reduce_step() -> None:
+            for gbuf in self.grads:
+                all_reduce(gbuf, algorithm=self.job.args.algorithm, topology=self.job.topo)
 
-    def reduce_step() -> None:
-        for gbuf in grads:
-            all_reduce(gbuf, algorithm=args.algorithm, topology=topo)
+        return self._per_step(n, reduce_step)
 
-    def comm_block(n: int) -> float:
-        return per_step(n, reduce_step)
+    def ddp_block(self, n: int) -> float:
+        def ddp_step() -> None:
+            _loss(self.ddp, self.job.idx, self.job.tgt).backward()
+            self.ddp_opt.step()
+            self.ddp_opt.zero_grad(set_to_none=True)
 
-    def ddp_block(n: int) -> float:
-        return per_step(n, ddp_step)
+        return self._per_step(n, ddp_step)
 
-    steady: list[float] = []
-
-    def odp_block(n: int) -> float:
+    def overlap(self, n: int) -> float:
+        job, odp = self.job, self.odp
         odp.synchronize()
-        elapsed = per_step(n, lambda: _loss(odp, idx, tgt).backward(), odp.synchronize)
+        elapsed = self._per_step(n, lambda: _loss(odp, job.idx, job.tgt).backward(), odp.synchronize)
         # The steady-state step: forward end to forward end inside the block. The block's average
         # also holds a pipeline fill and a drain (synchronize() at both ends: nothing overlaps the
         # first forward or the last step's reduction), which a training loop pays once, not every
         # n steps; DDP has nothing to fill or drain (each of its steps ends with its reduction).
         ends = [prof.forward_end for _, prof in list(odp.profiles)[-n:]]
-        steady.append(_median([b - a for a, b in zip(ends, ends[1:])]) if n > 1 else elapsed)
+        self.steady.append(_median([b - a for a, b in zip(ends, ends[1:])]) if n > 1 else elapsed)
         return elapsed
 
-    blocks = {"compute": compute_block, "comm": comm_block, "ddp": ddp_block, "overlap": odp_block,
-              "contended": contended_block, "wrapper": solo_block}
-    bar = progress(1 + args.rounds, "warm-up, then rounds", rank=rank, unit="round")
-    for fn in blocks.values():
+
+def _measure(job: _Job, blocks: _Blocks) -> dict[str, list[float]]:
+    """(3) a warm-up of every block, then the blocks interleaved round by round (the order rotates,
+    because the machine is shared); per round and block the slowest rank's time."""
+    args = job.args
+    kinds = blocks.all()
+    bar = progress(1 + args.rounds, "warm-up, then rounds", rank=job.rank, unit="round")
+    for fn in kinds.values():
         fn(args.warmup)
     bar.update()
-    opt_t.clear()
-    steady.clear()
-    res: dict[str, list[float]] = {k: [] for k in blocks}
-    names = list(blocks)
+    blocks.opt_t.clear()
+    blocks.steady.clear()
+    res: dict[str, list[float]] = {k: [] for k in kinds}
+    names = list(kinds)
     for r in range(args.rounds):
         for k in names[r % len(names):] + names[: r % len(names)]:
-            res[k].append(_agreed_max(blocks[k](args.steps)))
+            res[k].append(_agreed_max(kinds[k](args.steps)))
         bar.update()
     bar.close()
-    res["overlap-steady"] = [_agreed_max(x) for x in steady]
-    stats = odp.stats()
-    if rank == 0 and args.trace:
-        with open(args.trace, "w") as f:
-            plans = dict(odp.plans)
-            json.dump([{"step": i, "forward_end": p.forward_end, "ready": p.ready, "issued": p.issued, "done": p.done,
-                        "nbytes": p.nbytes, "bucket": [c.bucket for c in plans[i].chunks]}
-                       for i, p in odp.profiles], f)
-    odp.close()
-    odp_solo.close()
-    t_compute, t_comm = _median(res["compute"]), _median(res["comm"])
-    # Ratios to T_compute are taken round by round (the blocks of a round ran minutes apart at most,
-    # on a machine whose speed drifts), then their median.
-    slowdown = max(1.0, _median([c / x for c, x in zip(res["contended"], res["compute"])]))
-    t_opt = _agreed_max(_median(opt_t))
-    m_ddp, m_block, m_odp = _median(res["ddp"]), _median(res["overlap"]), _median(res["overlap-steady"])
-    per_round_bound = [o / max(c, m) for o, c, m in zip(res["overlap-steady"], res["compute"], res["comm"])]
-    per_round_speedup = [d / o for d, o in zip(res["ddp"], res["overlap-steady"])]
+    res["overlap-steady"] = [_agreed_max(x) for x in blocks.steady]
+    return res
 
-    # (4) the simulator's predictions from measured layers and the fitted link.
-    measured = layers_from_model(copy.deepcopy(base), idx, repeats=5,
+
+def _write_trace(path: str, odp: OverlapDataParallel) -> None:
+    """Rank 0's per-step issue/ready/done times of OverlapDataParallel (``--trace``)."""
+    with open(path, "w") as f:
+        plans = dict(odp.plans)
+        json.dump([{"step": i, "forward_end": p.forward_end, "ready": p.ready, "issued": p.issued, "done": p.done,
+                    "nbytes": p.nbytes, "bucket": [c.bucket for c in plans[i].chunks]}
+                   for i, p in odp.profiles], f)
+
+
+@dataclass
+class _Summary:
+    """The medians of the rounds, and the ratios taken round by round (the blocks of a round ran
+    minutes apart at most, on a machine whose speed drifts), then their median."""
+
+    t_compute: float
+    t_comm: float
+    slowdown: float
+    t_opt: float
+    m_ddp: float
+    m_block: float
+    m_odp: float
+    per_round_bound: list[float]
+    per_round_speedup: list[float]
+
+
+def _summarise(res: dict[str, list[float]], opt_t: list[float]) -> _Summary:
+    t_compute, t_comm = _median(res["compute"]), _median(res["comm"])
+    slowdown = max(1.0, _median([c / x for c, x in zip(res["contended"], res["compute"])]))
+    return _Summary(
+        t_compute=t_compute, t_comm=t_comm, slowdown=slowdown, t_opt=_agreed_max(_median(opt_t)),
+        m_ddp=_median(res["ddp"]), m_block=_median(res["overlap"]), m_odp=_median(res["overlap-steady"]),
+        per_round_bound=[o / max(c, m) for o, c, m in zip(res["overlap-steady"], res["compute"], res["comm"])],
+        per_round_speedup=[d / o for d, o in zip(res["ddp"], res["overlap-steady"])])
+
+
+@dataclass
+class _Prediction:
+    """The simulator's step times and what they were computed from."""
+
+    layers: list[Layer]
+    scale: float
+    t_wrapper: float
+    wrap: float
+    ddp: float
+    overlap: float
+    none: float
+
+
+def _predict(job: _Job, res: dict[str, list[float]], sm: _Summary, model: cost.CostModel, partition_mb: float,
+             credit_mb: float) -> _Prediction:
+    """(4) the simulator's predictions from measured layers and the fitted link."""
+    args, tgt = job.args, job.tgt
+    measured = layers_from_model(copy.deepcopy(job.base), job.idx, repeats=5,
                                  loss=lambda y: F.cross_entropy(y.reshape(-1, y.shape[-1]), tgt.reshape(-1)))
     # The per-layer profile is taken once, at one moment of a shared machine: keep its shape, scale
     # it to this run's interleaved T_compute.
-    scale = t_compute / max(1e-9, sum(x.forward + x.backward for x in measured))
+    scale = sm.t_compute / max(1e-9, sum(x.forward + x.backward for x in measured))
     layers = [Layer(x.name, x.forward * scale, x.backward * scale, x.grad_bytes) for x in measured]
     # OverlapDataParallel's prediction starts from its own compute without communication (the
     # optimizer, which the simulator steps in the next forward, taken out).
     t_wrapper = _median(res["wrapper"])
-    wrap = max(1e-9, _median([(w - t_opt) / x for w, x in zip(res["wrapper"], res["compute"])]))
+    wrap = max(1e-9, _median([(w - sm.t_opt) / x for w, x in zip(res["wrapper"], res["compute"])]))
     odp_layers = [Layer(x.name, x.forward * wrap, x.backward * wrap, x.grad_bytes) for x in layers]
-    opt_per_byte = t_opt / max(1, nbytes)
+    opt_per_byte = sm.t_opt / max(1, job.nbytes)
 
     def service(n: int) -> float:
-        return cost.predict(args.algorithm if args.algorithm != "auto" else "flat", n, topo, model) if n else 0.0
+        return cost.predict(args.algorithm if args.algorithm != "auto" else "flat", n, job.topo, model) if n else 0.0
 
     pred_ddp = simulate(layers, service, Schedule("ddp", bucket_cap_mb=25, first_bucket_cap_mb=1,
                                                   optimizer_seconds_per_byte=opt_per_byte,
-                                                  overlap_slowdown=slowdown))
+                                                  overlap_slowdown=sm.slowdown))
     pred_odp = simulate(odp_layers, service, Schedule(args.plan, bucket_cap_mb=args.bucket_cap_mb,
-                                                  first_bucket_cap_mb=args.first_bucket_cap_mb,
-                                                  partition_mb=odp.partition_bytes / 2**20,
-                                                  credit_mb=odp.credit_bytes / 2**20,
-                                                  optimizer_seconds_per_byte=opt_per_byte,
-                                                  overlap_slowdown=slowdown))
+                                                      first_bucket_cap_mb=args.first_bucket_cap_mb,
+                                                      partition_mb=partition_mb, credit_mb=credit_mb,
+                                                      optimizer_seconds_per_byte=opt_per_byte,
+                                                      overlap_slowdown=sm.slowdown))
     pred_none = simulate(layers, service, Schedule("none", optimizer_seconds_per_byte=opt_per_byte))
-    bound = max(t_compute, t_comm)
-    rows = [("DDP default", m_ddp, pred_ddp.iteration), (f"OverlapDataParallel ({args.plan})", m_odp,
-                                                          pred_odp.iteration),
-            (f"  same, per block of {args.steps} steps", m_block, math.nan),
-            ("no overlap (predicted only)", math.nan, pred_none.iteration)]
+    return _Prediction(layers, scale, t_wrapper, wrap, pred_ddp.iteration, pred_odp.iteration, pred_none.iteration)
+
+
+def _report(job: _Job, res: dict[str, list[float]], sm: _Summary, pred: _Prediction, stats) -> None:
+    """The table of measured against predicted step times, and the figures behind it (rank 0)."""
+    args, log = job.args, job.log
+    bound = max(sm.t_compute, sm.t_comm)
+    rows = [("DDP default", sm.m_ddp, pred.ddp), (f"OverlapDataParallel ({args.plan})", sm.m_odp, pred.overlap),
+            (f"  same, per block of {args.steps} steps", sm.m_block, math.nan),
+            ("no overlap (predicted only)", math.nan, pred.none)]
     log(f"{'schedule':<34}{'measured ms':>12}{'predicted ms':>14}{'pred/meas':>11}")
+
     def cell(value: float, width: int, digits: int) -> str:
         return f"{value:>{width}.{digits}f}" if value == value else f"{'-':>{width}}"  # nan: not measured / predicted
 
-    for name, meas, pred in rows:
-        log(f"{name:<34}{cell(meas * 1e3, 12, 1)}{cell(pred * 1e3, 14, 1)}{cell(pred / meas, 11, 3)}")
+    for name, meas, pr in rows:
+        log(f"{name:<34}{cell(meas * 1e3, 12, 1)}{cell(pr * 1e3, 14, 1)}{cell(pr / meas, 11, 3)}")
     for k, v in res.items():
         log(f"# per-round {k} ms: {[round(t * 1e3, 1) for t in v]}")
-    log(f"# T_compute {t_compute * 1e3:.1f} ms, T_comm {t_comm * 1e3:.1f} ms (ratio {t_comm / t_compute:.2f}), "
-        f"optimizer {t_opt * 1e3:.1f} ms; layer profile scaled by {scale:.2f}; plan {stats}")
+    log(f"# T_compute {sm.t_compute * 1e3:.1f} ms, T_comm {sm.t_comm * 1e3:.1f} ms (ratio "
+        f"{sm.t_comm / sm.t_compute:.2f}), optimizer {sm.t_opt * 1e3:.1f} ms; layer profile scaled by "
+        f"{pred.scale:.2f}; plan {stats}")
     log(f"# compute during a concurrent reduction: {_median(res['contended']) * 1e3:.1f} ms, slowdown "
-        f"{slowdown:.2f}x (median of rounds; the simulator's overlap_slowdown for the overlapped schedules)")
-    log(f"# OverlapDataParallel without communication (a group of one rank): {t_wrapper * 1e3:.1f} ms per step with "
-        f"its optimizer steps, {wrap:.2f}x T_compute without them (median of rounds; its prediction's compute)")
+        f"{sm.slowdown:.2f}x (median of rounds; the simulator's overlap_slowdown for the overlapped schedules)")
+    log(f"# OverlapDataParallel without communication (a group of one rank): {pred.t_wrapper * 1e3:.1f} ms per step "
+        f"with its optimizer steps, {pred.wrap:.2f}x T_compute without them (median of rounds; its prediction's "
+        f"compute)")
     log(f"# OverlapDataParallel's step: the steady state, forward end to forward end within a block; the block "
-        f"average ({m_block * 1e3:.1f} ms) adds a pipeline fill and drain every {args.steps} steps (synchronize())")
-    log(f"# overlap / max(T_compute, T_comm) = {m_odp / bound:.3f} of the medians, {_median(per_round_bound):.3f} "
-        f"median of rounds (target <= 1.15; per round {[round(x, 3) for x in per_round_bound]})")
-    log(f"# DDP / overlap = {m_ddp / m_odp:.3f} of the medians, {_median(per_round_speedup):.3f} median of rounds "
-        f"(target >= 1.15; per round {[round(x, 3) for x in per_round_speedup]})")
-    log(f"# prediction error: DDP {pred_ddp.iteration / m_ddp - 1:+.1%}, overlap {pred_odp.iteration / m_odp - 1:+.1%}")
-    if rank == 0 and args.json:
-        with open(args.json, "w") as f:
-            json.dump({"t_compute": t_compute, "t_comm": t_comm, "t_opt": t_opt, "slowdown": slowdown,
-                       "wrapper": t_wrapper, "rounds": res,
-                       "overlap_steady": m_odp, "overlap_block": m_block,
-                       "layers": [[x.name, x.forward, x.backward, x.grad_bytes] for x in layers],
-                       "pred_ddp": pred_ddp.iteration, "pred_overlap": pred_odp.iteration,
-                       "pred_none": pred_none.iteration, "link": [link.alpha, link.beta], "args": vars(args)}, f,
-                      indent=1)
+        f"average ({sm.m_block * 1e3:.1f} ms) adds a pipeline fill and drain every {args.steps} steps (synchronize())")
+    log(f"# overlap / max(T_compute, T_comm) = {sm.m_odp / bound:.3f} of the medians, "
+        f"{_median(sm.per_round_bound):.3f} median of rounds (target <= 1.15; per round "
+        f"{[round(x, 3) for x in sm.per_round_bound]})")
+    log(f"# DDP / overlap = {sm.m_ddp / sm.m_odp:.3f} of the medians, {_median(sm.per_round_speedup):.3f} median of "
+        f"rounds (target >= 1.15; per round {[round(x, 3) for x in sm.per_round_speedup]})")
+    log(f"# prediction error: DDP {pred.ddp / sm.m_ddp - 1:+.1%}, overlap {pred.overlap / sm.m_odp - 1:+.1%}")
+
+
+def _write_json(path: str, args, res: dict[str, list[float]], sm: _Summary, pred: _Prediction,
+                link: cost.LinkModel) -> None:
+    with open(path, "w") as f:
+        json.dump({"t_compute": sm.t_compute, "t_comm": sm.t_comm, "t_opt": sm.t_opt, "slowdown": sm.slowdown,
+                   "wrapper": pred.t_wrapper, "rounds": res,
+                   "overlap_steady": sm.m_odp, "overlap_block": sm.m_block,
+                   "layers": [[x.name, x.forward, x.backward, x.grad_bytes] for x in pred.layers],
+                   "pred_ddp": pred.ddp, "pred_overlap": pred.overlap,
+                   "pred_none": pred.none, "link": [link.alpha, link.beta], "args": vars(args)}, f,
+                  indent=1)
+
+
+def _run(args) -> int:
+    """One rank of the benchmark: set up, fit the link, time the blocks interleaved, predict, report."""
+    if args.switch_interval:
+        sys.setswitchinterval(args.switch_interval)
+    job = _setup(args)
+    link, model = _fit_link(job)
+    blocks = _Blocks(job)
+    res = _measure(job, blocks)
+    odp = blocks.odp
+    stats = odp.stats()
+    if job.rank == 0 and args.trace:
+        _write_trace(args.trace, odp)
+    odp.close()
+    blocks.odp_solo.close()
+    sm = _summarise(res, blocks.opt_t)
+    pred = _predict(job, res, sm, model, odp.partition_bytes / 2**20, odp.credit_bytes / 2**20)
+    _report(job, res, sm, pred, stats)
+    if job.rank == 0 and args.json:
+        _write_json(args.json, args, res, sm, pred, link)
     return 0
 
 
