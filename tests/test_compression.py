@@ -613,3 +613,36 @@ def test_compressor_pickled_before_the_state_split_continues_on_its_default_stat
     plain = C.FP16Compressor.__new__(C.FP16Compressor)
     plain.__setstate__({k: v for k, v in C.FP16Compressor().__dict__.items() if k != "_default_state"} | {"_calls": 3})
     assert plain.default_state.calls == 3
+
+
+def test_block_codec_restarts_blocks_at_every_segment():
+    """The one int8/int4 block codec (QuantizeCompressor.encode / decode): blocks restart at every
+    segment, so a segment of large values beside one of small values does not set its scale; the
+    payload is every segment's fp32 scales, then every segment's codes, padded to 4 bytes; it decodes
+    at any byte offset of a larger buffer, and adds into a vector as well as overwriting one."""
+    for bits, qmax in ((8, 127), (4, 7)):
+        q = C.QuantizeCompressor(bits, 16)
+        small = torch.randn(21, generator=torch.Generator().manual_seed(1)) * 0.02
+        big = torch.full((10,), 1.0)
+        x = torch.cat([big, small])
+        segs = [10, 21]
+        payload = q.encode(x, segs)
+        code_bytes = 31 if bits == 8 else 5 + 11
+        assert payload.dtype == torch.uint8 and payload.numel() == q.nbytes(segs) == -(-(4 * 3 + code_bytes) // 4) * 4
+        scales = payload[:12].view(torch.float32)
+        # Segment 1's blocks (elements 0-15 and 16-20 of the small segment) own their scales.
+        assert scales[0] == 1.0 / qmax
+        assert torch.allclose(scales[1:], torch.stack([small[:16].abs().max(), small[16:].abs().max()]) / qmax)
+        got = q.decode(payload, segs)
+        assert ((got - x).abs() <= scales.repeat_interleave(torch.tensor([10, 16, 5])) / 2 + 1e-12).all(), bits
+        # One block over both segments instead: the small values lose their precision.
+        whole = q.decode(q.encode(x, [31]), [31])
+        assert (whole[10:] - small).abs().max() > (got[10:] - small).abs().max()
+        shifted = torch.cat([torch.zeros(3, dtype=torch.uint8), payload])[3:]
+        assert torch.equal(q.decode(shifted, segs), got)
+        acc = torch.ones(31, dtype=torch.float64)
+        assert torch.equal(q.decode(payload, segs, acc, add=True), got.double() + 1)
+        # Stochastic rounding is reproducible from (seed, step) and differs between steps.
+        a = q.encode(x, segs, seed=5, step=1, stochastic=True)
+        assert torch.equal(a, q.encode(x, segs, seed=5, step=1, stochastic=True))
+        assert not torch.equal(a, q.encode(x, segs, seed=5, step=2, stochastic=True))

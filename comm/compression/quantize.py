@@ -1,33 +1,52 @@
-"""Block quantization (int8 / int4) with stochastic rounding, exchanged two-shot.
+"""The ONE int8 / int4 block codec, and the two-shot quantized exchange every consumer runs.
+
+:class:`QuantizeCompressor` is a segment-aware block codec (docs/architecture.md section 5.3): a
+vector is a list of segments side by side (one per parameter, or one for a DDP bucket's staged
+vector, whose tensors are already aligned to the block), and quantization blocks restart at every
+segment, so one block never mixes two parameters (a LayerNorm weight of 1.0 beside a matrix of 0.02
+would otherwise set the matrix's scale). Every block gets an fp32 scale max|x|/qmax
+(``kernels.quantize``); rounding is stochastic (unbiased, from a counter-based hash of (seed, step,
+index): reproducible) or to nearest. A payload holds the scales of every segment's blocks, then every
+segment's codes, padded to a multiple of 4 bytes (payloads side by side keep their scales aligned).
+Decoding is ``code * scale`` in fp32.
 
 Summing int8 codes in an int32 all-reduce would send 4 bytes per element and gain nothing, and codes
-of different scales cannot be summed at all. So the exchange is two-shot (like a reduce-scatter then
-all-gather, with a requantization in between):
+of different scales cannot be summed at all. So the exchange is two-shot, and it exists once, here
+(the DDP hook's rounds, FSDP2's qgZ reduce-scatter level by level, and compressed HSDP's rail run it):
 
-(1) every rank quantizes its vector (``kernels.quantize``: per-block scale max|x|/qmax, stochastic
-    rounding from a counter-based hash of (seed, step, index)) and sends chunk j to rank j (all-to-all);
-(2) rank j dequantizes the n copies of chunk j, sums them, requantizes the sum (again stochastically)
-    and all-gathers it; every rank dequantizes the n chunks.
+(1) :func:`quantized_reduce_scatter`: every rank encodes, per destination, the chunk that
+    destination reduces and sends it (pairwise transfers, an all-to-all); each rank decodes the
+    chunks it received and sums them in fp32 with its own chunk, which never leaves it and so stays
+    exact;
+(2) :func:`quantized_all_gather`: each rank re-encodes its reduced chunk and all-gathers it; every
+    rank decodes every chunk, its own included, so all of them hold identical values.
 
-Both roundings are stochastic, so the result is unbiased (E = exact sum) and needs no error feedback.
-Bytes per rank: 2 (n-1)/n x d x (1 + 4/block) for int8 (~3.9x fewer than fp32 with block=256),
-half the codes for int4 (~7.5x).
+With stochastic rounding both shots are unbiased (E = exact sum) and need no error feedback; a
+caller that keeps residuals (FSDP2 and HSDP with ``error_feedback=True``) passes them in and rounds
+to nearest. Bytes per rank: 2 (n-1)/n x d x (1 + 4/block) for int8 (~3.9x fewer than fp32 with
+block=256), half the codes for int4 (~7.5x).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
-import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
 from ... import kernels
-from ..engine import wait_work
-from .base import Compressor, Job, Round, all_gather_single, as_bytes, derive_seed
+from ..algorithms._transport import pairwise
+from .base import Compressor, Job, Round, all_finite, derive_seed
 
-__all__ = ["QuantizeCompressor"]
+__all__ = ["QuantizeCompressor", "quantized_reduce_scatter", "quantized_all_gather"]
 
 
 class QuantizeCompressor(Compressor):
-    """int8 / int4 block quantization with stochastic rounding, two-shot exchange.
+    """int8 / int4 block quantization: the one segment-aware block codec (see the module docstring).
+
+    As a DDP / ``all_reduce`` compressor the staged vector is one segment (its tensors are aligned to
+    ``block``) and both roundings are stochastic; FSDP2's qgZ / qwZ and compressed HSDP hand it every
+    parameter's segment.
 
     Args:
         bits: 8 or 4.
@@ -53,54 +72,169 @@ class QuantizeCompressor(Compressor):
     def config(self) -> dict:
         return {"name": self.name, "bits": self.bits, "block": self.block}
 
-    def _code_bytes(self, numel: int) -> int:
-        return numel if self.bits == 8 else -(-numel // 2)
+    # ------------------------------------------------------------------------------- codec
+    def _code_bytes(self, n: int) -> int:
+        return n if self.bits == 8 else -(-n // 2)
 
-    def _payload(self, x: torch.Tensor, seed: int, step: int) -> torch.Tensor:
-        codes, scales = kernels.quantize(x, bits=self.bits, block=self.block, seed=seed, step=step)
-        return as_bytes(scales, codes)
+    def nbytes(self, segments: Sequence[int]) -> int:
+        """Bytes of the payload of a vector laid out by ``segments``: scales, codes, padding to 4."""
+        raw = sum(4 * -(-n // self.block) + self._code_bytes(n) for n in segments)
+        return -(-raw // 4) * 4
 
-    def _unpack(self, payload: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        nscales = -(-numel // self.block)
-        scales = payload[: 4 * nscales].clone().view(torch.float32)
-        codes = payload[4 * nscales: 4 * nscales + self._code_bytes(numel)]
-        if self.bits == 8:
-            codes = codes.view(torch.int8)
-        return kernels.dequantize(codes, scales, numel, bits=self.bits, block=self.block, dtype=dtype)
+    def encode(self, x: torch.Tensor, segments: Sequence[int], out: torch.Tensor | None = None, *, seed: int = 0,
+               step: int = 0, stochastic: bool = False) -> torch.Tensor:
+        """Encode the 1-D floating vector ``x`` (``segments`` side by side) into a uint8 payload.
 
+        Args:
+            x: the vector (computed in fp32).
+            segments: the lengths of its segments (blocks restart at every one).
+            out: the payload (``nbytes(segments)`` bytes) to write; None: a new one.
+            seed: the seed of stochastic rounding (segment i rounds with ``derive_seed(seed, i)``).
+            step: the step counter of stochastic rounding (errors do not repeat across steps).
+            stochastic: unbiased stochastic rounding (True) or round to nearest (False).
+
+        Returns:
+            The payload.
+        """
+        if out is None:
+            out = torch.empty(self.nbytes(segments), dtype=torch.uint8, device=x.device)
+        nscales = sum(-(-n // self.block) for n in segments)
+        scales = out[: 4 * nscales].view(torch.float32)
+        s_pos, c_pos, x_pos = 0, 4 * nscales, 0
+        for i, n in enumerate(segments):
+            codes, sc = kernels.quantize(x[x_pos: x_pos + n], bits=self.bits, block=self.block,
+                                         seed=derive_seed(seed, i), step=step, stochastic=stochastic)
+            scales[s_pos: s_pos + sc.numel()] = sc
+            nb = self._code_bytes(n)
+            out[c_pos: c_pos + nb] = codes.view(torch.uint8)
+            s_pos, c_pos, x_pos = s_pos + sc.numel(), c_pos + nb, x_pos + n
+        out[c_pos:].zero_()
+        return out
+
+    def decode(self, payload: torch.Tensor, segments: Sequence[int], out: torch.Tensor | None = None, *,
+               add: bool = False, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Decode ``payload`` (of a vector laid out by ``segments``) into the vector ``out``.
+
+        Args:
+            payload: what :meth:`encode` wrote.
+            segments: the same segments.
+            out: the vector to write (any floating dtype, rounded once from fp32), or with ``add`` to
+                add to; None: a new one of ``dtype``.
+            add: add the decoded values to ``out`` instead of overwriting it.
+            dtype: the dtype of a new ``out``.
+
+        Returns:
+            ``out``.
+        """
+        if out is None:
+            out = (torch.zeros if add else torch.empty)(sum(segments), dtype=dtype, device=payload.device)
+        nscales = sum(-(-n // self.block) for n in segments)
+        # A payload received at any byte offset of a larger buffer: copy the scales to align them.
+        scales = payload[: 4 * nscales]
+        scales = (scales if scales.storage_offset() % 4 == 0 else scales.clone()).view(torch.float32)
+        s_pos, c_pos, x_pos = 0, 4 * nscales, 0
+        for n in segments:
+            nb, ns = self._code_bytes(n), -(-n // self.block)
+            codes = payload[c_pos: c_pos + nb]
+            if self.bits == 8:
+                codes = codes.view(torch.int8)
+            dst = out[x_pos: x_pos + n]
+            if add:
+                dst += kernels.dequantize(codes, scales[s_pos: s_pos + ns], n, bits=self.bits, block=self.block)
+            else:
+                kernels.dequantize(codes, scales[s_pos: s_pos + ns], n, bits=self.bits, block=self.block,
+                                   dtype=dst.dtype, out=dst)
+            s_pos, c_pos, x_pos = s_pos + ns, c_pos + nb, x_pos + n
+        return out
+
+    # ------------------------------------------------------------------------------- DDP rounds
     def rounds(self) -> list[Round]:
         return [Round("all_to_all", self._scatter), Round("all_gather", self._gather)]
 
     def _scatter(self, job: Job) -> int:
-        x, n = job.x, job.n
-        chunk = x.numel() // n
+        n = job.n
+        chunk = job.x.numel() // n
+        total = torch.empty(chunk, dtype=job.x.dtype, device=job.x.device)
         # Each rank rounds with its own stream (independent errors average out), reproducibly.
-        seed = derive_seed(job.seed, self.name, "worker", job.rank, job.salt)
-        send = torch.cat([self._payload(c, derive_seed(seed, i), job.step) for i, c in enumerate(x.view(n, chunk))])
-        recv = torch.empty_like(send)
-        wait_work(dist.all_to_all_single(recv, send, group=job.group, async_op=True), job.timeout)
-        job.scratch["recv"] = recv.view(n, -1)
-        return (n - 1) * (send.numel() // n)
+        sent = quantized_reduce_scatter(self, list(job.x.view(n, chunk).unbind(0)), [[chunk]] * n, total, job.rank,
+                                        job.group, residual=None,
+                                        seed=derive_seed(job.seed, self.name, "worker", job.salt), step=job.step,
+                                        stochastic=True, timeout=job.timeout)
+        job.scratch["reduced"] = total
+        return sent
 
     def _gather(self, job: Job) -> int:
-        x, n = job.x, job.n
-        chunk = x.numel() // n
-        recv = job.scratch.pop("recv")
-        total = torch.zeros(chunk, dtype=x.dtype, device=x.device)
-        for i in range(n):
-            total.add_(self._unpack(recv[i], chunk, x.dtype))
-        payload = self._payload(total, derive_seed(job.seed, self.name, "server", job.rank, job.salt), job.step)
-        gathered = payload.new_empty(n * payload.numel())
-        wait_work(all_gather_single(gathered, payload, group=job.group, async_op=True), job.timeout)
-        rows = gathered.view(n, -1)
-        for i in range(n):
-            job.out[i * chunk: (i + 1) * chunk] = self._unpack(rows[i], chunk, x.dtype)
-        return (n - 1) * payload.numel()
+        n = job.n
+        chunk = job.x.numel() // n
+        rows = [job.out[i * chunk: (i + 1) * chunk] for i in range(n)]
+        return quantized_all_gather(self, job.scratch.pop("reduced"), [[chunk]] * n, rows, job.rank, job.group,
+                                    residual=None, seed=derive_seed(job.seed, self.name, "server", job.rank, job.salt),
+                                    step=job.step, stochastic=True, timeout=job.timeout)
 
     def roundtrip(self, x: torch.Tensor, *, step: int = 0, seed: int = 0, salt: int = 0) -> torch.Tensor:
         flat = x.reshape(-1)
-        return self._unpack(self._payload(flat, seed, step), flat.numel(), x.dtype).view_as(x)
+        segs = [flat.numel()]
+        return self.decode(self.encode(flat, segs, seed=seed, step=step, stochastic=True), segs,
+                           dtype=x.dtype).view_as(x)
 
     def payload_bytes(self, numel: int, n: int) -> int:
-        chunk = -(-numel // n)
-        return 2 * (n - 1) * (self._code_bytes(chunk) + 4 * -(-chunk // self.block))
+        return 2 * (n - 1) * self.nbytes([-(-numel // n)])
+
+
+def _encode(codec: QuantizeCompressor, x: torch.Tensor, segments: list[int], out: torch.Tensor,
+            residual: torch.Tensor | None, seed: int, step: int, stochastic: bool) -> None:
+    """Encode ``x`` (plus ``residual``, error feedback) into ``out`` and replace ``residual`` by what
+    the rounding lost; a non-finite input leaves it as it was (a NaN would poison every later step,
+    docs/faults.md row 35)."""
+    if residual is not None:
+        x = x + residual
+    codec.encode(x, segments, out, seed=seed, step=step, stochastic=stochastic)
+    if residual is not None and all_finite(x):
+        torch.sub(x, codec.decode(out, segments, torch.empty_like(x)), out=residual)
+
+
+def quantized_reduce_scatter(codec: QuantizeCompressor, rows: list[torch.Tensor], segs: list[list[int]],
+                             out: torch.Tensor, me: int, group: ProcessGroup | None, *,
+                             residual: list[torch.Tensor] | None, seed: int, step: int, stochastic: bool,
+                             timeout: float | None) -> int:
+    """Shot (1), one quantized all-to-all (a phase body): ``rows[d]`` (laid out by ``segs[d]``) goes
+    encoded to member d of ``group``; ``out`` = ``rows[me]`` (never encoded: it does not leave this
+    rank) + every row ``me`` received, decoded and summed in fp32 in member order.
+
+    ``residual[d]`` (error feedback) is added to ``rows[d]`` before encoding and replaced by what the
+    rounding lost. The row for member d rounds with ``derive_seed(seed, me, d)``. Returns the bytes sent.
+    """
+    k = len(rows)
+    send: list[torch.Tensor | None] = [None] * k
+    recv: list[torch.Tensor | None] = [None] * k
+    device = out.device
+    for d in range(k):
+        if d == me:
+            continue
+        send[d] = torch.empty(codec.nbytes(segs[d]), dtype=torch.uint8, device=device)
+        _encode(codec, rows[d], segs[d], send[d], None if residual is None else residual[d],
+                derive_seed(seed, me, d), step, stochastic)
+        recv[d] = torch.empty(codec.nbytes(segs[me]), dtype=torch.uint8, device=device)
+    sent = pairwise(group, timeout, send, recv)
+    out.copy_(rows[me])
+    for d in range(k):
+        if d != me:
+            codec.decode(recv[d], segs[me], out, add=True)
+    return sent
+
+
+def quantized_all_gather(codec: QuantizeCompressor, x: torch.Tensor, segs: list[list[int]], rows: list[torch.Tensor],
+                         me: int, group: ProcessGroup | None, *, residual: torch.Tensor | None, seed: int, step: int,
+                         stochastic: bool, timeout: float | None) -> int:
+    """Shot (2), one quantized all-gather (a phase body): ``x`` (this member's reduced chunk, laid out
+    by ``segs[me]``) encoded with ``seed`` (plus ``residual``, which keeps what the rounding lost) goes
+    to every member; ``rows[d]`` = member d's chunk decoded, this member's own included, so every
+    member holds identical values. Returns the bytes sent."""
+    k = len(segs)
+    payloads = [torch.empty(codec.nbytes(segs[d]), dtype=torch.uint8, device=x.device) for d in range(k)]
+    _encode(codec, x, segs[me], payloads[me], residual, seed, step, stochastic)
+    sent = pairwise(group, timeout, [None if d == me else payloads[me] for d in range(k)],
+                    [None if d == me else payloads[d] for d in range(k)])
+    for d in range(k):
+        codec.decode(payloads[d], segs[d], rows[d])
+    return sent

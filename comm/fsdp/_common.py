@@ -1,5 +1,6 @@
-"""What the FSDP2 comms share: the reduction FSDP asks for, the layout of its flat buffers, the block
-codec of the quantized exchanges, the error-feedback memory, and the base of every comm object.
+"""What the FSDP2 comms share: the reduction FSDP asks for, the layout of its flat buffers, the
+error-feedback memory, and the base of every comm object (the block codec and the quantized exchange
+are ``compression.quantize``'s, the same that the DDP hook runs).
 
 FSDP2 hands a comm one flat buffer per module (a "parameter group"): the reduce-scatter input is laid
 out ``(world, chunk)`` and every row is the concatenation of each parameter's padded shard; the
@@ -30,19 +31,22 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
-from ... import kernels
 from .. import algorithms
-from ..algorithms._transport import pairwise, remaining, wait_work
+from ..algorithms._transport import remaining, wait_work
 from ..collectives import select_algorithm
 from ..compression import Compressor, QuantizeCompressor
-from ..compression.base import all_finite, derive_seed
+from ..compression.base import all_finite
 from ..engine import Phase, wait
 from ..errors import NonFiniteError, TopologyError
 from ..runtime import context
 from ..topology import Topology
 
 __all__ = ["Layout", "Codec", "Memory", "Journal", "CommBase", "CollectiveComm", "BoundComm", "Bound", "CommWork",
-           "reduction", "done_work", "as_work", "cut_segments", "quantized_exchange"]
+           "reduction", "done_work", "as_work", "cut_segments"]
+
+#: The block codec under the name bench/fsdp.py imports it by: ``Codec(bits, block)`` is a
+#: ``QuantizeCompressor``, the one codec (docs/architecture.md section 5.3).
+Codec = QuantizeCompressor
 
 
 def reduction(op, world: int) -> tuple[float, str]:
@@ -188,100 +192,6 @@ def cut_segments(numels: tuple[int, ...] | list[int], lo: int, hi: int) -> list[
     if hi > max(lo, pos):
         out.append(hi - max(lo, pos))
     return out
-
-
-# --------------------------------------------------------------------------------- codec
-class Codec:
-    """Per-block int8/int4 quantization of segments (``kernels.quantize``), packed into byte payloads.
-
-    A payload holds the fp32 scales of every segment's blocks, then every segment's codes, padded to
-    a multiple of 4 bytes (so payloads side by side keep their scales aligned). Blocks restart at
-    every segment: one block never mixes two parameters. Decoding is ``code * scale`` in fp32.
-
-    Args:
-        bits: 8 or 4.
-        block: elements per scale.
-    """
-
-    def __init__(self, bits: int, block: int):
-        self.bits, self.block = bits, block
-
-    def _code_bytes(self, n: int) -> int:
-        return n if self.bits == 8 else -(-n // 2)
-
-    def nbytes(self, segments: list[int]) -> int:
-        raw = sum(4 * -(-n // self.block) + self._code_bytes(n) for n in segments)
-        return -(-raw // 4) * 4
-
-    def encode(self, x: torch.Tensor, segments: list[int], out: torch.Tensor, *, seed: int = 0, step: int = 0,
-               stochastic: bool = False) -> None:
-        """Quantize the fp32 vector ``x`` (segments side by side) into the uint8 ``out``: unbiased
-        stochastic rounding (seeded by ``seed`` and ``step``: reproducible) or round to nearest."""
-        nscales = sum(-(-n // self.block) for n in segments)
-        scales = out[: 4 * nscales].view(torch.float32)
-        s_pos, c_pos, x_pos = 0, 4 * nscales, 0
-        for i, n in enumerate(segments):
-            codes, sc = kernels.quantize(x[x_pos: x_pos + n], bits=self.bits, block=self.block,
-                                         seed=derive_seed(seed, i), step=step, stochastic=stochastic)
-            scales[s_pos: s_pos + sc.numel()] = sc
-            nb = self._code_bytes(n)
-            out[c_pos: c_pos + nb] = codes.view(torch.uint8)
-            s_pos, c_pos, x_pos = s_pos + sc.numel(), c_pos + nb, x_pos + n
-        out[c_pos:].zero_()
-
-    def decode(self, payload: torch.Tensor, segments: list[int], out: torch.Tensor, *, add: bool = False) -> None:
-        """Dequantize ``payload`` into the vector ``out`` (fp32 when ``add``: added to it; else any float
-        dtype, rounded once from fp32)."""
-        nscales = sum(-(-n // self.block) for n in segments)
-        scales = payload[: 4 * nscales].view(torch.float32)
-        s_pos, c_pos, x_pos = 0, 4 * nscales, 0
-        for n in segments:
-            nb, ns = self._code_bytes(n), -(-n // self.block)
-            codes = payload[c_pos: c_pos + nb]
-            if self.bits == 8:
-                codes = codes.view(torch.int8)
-            dst = out[x_pos: x_pos + n]
-            if add:
-                dst += kernels.dequantize(codes, scales[s_pos: s_pos + ns], n, bits=self.bits, block=self.block)
-            else:
-                kernels.dequantize(codes, scales[s_pos: s_pos + ns], n, bits=self.bits, block=self.block,
-                                   dtype=dst.dtype, out=dst)
-            s_pos, c_pos, x_pos = s_pos + ns, c_pos + nb, x_pos + n
-
-
-def quantized_exchange(codec: Codec, rows: list[torch.Tensor | None], segs: list[list[int]], out: torch.Tensor,
-                       me: int, group, *, residual: list[torch.Tensor | None] | None, seed: tuple, step: int,
-                       stochastic: bool, timeout: float | None) -> int:
-    """One quantized all-to-all level (a phase body): ``rows[d]`` (fp32, laid out by ``segs[d]``) goes
-    quantized to member d of ``group``; ``out`` = ``rows[me]`` (never quantized: it does not leave
-    this rank) + every row ``me`` received, dequantized and summed in fp32 in member order.
-
-    ``residual[d]`` (error feedback) is added to ``rows[d]`` before quantizing and replaced by what
-    the quantization lost; a non-finite input leaves it as it was (a NaN would poison every later
-    step). Returns the bytes sent.
-    """
-    k = len(rows)
-    send: list[torch.Tensor | None] = [None] * k
-    recv: list[torch.Tensor | None] = [None] * k
-    device = out.device
-    for d in range(k):
-        if d == me:
-            continue
-        x = rows[d] if residual is None else rows[d] + residual[d]
-        send[d] = torch.empty(codec.nbytes(segs[d]), dtype=torch.uint8, device=device)
-        codec.encode(x, segs[d], send[d], seed=derive_seed(*seed, me, d), step=step, stochastic=stochastic)
-        recv[d] = torch.empty(codec.nbytes(segs[me]), dtype=torch.uint8, device=device)
-        if residual is not None and all_finite(x):
-            # A NaN/Inf input would poison the residual: keep the previous one (docs/faults.md row 35).
-            decoded = torch.empty_like(x)
-            codec.decode(send[d], segs[d], decoded)
-            torch.sub(x, decoded, out=residual[d])
-    sent = pairwise(group, timeout, send, recv)
-    out.copy_(rows[me])
-    for d in range(k):
-        if d != me:
-            codec.decode(recv[d], segs[me], out, add=True)
-    return sent
 
 
 # --------------------------------------------------------------------------------- memory
@@ -620,7 +530,7 @@ class Bound:
 # --------------------------------------------------------------------------------- reduce-scatter / all-gather
 class CollectiveComm(CommBase):
     """What the reduce-scatter and all-gather comms share: the exact algorithm (``auto``, ``flat``,
-    ``hierarchical``), the optional ``QuantizeCompressor`` and its block codec, and the start of an
+    ``hierarchical``), the optional ``QuantizeCompressor`` (the block codec), and the start of an
     exact call over the whole topology through the algorithm objects.
 
     Subclasses set ``collective`` (``"reduce_scatter"``, ``"all_gather"``) and ``role`` (its name in
@@ -639,7 +549,6 @@ class CollectiveComm(CommBase):
             raise ValueError(f"{self.where}: algorithm {algorithm!r} is not supported; use one of {known}")
         self.algorithm = algorithm
         self.compressor = self._check_compressor(compressor)
-        self.codec = Codec(self.compressor.bits, self.compressor.block) if self.compressor is not None else None
 
     def _check_compressor(self, compressor) -> QuantizeCompressor | None:
         if compressor is None or isinstance(compressor, QuantizeCompressor):

@@ -138,7 +138,7 @@ class AllGatherComm(CollectiveComm, AllGather):
         world, chunk = group.size(), input.numel()
         numels = bound.layout.numels if bound is not None and bound.layout.chunk == chunk else (chunk,)
         segs = [n for n in numels if n]
-        codec = self.codec
+        codec = self.compressor
         nbytes = codec.nbytes(segs)
         src = input.detach().reshape(-1)
         payload = torch.empty(nbytes, dtype=torch.uint8, device=src.device)
@@ -166,7 +166,7 @@ class AllGatherComm(CollectiveComm, AllGather):
         if self.compressor is None:
             return algorithms.get(algo).traffic("all_gather", nbytes, topo, itemsize=itemsize)
         chunk = int(nbytes // itemsize) // topo.world_size
-        payload = self.codec.nbytes(list(segments) if segments is not None else [chunk])
+        payload = self.compressor.nbytes(list(segments) if segments is not None else [chunk])
         return algorithms.get(algo).traffic("all_gather", payload * topo.world_size, topo, itemsize=1)
 
     def __repr__(self) -> str:

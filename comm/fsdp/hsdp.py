@@ -8,8 +8,9 @@ the hook reduces it along the rail:
 
 - ``compressor=None``: the rail all-reduce in the reduce dtype, exactly native HSDP's (the same
   gradients, bit for bit);
-- ``QuantizeCompressor(bits=8 | 4)``: two-shot over the rail, every sum in fp32: (1) cut the shard
-  into one chunk per node, quantize chunk d for rail peer d (blocks restarting at every parameter),
+- ``QuantizeCompressor(bits=8 | 4)``: ``compression.quantize``'s two-shot exchange over the rail
+  (the one the DDP hook and the reduce-scatter run), every sum in fp32: (1) cut the shard into one
+  chunk per node, quantize chunk d for rail peer d (blocks restarting at every parameter),
   exchange, dequantize and sum with the own chunk; (2) requantize that reduced chunk, all-gather
   the codes, and every rank of the rail dequantizes every chunk, its own included (all replicas
   stay identical). With error feedback (default) both roundings are to nearest and their residuals
@@ -42,13 +43,14 @@ import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 from .. import algorithms
-from ..algorithms._transport import deadline_of, pairwise, remaining, wait_work
+from ..algorithms._transport import deadline_of, remaining, wait_work
 from ..compression import Compressor, ErrorFeedback, QuantizeCompressor, reduce_tensors
-from ..compression.base import all_finite, derive_seed
+from ..compression.base import derive_seed
+from ..compression.quantize import quantized_all_gather, quantized_reduce_scatter
 from ..engine import Phase, wait
 from ..errors import TopologyError
 from ..topology import Topology
-from ._common import Bound, Codec, CommBase, Layout, cut_segments, quantized_exchange
+from ._common import Bound, CommBase, Layout, cut_segments
 
 __all__ = ["AllReduceHook"]
 
@@ -88,7 +90,6 @@ class AllReduceHook(CommBase):
             self.quantized or compressor.biased)
         self.seed = seed
         self.finite_check = bool(check_finite)
-        self.codec = Codec(compressor.bits, compressor.block) if self.quantized else None
         general = compressor is not None and not self.quantized
         # The other compressors' per-run memory: residuals per parameter name, warm starts.
         self.feedback = ErrorFeedback() if general and self.error_feedback else None
@@ -236,31 +237,22 @@ class AllReduceHook(CommBase):
             server = s.view(nodes, chunk)[me]
         reduced = torch.empty(chunk, dtype=torch.float32, device=flat.device)
         stochastic = not ef
-        codec = self.codec
+        codec = self.compressor
 
         def scatter() -> int:
-            return quantized_exchange(codec, rows, segs, reduced, me, rs, residual=worker,
-                                      seed=(self.seed, layout.key, "worker"), step=step, stochastic=stochastic,
-                                      timeout=remaining(deadline))
-
-        payloads = [torch.empty(codec.nbytes(segs[d]), dtype=torch.uint8, device=flat.device) for d in range(nodes)]
+            return quantized_reduce_scatter(codec, rows, segs, reduced, me, rs, residual=worker,
+                                            seed=derive_seed(self.seed, layout.key, "worker"), step=step,
+                                            stochastic=stochastic, timeout=remaining(deadline))
 
         def gather() -> int:
-            x = reduced if server is None else reduced + server
-            codec.encode(x, segs[me], payloads[me], seed=derive_seed(self.seed, layout.key, "server", me), step=step,
-                         stochastic=stochastic)
-            if server is not None and all_finite(x):
-                decoded = torch.empty_like(x)
-                codec.decode(payloads[me], segs[me], decoded)
-                torch.sub(x, decoded, out=server)
-            return pairwise(ag, remaining(deadline), [None if d == me else payloads[me] for d in range(nodes)],
-                            [None if d == me else payloads[d] for d in range(nodes)])
+            # Every rank of the rail decodes every reduced chunk, its own included: replicas stay identical.
+            return quantized_all_gather(codec, reduced, segs, rows, me, ag, residual=server,
+                                        seed=derive_seed(self.seed, layout.key, "server", me), step=step,
+                                        stochastic=stochastic, timeout=remaining(deadline))
 
-        bits = self.compressor.bits
+        bits = codec.bits
         self.run([Phase("reduce_scatter_rail", scatter, rs)], f"fsdp/hsdp/int{bits}/inter", flat.device, deadline)
         self.run([Phase("all_gather_rail", gather, ag)], f"fsdp/hsdp/int{bits}/inter", flat.device, deadline)
-        for d in range(nodes):
-            codec.decode(payloads[d], segs[d], rows[d])
         if average:
             padded.div_(nodes)
         flat.copy_(padded[:size])
@@ -275,7 +267,7 @@ class AllReduceHook(CommBase):
         chunk = -(-numel // nodes)
         numels = tuple(numels) if numels is not None else (numel,)
         t = algorithms.Traffic(topo)
-        sizes = [self.codec.nbytes(cut_segments(numels, d * chunk, (d + 1) * chunk)) for d in range(nodes)]
+        sizes = [self.compressor.nbytes(cut_segments(numels, d * chunk, (d + 1) * chunk)) for d in range(nodes)]
         for rail in topo.rails:
             for a_i, a in enumerate(rail):
                 for b_i, b in enumerate(rail):

@@ -8,7 +8,8 @@ inter-node along the rail on 1/L of the data), ``auto`` asks the cost model and 
 where the hierarchy does not apply (one level, or nodes of unequal size such as 2+1).
 
 Quantized calls (``compressor=QuantizeCompressor(bits=4 | 8)``) follow ZeRO++'s qgZ, with every sum
-in fp32 (never an integer sum, never a sum in the reduce dtype):
+in fp32 (never an integer sum, never a sum in the reduce dtype); each level is
+``compression.quantize.quantized_reduce_scatter``, the first shot of the DDP hook's exchange too:
 
 (1) quantize, per destination, the chunk that destination reduces (per-block scales, blocks
     restarting at every parameter's segment), with this rank's error-feedback residual added;
@@ -41,10 +42,12 @@ from .. import algorithms
 from ..algorithms._transport import LOW_PRECISION, deadline_of, exchange_reduce_scatter, prepare, remaining
 from ..algorithms.hierarchical import rail_order
 from ..compression import Compressor
+from ..compression.base import derive_seed
+from ..compression.quantize import quantized_reduce_scatter
 from ..engine import Phase, wait
 from ..runtime import context
 from ..topology import Topology
-from ._common import Bound, BoundComm, CollectiveComm, Layout, done_work, quantized_exchange, reduction
+from ._common import Bound, BoundComm, CollectiveComm, Layout, done_work, reduction
 
 __all__ = ["ReduceScatterComm"]
 
@@ -213,9 +216,9 @@ class ReduceScatterComm(CollectiveComm, ReduceScatter):
         res = list(residual.unbind(0)) if residual is not None else None
 
         def exchange() -> int:
-            return quantized_exchange(self.codec, rows, [segs] * k, out, me, group, residual=res,
-                                      seed=(self.seed, *tag), step=step, stochastic=stochastic,
-                                      timeout=remaining(deadline))
+            return quantized_reduce_scatter(self.compressor, rows, [segs] * k, out, me, group, residual=res,
+                                            seed=derive_seed(self.seed, *tag), step=step, stochastic=stochastic,
+                                            timeout=remaining(deadline))
 
         self.run([Phase("all_to_all", exchange, group)], op, inp.device, deadline)
 
@@ -238,12 +241,12 @@ class ReduceScatterComm(CollectiveComm, ReduceScatter):
         segs = list(segments) if segments is not None else [chunk]
         t = algorithms.Traffic(topo)
         if not self.two_level(topo):
-            t.all_pairs(list(range(world)), self.codec.nbytes(segs))
+            t.all_pairs(list(range(world)), self.compressor.nbytes(segs))
             return t
         for node in topo.nodes:
-            t.all_pairs(node, self.codec.nbytes(segs * topo.num_nodes))
+            t.all_pairs(node, self.compressor.nbytes(segs * topo.num_nodes))
         for rail in topo.rails:
-            t.all_pairs(rail, self.codec.nbytes(segs))
+            t.all_pairs(rail, self.compressor.nbytes(segs))
         return t
 
     # ----------------------------------------------------------------------------- state
