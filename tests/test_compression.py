@@ -9,6 +9,7 @@ one pool call (docs/architecture.md section 9). docs/faults.md rows: 8, 9, 10, 1
 from __future__ import annotations
 
 import math
+import pickle
 import warnings
 
 import pytest
@@ -600,7 +601,6 @@ def test_reductions_in_flight(ranks):
 def test_compressor_pickled_before_the_state_split_continues_on_its_default_state():
     """A compressor pickled when it still held its call counter (and PowerSGD its warm starts)
     itself unpickles with both in its default state, the format's only migration."""
-    import pickle
 
     c = C.PowerSGDCompressor(rank=2)
     old = {k: v for k, v in c.__dict__.items() if k != "_default_state"}
@@ -646,3 +646,16 @@ def test_block_codec_restarts_blocks_at_every_segment():
         a = q.encode(x, segs, seed=5, step=1, stochastic=True)
         assert torch.equal(a, q.encode(x, segs, seed=5, step=1, stochastic=True))
         assert not torch.equal(a, q.encode(x, segs, seed=5, step=2, stochastic=True))
+
+
+def test_error_feedback_pickled_before_the_merge_loads():
+    """An ErrorFeedback pickled when it held per-key residuals only (before the FSDP2 comms' memory
+    moved into it) unpickles with its residuals and empty per-module residuals, and keeps working."""
+    ef = ErrorFeedback()
+    ef.get("worker", ["w"], [4], torch.float32, torch.device("cpu"))[0].fill_(2.0)
+    for name in ("layouts", "buffers", "steps"):
+        delattr(ef, name)
+    back = pickle.loads(pickle.dumps(ef))
+    assert torch.equal(back.residuals["worker"]["w"], torch.full((4,), 2.0))
+    assert back.layouts == {} and back.buffers == {} and back.steps == {}
+    assert back.numel() == 4 and back.state_dict()["worker"]["w"].sum() == 8

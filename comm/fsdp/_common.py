@@ -1,6 +1,7 @@
-"""What the FSDP2 comms share: the reduction FSDP asks for, the layout of its flat buffers, the
-error-feedback memory, and the base of every comm object (the block codec and the quantized exchange
-are ``compression.quantize``'s, the same that the DDP hook runs).
+"""What the FSDP2 comms share: the reduction FSDP asks for, the segments of its flat buffers, and the
+base of every comm object (the block codec and the quantized exchange are ``compression.quantize``'s,
+the error-feedback memory and the buffer :class:`Layout` ``compression.feedback``'s: the same that
+the DDP hook uses).
 
 FSDP2 hands a comm one flat buffer per module (a "parameter group"): the reduce-scatter input is laid
 out ``(world, chunk)`` and every row is the concatenation of each parameter's padded shard; the
@@ -36,12 +37,13 @@ from ..algorithms._transport import remaining, wait_work
 from ..collectives import select_algorithm
 from ..compression import Compressor, QuantizeCompressor
 from ..compression.base import all_finite
+from ..compression.feedback import ErrorFeedback, Layout
 from ..engine import Phase, wait
 from ..errors import NonFiniteError, TopologyError
 from ..runtime import context
 from ..topology import Topology
 
-__all__ = ["Layout", "Codec", "Memory", "Journal", "CommBase", "CollectiveComm", "BoundComm", "Bound", "CommWork",
+__all__ = ["Layout", "Codec", "Journal", "CommBase", "CollectiveComm", "BoundComm", "Bound", "CommWork",
            "reduction", "done_work", "as_work", "cut_segments"]
 
 #: The block codec under the name bench/fsdp.py imports it by: ``Codec(bits, block)`` is a
@@ -150,36 +152,6 @@ def as_work(fut: torch.futures.Future, op: str, timeout: float | None = None,
 
 
 # --------------------------------------------------------------------------------- layout
-@dataclass(frozen=True)
-class Layout:
-    """One FSDP module's flat buffer: every parameter's name and padded shard size, in FSDP's order.
-
-    Attributes:
-        key: the module's name in the model ("" for the root).
-        names: parameter names (from the root), in the order FSDP concatenates them.
-        numels: each parameter's padded shard size (elements of one rank's row).
-        shapes: each parameter's padded shard shape (FSDP2 shards dim 0: ``(ceil(rows / world),
-            *rest)``), what matrix compressors (PowerSGD) see; empty when unknown.
-    """
-
-    key: str
-    names: tuple[str, ...]
-    numels: tuple[int, ...]
-    shapes: tuple[tuple[int, ...], ...] = ()
-
-    @property
-    def chunk(self) -> int:
-        """Elements of one rank's row of the buffer."""
-        return sum(self.numels)
-
-    def offsets(self) -> list[int]:
-        out, pos = [], 0
-        for n in self.numels:
-            out.append(pos)
-            pos += n
-        return out
-
-
 def cut_segments(numels: tuple[int, ...] | list[int], lo: int, hi: int) -> list[int]:
     """The parameter segments (lengths) of the element range [lo, hi) of a row laid out by ``numels``;
     a range past the row's end is one trailing padding segment."""
@@ -192,104 +164,6 @@ def cut_segments(numels: tuple[int, ...] | list[int], lo: int, hi: int) -> list[
     if hi > max(lo, pos):
         out.append(hi - max(lo, pos))
     return out
-
-
-# --------------------------------------------------------------------------------- memory
-class Memory:
-    """Error-feedback residuals of one comm: per bound module, one fp32 tensor per level of shape
-    ``(*rows, chunk)`` (the last dimension laid out like one rank's row of the module's buffer),
-    checkpointed per parameter name (that parameter's columns of every row).
-
-    ``state_dict()`` holds plain tensors, ints and strings (``torch.load(weights_only=True)``
-    accepts it): ``{"meta": {...}, "residuals": {"<level>/<param name>": Tensor[*rows, numel]},
-    "steps": {"<module>": int}}``.
-    """
-
-    def __init__(self) -> None:
-        self.layouts: dict[str, Layout] = {}
-        self.buffers: dict[str, dict[str, torch.Tensor]] = {}
-        self.steps: dict[str, int] = {}
-
-    def get(self, layout: Layout, level: str, rows: tuple[int, ...], device: torch.device,
-            width: int | None = None) -> torch.Tensor:
-        """The ``(*rows, width)`` residual of ``level`` (``width``: the row length, default the layout's
-        chunk; a wider row holds zero padding past the last parameter)."""
-        width = layout.chunk if width is None else width
-        store = self.buffers.setdefault(layout.key, {})
-        t = store.get(level)
-        if t is not None and tuple(t.shape[:-1]) == tuple(rows) and t.shape[-1] <= width:
-            if t.shape[-1] < width or t.device != device:
-                grown = torch.zeros(*rows, width, dtype=torch.float32, device=device)
-                grown[..., : t.shape[-1]] = t
-                t = store[level] = grown
-            return t
-        t = store[level] = torch.zeros(*rows, width, dtype=torch.float32, device=device)
-        return t
-
-    def use(self, layout: Layout, reset: tuple[str, ...] = ()) -> None:
-        """Lay the residuals of ``layout.key`` out by ``layout``: the parameters FSDP2 reduces in this
-        call (those that require gradients; freezing or unfreezing one changes it).
-
-        A parameter in both layouts keeps its residual (moved to its new columns); one that joins
-        starts from zero; one that leaves (frozen: it is never sent again) drops its residual. The
-        levels named in ``reset`` start from zero when the layout changes (a residual whose columns
-        change owner with it, such as the HSDP hook's server residual of this rank's chunk).
-        """
-        old = self.layouts.get(layout.key)
-        self.layouts[layout.key] = layout
-        levels = self.buffers.get(layout.key)
-        if old is None or old == layout or not levels:
-            return
-        where = {name: (off, n) for name, off, n in zip(old.names, old.offsets(), old.numels)}
-        moved = {}
-        for level, t in levels.items():
-            new = t.new_zeros(*t.shape[:-1], layout.chunk)
-            if level not in reset:
-                for name, off, n in zip(layout.names, layout.offsets(), layout.numels):
-                    if name in where and where[name][1] == n:
-                        src = where[name][0]
-                        new[..., off: off + n] = t[..., src: src + n]
-            moved[level] = new
-        self.buffers[layout.key] = moved
-
-    def state_dict(self, meta: dict) -> dict:
-        residuals = {}
-        for key, levels in self.buffers.items():
-            layout = self.layouts[key]
-            for level, t in levels.items():
-                for name, off, n in zip(layout.names, layout.offsets(), layout.numels):
-                    residuals[f"{level}/{name}"] = t[..., off: off + n].detach().clone().cpu()
-        return {"meta": dict(meta), "residuals": residuals, "steps": dict(self.steps)}
-
-    def load_state_dict(self, state: dict, meta: dict, where: str) -> None:
-        saved = state.get("meta", {})
-        if saved != meta:
-            diff = {k: (saved.get(k), meta.get(k)) for k in sorted(set(saved) | set(meta))
-                    if saved.get(k) != meta.get(k)}
-            raise ValueError(f"{where}: the checkpoint was taken with other settings ({diff}, saved vs now): "
-                             f"residuals do not transfer between world sizes, layouts or compressors; build a "
-                             f"fresh comm (a documented reset) or resume with the saved settings")
-        by_param = {}
-        for key, layout in self.layouts.items():
-            for name, off, n in zip(layout.names, layout.offsets(), layout.numels):
-                by_param[name] = (key, off, n)
-        new: dict[str, dict[str, torch.Tensor]] = {}
-        for full, t in state.get("residuals", {}).items():
-            level, _, name = full.partition("/")
-            if name not in by_param:
-                raise ValueError(f"{where}: the checkpoint holds a residual of parameter {name!r}, which no "
-                                 f"module registered with this comm reduces (it is not in the model, or it is "
-                                 f"frozen: requires_grad=False); register the same model, with the same "
-                                 f"parameters frozen, first")
-            key, off, n = by_param[name]
-            if t.dim() < 1 or t.shape[-1] != n:
-                raise ValueError(f"{where}: residual {full!r} has shape {tuple(t.shape)}, expected (..., {n})")
-            buf = new.setdefault(key, {}).get(level)
-            if buf is None:
-                buf = new[key][level] = torch.zeros(*t.shape[:-1], self.layouts[key].chunk, dtype=torch.float32)
-            buf[..., off: off + n] = t
-        self.buffers = new
-        self.steps = {k: int(v) for k, v in state.get("steps", {}).items()}
 
 
 def _graph_task() -> int:
@@ -389,7 +263,7 @@ class CommBase:
             raise ValueError(f"{self.where}: timeout must be a positive number of seconds or None, got {timeout!r}")
         self.topology = topology
         self.timeout = None if timeout is None or math.isinf(timeout) else float(timeout)
-        self.memory = Memory()
+        self.feedback = ErrorFeedback()  # residuals per parameter name, step counters per module
         self.journal = Journal()
         self._sites: dict[int, _Site] = {}
         self._flat_topo: Topology | None = None
@@ -492,7 +366,7 @@ class CommBase:
         """Before a call of ``check_finite=True`` changes module ``key``'s residuals and step counter:
         record them in this backward's journal."""
         if self.finite_check:
-            for mapping in (self.memory.buffers, self.memory.steps, self.memory.layouts):
+            for mapping in (self.feedback.buffers, self.feedback.steps, self.feedback.layouts):
                 self.journal.keep(mapping, key)
 
 

@@ -44,7 +44,7 @@ from torch.distributed import ReduceOp
 
 from .. import algorithms
 from ..algorithms._transport import deadline_of, remaining, wait_work
-from ..compression import Compressor, ErrorFeedback, QuantizeCompressor, reduce_tensors
+from ..compression import Compressor, QuantizeCompressor, reduce_tensors
 from ..compression.base import derive_seed
 from ..compression.quantize import quantized_all_gather, quantized_reduce_scatter
 from ..engine import Phase, wait
@@ -91,8 +91,9 @@ class AllReduceHook(CommBase):
         self.seed = seed
         self.finite_check = bool(check_finite)
         general = compressor is not None and not self.quantized
-        # The other compressors' per-run memory: residuals per parameter name, warm starts.
-        self.feedback = ErrorFeedback() if general and self.error_feedback else None
+        # The other compressors' per-run memory: residuals per parameter name (per key, in the comm's
+        # one ErrorFeedback), warm starts.
+        self.keyed = general and self.error_feedback
         self.compressor_state = compressor.new_state() if general else None
 
     @property
@@ -110,7 +111,7 @@ class AllReduceHook(CommBase):
         return self.groups(role).rail
 
     def bind(self, bound: Bound):
-        self.memory.layouts[bound.layout.key] = bound.reduced()
+        self.feedback.layouts[bound.layout.key] = bound.reduced()
 
         def hook(reduce_output: torch.Tensor) -> None:
             self.reduce(reduce_output, bound)
@@ -173,7 +174,7 @@ class AllReduceHook(CommBase):
         """Any other compressor: ``reduce_tensors`` along the rail on every parameter's shard."""
         topo = self.resolve()
         size = flat.numel()
-        layout = self._layout(bound, size, self.feedback is not None)
+        layout = self._layout(bound, size, self.keyed)
         shapes = layout.shapes or tuple((n,) for n in layout.numels)
         tensors, keys, pos = [], [], 0
         for name, n, shape in zip(layout.names, layout.numels, shapes):
@@ -183,18 +184,18 @@ class AllReduceHook(CommBase):
             pos += n
         if self.finite_check:
             self.keep(layout.key)
-            for kind in ("worker", "server") if self.feedback is not None else ():
+            for kind in ("worker", "server") if self.keyed else ():
                 for key in keys:
                     self.journal.keep(self.feedback.residuals[kind], key)
             if self.compressor_state is not None:
                 self.journal.keep_state(self.compressor_state)
-        step = self.memory.steps.get(layout.key, 0)
-        self.memory.steps[layout.key] = step + 1
+        step = self.feedback.steps.get(layout.key, 0)
+        self.feedback.steps[layout.key] = step + 1
         if not tensors:
             return
         fut = reduce_tensors(self.compressor, tensors, keys, topology=topo, algorithm="rail", average=average,
-                             step=step, seed=self.seed, feedback=self.feedback, state=self.compressor_state,
-                             timeout=remaining(deadline))
+                             step=step, seed=self.seed, feedback=self.feedback if self.keyed else None,
+                             state=self.compressor_state, timeout=remaining(deadline))
         wait(fut, self.timeout, op=f"fsdp/hsdp/{self.name}/inter", deadline=deadline)
         shapes = [tuple(t.shape) for t in tensors]
         active = self.compressor.active(step) and self.compressor.worth(sum(t.numel() for t in tensors), shapes)
@@ -218,9 +219,9 @@ class AllReduceHook(CommBase):
         if ef:
             # The server residual belongs to this rank's chunk of the shard, which moves when the
             # layout does: it restarts from zero then (the worker residual moves with its columns).
-            self.memory.use(layout, reset=("server",))
-        step = self.memory.steps.get(layout.key, 0)
-        self.memory.steps[layout.key] = step + 1
+            self.feedback.use(layout, reset=("server",))
+        step = self.feedback.steps.get(layout.key, 0)
+        self.feedback.steps[layout.key] = step + 1
         chunk = -(-size // nodes)
         padded = torch.zeros(nodes * chunk, dtype=torch.float32, device=flat.device)
         padded[:size] = flat
@@ -231,8 +232,8 @@ class AllReduceHook(CommBase):
         worker = server = None
         if ef:
             # Residuals of the padding past the shard's end stay zero (zeros quantize exactly).
-            w = self.memory.get(layout, "worker", (), flat.device, width=nodes * chunk)
-            s = self.memory.get(layout, "server", (), flat.device, width=nodes * chunk)
+            w = self.feedback.rows(layout, "worker", (), flat.device, width=nodes * chunk)
+            s = self.feedback.rows(layout, "server", (), flat.device, width=nodes * chunk)
             worker = list(w.view(nodes, chunk).unbind(0))
             server = s.view(nodes, chunk)[me]
         reduced = torch.empty(chunk, dtype=torch.float32, device=flat.device)
@@ -283,8 +284,8 @@ class AllReduceHook(CommBase):
     def state_dict(self) -> dict:
         """Residuals per parameter name, step counters and (other compressors) the compressor's
         state, e.g. PowerSGD's warm starts (``torch.load(weights_only=True)`` loads it)."""
-        out = self.memory.state_dict(self._meta())
-        if self.feedback is not None:
+        out = self.feedback.module_state_dict(self._meta())
+        if self.keyed:
             out["error_feedback"] = self.feedback.state_dict()
         if self.compressor_state is not None:
             out["compressor_state"] = self.compressor_state.state_dict()
@@ -292,8 +293,8 @@ class AllReduceHook(CommBase):
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict`; ``ValueError`` when world size, layout or compressor differ."""
-        self.memory.load_state_dict(state, self._meta(), self.where)
-        if self.feedback is not None:
+        self.feedback.load_module_state_dict(state, self._meta(), self.where)
+        if self.keyed:
             self.feedback.load_state_dict(state.get("error_feedback", {}))
         if self.compressor_state is not None and "compressor_state" in state:
             self.compressor_state.load_state_dict(state["compressor_state"])

@@ -105,7 +105,7 @@ class ReduceScatterComm(CollectiveComm, ReduceScatter):
 
     def bind(self, bound: Bound) -> _Bound:
         """The view of this comm that :func:`register` sets on one FSDP module."""
-        self.memory.layouts[bound.layout.key] = bound.reduced()
+        self.feedback.layouts[bound.layout.key] = bound.reduced()
         return _Bound(self, bound)
 
     # ----------------------------------------------------------------------------- dispatch
@@ -174,9 +174,9 @@ class ReduceScatterComm(CollectiveComm, ReduceScatter):
         ef = self.error_feedback and bound is not None
         self.keep(layout.key)
         if ef:
-            self.memory.use(layout)
-        step = self.memory.steps.get(layout.key, 0)
-        self.memory.steps[layout.key] = step + 1
+            self.feedback.use(layout)
+        step = self.feedback.steps.get(layout.key, 0)
+        self.feedback.steps[layout.key] = step + 1
         segs = [n for n in layout.numels if n]
         x = input.detach().reshape(world, chunk)
         x32 = x if x.dtype == torch.float32 else x.float()
@@ -190,15 +190,15 @@ class ReduceScatterComm(CollectiveComm, ReduceScatter):
             intra = self.groups("fsdp-qrs-intra").intra
             rail = self.groups("fsdp-qrs-rail").rail
             # Level 1's rows hold the chunks of a rail's N ranks side by side; level 2's one rank each.
-            r1 = self.memory.get(layout, "level1", (local, nodes), input.device).view(local, -1) if ef else None
-            r2 = self.memory.get(layout, "level2", (nodes,), input.device) if ef else None
+            r1 = self.feedback.rows(layout, "level1", (local, nodes), input.device).view(local, -1) if ef else None
+            r2 = self.feedback.rows(layout, "level2", (nodes,), input.device) if ef else None
             self._level(staged, mid, intra, topo.local_rank, segs * nodes, r1, (layout.key, "intra"), step,
                         f"fsdp/reduce_scatter/int{bits}/intra", not ef, deadline)
             self._level(mid.view(nodes, chunk), out32, rail, dist.get_rank(rail), segs, r2, (layout.key, "rail"),
                         step, f"fsdp/reduce_scatter/int{bits}/inter", not ef, deadline)
         else:
             g = self.groups("fsdp-qrs-flat", self.flat_topology()).intra
-            r = self.memory.get(layout, "level1", (world,), input.device) if ef else None
+            r = self.feedback.rows(layout, "level1", (world,), input.device) if ef else None
             self._level(x32, out32, g, dist.get_rank(g), segs, r, (layout.key, "flat"), step,
                         f"fsdp/reduce_scatter/int{bits}/flat", not ef, deadline)
         self.add_link_bytes(("qrs", tuple(segs)), lambda: self.traffic(world * chunk * 4, segments=segs))
@@ -259,7 +259,7 @@ class ReduceScatterComm(CollectiveComm, ReduceScatter):
 
     def state_dict(self) -> dict:
         """Residuals per parameter name and step counters (``torch.load(weights_only=True)`` loads it)."""
-        return self.memory.state_dict(self._meta())
+        return self.feedback.module_state_dict(self._meta())
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict` (after :func:`register` bound the same model); training then
@@ -269,7 +269,7 @@ class ReduceScatterComm(CollectiveComm, ReduceScatter):
             ValueError: the checkpoint's world size, layout or compressor settings differ (residuals do
                 not transfer: build a fresh comm, a documented reset), or it names unknown parameters.
         """
-        self.memory.load_state_dict(state, self._meta(), self.where)
+        self.feedback.load_module_state_dict(state, self._meta(), self.where)
 
     def __repr__(self) -> str:
         return (f"ReduceScatterComm(algorithm={self.algorithm!r}, compressor={self.compressor!r}, "
