@@ -25,6 +25,7 @@ from . import algorithms
 from .collectives import SUPPORTED_DTYPES, all_reduce, check_group, check_timeout, validate_same
 from .compression import Compressor, CompressorState, ErrorFeedback, reduce_tensors
 from .engine import chain
+from .runtime import context
 from .topology import Topology
 
 __all__ = ["AllReduceState", "allreduce_hook", "register", "check_result", "check_dense_gradients"]
@@ -277,6 +278,9 @@ def check_dense_gradients(module: torch.nn.Module, reducer: str, hint: str = "us
 def register(ddp_model: torch.nn.parallel.DistributedDataParallel, state: AllReduceState) -> None:
     """Validate ``ddp_model`` for ``state``, then ``ddp_model.register_comm_hook(state, allreduce_hook)``.
 
+    A ``state.topology`` of None is set to the layout the hook will use (``Topology.detect`` over the
+    state's group, collective like DDP's construction), so it can be read back; ``"flat"`` needs none.
+
     Raises:
         NotImplementedError: the model has sparse gradients (``nn.Embedding(sparse=True)``).
         TypeError: ``ddp_model`` is not a ``DistributedDataParallel`` model, ``state`` is not an
@@ -303,4 +307,7 @@ def register(ddp_model: torch.nn.parallel.DistributedDataParallel, state: AllRed
     # rebuild and across restarts (a bucket index is neither).
     state.param_keys = {id(p): name for name, p in ddp_model.module.named_parameters()}
     state.world_size = dist.get_world_size(state.process_group)
+    if state.topology is None and state.algorithm != "flat":
+        # The layout every bucket would detect (once per group, cached), kept where the user can read it.
+        state.topology = context().topology(None, state.process_group, state.timeout)
     ddp_model.register_comm_hook(state, allreduce_hook)

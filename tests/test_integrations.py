@@ -349,6 +349,22 @@ def _transformers_body(rank: int, world: int) -> dict:
         out["no_trainer"] = str(exc)
 
     out["accelerate"] = {"hooked": _accelerate_hooked(), "plain": _accelerate_plain()}
+    out["registered_topology"] = _registered_topology()
+    return out
+
+
+def _registered_topology() -> dict:
+    """What ``hooks.register`` leaves in ``state.topology`` when it was None (no training step)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from commopt.comm import hooks
+
+    out = {}
+    for algorithm in ("hierarchical", "flat"):
+        state = hooks.AllReduceState(algorithm=algorithm)
+        hooks.register(DistributedDataParallel(torch.nn.Linear(4, 2)), state)
+        topo = state.topology
+        out[algorithm] = None if topo is None else (topo.world_size, topo.num_nodes, topo.rank)
     return out
 
 
@@ -417,6 +433,9 @@ def test_transformers_trainer_and_accelerate_register_hook(tmp_path):
     assert comp["loss"] < 1.1 * adamw["loss"], (adamw["loss"], comp["loss"])
     assert _max_diff(comp["params"], adamw["params"]) > 0  # the fp16 reduction was used
     assert "trainer=trainer" in r0["no_trainer"], r0["no_trainer"]
+
+    for rank, r in enumerate(ranks):  # register shows the layout it detected: torchrun's, one node of 2
+        assert r["registered_topology"] == {"hierarchical": (_WORLD, 1, rank), "flat": None}, r["registered_topology"]
 
     acc = r0["accelerate"]
     steps = len(_Sequences()) // (_WORLD * 4)
