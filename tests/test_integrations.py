@@ -207,6 +207,8 @@ def _lightning_body(rank: int, world: int) -> dict:
                                                       topology="2x1")))
     out["pickled"] = (copy.topology, copy.state.algorithm, copy.state.compressor.rank)
 
+    out["checkpoint"] = _lightning_checkpoint(pl, rank)
+
     # A strategy that does not wrap the model in DDP is a clear error at fit start.
     trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=pl.strategies.SingleDeviceStrategy("cpu"),
                          max_steps=1, callbacks=[CommHookCallback(AllReduceState())])
@@ -215,6 +217,75 @@ def _lightning_body(rank: int, world: int) -> dict:
         trainer.fit(_lightning_model(pl), _lightning_data())
     except TypeError as exc:
         out["not_ddp"] = str(exc)
+    return out
+
+
+_CKPT_STEPS = 3  # optimizer steps before the checkpoint, and after the resume
+
+
+def _lightning_checkpoint(pl, rank: int) -> dict:
+    """docs/faults.md row 18 through Lightning: hierarchical PowerSGD with error feedback for
+    2 x ``_CKPT_STEPS`` steps (two epochs of 3 batches) uninterrupted, against one epoch, a checkpoint,
+    and a resume from it (``ckpt_path``, ``weights_only=True``) with a new model, state and callback."""
+    import warnings
+
+    import torch.distributed as dist
+
+    from commopt.comm.compression import PowerSGDCompressor
+    from commopt.comm.hooks import AllReduceState
+    from commopt.comm.integrations.lightning import CommHookCallback
+
+    def fit(epochs: int, ckpt_path=None, trainer_out: list | None = None):
+        model, loader = _lightning_model(pl), _lightning_data()
+        # start_iter=2: the checkpoint falls after the warm-up, with residuals and a warm start
+        state = AllReduceState(algorithm="hierarchical", compressor=PowerSGDCompressor(rank=2, start_iter=2))
+        trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_epochs=epochs,
+                             limit_train_batches=_CKPT_STEPS, logger=False, enable_checkpointing=False,
+                             enable_progress_bar=False, enable_model_summary=False,
+                             callbacks=[CommHookCallback(state, topology="2x1")])
+        trainer.fit(model, loader, ckpt_path=ckpt_path, weights_only=True if ckpt_path else None)
+        if trainer_out is not None:
+            trainer_out.append(trainer)
+        return model, state
+
+    out = {}
+    model, state = fit(2)
+    out["whole"] = {"params": _params(model), "step": state.step}
+    trainers: list = []
+    model, state = fit(1, trainer_out=trainers)
+    first = {"step": state.step, "residuals": sorted(state.state_dict()["error_feedback"]["worker"]),
+             "memory": sorted(state.compressor_state.q_memory)}
+    trainers[0].save_checkpoint("first.ckpt", weights_only=False)  # every rank calls it; rank 0 writes
+    out["first"] = first
+    model, state = fit(2, "first.ckpt")
+    out["resumed"] = {"params": _params(model), "step": state.step}
+
+    # The saved state, as every rank reads it (weights_only) and each of its ranks' entries.
+    ckpt = torch.load("first.ckpt", weights_only=True)
+    saved = ckpt["callbacks"]["CommHookCallback"]
+    out["saved"] = {"world_size": saved["world_size"], "steps": [r["step"] for r in saved["ranks"]],
+                    "residuals_differ": any(not torch.equal(a, b) for a, b in zip(
+                        saved["ranks"][0]["error_feedback"]["worker"].values(),
+                        saved["ranks"][1]["error_feedback"]["worker"].values()))}
+    # A world of another size: a ValueError on every rank, before anything is loaded.
+    saved["world_size"] = 4
+    fresh = CommHookCallback(AllReduceState(algorithm="hierarchical", compressor=PowerSGDCompressor(rank=2)))
+    out["other_world"] = "on_load_checkpoint raised no ValueError"
+    try:
+        fresh.on_load_checkpoint(None, model, ckpt)
+    except ValueError as exc:
+        out["other_world"] = str(exc)
+    # Without commopt's entry (a checkpoint written without the callback): a reset, with a warning;
+    # the continuation then differs from the uninterrupted run, which shows the state mattered.
+    del ckpt["callbacks"]["CommHookCallback"]
+    if rank == 0:
+        torch.save(ckpt, "no-commopt.ckpt")
+    dist.barrier()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model, state = fit(2, "no-commopt.ckpt")
+    out["reset"] = {"params": _params(model), "warned": [str(w.message) for w in caught
+                                                         if "holds no commopt hook state" in str(w.message)]}
     return out
 
 
@@ -244,6 +315,23 @@ def test_lightning_callback_registers_hook_on_cpu(tmp_path):
     assert comp["loss"] < 1.25 * plain["loss"], (plain["loss"], comp["loss"])
     assert r0["pickled"] == ("2x1", "hierarchical", 4)
     assert "not DistributedDataParallel" in r0["not_ddp"] and "strategy='ddp'" in r0["not_ddp"], r0["not_ddp"]
+    _assert_checkpoint_resumes(ranks)
+
+
+def _assert_checkpoint_resumes(ranks: list) -> None:
+    """Both frameworks: 3 steps, checkpoint, resume 3 = 6 uninterrupted steps, bit for bit."""
+    for rank, r in enumerate(ranks):
+        ck = r["checkpoint"]
+        assert ck["first"]["step"] == _CKPT_STEPS and ck["first"]["residuals"] and ck["first"]["memory"], ck["first"]
+        assert ck["whole"]["step"] == ck["resumed"]["step"] == 2 * _CKPT_STEPS, (ck["whole"], ck["resumed"])
+        for i, (got, want) in enumerate(zip(ck["resumed"]["params"], ck["whole"]["params"])):
+            assert torch.equal(got, want), f"rank {rank}: parameter {i} after resuming differs by " \
+                                           f"{float((got - want).abs().max())} from the uninterrupted run"
+        assert ck["saved"]["world_size"] == _WORLD and ck["saved"]["steps"] == [_CKPT_STEPS] * _WORLD, ck["saved"]
+        assert ck["saved"]["residuals_differ"], "the ranks' residuals should differ: each rank's own was saved"
+        assert "written by a world of 4 ranks" in ck["other_world"] and "has 2" in ck["other_world"], ck["other_world"]
+        assert len(ck["reset"]["warned"]) == 1, ck["reset"]["warned"]
+        assert _max_diff(ck["reset"]["params"], ck["whole"]["params"]) > 0, "the restored state made no difference"
 
 
 

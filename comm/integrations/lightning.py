@@ -19,6 +19,17 @@ or MPI's placement, else host names). Lightning itself sets no ``LOCAL_WORLD_SIZ
 on one machine (``strategy="ddp_spawn"``, or ``"ddp"`` started with ``python train.py``) are one
 node: for a logical layout on one machine pass ``topology="2x2"`` or set ``COMMOPT_NODES``.
 
+Checkpoints hold every rank's hook state. Error-feedback residuals and PowerSGD's warm starts differ
+from rank to rank, but Lightning writes one file, from rank 0, with rank 0's callback state; so the
+callback's ``state_dict()`` (which Lightning calls on every rank while it saves, ``ModelCheckpoint``
+or ``trainer.save_checkpoint`` alike) gathers every rank's ``AllReduceState.state_dict()`` on rank 0,
+and on resume (``trainer.fit(..., ckpt_path=...)``, where every rank reads the checkpoint) each rank
+loads its own entry, before the first step: training continues bit-identically (on CPU), and the
+checkpoint loads with ``weights_only=True`` (CPU tensors and numbers only). The checkpoint then
+holds one copy of the residuals per rank (gathered through rank 0's memory while it saves). A
+checkpoint written by a world of another size is a ``ValueError`` on every rank; one without commopt
+state (written before the callback was added) starts the hook afresh, with a warning.
+
 Works with the stock strategies that wrap in DDP (``"ddp"``, ``"ddp_spawn"``, ``"ddp_notebook"``,
 ``DDPStrategy(...)``) from ``pytorch_lightning`` or ``lightning.pytorch``. With ``"ddp_spawn"`` each
 rank trains with a pickled copy of the state: read its counters inside the ranks (for example in
@@ -30,7 +41,7 @@ Needs ``pip install commopt[lightning]``.
 from __future__ import annotations
 
 from ..hooks import AllReduceState
-from ._common import TopologyArg, check_arguments, register_on
+from ._common import TopologyArg, check_arguments, gather_states, register_on, restore_from_gathered
 
 try:  # the standalone package first (commopt's extra), then the unified one
     import pytorch_lightning as _pl
@@ -80,3 +91,25 @@ class CommHookCallback(_pl.Callback):
     def on_fit_start(self, trainer, pl_module) -> None:
         register_on("CommHookCallback", trainer.strategy.model, self.state, self.topology,
                     f"the strategy is {type(trainer.strategy).__name__}: {_WHAT_TO_DO}")
+
+    def state_dict(self) -> dict:
+        """Every rank's hook state, gathered on rank 0 (``{"format", "world_size", "ranks": [...]}``).
+
+        Collective over WORLD: Lightning calls it on every rank while saving a checkpoint and writes
+        rank 0's; the other ranks return an empty dict, which Lightning drops.
+        """
+        gathered = gather_states(self.state)
+        return gathered if gathered is not None else {}
+
+    def on_load_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
+        """Load this rank's entry of the gathered states (every rank reads the whole checkpoint).
+
+        Here rather than in ``load_state_dict``, which Lightning skips for a checkpoint without this
+        callback's entry: that case is a reset, and it warns.
+
+        Raises:
+            ValueError: the checkpoint was written by a world of another size, with another
+                algorithm, or with a compressor where this state has none.
+        """
+        saved = (checkpoint.get("callbacks") or {}).get(self.state_key)
+        restore_from_gathered("CommHookCallback", self.state, saved, pl_module.device, "the checkpoint")
