@@ -316,13 +316,14 @@ def test_lightning_callback_registers_hook_on_cpu(tmp_path):
     assert r0["pickled"] == ("2x1", "hierarchical", 4)
     assert "not DistributedDataParallel" in r0["not_ddp"] and "strategy='ddp'" in r0["not_ddp"], r0["not_ddp"]
     _assert_checkpoint_resumes(ranks)
+    assert all(r["checkpoint"]["first"]["memory"] for r in ranks), "PowerSGD kept no warm start to save"
 
 
 def _assert_checkpoint_resumes(ranks: list) -> None:
     """Both frameworks: 3 steps, checkpoint, resume 3 = 6 uninterrupted steps, bit for bit."""
     for rank, r in enumerate(ranks):
         ck = r["checkpoint"]
-        assert ck["first"]["step"] == _CKPT_STEPS and ck["first"]["residuals"] and ck["first"]["memory"], ck["first"]
+        assert ck["first"]["step"] == _CKPT_STEPS and ck["first"]["residuals"], ck["first"]
         assert ck["whole"]["step"] == ck["resumed"]["step"] == 2 * _CKPT_STEPS, (ck["whole"], ck["resumed"])
         for i, (got, want) in enumerate(zip(ck["resumed"]["params"], ck["whole"]["params"])):
             assert torch.equal(got, want), f"rank {rank}: parameter {i} after resuming differs by " \
@@ -364,18 +365,19 @@ def _gpt2(seed: int = 0):
     return GPT2LMHeadModel(config)
 
 
-def _hf_args(workdir: str, optim: str = "sgd"):
+def _hf_args(workdir: str, optim: str = "sgd", steps: int = _HF_STEPS, save_steps: int | None = None,
+             folder: str = "hf"):
     """SGD without clipping for the exact runs: the update is proportional to the reduced gradient, so
     a hook that averaged wrongly could not hide behind Adam's or clipping's normalisation. AdamW (the
     Trainer's default) where the point is that training progresses."""
     from transformers import TrainingArguments
 
     lr = 0.5 if optim == "sgd" else 1e-2
-    return TrainingArguments(output_dir=os.path.join(workdir, "hf"), use_cpu=True, max_steps=_HF_STEPS,
+    save = {"save_strategy": "no"} if save_steps is None else {"save_strategy": "steps", "save_steps": save_steps}
+    return TrainingArguments(output_dir=os.path.join(workdir, folder), use_cpu=True, max_steps=steps,
                              per_device_train_batch_size=4, optim=optim, learning_rate=lr,
                              lr_scheduler_type="constant", max_grad_norm=0.0, logging_steps=1,
-                             save_strategy="no", report_to="none", disable_tqdm=True, seed=0,
-                             dataloader_num_workers=0)
+                             report_to="none", disable_tqdm=True, seed=0, dataloader_num_workers=0, **save)
 
 
 def _lm_loss(model, data) -> float:
@@ -399,8 +401,7 @@ def _transformers_body(rank: int, world: int) -> dict:
     from commopt.comm.integrations.transformers import CommHookCallback
 
     state = AllReduceState(algorithm="hierarchical")
-    trainer = Trainer(model=model, args=args, train_dataset=data)
-    trainer.add_callback(CommHookCallback(state, trainer=trainer))
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[CommHookCallback(state)])
     trainer.train()
     # end README
     assert dist.is_initialized() and dist.get_world_size() == world
@@ -420,21 +421,26 @@ def _transformers_body(rank: int, world: int) -> dict:
     from commopt.comm.compression import FP16Compressor
 
     state = AllReduceState(algorithm="hierarchical", compressor=FP16Compressor())
-    trainer = Trainer(model=model, args=args, train_dataset=data)
-    trainer.add_callback(CommHookCallback(state, trainer=trainer, topology="2x1"))
+    trainer = Trainer(model=model, args=args, train_dataset=data,
+                      callbacks=[CommHookCallback(state, topology="2x1")])
     trainer.train()
     # end README
     out["compressed"] = {"params": _params(model), "loss": _lm_loss(model, data), "init_loss": init_loss,
                          "step": state.step, "buckets": state.buckets_reduced, "nodes": state.topology.num_nodes}
 
-    # Without its trainer the callback cannot reach the wrapper: a clear error before the first step.
-    trainer = Trainer(model=_gpt2(), args=_hf_args(os.getcwd()), train_dataset=data)
-    trainer.add_callback(CommHookCallback(AllReduceState()))
-    out["no_trainer"] = "train() raised no RuntimeError"
+    # A model trained without DDP around it: a clear error at the first training forward, before
+    # any backward (the callback driven as the Trainer drives it, with no wrapper).
+    from transformers import TrainerControl, TrainerState
+
+    plain, callback = _gpt2(), CommHookCallback(AllReduceState())
+    callback.on_train_begin(args, TrainerState(), TrainerControl(), model=plain)
+    out["not_ddp"] = "the forward raised no TypeError"
     try:
-        trainer.train()
-    except RuntimeError as exc:
-        out["no_trainer"] = str(exc)
+        plain(input_ids=data.ids[:2], labels=data.ids[:2])
+    except TypeError as exc:
+        out["not_ddp"] = str(exc)
+
+    out["checkpoint"] = _hf_checkpoint(rank, data)
 
     out["accelerate"] = {"hooked": _accelerate_hooked(), "plain": _accelerate_plain()}
     out["registered_topology"] = _registered_topology()
@@ -453,6 +459,71 @@ def _registered_topology() -> dict:
         hooks.register(DistributedDataParallel(torch.nn.Linear(4, 2)), state)
         topo = state.topology
         out[algorithm] = None if topo is None else (topo.world_size, topo.num_nodes, topo.rank)
+    return out
+
+
+def _hf_checkpoint(rank: int, data) -> dict:
+    """docs/faults.md row 18 through the Trainer: top-k with error feedback for 2 x ``_CKPT_STEPS``
+    steps uninterrupted (the callback handed the trainer, the older form), against 3 steps that save
+    ``checkpoint-3`` and ``train(resume_from_checkpoint=...)`` with a new model, state and callback."""
+    import shutil
+    import warnings
+
+    import torch.distributed as dist
+    from transformers import Trainer, TrainerControl, TrainerState
+
+    from commopt.comm.compression import TopKCompressor
+    from commopt.comm.hooks import AllReduceState
+    from commopt.comm.integrations.transformers import CommHookCallback
+
+    def train(steps: int, folder: str, resume=None, save_steps=None, with_trainer=False):
+        model, state = _gpt2(), AllReduceState(algorithm="flat", compressor=TopKCompressor(0.05))
+        args = _hf_args(os.getcwd(), steps=steps, save_steps=save_steps, folder=folder)
+        trainer = Trainer(model=model, args=args, train_dataset=data)
+        trainer.add_callback(CommHookCallback(state, trainer=trainer if with_trainer else None))
+        trainer.train(resume_from_checkpoint=resume)
+        return model, state
+
+    out = {}
+    model, state = train(2 * _CKPT_STEPS, "hf-whole", with_trainer=True)
+    out["whole"] = {"params": _params(model), "step": state.step}
+    model, state = train(_CKPT_STEPS, "hf-ckpt", save_steps=_CKPT_STEPS)
+    folder = os.path.join(os.getcwd(), "hf-ckpt", f"checkpoint-{_CKPT_STEPS}")
+    out["first"] = {"step": state.step, "residuals": sorted(state.state_dict()["error_feedback"]["worker"])}
+    model, state = train(2 * _CKPT_STEPS, "hf-ckpt", resume=folder)
+    out["resumed"] = {"params": _params(model), "step": state.step}
+
+    mine = torch.load(os.path.join(folder, f"commopt-rank{rank}.pt"), weights_only=True)
+    dist.barrier()  # both ranks have written their files before either reads the other's
+    theirs = torch.load(os.path.join(folder, f"commopt-rank{1 - rank}.pt"), weights_only=True)
+    out["saved"] = {"world_size": mine["world_size"], "steps": [mine["state"]["step"], theirs["state"]["step"]],
+                    "residuals_differ": any(not torch.equal(a, b) for a, b in zip(
+                        mine["state"]["error_feedback"]["worker"].values(),
+                        theirs["state"]["error_feedback"]["worker"].values()))}
+    # A world of another size (each rank's file rewritten as if 4 ranks had written it): a ValueError
+    # on every rank when the resumed run starts, before anything is loaded.
+    other = os.path.join(os.getcwd(), f"other-world-{rank}")
+    os.makedirs(other)
+    torch.save({**mine, "world_size": 4}, os.path.join(other, f"commopt-rank{rank}.pt"))
+    args = _hf_args(os.getcwd(), folder="hf-ckpt")
+    args.resume_from_checkpoint = other
+    fresh = CommHookCallback(AllReduceState(algorithm="flat", compressor=TopKCompressor(0.05)))
+    out["other_world"] = "on_train_begin raised no ValueError"
+    try:
+        fresh.on_train_begin(args, TrainerState(global_step=_CKPT_STEPS), TrainerControl(), model=_gpt2())
+    except ValueError as exc:
+        out["other_world"] = str(exc)
+    # Without commopt's files (a checkpoint written without the callback): a reset, with a warning;
+    # the continuation then differs from the uninterrupted run, which shows the state mattered.
+    bare = os.path.join(os.getcwd(), "hf-bare", f"checkpoint-{_CKPT_STEPS}")
+    if rank == 0:
+        shutil.copytree(folder, bare, ignore=shutil.ignore_patterns("commopt-*"))
+    dist.barrier()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model, _ = train(2 * _CKPT_STEPS, "hf-bare", resume=bare)
+    out["reset"] = {"params": _params(model), "warned": [str(w.message) for w in caught
+                                                         if "holds no commopt hook state" in str(w.message)]}
     return out
 
 
@@ -520,7 +591,8 @@ def test_transformers_trainer_and_accelerate_register_hook(tmp_path):
     adamw = r0["plain_adamw"]
     assert comp["loss"] < 1.1 * adamw["loss"], (adamw["loss"], comp["loss"])
     assert _max_diff(comp["params"], adamw["params"]) > 0  # the fp16 reduction was used
-    assert "trainer=trainer" in r0["no_trainer"], r0["no_trainer"]
+    assert "without DistributedDataParallel" in r0["not_ddp"] and "torchrun" in r0["not_ddp"], r0["not_ddp"]
+    _assert_checkpoint_resumes(ranks)
 
     for rank, r in enumerate(ranks):  # register shows the layout it detected: torchrun's, one node of 2
         assert r["registered_topology"] == {"hierarchical": (_WORLD, 1, rank), "flat": None}, r["registered_topology"]
