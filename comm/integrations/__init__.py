@@ -9,8 +9,9 @@ costs nothing and never fails because a framework is missing:
   ``Trainer`` (``pip install commopt[transformers]``).
 
 Both register :func:`commopt.comm.hooks.allreduce_hook` once the framework has wrapped the model in
-``DistributedDataParallel``, on any device, and build the state's topology only once the process
-group exists.
+``DistributedDataParallel``, on any device, build the state's topology only once the process group
+exists, and keep every rank's hook state (error-feedback residuals, warm starts) with the framework's
+checkpoints, so a resumed run continues bit-identically (docs/faults.md row 18).
 """
 
 from __future__ import annotations
