@@ -51,17 +51,17 @@ from torch.distributed import ProcessGroup
 
 from . import algorithms, cost
 from .algorithms._transport import Prepared, done, row_bytes
-from .collectives import (
+from .checks import (
     BOTH_SPLITS_GIVEN,
     SPLITS_GIVEN,
     _check_tensor,
-    _deliver,
     agree,
     agreed,
     check_group,
     check_timeout,
     validate_same,
 )
+from .dispatch import _deliver
 from .engine import wait_work
 from .errors import CollectiveMismatchError, TopologyError
 from .runtime import context
@@ -400,9 +400,10 @@ def all_to_all(output: torch.Tensor | None, input: torch.Tensor, *, in_splits: S
             if agreed_bytes is None:
                 agreed_bytes = _mean_bytes(input, group, world, timeout)
             chunks = algorithms.get(algo).chunks(cost.model_for(topo, timeout=timeout), "alltoall", agreed_bytes, topo)
-    call = algorithms.Call("alltoall", p, None, group, topo, timeout, not async_op, ctx, chunks or 1,
-                           input.contiguous(), args)
-    fut = algorithms.get(algo).start(call)
+    impl = algorithms.get(algo)
+    call = ctx.call(impl, "alltoall", p, None, group, topo, timeout, not async_op, chunks or 1, input.contiguous(),
+                    args)
+    fut = impl.start(call)
     return _deliver(fut, async_op, timeout, f"{_NAME}/{algo}")
 
 

@@ -1,10 +1,11 @@
-"""Alpha-beta cost model per link level, used by ``algorithm="auto"`` and by every benchmark.
+"""Calibration and choice: the cost model (``commopt.comm.links``) applied to this cluster, used by
+``algorithm="auto"`` and by every benchmark.
 
-A message of ``S`` bytes over a link costs ``alpha + S * beta``. Two levels: ``intra`` (inside a
-node: NVLink, loopback) and ``inter`` (the node's NIC). Every rank of a node shares its NIC, so the
-inter-node time of an algorithm is the bytes it pushes through one node's link times ``beta``: this
-is what makes the hierarchical all-reduce win (2(N-1)/N S per node link instead of 2(p-1)/p S per
-ring edge, and the ring crosses the node boundary once per node only with contiguous placement).
+The model itself (:class:`~commopt.comm.links.LinkModel`, :class:`~commopt.comm.links.CostModel`,
+the defaults, :func:`~commopt.comm.links.fit`) is pure and lives below the algorithms; it is
+re-exported here. This module measures it (:func:`calibrate`, :func:`measure_lines`), caches it in
+the runtime context (:func:`model_for`) and asks the algorithms' own formulas (:func:`predict`,
+:func:`choose`), so it sits above both.
 
 ``auto`` takes, in order: an explicit :class:`CostModel`, the cached calibration of this layout
 (:func:`calibrate`), the configured link rate of the emulated cluster, documented defaults
@@ -18,7 +19,6 @@ import json
 import os
 import threading
 import time
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -26,9 +26,8 @@ import torch
 import torch.distributed as dist
 
 from . import algorithms
-from .algorithms import ALGORITHM_FACTORS
-from .algorithms.base import COPY_BETA, PHASE_HANDOFF
 from .engine import wait_work
+from .links import ALGORITHM_FACTORS, COPY_BETA, DEFAULT_INTER, DEFAULT_INTRA, PHASE_HANDOFF, CostModel, LinkModel, fit
 from .runtime import context
 from .topology import Topology
 
@@ -49,51 +48,6 @@ __all__ = [
     "COPY_BETA",
     "PHASE_HANDOFF",
 ]
-
-
-@dataclass(frozen=True)
-class LinkModel:
-    """One link level. ``alpha``: seconds per message; ``beta``: seconds per byte."""
-
-    alpha: float
-    beta: float
-
-    def time(self, nbytes: float, messages: float = 1.0) -> float:
-        return messages * self.alpha + nbytes * self.beta
-
-    @property
-    def bandwidth(self) -> float:
-        """Bytes per second."""
-        return 1.0 / self.beta
-
-
-@dataclass(frozen=True)
-class CostModel:
-    """The two levels of a topology, and the pipelining depth of the hierarchical algorithms."""
-
-    intra: LinkModel
-    inter: LinkModel
-    chunks: int = 8  # the most chunks a pipelined all-reduce is cut into (see chunks_for)
-    #: The two levels share one resource, or the node link is no slower than the intra-node level
-    #: (measured by :func:`calibrate`; loopback, where every "link" is the same few cores). The
-    #: hierarchy then moves the same bytes as flat in more phases and cannot win: ``choose`` picks flat.
-    shared: bool = False
-
-    def to_dict(self) -> dict:
-        return {"intra": asdict(self.intra), "inter": asdict(self.inter), "chunks": self.chunks,
-                "shared": self.shared}
-
-    @classmethod
-    def from_dict(cls, d: dict) -> CostModel:
-        chunks = int(d.get("chunks", 8))
-        # Caches written before the flag: one chunk was set only when the levels shared a resource.
-        return cls(LinkModel(**d["intra"]), LinkModel(**d["inter"]), chunks, bool(d.get("shared", chunks == 1)))
-
-
-# Defaults when nothing was measured: gloo over loopback inside a node (~20 us, ~3 GB/s), and a
-# 10 Gbit/s NIC between nodes (~50 us, 1.25 GB/s).
-DEFAULT_INTRA = LinkModel(alpha=20e-6, beta=1 / 3e9)
-DEFAULT_INTER = LinkModel(alpha=50e-6, beta=1 / 1.25e9)
 
 
 def link_bytes(algorithm: str, nbytes: float, topo: Topology, op: str = "allreduce") -> float:
@@ -184,24 +138,6 @@ def measure_lines(topology: Topology, names: list[str], make_call: Callable[[str
     dist.broadcast(flat, src=topology.group_rank_to_global(0), group=group)
     values = flat.tolist()
     return {a: LinkModel(values[2 * i], values[2 * i + 1]) for i, a in enumerate(names)}
-
-
-def fit(sizes: list[float], times: list[float], *, messages: float = 1.0,
-        bytes_factor: float = 1.0) -> LinkModel:
-    """Least-squares ``alpha``, ``beta`` from measured ``times`` of ``sizes`` (bytes).
-
-    The model fitted is ``t = messages * alpha + bytes_factor * S * beta``: pass the algorithm's
-    message count and byte factor (a ring all-reduce on p ranks: ``2(p-1)`` and ``2(p-1)/p``).
-    Negative estimates (noise at small sizes) are clamped to zero / a tiny positive beta.
-    """
-    if len(sizes) != len(times) or len(sizes) < 2:
-        raise ValueError(f"fit needs at least two (size, time) pairs, got {len(sizes)} sizes and "
-                         f"{len(times)} times")
-    a = torch.tensor([[messages, bytes_factor * s] for s in sizes], dtype=torch.float64)
-    b = torch.tensor(times, dtype=torch.float64).unsqueeze(1)
-    sol = torch.linalg.lstsq(a, b).solution.squeeze(1)
-    alpha, beta = float(sol[0]), float(sol[1])
-    return LinkModel(alpha=max(alpha, 0.0), beta=max(beta, 1e-15))
 
 
 def _cache_path(topo: Topology, cache_dir: str | os.PathLike | None) -> Path:

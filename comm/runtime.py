@@ -19,66 +19,19 @@ import itertools
 import threading
 from collections.abc import Iterable
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from . import algorithms
+from .cache import Cache
 from .engine import Engine
 from .errors import CommTimeoutError, TopologyError
+from .links import CostModel, LinkModel
 from .topology import Groups, Topology
 
-if TYPE_CHECKING:
-    from .cost import CostModel, LinkModel
-
 __all__ = ["Context", "Cache", "context", "destroy"]
-
-K = TypeVar("K")
-V = TypeVar("V")
-
-
-class Cache(Generic[K, V]):
-    """One typed cache of the context: a dict guarded by the context's lock.
-
-    Entries with a ``close()`` method (INA sessions) are closed by :meth:`Context.destroy`; others
-    are dropped.
-    Compound updates take ``context().lock`` around several calls (it is re-entrant).
-    """
-
-    def __init__(self, lock: threading.RLock):
-        self._lock = lock
-        self._data: dict[K, V] = {}
-
-    def get(self, key: K) -> V | None:
-        with self._lock:
-            return self._data.get(key)
-
-    def put(self, key: K, value: V) -> V | None:
-        """Store ``value``; returns the entry it replaced (the caller closes it if it must)."""
-        with self._lock:
-            old = self._data.get(key)
-            self._data[key] = value
-            return old
-
-    def pop(self, key: K, expected: V | None = None) -> V | None:
-        """Remove ``key`` (only if it still holds ``expected``, when given); returns what was removed."""
-        with self._lock:
-            value = self._data.get(key)
-            if value is None or (expected is not None and value is not expected):
-                return None
-            del self._data[key]
-            return value
-
-    def values(self) -> list[V]:
-        with self._lock:
-            return list(self._data.values())
-
-    def _drain(self) -> list[V]:
-        with self._lock:
-            values, self._data = list(self._data.values()), {}
-            return values
-
 
 class Context:
     """commopt's per-process state. Use :func:`context`; never construct one yourself.
@@ -98,6 +51,7 @@ class Context:
         self._create_lock = threading.Lock()
         self._engine: Engine | None = None
         self._groups: dict[tuple, Groups] = {}
+        self._role_groups: dict[tuple, dict[str, Groups]] = {}
         self._sequences: dict[int | None, itertools.count] = {}
         self.cost_models: Cache[tuple, CostModel] = Cache(self.lock)
         self.alltoall_fits: Cache[tuple, dict[str, LinkModel]] = Cache(self.lock)
@@ -193,12 +147,38 @@ class Context:
             for role in algo.roles(topology):
                 self.groups(topology, role, timeout)
 
+    # ----------------------------------------------------------------------------- calls
+    def role_groups(self, topology: Topology | None, algorithm: algorithms.Algorithm,
+                    timeout: float | None = None) -> dict[str, Groups]:
+        """``{role: groups}`` for every role ``algorithm`` uses on ``topology`` (none for a flat call or
+        a group of one rank), created collectively on first use like :meth:`groups`."""
+        if topology is None or topology.world_size == 1 or not dist.is_initialized():
+            return {}
+        key = (topology.layout, id(topology.group) if topology.group is not None else None, algorithm.name)
+        with self.lock:
+            cached = self._role_groups.get(key)
+        if cached is None:
+            cached = {role: self.groups(topology, role, timeout) for role in algorithm.roles(topology)}
+            with self.lock:
+                self._role_groups[key] = cached
+        return cached
+
+    def call(self, algorithm: algorithms.Algorithm, collective: str, prepared: Any, red: Any, group: Any,
+             topology: Topology | None, timeout: float | None, blocking: bool, chunks: int = 1,
+             src: torch.Tensor | None = None, args: Any = None) -> algorithms.Call:
+        """The :class:`~commopt.comm.algorithms.Call` of one call of ``algorithm``: what it needs of this
+        context (the engine, its roles' groups, the algorithms' sessions), handed over so that no
+        algorithm reaches the context itself."""
+        return algorithms.Call(collective, prepared, red, group, topology, timeout, blocking, self.engine(),
+                               self.role_groups(topology, algorithm, timeout), chunks, src, args, self.ina_sessions)
+
     # ----------------------------------------------------------------------------- lifecycle
     def destroy(self) -> None:
         """Stop the engine, close INA sessions and destroy the derived process groups."""
         with self.lock:
             engine, self._engine = self._engine, None
             groups, self._groups = self._groups, {}
+            self._role_groups = {}
             self._sequences = {}
         for cache in (self.cost_models, self.alltoall_fits, self.topologies):
             cache._drain()

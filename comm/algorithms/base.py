@@ -1,9 +1,11 @@
 """What every algorithm is: one object with ``supports``, ``roles``, ``traffic``, ``cost`` and ``start``.
 
-An algorithm knows its phases and their bytes; it knows nothing of caches or calibration. The
-caller (``collectives``, ``alltoall``) builds a :class:`Call` holding the prepared tensors, the
-process groups the context created for the algorithm's roles, the engine and the pipelining
-depth the cost model chose, and hands it to :meth:`Algorithm.start`, which returns a Future.
+An algorithm knows its phases and their bytes; it knows nothing of caches or calibration, and it
+imports nothing above itself: its cost is stated in the terms of the pure cost model
+(``commopt.comm.links``), and the caller (``collectives``, ``alltoall``, the FSDP2 comms) has the
+runtime context build a :class:`Call` holding the prepared tensors, the process groups of the
+algorithm's roles, the engine, the pipelining depth the cost model chose and the algorithms' own
+long-lived state (INA sessions), and hands it to :meth:`Algorithm.start`, which returns a Future.
 
 Everything that needs to know what an algorithm moves asks :meth:`Algorithm.traffic`: the cost
 model's link bytes, ``auto``, the simulator's traffic matrix and the benchmarks' link columns. The
@@ -14,42 +16,22 @@ the two equal for every algorithm.
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any
 
 import torch
 from torch.distributed import ReduceOp
 
+from ..cache import Cache
+from ..engine import Engine
+from ..links import ALGORITHM_FACTORS, COPY_BETA, PHASE_HANDOFF, CostModel, pad_to, pipeline_time
 from ..topology import Groups, Topology
-
-if TYPE_CHECKING:
-    from ..cost import CostModel
-    from ..engine import Engine
-    from ..runtime import Context
-    from ._transport import Prepared
+from ._transport import Prepared
 
 __all__ = ["Algorithm", "Call", "Traffic", "SWITCH", "COLLECTIVES", "ALGORITHM_FACTORS", "PHASE_HANDOFF",
            "COPY_BETA", "pipeline_time", "pad_to", "GROUP_SCOPE", "RAIL_SCOPE", "ALL_PHASES", "INTER_PHASE"]
 
 COLLECTIVES = ("allreduce", "reduce_scatter", "all_gather", "alltoall")
-
-# Per-rank traffic of ring-based collectives on p ranks, as a fraction of the buffer: the flat
-# algorithms' bytes and the nccl-tests "bus bandwidth" (busbw = algbw * factor).
-ALGORITHM_FACTORS: dict[str, Callable[[int], float]] = {
-    "allreduce": lambda p: 2 * (p - 1) / p,
-    "reduce_scatter": lambda p: (p - 1) / p,
-    "all_gather": lambda p: (p - 1) / p,
-    "alltoall": lambda p: (p - 1) / p,
-}
-
-# Seconds to hand a phase from one engine worker thread to the next (a queue put and a thread
-# wake-up on a busy host). Charged per phase of a pipelined chunk: on equal levels it makes one chunk
-# (which a blocking call runs on its own thread, with no hand-off) the choice, and it is negligible
-# against the inter-node time that pipelining hides on a real link.
-PHASE_HANDOFF = 0.2e-3
-# Seconds per byte of a local copy (the permutes of the 2-D all-to-all): host memory, ~10 GB/s.
-COPY_BETA = 1 / 10e9
 
 SWITCH = -1  # the in-network aggregation switch, as an endpoint of Traffic.pairs
 
@@ -59,24 +41,6 @@ RAIL_SCOPE = "rail"
 # Algorithm.codec_phase: where a compressor applies.
 ALL_PHASES = "all"
 INTER_PHASE = "inter"
-
-
-def pad_to(nbytes: float, itemsize: int, multiple: int) -> float:
-    """``nbytes`` rounded up to a whole number of ``multiple`` elements of ``itemsize`` bytes (the
-    zero padding the hierarchical phases add to a buffer that does not divide by the node size)."""
-    unit = itemsize * multiple
-    return math.ceil(nbytes / unit) * unit if unit > 1 else nbytes
-
-
-def pipeline_time(intra: float, inter: float, chunks: int) -> float:
-    """Three-phase pipeline (intra, inter, intra) over ``chunks`` chunks of per-chunk stage times.
-
-    Chunks overlap across levels only: a chunk's first intra-node phase and another chunk's last
-    one share the intra-node link, so the bottleneck per extra chunk is the busier of the
-    intra-node link (both intra phases) and the inter-node link.
-    """
-    handoffs = 3 * chunks * PHASE_HANDOFF if chunks > 1 else 0.0
-    return (intra + inter + intra) + (chunks - 1) * max(2 * intra, inter) + handoffs
 
 
 @dataclass
@@ -143,7 +107,8 @@ class Traffic:
 
 @dataclass
 class Call:
-    """One collective call, prepared by the public entry point for an algorithm.
+    """One collective call, prepared by the public entry point for an algorithm
+    (``runtime.Context.call`` builds it).
 
     Attributes:
         collective: one of :data:`COLLECTIVES`.
@@ -154,10 +119,14 @@ class Call:
         topology: its layout (None for flat calls, which need none).
         timeout: seconds each wait may take (None: the group's own).
         blocking: the caller waits at once (a single chunk may then run on the caller's thread).
-        context: the process's runtime context (engine, derived groups, INA sessions).
+        engine: the process's comm engine, which runs every phase.
+        role_groups: the derived groups of each of the algorithm's :meth:`Algorithm.roles` on
+            ``topology``, created collectively before the call (empty for flat calls).
         chunks: the pipelining depth the cost model chose.
         src: the input as a contiguous 1-D view (reduce-scatter, all-gather), or its rows (all-to-all).
         args: the all-to-all's normalised splits.
+        sessions: the algorithms' long-lived per-process state (INA sessions and agreed job
+            identities), released by ``commopt.comm.destroy()``; None where the caller has none.
     """
 
     collective: str
@@ -167,18 +136,20 @@ class Call:
     topology: Topology | None
     timeout: float | None
     blocking: bool
-    context: Context
+    engine: Engine
+    role_groups: dict[str, Groups] = field(default_factory=dict)
     chunks: int = 1
     src: torch.Tensor | None = None
     args: Any = None
-
-    @property
-    def engine(self) -> Engine:
-        return self.context.engine()
+    sessions: Cache | None = None
 
     def groups(self, role: str) -> Groups:
-        """The derived groups of ``role`` (created up front by ``Context.prepare``)."""
-        return self.context.groups(self.topology, role, self.timeout)
+        """The derived groups of ``role`` (one of the algorithm's :meth:`Algorithm.roles`)."""
+        try:
+            return self.role_groups[role]
+        except KeyError:
+            raise KeyError(f"role {role!r} has no groups in this call (it has {sorted(self.role_groups)}): an "
+                           f"algorithm must declare every role it uses in roles(topology)") from None
 
 
 @functools.lru_cache(maxsize=512)

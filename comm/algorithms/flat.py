@@ -8,17 +8,13 @@ reduce-scatter and all-gather: (p-1)/p), and the all-to-all as 1/p of the buffer
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.distributed as dist
 
+from ..links import ALGORITHM_FACTORS, CostModel
 from ..topology import Topology
 from ._transport import all_gather_single, byte_rows, flat_future, reduce_scatter_single, row_bytes
-from .base import ALGORITHM_FACTORS, ALL_PHASES, Algorithm, Call, Traffic
-
-if TYPE_CHECKING:
-    from ..cost import CostModel
+from .base import ALL_PHASES, Algorithm, Call, Traffic
 
 __all__ = ["Flat", "FLAT"]
 

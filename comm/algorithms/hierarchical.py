@@ -16,12 +16,11 @@ the rail all-reduce is the group's own. The compressed hierarchical reduction
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.distributed as dist
 
 from ..engine import Phase
+from ..links import ALGORITHM_FACTORS, CostModel, pad_to, pipeline_time
 from ..topology import Topology
 from ._transport import (
     deadline_of,
@@ -32,7 +31,7 @@ from ._transport import (
     then_finish,
     wait_work,
 )
-from .base import ALGORITHM_FACTORS, INTER_PHASE, Algorithm, Call, Traffic, pad_to, pipeline_time
+from .base import INTER_PHASE, Algorithm, Call, Traffic
 from .roles import (
     HIER_AG_INTRA,
     HIER_AG_RAIL,
@@ -41,9 +40,6 @@ from .roles import (
     HIER_REDUCE_SCATTER,
     HIER_RS_RAIL,
 )
-
-if TYPE_CHECKING:
-    from ..cost import CostModel
 
 __all__ = ["Hierarchical", "HIERARCHICAL", "rail_order"]
 

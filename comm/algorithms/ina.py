@@ -5,11 +5,12 @@ the sum once: S per node link and direction instead of the ring's 2(p-1)/p S per
 and averages only; the switch's address comes from the topology (``COMMOPT_INA_SWITCH``).
 
 One call, on a gloo (or NCCL) group: (1) on the caller's thread, the group's long-lived session is
-looked up in the runtime context's ``ina_sessions`` or, on the group's first INA call, created
-under a job identity that rank 0 draws and broadcasts over the group, and JOINed on the switch
-(both collectives of every rank, so they stay in the caller's order); (2) on the comm engine's
-worker of the group, the session's agreement round and payload exchange (:mod:`commopt.comm.ina.
-session`); ``async_op=True`` returns while (2) runs (docs/faults.md row 37). The group's queue orders its
+looked up in ``call.sessions`` (the runtime context's ``ina_sessions``, which ``Context.call`` hands
+over) or, on the group's first INA call, created under a job identity that rank 0 draws and
+broadcasts over the group, and JOINed on the switch (both collectives of every rank, so they stay
+in the caller's order); (2) on the comm engine's worker of the group, the session's agreement round
+and payload exchange (:mod:`commopt.comm.ina.session`); ``async_op=True`` returns while (2) runs
+(docs/faults.md row 37). The group's queue orders its
 INA calls, which is the order the session's packets need; a blocking call with nothing else in
 flight runs (2) on the caller's thread (``Engine.submit``). On an ``"ina"`` process group the
 group's own session and engine serve the call (``InaProcessGroup.submit_all_reduce``), so one
@@ -26,23 +27,21 @@ counted again; an all-zero buffer sends no payload at all (the agreed exponent s
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
+from ..cache import Cache
 from ..engine import Phase
 from ..errors import CommError
 from ..ina.backend import InaProcessGroup, parse_address
 from ..ina.session import DEFAULT_TIMEOUT, InaSession, agree_identity
 from ..ina.transport import OP
+from ..links import CostModel
 from ..topology import Topology
 from ._transport import then_finish
 from .base import SWITCH, Algorithm, Call, Traffic
-
-if TYPE_CHECKING:
-    from ..cost import CostModel
-    from ..runtime import Context
 
 __all__ = ["Ina", "INA", "CODE_BYTES"]
 
@@ -104,15 +103,15 @@ def _submit(call: Call, pg: Any, flat: torch.Tensor) -> torch.futures.Future:
                         "`commopt-bench ina-switch`", op=OP, ranks=[rank])
     address = parse_address(str(spec))
     timeout = call.timeout if call.timeout is not None else DEFAULT_TIMEOUT
-    ctx = call.context
-    session = _session_for(ctx, pg, address, rank, size, flat.device, timeout)
+    sessions = call.sessions
+    session = _session_for(sessions, pg, address, rank, size, flat.device, timeout)
 
     def exchange() -> int:
         try:
             return session.exchange([flat], "sum", timeout)
         except BaseException:
             if session.broken is not None or session.closed:
-                _drop_session(ctx, pg, address, rank, size, session)
+                _drop_session(sessions, pg, address, rank, size, session)
             raise
 
     return call.engine.submit([Phase("all_reduce", exchange, pg)], op="ina", result=None, device=flat.device,
@@ -135,7 +134,7 @@ def _group_ref(pg: Any) -> Callable[[], Any]:
         return (lambda: pg)  # noqa: E731 - not weakly referenceable: keep the group alive with it
 
 
-def _session_for(ctx: Context, pg: Any, address: tuple[str, int], rank: int, size: int, device: Any,
+def _session_for(sessions: Cache, pg: Any, address: tuple[str, int], rank: int, size: int, device: Any,
                  timeout: float) -> InaSession:
     """The cached, joined session of ``pg`` on the switch at ``address`` (created on first use).
 
@@ -147,9 +146,8 @@ def _session_for(ctx: Context, pg: Any, address: tuple[str, int], rank: int, siz
     group: a destroyed group whose id() is reused by a new one inherits neither. A new session JOINs
     here, on the caller's thread, before its first payload is queued.
     """
-    sessions = ctx.ina_sessions
     key, ikey = _session_key(pg, address, rank, size), _identity_key(pg)
-    with ctx.lock:
+    with sessions.lock:
         entry = sessions.get(key)
         if entry is not None:
             ref, session = entry  # type: ignore[misc]
@@ -196,11 +194,11 @@ class _CachedIdentity:
         self.identity = identity
 
 
-def _drop_session(ctx: Context, pg: Any, address: tuple[str, int], rank: int, size: int,
+def _drop_session(sessions: Cache, pg: Any, address: tuple[str, int], rank: int, size: int,
                   session: InaSession) -> None:
     key = _session_key(pg, address, rank, size)
-    with ctx.lock:
-        entry = ctx.ina_sessions.get(key)
+    with sessions.lock:
+        entry = sessions.get(key)
         if entry is not None and entry[1] is session:  # type: ignore[index]
-            ctx.ina_sessions.pop(key)
+            sessions.pop(key)
     session.close()

@@ -6,19 +6,16 @@ of the whole buffer on every intra-node hop; pipelined over chunks like ``hierar
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from ..engine import Phase
+from ..links import ALGORITHM_FACTORS, CostModel, pipeline_time
 from ..topology import Topology
 from ._transport import pipelined, wait_work
-from .base import ALGORITHM_FACTORS, Algorithm, Call, Traffic, pipeline_time
+from .base import Algorithm, Call, Traffic
 from .roles import LEADER_ALL_REDUCE, LEADER_BROADCAST, LEADER_REDUCE
-
-if TYPE_CHECKING:
-    from ..cost import CostModel
 
 __all__ = ["Leader", "LEADER"]
 

@@ -12,19 +12,15 @@ every rail has one rank: nothing moves.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.distributed as dist
 
 from ..engine import Phase, wait_work
+from ..links import ALGORITHM_FACTORS, CostModel
 from ..topology import Topology
 from ._transport import deadline_of, remaining, then_finish
-from .base import ALGORITHM_FACTORS, ALL_PHASES, RAIL_SCOPE, Algorithm, Call, Traffic
+from .base import ALL_PHASES, RAIL_SCOPE, Algorithm, Call, Traffic
 from .roles import RAIL_ALL_REDUCE
-
-if TYPE_CHECKING:
-    from ..cost import CostModel
 
 __all__ = ["Rail", "RAIL"]
 

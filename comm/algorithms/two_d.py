@@ -15,20 +15,16 @@ the node link stays busy while one synchronises.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.distributed as dist
 
 from ...kernels import permute_chunks
 from ..engine import Phase, all_of, wait_work
+from ..links import COPY_BETA, PHASE_HANDOFF, CostModel
 from ..topology import Topology
 from ._transport import byte_rows, exchange_rows, row_bytes, then_finish
-from .base import COPY_BETA, PHASE_HANDOFF, Algorithm, Call, Traffic
+from .base import Algorithm, Call, Traffic
 from .roles import A2A_INTER, A2A_INTER_B, A2A_INTRA, A2A_META
-
-if TYPE_CHECKING:
-    from ..cost import CostModel
 
 __all__ = ["TwoD", "TWO_D"]
 

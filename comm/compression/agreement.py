@@ -19,9 +19,9 @@ from __future__ import annotations
 import torch
 from torch.distributed import ProcessGroup
 
-from .. import collectives
+from ..checks import agree
 from ..errors import CollectiveMismatchError
-from .base import Compressor, derive_seed
+from .codec import Codec, derive_seed
 
 __all__ = ["signature", "agreement", "disagreement", "describe", "agree_inputs"]
 
@@ -38,7 +38,7 @@ def describe(s: int) -> str:
     return f"{s // 16} elements of {_DTYPES[code - 1] if 1 <= code <= len(_DTYPES) else 'another dtype'}"
 
 
-def signature(compressor: Compressor, dtype: torch.dtype, numels: list[int], shapes: list[tuple[int, ...]],
+def signature(compressor: Codec, dtype: torch.dtype, numels: list[int], shapes: list[tuple[int, ...]],
               active: bool, average: bool) -> tuple[int, int]:
     """(s, h): the element count and dtype code, and a 52-bit hash of everything the exchange's
     collectives depend on (exact in float64, so a MAX all-reduce compares them); the shapes count
@@ -70,12 +70,12 @@ def disagreement(values: torch.Tensor, mine: int, what: str, op: str) -> Collect
         f"rank (AllReduceState(validate=True) names the ranks that differ)", op=op)
 
 
-def agree_inputs(compressor: Compressor, tensors: list[torch.Tensor], *, group: ProcessGroup | None, algorithm: str,
+def agree_inputs(compressor: Codec, tensors: list[torch.Tensor], *, group: ProcessGroup | None, algorithm: str,
                  average: bool, step: int, timeout: float | None) -> None:
     """``CollectiveMismatchError`` on every rank of ``group`` unless every rank reduces tensors of the
     same sizes (shapes, for matrix compressors) and dtype with the same settings, step and algorithm.
 
-    The exact collectives' agreement check (``collectives.agree``, whose header is the same on every
+    The exact collectives' agreement check (``checks.agree``, whose header is the same on every
     call, so a rank reducing integers exactly meets it too) with ``agreement.signature``'s hash, on
     ``group`` and the caller's thread, before any choice or group creation that depends on the sizes:
     ranks that differ would otherwise pick different algorithms, create different groups, or make
@@ -84,6 +84,6 @@ def agree_inputs(compressor: Compressor, tensors: list[torch.Tensor], *, group: 
     shapes = [tuple(t.shape) for t in tensors] if compressor.needs_matrices else []
     _, h = signature(compressor, tensors[0].dtype, [t.numel() for t in tensors], shapes, compressor.active(step),
                      average)
-    collectives.agree("all_reduce", numel=sum(t.numel() for t in tensors), dtype=tensors[0].dtype,
+    agree("all_reduce", numel=sum(t.numel() for t in tensors), dtype=tensors[0].dtype,
                       op="avg" if average else "sum", algorithm=algorithm, group=group, device=tensors[0].device,
                       timeout=timeout, signature=derive_seed(h, "step", step) & ((1 << 52) - 1))

@@ -28,15 +28,15 @@ import dataclasses
 import torch
 
 from .. import algorithms, cost
-from ..algorithms import ALGORITHM_FACTORS
+from ..links import ALGORITHM_FACTORS
 from ..topology import Topology
-from .base import Compressor, compute_dtype
+from .codec import Codec, compute_dtype
 from .layout import layout_for
 
 __all__ = ["choose", "predict"]
 
 
-def choose(compressor: Compressor, tensors: list[torch.Tensor], topology: Topology, *,
+def choose(compressor: Codec, tensors: list[torch.Tensor], topology: Topology, *,
            model: cost.CostModel | None = None, timeout: float | None = None) -> str:
     """The algorithm (``"flat"`` or ``"hierarchical"``) for reducing ``tensors`` through ``compressor`` on ``topology``.
 
@@ -70,7 +70,7 @@ def choose(compressor: Compressor, tensors: list[torch.Tensor], topology: Topolo
     return options[min(range(len(options)), key=lambda i: (times[i], i))]
 
 
-def predict(algorithm: str, compressor: Compressor, numels: list[int], shapes: list[tuple[int, ...]],
+def predict(algorithm: str, compressor: Codec, numels: list[int], shapes: list[tuple[int, ...]],
             itemsize: int, topology: Topology, model: cost.CostModel) -> float:
     """Predicted seconds of the compressed exchange of tensors of ``numels`` / ``shapes`` elements
     (computed in ``itemsize``-byte floats) with ``algorithm`` (see the module docstring)."""

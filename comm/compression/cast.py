@@ -52,6 +52,10 @@ class _CastCompressor(Compressor):
     agreed_scale: bool = False
 
     @property
+    def cast_dtype(self) -> torch.dtype:  # type: ignore[override]
+        return self.wire
+
+    @property
     def optimistic(self) -> bool:  # type: ignore[override]
         return not self.agreed_scale
 

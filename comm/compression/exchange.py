@@ -52,6 +52,7 @@ compressor and the shapes (``auto.py``); flat where the levels share one resourc
 from __future__ import annotations
 
 import functools
+import numbers
 from typing import Callable
 
 import torch
@@ -59,23 +60,122 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp
 
 from .. import algorithms
-from ..algorithms import ALGORITHM_FACTORS
+from ..algorithms._transport import done as done_future
 from ..algorithms._transport import exchange_all_gather, exchange_reduce_scatter
 from ..algorithms.roles import COMPRESSED_CHECK
-from ..engine import Phase, wait_work
+from ..checks import _check_op_dtype, _check_tensor, _op_name, agreed, check_group, check_timeout
+from ..dispatch import exact_all_reduce
+from ..engine import Phase, chain, wait, wait_work
 from ..errors import NonFiniteError, TopologyError
+from ..links import ALGORITHM_FACTORS
 from ..runtime import context
 from ..topology import Topology
 from . import auto
-from .agreement import agreement, describe, disagreement, signature
-from .base import Compressor, CompressorState, Job, all_finite, check_tag, compute_dtype, derive_seed, tag_of
+from .agreement import agree_inputs, agreement, describe, disagreement, signature
+from .codec import Codec, CompressorState, Job, all_finite, check_tag, compute_dtype, derive_seed, tag_of
 from .feedback import ErrorFeedback
 from .layout import layout_for, stage, stage_sum, unstage
 
-__all__ = ["reduce_tensors", "CompressedReduction"]
+__all__ = ["compressed_all_reduce", "reduce_tensors", "CompressedReduction"]
 
 
-def reduce_tensors(compressor: Compressor, tensors: list[torch.Tensor], keys: list[str], *,
+def compressed_all_reduce(compressor: Codec, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *,
+                          group: ProcessGroup | None = None, topology: Topology | None = None, algorithm: str = "flat",
+                          async_op: bool = False, error_feedback: ErrorFeedback | None = None, key: str = "tensor",
+                          step: int | None = None, seed: int = 0, check_finite: bool = False,
+                          timeout: float | None = None,
+                          state: CompressorState | None = None) -> torch.Tensor | torch.futures.Future:
+    """Reduce one ``tensor`` in place over ``group`` through ``compressor``: what
+    ``compressor.all_reduce(tensor, ...)`` and ``commopt.comm.all_reduce(tensor, compressor=...)``
+    run (the arguments, the errors and the result are those of ``Compressor.all_reduce``).
+
+    Checked at the call on every rank, before anything moves; the ranks' inputs are agreed
+    (``agreement.agree_inputs``), then :func:`reduce_tensors` reduces the one tensor.
+    """
+    if not isinstance(compressor, Codec):
+        raise TypeError(f"compressed all-reduce: compressor must be a commopt.comm.compression compressor "
+                        f"instance (e.g. FP16Compressor()), got {type(compressor).__name__}")
+    name = f"{type(compressor).__name__}.all_reduce"
+    timeout = _check_call(name, tensor, group, topology, algorithm, error_feedback, key, step, seed, timeout)
+    state = compressor.check_state(state, name)
+    if not tensor.is_floating_point():  # integers and bool pass through, exactly (bit-exact SUM)
+        _check_tensor(name, tensor)
+        op_name = _op_name(op)
+        _check_op_dtype(name, op_name, tensor.dtype)
+        if not dist.is_initialized() or dist.get_world_size(group) == 1 or tensor.numel() == 0:
+            return done_future(tensor) if async_op else tensor
+        return exact_all_reduce(tensor, op_name, group=group, topology=topology,
+                                algorithm="flat" if algorithm == algorithms.AUTO else algorithm,
+                                async_op=async_op, timeout=timeout, agreement=True)
+    if op not in (ReduceOp.SUM, ReduceOp.AVG):
+        raise ValueError(f"{name}: op {op} is not supported; compressors reduce with ReduceOp.SUM or "
+                         f"ReduceOp.AVG")
+    if step is None:
+        step = state.calls
+    if compressor.biased and error_feedback is None:
+        compressor.warn_biased()
+    if not dist.is_initialized() or dist.get_world_size(group) == 1 or tensor.numel() == 0:
+        state.calls += 1
+        return done_future(tensor) if async_op else tensor
+    # In place like torch.distributed, also on a tensor that requires grad (no autograd record).
+    target = tensor.detach()
+    work = target if target.is_contiguous() else target.contiguous()
+    failed = agreed(async_op, lambda: agree_inputs(compressor, [work], group=group, algorithm=algorithm,
+                                                   average=op == ReduceOp.AVG, step=step, timeout=timeout))
+    if failed is not None:
+        return failed
+    fut = reduce_tensors(compressor, [work], [key], group=group, topology=topology, algorithm=algorithm,
+                         average=op == ReduceOp.AVG, step=step, seed=seed, feedback=error_feedback,
+                         state=state, check_finite=check_finite, timeout=timeout)
+    state.calls += 1  # a call refused before anything moved (bad input, a cold timeout) counts no step
+
+    def finish(_value: object = None) -> torch.Tensor:
+        if work is not target:
+            target.copy_(work)
+        return tensor
+
+    if async_op:
+        # chain, not Future.then: the caller's wait() re-raises the phase's exception with its
+        # type (NonFiniteError, CommTimeoutError, CollectiveMismatchError), not a RuntimeError.
+        return chain(fut, finish)
+    wait(fut, None, op=f"compress/{compressor.name}")
+    return finish()
+
+
+def _check_call(name: str, tensor: object, group: object, topology: object, algorithm: object,
+                error_feedback: object, key: object, step: object, seed: object,
+                timeout: object) -> float | None:
+    """Every argument of ``all_reduce``, checked at the call on every rank, before anything moves
+    or changes; returns the timeout in seconds (None: no bound of commopt's own)."""
+    if not isinstance(tensor, torch.Tensor):
+        hint = " (convert it with torch.as_tensor(...) and reduce that)" if tensor is not None else ""
+        raise TypeError(f"{name}: tensor must be a torch.Tensor, got {type(tensor).__name__}{hint}")
+    if tensor.layout != torch.strided:
+        raise TypeError(f"{name}: tensors of layout {tensor.layout} are not supported (only dense, strided "
+                        f"tensors are compressed); reduce tensor.to_dense(), or the sparse tensor's values "
+                        f"with torch.distributed directly")
+    check_group(name, group)
+    if topology is not None and not isinstance(topology, Topology):
+        raise TypeError(f"{name}: topology must be a commopt.comm.Topology or None (detected), got "
+                        f"{type(topology).__name__} {topology!r}; e.g. Topology.from_spec('2x2')")
+    known = algorithms.names("allreduce", codec=True)
+    if not isinstance(algorithm, str) or algorithm not in (*known, algorithms.AUTO):
+        raise ValueError(f"{name}: algorithm {algorithm!r} is not supported; use {algorithms.AUTO!r} or one of "
+                         f"{known} ('hierarchical' compresses the inter-node phase only)")
+    if error_feedback is not None and not isinstance(error_feedback, ErrorFeedback):
+        raise TypeError(f"{name}: error_feedback must be a compression.ErrorFeedback or None, got "
+                        f"{type(error_feedback).__name__}")
+    if not isinstance(key, str):
+        raise TypeError(f"{name}: key must be a str (the stable name of this tensor's residual), got "
+                        f"{type(key).__name__} {key!r}")
+    if step is not None and (isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0):
+        raise ValueError(f"{name}: step must be an int >= 0 (the same on every rank) or None, got {step!r}")
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise TypeError(f"{name}: seed must be an int (the same on every rank), got {type(seed).__name__}")
+    return check_timeout(name, timeout)
+
+
+def reduce_tensors(compressor: Codec, tensors: list[torch.Tensor], keys: list[str], *,
                    group: ProcessGroup | None = None, topology: Topology | None = None, algorithm: str = "flat",
                    average: bool = True, step: int = 0, seed: int = 0, feedback: ErrorFeedback | None = None,
                    state: CompressorState | None = None, check_finite: bool = False,
@@ -106,7 +206,7 @@ def reduce_tensors(compressor: Compressor, tensors: list[torch.Tensor], keys: li
     Returns:
         A Future completing with None once ``tensors`` hold the result.
     """
-    if not isinstance(compressor, Compressor):
+    if not isinstance(compressor, Codec):
         raise TypeError(f"compress: compressor must be a commopt.comm.compression compressor instance, got "
                         f"{type(compressor).__name__}")
     where = f"compress/{compressor.name}"
@@ -168,7 +268,7 @@ class CompressedReduction:
         averaged: the division by the world size already happened (before the all-gather).
     """
 
-    def __init__(self, compressor: Compressor, tensors: list[torch.Tensor], keys: list[str], *,
+    def __init__(self, compressor: Codec, tensors: list[torch.Tensor], keys: list[str], *,
                  group: ProcessGroup | None, topology: Topology | None, average: bool, step: int, seed: int,
                  feedback: ErrorFeedback | None, state: CompressorState, check_finite: bool,
                  timeout: float | None, rails: Topology | None = None) -> None:
@@ -521,7 +621,7 @@ def _same_group(a: ProcessGroup | None, b: ProcessGroup | None) -> bool:
     return (world if a is None else a) is (world if b is None else b)
 
 
-def _resolve(algorithm: str, compressor: Compressor, tensors: list[torch.Tensor], group: ProcessGroup | None,
+def _resolve(algorithm: str, compressor: Codec, tensors: list[torch.Tensor], group: ProcessGroup | None,
              topology: Topology | None, timeout: float | None = None) -> tuple[Topology | None, Topology | None]:
     """``(hierarchical, rails)``: the topology of a hierarchical exchange, or the one whose rails
     carry a rail-scope reduction; both None for a flat exchange (detecting the topology is bounded

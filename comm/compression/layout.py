@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ... import kernels
-from .base import Compressor
+from .codec import Codec
 
 __all__ = ["Layout", "layout_for", "stage", "stage_sum", "unstage"]
 
@@ -46,7 +46,7 @@ def _round_up(v: int, unit: int) -> int:
     return -(-v // unit) * unit if unit > 1 else v
 
 
-def layout_for(compressor: Compressor, numels: list[int], *, local_size: int, local_rank: int,
+def layout_for(compressor: Codec, numels: list[int], *, local_size: int, local_rank: int,
                rail_size: int) -> Layout:
     """The staged layout; ``local_size == 1`` means flat mode (``rail_size`` is then the group size)."""
     align = compressor.align

@@ -34,10 +34,11 @@ from torch.distributed import ReduceOp
 
 from .. import algorithms
 from ..algorithms._transport import remaining, wait_work
-from ..collectives import select_algorithm
+from ..algorithms.roles import FSDP_CHECK
 from ..compression import Compressor, QuantizeCompressor
 from ..compression.base import all_finite
 from ..compression.feedback import ErrorFeedback, Layout
+from ..dispatch import select_algorithm
 from ..engine import Phase, wait
 from ..errors import NonFiniteError, TopologyError
 from ..runtime import context
@@ -343,7 +344,7 @@ class CommBase:
         after undoing what this backward's earlier calls changed (:class:`Journal`)."""
         self.journal.begin()
         bad = torch.tensor([0 if all_finite(x) else 1], dtype=torch.int64)
-        g = self.groups("fsdp-check", self.flat_topology()).intra
+        g = self.groups(FSDP_CHECK, self.flat_topology()).intra
         flags = torch.zeros(dist.get_world_size(), dtype=torch.int64)
 
         def gather() -> int:
@@ -429,7 +430,7 @@ class CollectiveComm(CommBase):
             return compressor
         if isinstance(compressor, Compressor):
             hint = ("for a bf16/fp16 reduction use MixedPrecisionPolicy(reduce_dtype=...) instead"
-                    if compressor.name in ("fp16", "bf16") else
+                    if compressor.cast_dtype is not None else
                     "its payloads cannot be reduce-scattered or gathered block by block (PowerSGD needs whole "
                     "matrices and two all-reduces, top-k/sign payloads are not split by destination); use it "
                     "across nodes in HSDP with AllReduceHook")
@@ -458,8 +459,8 @@ class CollectiveComm(CommBase):
         if algo != "flat":
             ctx.prepare(topo, (algo,), self.timeout)
         impl = algorithms.get(algo)
-        call = algorithms.Call(self.collective, prepared, red, group, topo if algo != "flat" else None,
-                               remaining(deadline), blocking, ctx, 1, src)
+        call = ctx.call(impl, self.collective, prepared, red, group, topo if algo != "flat" else None,
+                        remaining(deadline), blocking, 1, src)
         self.add_link_bytes((tag, algo, nbytes, itemsize),
                             lambda: impl.traffic(self.collective, nbytes, topo, itemsize=itemsize))
         return impl.start(call)

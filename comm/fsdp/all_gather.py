@@ -124,10 +124,10 @@ class AllGatherComm(CollectiveComm, AllGather):
                                      lambda: exchange_all_gather(work, src, group, remaining(deadline)), group)],
                               "fsdp/all_gather/node", src.device, blocking=blocking)
         else:
-            ctx = context()
             p, _ = prepare(work, "sum", group.size())
-            call = algorithms.Call("all_gather", p, None, group, None, remaining(deadline), blocking, ctx, 1, src)
-            fut = algorithms.get("flat").start(call)
+            flat = algorithms.get("flat")
+            fut = flat.start(context().call(flat, "all_gather", p, None, group, None, remaining(deadline), blocking,
+                                            1, src))
         if work.data_ptr() == target.data_ptr():
             return fut
         return chain(fut, lambda _v: target.copy_(work.view(target.shape)))

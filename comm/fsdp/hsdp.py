@@ -44,6 +44,7 @@ from torch.distributed import ReduceOp
 
 from .. import algorithms
 from ..algorithms._transport import deadline_of, remaining, wait_work
+from ..algorithms.roles import FSDP_HSDP, FSDP_HSDP_AG, FSDP_HSDP_RS
 from ..compression import Compressor, QuantizeCompressor, reduce_tensors
 from ..compression.base import derive_seed
 from ..compression.quantize import quantized_all_gather, quantized_reduce_scatter
@@ -103,7 +104,7 @@ class AllReduceHook(CommBase):
         name = f"int{self.compressor.bits}" if self.quantized else self.compressor.name
         return name + ("+ef" if self.error_feedback else "")
 
-    def rail(self, role: str = "fsdp-hsdp"):
+    def rail(self, role: str = FSDP_HSDP):
         topo = self.resolve()
         if not topo.is_uniform:
             raise TopologyError(f"{self.where}: HSDP needs nodes of equal size, got {[len(n) for n in topo.nodes]} "
@@ -227,7 +228,7 @@ class AllReduceHook(CommBase):
         padded[:size] = flat
         rows = list(padded.view(nodes, chunk).unbind(0))
         segs = [cut_segments(layout.numels, d * chunk, (d + 1) * chunk) for d in range(nodes)]
-        rs, ag = self.rail("fsdp-hsdp-rs"), self.rail("fsdp-hsdp-ag")
+        rs, ag = self.rail(FSDP_HSDP_RS), self.rail(FSDP_HSDP_AG)
         me = dist.get_rank(rs)
         worker = server = None
         if ef:
@@ -279,7 +280,7 @@ class AllReduceHook(CommBase):
     def _meta(self) -> dict:
         topo = self.resolve()
         return {"world_size": topo.world_size, "layout": topo.layout, "compressor": self.name,
-                "block": getattr(self.compressor, "block", 0)}
+                "block": self.compressor.block if self.quantized else 0}
 
     def state_dict(self) -> dict:
         """Residuals per parameter name, step counters and (other compressors) the compressor's

@@ -41,6 +41,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 from .. import algorithms
 from ..algorithms._transport import LOW_PRECISION, deadline_of, exchange_reduce_scatter, prepare, remaining
 from ..algorithms.hierarchical import rail_order
+from ..algorithms.roles import FSDP_QRS_FLAT, FSDP_QRS_INTRA, FSDP_QRS_RAIL
 from ..compression import Compressor
 from ..compression.base import derive_seed
 from ..compression.quantize import quantized_reduce_scatter
@@ -150,9 +151,9 @@ class ReduceScatterComm(CollectiveComm, ReduceScatter):
                             lambda: exchange_reduce_scatter(p.flat, src, ReduceOp.SUM, group, remaining(deadline)),
                             group)], "fsdp/reduce_scatter/node", src.device, deadline)
         else:
-            call = algorithms.Call("reduce_scatter", p, red, group, None, remaining(deadline), True, context(), 1,
-                                   src)
-            wait(algorithms.get("flat").start(call), self.timeout, op="reduce_scatter/flat", deadline=deadline)
+            flat = algorithms.get("flat")
+            call = context().call(flat, "reduce_scatter", p, red, group, None, remaining(deadline), True, 1, src)
+            wait(flat.start(call), self.timeout, op="reduce_scatter/flat", deadline=deadline)
         if post != 1:
             work.mul_(post)
         if work is not target:
@@ -187,8 +188,8 @@ class ReduceScatterComm(CollectiveComm, ReduceScatter):
             order = torch.tensor(rail_order(topo), device=input.device)
             staged = x32.index_select(0, order).view(local, nodes * chunk)
             mid = torch.empty(nodes * chunk, dtype=torch.float32, device=input.device)
-            intra = self.groups("fsdp-qrs-intra").intra
-            rail = self.groups("fsdp-qrs-rail").rail
+            intra = self.groups(FSDP_QRS_INTRA).intra
+            rail = self.groups(FSDP_QRS_RAIL).rail
             # Level 1's rows hold the chunks of a rail's N ranks side by side; level 2's one rank each.
             r1 = self.feedback.rows(layout, "level1", (local, nodes), input.device).view(local, -1) if ef else None
             r2 = self.feedback.rows(layout, "level2", (nodes,), input.device) if ef else None
@@ -197,7 +198,7 @@ class ReduceScatterComm(CollectiveComm, ReduceScatter):
             self._level(mid.view(nodes, chunk), out32, rail, dist.get_rank(rail), segs, r2, (layout.key, "rail"),
                         step, f"fsdp/reduce_scatter/int{bits}/inter", not ef, deadline)
         else:
-            g = self.groups("fsdp-qrs-flat", self.flat_topology()).intra
+            g = self.groups(FSDP_QRS_FLAT, self.flat_topology()).intra
             r = self.feedback.rows(layout, "level1", (world,), input.device) if ef else None
             self._level(x32, out32, g, dist.get_rank(g), segs, r, (layout.key, "flat"), step,
                         f"fsdp/reduce_scatter/int{bits}/flat", not ef, deadline)

@@ -51,6 +51,7 @@ from torch.futures import Future
 
 from ..engine import Engine, Phase, wait
 from ..errors import CommError, CommTimeoutError
+from ..topology import ina_switch_from_env
 from .faults import FaultConfig
 from .session import InaSession, draw_identity, identity_of, identity_tensor
 from .transport import OP
@@ -195,8 +196,6 @@ class InaProcessGroup(dist.ProcessGroup):
         if options.switch is not None:
             address = parse_address(options.switch)
         else:
-            from ..topology import ina_switch_from_env
-
             found = ina_switch_from_env()  # layout-free: works under torchrun without COMMOPT_NODES
             if found is None:
                 raise CommError("init_process_group('ina'): no switch address; pass pg_options=InaOptions("

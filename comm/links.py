@@ -1,0 +1,123 @@
+"""The pure cost model: link models, the formulas of the algorithms' phases and their constants
+(docs/architecture.md section 5.2).
+
+A message of ``S`` bytes over a link costs ``alpha + S * beta``. Two levels: ``intra`` (inside a
+node: NVLink, loopback) and ``inter`` (the node's NIC). Every rank of a node shares its NIC, so the
+inter-node time of an algorithm is the bytes it pushes through one node's link times ``beta``: this
+is what makes the hierarchical all-reduce win (2(N-1)/N S per node link instead of 2(p-1)/p S per
+ring edge, and the ring crosses the node boundary once per node only with contiguous placement).
+
+This module imports nothing of commopt: the algorithms (``commopt.comm.algorithms``) state their
+``cost`` in these terms, and calibration, the choice of ``auto`` and the caches of measured models
+(``commopt.comm.cost``) sit above the runtime that holds them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+import torch
+
+__all__ = ["LinkModel", "CostModel", "DEFAULT_INTRA", "DEFAULT_INTER", "ALGORITHM_FACTORS", "PHASE_HANDOFF",
+           "COPY_BETA", "pad_to", "pipeline_time", "fit"]
+
+
+@dataclass(frozen=True)
+class LinkModel:
+    """One link level. ``alpha``: seconds per message; ``beta``: seconds per byte."""
+
+    alpha: float
+    beta: float
+
+    def time(self, nbytes: float, messages: float = 1.0) -> float:
+        return messages * self.alpha + nbytes * self.beta
+
+    @property
+    def bandwidth(self) -> float:
+        """Bytes per second."""
+        return 1.0 / self.beta
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """The two levels of a topology, and the pipelining depth of the hierarchical algorithms."""
+
+    intra: LinkModel
+    inter: LinkModel
+    chunks: int = 8  # the most chunks a pipelined all-reduce is cut into (see chunks_for)
+    #: The two levels share one resource, or the node link is no slower than the intra-node level
+    #: (measured by :func:`calibrate`; loopback, where every "link" is the same few cores). The
+    #: hierarchy then moves the same bytes as flat in more phases and cannot win: ``choose`` picks flat.
+    shared: bool = False
+
+    def to_dict(self) -> dict:
+        return {"intra": asdict(self.intra), "inter": asdict(self.inter), "chunks": self.chunks,
+                "shared": self.shared}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> CostModel:
+        chunks = int(d.get("chunks", 8))
+        # Caches written before the flag: one chunk was set only when the levels shared a resource.
+        return cls(LinkModel(**d["intra"]), LinkModel(**d["inter"]), chunks, bool(d.get("shared", chunks == 1)))
+
+
+# Defaults when nothing was measured: gloo over loopback inside a node (~20 us, ~3 GB/s), and a
+# 10 Gbit/s NIC between nodes (~50 us, 1.25 GB/s).
+DEFAULT_INTRA = LinkModel(alpha=20e-6, beta=1 / 3e9)
+DEFAULT_INTER = LinkModel(alpha=50e-6, beta=1 / 1.25e9)
+
+
+# Per-rank traffic of ring-based collectives on p ranks, as a fraction of the buffer: the flat
+# algorithms' bytes and the nccl-tests "bus bandwidth" (busbw = algbw * factor).
+ALGORITHM_FACTORS: dict[str, Callable[[int], float]] = {
+    "allreduce": lambda p: 2 * (p - 1) / p,
+    "reduce_scatter": lambda p: (p - 1) / p,
+    "all_gather": lambda p: (p - 1) / p,
+    "alltoall": lambda p: (p - 1) / p,
+}
+
+# Seconds to hand a phase from one engine worker thread to the next (a queue put and a thread
+# wake-up on a busy host). Charged per phase of a pipelined chunk: on equal levels it makes one chunk
+# (which a blocking call runs on its own thread, with no hand-off) the choice, and it is negligible
+# against the inter-node time that pipelining hides on a real link.
+PHASE_HANDOFF = 0.2e-3
+# Seconds per byte of a local copy (the permutes of the 2-D all-to-all): host memory, ~10 GB/s.
+COPY_BETA = 1 / 10e9
+
+
+def pad_to(nbytes: float, itemsize: int, multiple: int) -> float:
+    """``nbytes`` rounded up to a whole number of ``multiple`` elements of ``itemsize`` bytes (the
+    zero padding the hierarchical phases add to a buffer that does not divide by the node size)."""
+    unit = itemsize * multiple
+    return math.ceil(nbytes / unit) * unit if unit > 1 else nbytes
+
+
+def pipeline_time(intra: float, inter: float, chunks: int) -> float:
+    """Three-phase pipeline (intra, inter, intra) over ``chunks`` chunks of per-chunk stage times.
+
+    Chunks overlap across levels only: a chunk's first intra-node phase and another chunk's last
+    one share the intra-node link, so the bottleneck per extra chunk is the busier of the
+    intra-node link (both intra phases) and the inter-node link.
+    """
+    handoffs = 3 * chunks * PHASE_HANDOFF if chunks > 1 else 0.0
+    return (intra + inter + intra) + (chunks - 1) * max(2 * intra, inter) + handoffs
+
+
+def fit(sizes: list[float], times: list[float], *, messages: float = 1.0,
+        bytes_factor: float = 1.0) -> LinkModel:
+    """Least-squares ``alpha``, ``beta`` from measured ``times`` of ``sizes`` (bytes).
+
+    The model fitted is ``t = messages * alpha + bytes_factor * S * beta``: pass the algorithm's
+    message count and byte factor (a ring all-reduce on p ranks: ``2(p-1)`` and ``2(p-1)/p``).
+    Negative estimates (noise at small sizes) are clamped to zero / a tiny positive beta.
+    """
+    if len(sizes) != len(times) or len(sizes) < 2:
+        raise ValueError(f"fit needs at least two (size, time) pairs, got {len(sizes)} sizes and "
+                         f"{len(times)} times")
+    a = torch.tensor([[messages, bytes_factor * s] for s in sizes], dtype=torch.float64)
+    b = torch.tensor(times, dtype=torch.float64).unsqueeze(1)
+    sol = torch.linalg.lstsq(a, b).solution.squeeze(1)
+    alpha, beta = float(sol[0]), float(sol[1])
+    return LinkModel(alpha=max(alpha, 0.0), beta=max(beta, 1e-15))
