@@ -503,7 +503,7 @@ def choose_algorithm(nbytes: float, topology: Topology, model: cost.CostModel | 
         return "flat"
     options = [a for a in algorithms.candidates("alltoall") if algorithms.get(a).supports(topology, "alltoall") is None]
     if model is None:
-        fitted = context().alltoall_fits.get(_calibration_key(topology))
+        fitted = context().measured_lines.get(_calibration_key(topology))
         if fitted is not None and all(a in fitted for a in options):
             return cost.choose(options, nbytes, topology, None, op="alltoall", measured=fitted)
         model = cost.model_for(topology, timeout=timeout)
@@ -511,7 +511,7 @@ def choose_algorithm(nbytes: float, topology: Topology, model: cost.CostModel | 
 
 
 def _calibration_key(topology: Topology) -> tuple:
-    return ("all_to_all", topology.layout, id(topology.group))
+    return cost.lines_key("alltoall", topology)
 
 
 def calibrate(topology: Topology, *, sizes: tuple[int, int] = (16 * 1024, 4 << 20), reps: int = 3,
@@ -540,7 +540,7 @@ def calibrate(topology: Topology, *, sizes: tuple[int, int] = (16 * 1024, 4 << 2
     # Whole float32 rows, at least one per rank: the bytes each call really moves.
     exact = [max(1, s // (4 * world)) * 4 * world for s in sizes]
     fits = cost.measure_lines(topology, algorithms.candidates("alltoall"), make_call, exact, reps)
-    context().alltoall_fits.put(_calibration_key(topology), fits)
+    context().measured_lines.put(_calibration_key(topology), fits)
     return fits
 
 

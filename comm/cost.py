@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 
 from . import algorithms
-from .engine import wait_work
+from .algorithms._transport import prepare
+from .engine import wait, wait_work
 from .links import ALGORITHM_FACTORS, COPY_BETA, DEFAULT_INTER, DEFAULT_INTRA, PHASE_HANDOFF, CostModel, LinkModel, fit
 from .runtime import context
 from .topology import Topology
@@ -44,6 +45,8 @@ __all__ = [
     "calibrate",
     "model_for",
     "chunks_for",
+    "lines_key",
+    "measured_lines",
     "ALGORITHM_FACTORS",
     "COPY_BETA",
     "PHASE_HANDOFF",
@@ -98,6 +101,17 @@ def choose(candidates: list[str], nbytes: float, topo: Topology, model: CostMode
     if model.shared and "flat" in candidates and op != "alltoall":
         return "flat"
     return min(candidates, key=lambda a: (predict(a, nbytes, topo, model, op), candidates.index(a)))
+
+
+def lines_key(collective: str, topology: Topology) -> tuple:
+    """The key of ``collective``'s measured lines for ``topology`` in the runtime context."""
+    return (collective, topology.layout, id(topology.group))
+
+
+def measured_lines(collective: str, topology: Topology) -> dict[str, LinkModel] | None:
+    """The per-algorithm lines :func:`calibrate` (all-reduce) or ``alltoall.calibrate`` measured
+    for ``collective`` on ``topology`` in this process, or None."""
+    return context().measured_lines.get(lines_key(collective, topology))
 
 
 def measure_lines(topology: Topology, names: list[str], make_call: Callable[[str, int], Callable[[], object]],
@@ -239,7 +253,40 @@ def calibrate(topology: Topology, *, cache_dir: str | os.PathLike | None = None,
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(model.to_dict()))
     context().cost_models.put((topology.layout, id(topology.group)), model)
+    _measure_allreduce(topology, model, sizes, reps)
     return model
+
+
+def _measure_allreduce(topology: Topology, model: CostModel, sizes: tuple[int, int], reps: int) -> None:
+    """Time ``auto``'s all-reduce candidates on this layout and keep their lines for ``auto``.
+
+    The level fit sees two link levels; what it cannot see is this machine's cost of each extra
+    phase of a call (thread hand-offs, copies, a CPU shared by every rank of a node), which decides
+    small calls: on the emulated 2x2 the level model let ``auto`` run hierarchical at 64 KiB at 0.87x
+    of flat. The lines are of the calls themselves (blocking, each candidate's own pipelining depth),
+    so ``auto`` picks what measured faster (docs/results.md).
+    """
+    options = [a for a in algorithms.candidates("allreduce")
+               if algorithms.get(a).supports(topology, "allreduce") is None]
+    if len(options) < 2:
+        return
+    ctx, world, group = context(), topology.world_size, topology.group
+    ctx.prepare(topology, options)
+
+    def make_call(name: str, nbytes: int) -> Callable[[], object]:
+        run = algorithms.get(name).runs(topology, "allreduce")  # flat where it degenerates to it
+        impl, x = algorithms.get(run), torch.ones(nbytes // 4, dtype=torch.float32)
+        chunks = impl.chunks(model, "allreduce", nbytes, topology) if run != "flat" else 1
+
+        def call() -> object:
+            p, red = prepare(x, "sum", world)
+            return wait(impl.start(ctx.call(impl, "allreduce", p, red, group, topology if run != "flat" else None,
+                                            None, True, chunks)), None)
+        return call
+
+    exact = [max(1, s // 4) * 4 for s in sizes]
+    ctx.measured_lines.put(lines_key("allreduce", topology),
+                           measure_lines(topology, options, make_call, exact, max(2, reps // 2)))
 
 
 def _inter_default(topo: Topology) -> LinkModel:

@@ -62,7 +62,9 @@ def select_algorithm(kind: str, algorithm: str, nbytes: int, topo: Topology, tim
     if topo.num_nodes == 1 or topo.num_nodes == topo.world_size:
         return "flat"  # one level only: the hierarchy adds phases and saves nothing
     options = [c for c in algorithms.candidates(kind) if algorithms.get(c).supports(topo, kind) is None]
-    return cost.choose(options, nbytes, topo, cost.model_for(topo, timeout=timeout), op=kind)
+    # The lines calibration measured for this layout, when it ran, decide; else the level model.
+    return cost.choose(options, nbytes, topo, cost.model_for(topo, timeout=timeout), op=kind,
+                       measured=cost.measured_lines(kind, topo))
 
 
 def start(kind: str, algo: str, p: Prepared, red: ReduceOp | None, group, topo: Topology | None,

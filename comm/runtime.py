@@ -39,7 +39,8 @@ class Context:
     Attributes:
         lock: the one (re-entrant) lock of every cache below.
         cost_models: the level model ``auto`` uses, per (layout, parent group id).
-        alltoall_fits: the measured all-to-all lines of ``alltoall.calibrate``, per (layout, group id).
+        measured_lines: the measured per-algorithm lines of ``cost.calibrate`` (all-reduce) and
+            ``alltoall.calibrate``, per (collective, layout, group id): what ``auto`` prefers.
         topologies: topologies detected per group id (None: WORLD).
         ina_sessions: long-lived in-network aggregation sessions and agreed job identities.
     """
@@ -54,9 +55,14 @@ class Context:
         self._role_groups: dict[tuple, dict[str, Groups]] = {}
         self._sequences: dict[int | None, itertools.count] = {}
         self.cost_models: Cache[tuple, CostModel] = Cache(self.lock)
-        self.alltoall_fits: Cache[tuple, dict[str, LinkModel]] = Cache(self.lock)
+        self.measured_lines: Cache[tuple, dict[str, LinkModel]] = Cache(self.lock)
         self.topologies: Cache[int | None, Topology] = Cache(self.lock)
         self.ina_sessions: Cache[tuple, Any] = Cache(self.lock)
+
+    @property
+    def alltoall_fits(self) -> Cache[tuple, dict[str, LinkModel]]:
+        """The all-to-all's entries of :attr:`measured_lines` (the one cache; its keys name the collective)."""
+        return self.measured_lines
 
     # ----------------------------------------------------------------------------- engine
     def engine(self) -> Engine:
@@ -180,7 +186,7 @@ class Context:
             groups, self._groups = self._groups, {}
             self._role_groups = {}
             self._sequences = {}
-        for cache in (self.cost_models, self.alltoall_fits, self.topologies):
+        for cache in (self.cost_models, self.measured_lines, self.topologies):
             cache._drain()
         for entry in self.ina_sessions._drain():
             close = getattr(entry, "close", None)  # sessions; a group's agreed identity holds nothing

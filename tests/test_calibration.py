@@ -1,0 +1,80 @@
+"""cost.calibrate: the level model and the measured all-reduce lines that ``auto`` then follows
+(docs/architecture.md section 5.1; docs/results.md: ``auto`` at small sizes)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from commopt.comm import Topology, algorithms, all_reduce, context, cost
+from commopt.comm.dispatch import select_algorithm
+from commopt.comm.links import LinkModel
+
+SIZES = (1 << 10, 64 << 10, 1 << 20, 16 << 20)
+
+
+def _forget(topo: Topology) -> None:
+    """Later tests in this pool use the level model of the defaults again."""
+    ctx = context()
+    ctx.measured_lines.pop(cost.lines_key("allreduce", topo))
+    ctx.cost_models.pop((topo.layout, id(topo.group)))
+
+
+def _calibrate(cache_dir: str) -> tuple:
+    topo = Topology.from_spec("2x2")
+    try:
+        model = cost.calibrate(topo, cache_dir=cache_dir, sizes=(4096, 65536), reps=2)
+        lines = cost.measured_lines("allreduce", topo)
+        choices = tuple(select_algorithm("allreduce", "auto", s, topo) for s in SIZES)
+        # auto runs, and reduces correctly, with the calibration in place.
+        x = torch.full((1000,), float(dist.get_rank() + 1))
+        all_reduce(x, topology=topo)
+        assert torch.equal(x, torch.full((1000,), 10.0))
+    finally:
+        _forget(topo)
+    return model.to_dict(), {a: (m.alpha, m.beta) for a, m in lines.items()}, choices
+
+
+def test_calibrate_measures_lines_that_auto_follows(ranks, tmp_path):
+    """Every candidate that runs on the layout gets a line, identical on every rank (rank 0's
+    broadcast), and auto picks, at every size, the algorithm whose measured line is lowest (ties: the
+    earlier candidate): the oracle is recomputed here from the returned lines."""
+    results = ranks(4, _calibrate, str(tmp_path), timeout=120)
+    assert all(r == results[0] for r in results), results
+    model, lines, choices = results[0]
+    assert model["intra"]["beta"] > 0 and model["inter"]["beta"] > 0
+    topo = Topology(nodes=((0, 1), (2, 3)), rank=0, world_size=4)  # the 2x2's layout, here without a group
+    expected = [a for a in algorithms.candidates("allreduce") if algorithms.get(a).supports(topo, "allreduce") is None]
+    assert sorted(lines) == sorted(expected) and len(expected) >= 2
+    assert all(alpha >= 0 and beta > 0 for alpha, beta in lines.values())
+    for size, choice in zip(SIZES, choices):
+        times = {a: LinkModel(*lines[a]).time(size) for a in expected}
+        best = min(expected, key=lambda a: (times[a], expected.index(a)))
+        assert choice == best, (size, choice, times)
+    assert (tmp_path / next(p.name for p in tmp_path.iterdir())).read_text()  # rank 0 cached the model
+
+
+def _injected() -> tuple:
+    """Lines put in by hand: auto follows them against the level model, and forgets them with them."""
+    topo = Topology.from_spec("2x2")
+    key = cost.lines_key("allreduce", topo)
+    names = [a for a in algorithms.candidates("allreduce") if algorithms.get(a).supports(topo, "allreduce") is None]
+    before = tuple(select_algorithm("allreduce", "auto", s, topo) for s in SIZES)
+    out = []
+    for winner in names:
+        # The winner is 1000x cheaper than every other candidate at every size.
+        lines = {a: LinkModel(1e-6, 1e-12) if a == winner else LinkModel(1e-3, 1e-9) for a in names}
+        context().measured_lines.put(key, lines)
+        out.append(tuple(select_algorithm("allreduce", "auto", s, topo) for s in SIZES))
+    # Lines that miss a candidate are not used: the level model decides again.
+    context().measured_lines.put(key, {names[0]: LinkModel(0.0, 1e-15)})
+    partial = tuple(select_algorithm("allreduce", "auto", s, topo) for s in SIZES)
+    context().measured_lines.pop(key)
+    return names, out, before, partial
+
+
+def test_auto_follows_measured_lines_over_the_model(ranks):
+    names, out, before, partial = ranks(4, _injected, timeout=60)[0]
+    for winner, choices in zip(names, out):
+        assert choices == (winner,) * len(SIZES)
+    assert partial == before
