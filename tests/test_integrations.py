@@ -7,7 +7,10 @@ so the framework initialises the process group itself, as it does for a user: th
 built before that group exists. The oracle is the same training without the hook (DDP's own
 reduction); an exact algorithm must reproduce its parameters, a compressor must train, and the
 hook's own counters prove that it ran (Lightning's documented ``ddp_comm_hook`` is silently dropped
-on CPU). The blocks marked "README" are the README's "With your framework" snippets, verbatim.
+on CPU). Inside the same rank processes each framework also checkpoints a compressed run with error
+feedback after 3 steps and resumes it for 3 more with a new model, state and callback; the oracle is
+the 6-step run never interrupted, and the parameters must match bit for bit (docs/faults.md row 18).
+The blocks marked "README" are the README's "With your framework" snippets, verbatim.
 """
 
 from __future__ import annotations
@@ -294,7 +297,7 @@ def _lightning_checkpoint(pl, rank: int) -> dict:
 def test_lightning_callback_registers_hook_on_cpu(tmp_path):
     """A real ``Trainer(accelerator="cpu", devices=2, strategy="ddp")``: with the callback, the exact
     algorithm reproduces DDP's own parameters, and hierarchical PowerSGD on a logical 2x1 trains,
-    with the hook's counters showing every step went through it."""
+    with the hook's counters showing every step went through it; a checkpoint resumes bit for bit."""
     ranks = _launch(_lightning_body, tmp_path, timeout=240)
     r0 = ranks[0]
     for r in ranks[1:]:  # DDP keeps the replicas equal, with or without the hook
@@ -571,9 +574,11 @@ def _accelerate_plain() -> dict:
 @pytest.mark.skipif(not _HAVE_TRANSFORMERS, reason="needs transformers and accelerate (pip install "
                     "commopt[transformers])")
 def test_transformers_trainer_and_accelerate_register_hook(tmp_path):
-    """A real ``transformers.Trainer`` on a tiny random GPT-2, 2 processes on gloo: with the callback,
-    the exact algorithm reproduces the Trainer's own parameters and hierarchical fp16 on a logical
-    2x1 trains; the accelerate route (``prepare``, then ``hooks.register``) likewise."""
+    """A real ``transformers.Trainer`` on a tiny random GPT-2, 2 processes on gloo: with the callback
+    (``Trainer(callbacks=[CommHookCallback(state)])``, no trainer handed over), the exact algorithm
+    reproduces the Trainer's own parameters and hierarchical fp16 on a logical 2x1 trains; the
+    accelerate route (``prepare``, then ``hooks.register``) likewise; ``hooks.register`` shows the
+    topology it detected; a checkpoint resumes bit for bit."""
     ranks = _launch(_transformers_body, tmp_path, timeout=300)
     r0 = ranks[0]
     for r in ranks[1:]:

@@ -64,6 +64,8 @@ class CommHookCallback(_pl.Callback):
     Lightning calls callbacks by hook name, so the same instance works with ``pytorch_lightning``
     and ``lightning.pytorch`` trainers. Each ``fit`` wraps the model in a new DDP module, and the hook
     is registered on each with the same state (its counters and error-feedback memory carry on).
+    Checkpoints hold every rank's state (:meth:`state_dict`), and ``fit(..., ckpt_path=...)`` gives
+    each rank its own back (:meth:`on_load_checkpoint`).
 
     Args:
         state: the hook's :class:`commopt.comm.hooks.AllReduceState`; its ``topology`` may be None
@@ -77,7 +79,8 @@ class CommHookCallback(_pl.Callback):
         TypeError: at construction, ``state`` is not an ``AllReduceState`` or ``topology`` is of
             another type; at fit start, the strategy did not wrap the model in DDP (a single device,
             FSDP, DeepSpeed, ...).
-        ValueError: at construction, both ``state.topology`` and ``topology`` are given.
+        ValueError: at construction, both ``state.topology`` and ``topology`` are given; on resume,
+            the checkpoint was written by a world of another size (or with another algorithm).
         RuntimeError: at fit start, the DDP model already has a comm hook (for instance
             ``DDPStrategy(ddp_comm_hook=...)`` on CUDA): DDP accepts only one.
         TopologyError: at fit start, ``topology`` does not fit the world (``"2x2"`` on 2 ranks).
