@@ -350,7 +350,7 @@ def _predict(args, topo, measured: dict[str, float]) -> tuple[dict[str, float], 
     decode (PowerSGD: its three products) per byte. Collective; rank 0's numbers."""
     from commopt.bench.models import synthetic_tokens
     from commopt.comm import cost
-    from commopt.comm.fsdp._common import Codec
+    from commopt.comm.compression import QuantizeCompressor
     from commopt.schedules.simulator import Layer, Schedule, layers_from_model, link_service, simulate, simulate_sharded
 
     model = cost.calibrate(topo)
@@ -374,8 +374,8 @@ def _predict(args, topo, measured: dict[str, float]) -> tuple[dict[str, float], 
     opt = torch.optim.AdamW(gpt.parameters(), lr=args.lr)
     optimizer = timed(opt.step) / nbytes
     x = torch.randn(1 << 18)
-    codec, payload, out = Codec(8, 256), torch.empty(Codec(8, 256).nbytes([x.numel()]), dtype=torch.uint8), \
-        torch.empty_like(x)
+    codec = QuantizeCompressor(8, 256)
+    payload, out = torch.empty(codec.nbytes([x.numel()]), dtype=torch.uint8), torch.empty_like(x)
     quantize = timed(lambda: (codec.encode(x, [x.numel()], payload), codec.decode(payload, [x.numel()], out))) / (
         4 * x.numel())
     d = args.d_model

@@ -44,12 +44,8 @@ from ..errors import NonFiniteError, TopologyError
 from ..runtime import context
 from ..topology import Topology
 
-__all__ = ["Layout", "Codec", "Journal", "CommBase", "CollectiveComm", "BoundComm", "Bound", "CommWork",
+__all__ = ["Layout", "Journal", "CommBase", "CollectiveComm", "BoundComm", "Bound", "CommWork",
            "reduction", "done_work", "as_work", "cut_segments"]
-
-#: The block codec under the name bench/fsdp.py imports it by: ``Codec(bits, block)`` is a
-#: ``QuantizeCompressor``, the one codec (docs/architecture.md section 5.3).
-Codec = QuantizeCompressor
 
 
 def reduction(op, world: int) -> tuple[float, str]:
