@@ -8,7 +8,10 @@ ranks that did not finish, and the pool is replaced. A failure on a rank is re-r
 with that rank's traceback; after any failure the pool is replaced too, since a half-finished
 collective leaves the process groups out of step.
 
-Ranks are spawned, never forked (numba's OpenMP layer is not fork-safe), with one thread each.
+Ranks come from a forkserver, never from a fork of pytest itself (numba's OpenMP layer is not
+fork-safe, and pytest's process has run numba kernels): the server is a fresh interpreter that has
+imported torch and commopt (never numba) with one OpenMP thread, so a rank costs a fork instead of
+the seconds of CPU of importing torch; each rank runs with one thread.
 """
 
 from __future__ import annotations
@@ -34,7 +37,36 @@ class PoolTimeout(AssertionError):
     """A test body did not finish on some ranks within its wall-clock guard."""
 
 
-def _rank_main(rank: int, world: int, store_path: str, tasks, results) -> None:
+# Imported once, by the forkserver; every rank forked from it has them. Not numba: its threading
+# layer must be initialised in the rank itself (it is not fork-safe), and commopt imports it lazily.
+_PRELOAD = ["torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.tensor", "torch.nn.parallel",
+            "commopt.comm", "commopt.comm.compression", "commopt.comm.fsdp"]
+
+
+def _context():
+    """The forkserver context, the server started (or restarted, should it have died) with one
+    OpenMP thread: torch's import otherwise starts a BLAS thread, and a process with threads must not
+    fork. The variable is set only while the server starts; pytest's own environment is left as it is."""
+    from multiprocessing import forkserver
+
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    saved = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        forkserver.ensure_running()
+    finally:
+        if saved is None:
+            del os.environ["OMP_NUM_THREADS"]
+        else:
+            os.environ["OMP_NUM_THREADS"] = saved
+    return ctx
+
+
+def _rank_main(rank: int, world: int, store_path: str, tasks, results, env: dict) -> None:
+    # pytest's environment as it is now (a spawned rank's), not the forkserver's from its start.
+    os.environ.clear()
+    os.environ.update(env)
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch
     import torch.distributed as dist
@@ -67,12 +99,13 @@ class RankPool:
         self._start()
 
     def _start(self) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         self._dir = tempfile.mkdtemp(prefix="commopt-pool-")
         store = os.path.join(self._dir, "store")
         self._tasks = [ctx.Queue() for _ in range(self.world)]
         self._results = ctx.Queue()
-        self._procs = [ctx.Process(target=_rank_main, args=(r, self.world, store, self._tasks[r], self._results),
+        env = dict(os.environ)
+        self._procs = [ctx.Process(target=_rank_main, args=(r, self.world, store, self._tasks[r], self._results, env),
                                    daemon=True, name=f"rank{r}") for r in range(self.world)]
         for p in self._procs:
             p.start()
