@@ -61,11 +61,7 @@ def choose(compressor: Codec, tensors: list[torch.Tensor], topology: Topology, *
     itemsize = compute_dtype(tensors[0].dtype).itemsize
     options = [a for a in algorithms.candidates("allreduce", codec=True)
                if algorithms.get(a).supports(topology, "allreduce") is None]
-    try:
-        times = [predict(a, compressor, numels, shapes, itemsize, topology, model) for a in options]
-    except NotImplementedError:
-        # A compressor that cannot say its payload: compress only the node links.
-        return next(a for a in options if algorithms.get(a).codec_phase == algorithms.INTER_PHASE)
+    times = [predict(a, compressor, numels, shapes, itemsize, topology, model) for a in options]
     # Ties go to the earlier candidate in the registry (flat).
     return options[min(range(len(options)), key=lambda i: (times[i], i))]
 

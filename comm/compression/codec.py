@@ -314,7 +314,9 @@ class Codec:
 
     def payload_bytes(self, numel: int, n: int) -> int:
         """Bytes one rank sends to exchange ``numel`` fp32 elements over ``n`` ranks (estimate)."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} must say payload_bytes(): algorithm='auto' and the "
+                                  f"benchmarks predict from it (docs/architecture.md section 8); or pass "
+                                  f"algorithm='flat' or 'hierarchical'")
 
     def exchange_bytes(self, numel: int, shapes: list[tuple[int, ...]], n: int) -> int:
         """Bytes one rank sends to exchange a staged vector of ``numel`` elements holding whole
