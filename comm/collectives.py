@@ -32,7 +32,7 @@ from .checks import (
     check_timeout,
     validate_same,
 )
-from .compression import Compressor, compressed_all_reduce
+from .compression import Codec, Compressor, compressed_all_reduce
 from .dispatch import Result, _deliver, exact_all_reduce, select_algorithm, start
 from .runtime import context
 from .topology import Topology
@@ -95,13 +95,17 @@ def all_reduce(tensor: torch.Tensor, op: ReduceOp.RedOpType = ReduceOp.SUM, *, g
             (with ``validate``: naming the ranks).
         CommTimeoutError: a rank did not arrive within ``timeout``.
         CommError: a peer died before the ranks could agree (the tensor is unchanged).
-        TypeError, ValueError: a bad argument (tensor, group, op, timeout, algorithm).
+        TypeError, ValueError: a bad argument (tensor, group, op, timeout, algorithm, compressor).
     """
     name = "all_reduce"
     _check_tensor(name, tensor)
     check_group(name, group)
     timeout = check_timeout(name, timeout)
     op_name = _op_name(op)
+    if compressor is not None and not isinstance(compressor, Codec):
+        raise TypeError(f"{name}: compressor must be a commopt.comm.compression compressor instance (e.g. "
+                        f"FP16Compressor(), PowerSGDCompressor(rank=4)) or None, got {type(compressor).__name__} "
+                        f"{compressor!r}")
     if validate and dist.is_initialized() and dist.get_world_size(group) > 1:
         validate_same(name, tensor, algorithm=algorithm, op=op_name, group=group, timeout=timeout)
     _check_op_dtype(name, op_name, tensor.dtype)

@@ -240,6 +240,9 @@ def _bad_input():
         (lambda: all_reduce(torch.ones(3), topology=topo, algorithm="ring"), ValueError),
         (lambda: reduce_scatter(torch.ones(3), torch.ones(10), topology=topo), ValueError),
         (lambda: all_gather(torch.ones(12), torch.ones(3, dtype=torch.float64), topology=topo), TypeError),
+        # A compressor that is not one, for an integer tensor (which it would not compress) too.
+        (lambda: all_reduce(torch.ones(3, dtype=torch.int64), topology=topo, compressor="fp16"), TypeError),
+        (lambda: all_reduce(torch.ones(3), topology=topo, compressor=0.5), TypeError),
     ]:
         with pytest.raises(exc) as info:
             call()
@@ -257,6 +260,7 @@ def test_bad_input_fails_the_same_on_every_rank(ranks):
     assert "complex64 is not supported" in res[0][0]
     assert "use ReduceOp.SUM, AVG, MAX or MIN" in res[0][1]
     assert "has 10 elements but must have world_size (4)" in res[0][5]
+    assert all("compressor must be a commopt.comm.compression compressor" in m for m in res[0][7:9])
 
 
 def _mismatch(kind: str):
