@@ -93,6 +93,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-predict", dest="predict", action="store_false",
                    help="skip the simulator's prediction of every run (calibrates this cluster after training)")
     p.add_argument("--json", default=None, help="write the results as JSON to this file (rank 0)")
+    p.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                   help="after the timed steps, run STEPS more steps of each run of commopt's comms under "
+                        "torch.profiler, then the run's collectives alone, and print each engine phase's "
+                        "mean time inside a step against alone (where a collective's time goes in a step)")
     return p
 
 
@@ -299,6 +303,8 @@ def _rank_body(args) -> int:
         bar.update()
     bar.close()
     results = [_summary(r) for r in runs]
+    if args.profile:
+        _profile(active, args, topo)
     measured = {r["run"]: r["step_ms"] / 1e3 for r in results if "step_ms" in r}
     predicted, inputs = _predict(args, topo, measured) if args.predict else ({}, {})
     for r in results:
@@ -432,6 +438,43 @@ def _predict(args, topo, measured: dict[str, float]) -> tuple[dict[str, float], 
         seconds = tuple((lambda n, i=i, t=table: t[int(n)][i]) for i in range(3))
         out[name + "/measured-collectives"] = simulate_sharded(layers_k, topo, plan, model, seconds).iteration
     return out, inputs
+
+
+def _profile(active: list[dict], args, topo) -> None:
+    """Where a collective's time goes inside a training step: every engine phase's mean time running
+    and waiting to start (its queue and thread hand-off) in ``args.profile`` steps of each run with
+    commopt's comms, against the same phases of the run's collectives alone (a block's, as ``sim*``
+    measures them); ``Engine.time_phases``. Printed by rank 0."""
+    from commopt.comm import context
+
+    engine = context().engine()
+    block = dict(_gpt(args).blocks[0].named_parameters())
+    for run in active:
+        if run["comms"] is None and not run["name"].startswith("hsdp-"):
+            continue  # torch's own comms: no engine phases to show
+        engine.time_phases()
+        for step in range(args.profile):
+            _step(run, 10_000 + step, args, topo, timed=False)
+        inside = engine.phase_times()
+        engine.time_phases()
+        _collective_seconds(run["name"], topo, block, args)
+        alone = engine.phase_times()
+        engine.time_phases(False)
+        if dist.get_rank() != 0:
+            continue
+        print(f"# profile {run['name']}: engine phases per call, mean ms running and waiting to start (queue, "
+              f"thread hand-off), inside a step ({args.profile} steps) and alone (a block's collectives; rank 0)")
+        print(f"#   {'phase':<50}{'calls/step':>11}{'run':>8}{'wait':>8}{'alone run':>10}{'wait':>8}{'ratio':>7}")
+        for key in sorted(inside, key=lambda k: -(inside[k][1] + inside[k][2])):
+            calls, run_s, wait_s = inside[key]
+            a_calls, a_run, a_wait = alone.get(key, (0, 0.0, 0.0))
+            in_ms, wait_ms = 1e3 * run_s / calls, 1e3 * wait_s / calls
+            a_ms = 1e3 * a_run / a_calls if a_calls else 0.0
+            a_wait_ms = 1e3 * a_wait / a_calls if a_calls else 0.0
+            whole = a_ms + a_wait_ms
+            ratio = f"{(in_ms + wait_ms) / whole:7.2f}" if a_calls and whole > 0 else f"{'-':>7}"
+            print(f"#   {key:<50}{calls / args.profile:11.1f}{in_ms:8.2f}{wait_ms:8.2f}"
+                  + (f"{a_ms:10.2f}{a_wait_ms:8.2f}" if a_calls else f"{'-':>10}{'-':>8}") + ratio)
 
 
 def _median_seconds(fn, reps: int = 5) -> float:

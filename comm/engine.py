@@ -27,7 +27,7 @@ import queue
 import threading
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -73,7 +73,7 @@ class _Op:
     device: torch.device | None = None
     event: Any = None
     index: int = 0
-    counted: dict = field(default_factory=dict)
+    ready: float = 0.0  # when the current phase could start (phase timing only)
 
 
 class _Worker:
@@ -117,6 +117,7 @@ class Engine:
         self._closed = False
         self._watchdog: _Watchdog | None = None
         self._inflight = 0  # submitted ops whose future is not yet set
+        self._timing: dict[str, list[float]] | None = None  # phase label -> [calls, run s, wait s]
 
     # ----------------------------------------------------------------------------- submission
     def submit(self, phases: list[Phase], *, op: str, result: Any = None,
@@ -144,6 +145,8 @@ class Engine:
         fut: torch.futures.Future = torch.futures.Future()
         rank = dist.get_rank() if dist.is_initialized() else 0
         item = _Op(op=op, seq=next(self._seq), phases=list(phases), future=fut, result=result, rank=rank)
+        if self._timing is not None:
+            item.ready = time.perf_counter()
         if device is not None and device.type == "cuda":
             item.device = device
             item.event = torch.cuda.Event()
@@ -223,12 +226,22 @@ class Engine:
             self._fail(item, phase, exc)
 
     def _run_phase(self, item: _Op, phase: Phase) -> bool:
+        timing = self._timing
+        start = time.perf_counter() if timing is not None else 0.0
         try:
             with torch.profiler.record_function(f"commopt/{item.op}/{phase.name}"):
                 sent = phase.fn()
         except Exception as exc:  # noqa: BLE001 - forwarded to the future with its type and text
             self._fail(item, phase, exc)
             return False
+        if timing is not None:
+            end = time.perf_counter()
+            with self._lock:
+                entry = timing.setdefault(f"{item.op}/{phase.name}", [0, 0.0, 0.0])
+                entry[0] += 1
+                entry[1] += end - start
+                entry[2] += max(0.0, start - item.ready) if item.ready else 0.0
+            item.ready = end
         nbytes = sent if isinstance(sent, int) and not isinstance(sent, bool) else phase.nbytes
         if nbytes:
             with self._lock:
@@ -304,6 +317,21 @@ class Engine:
         with self._lock:
             self._bytes.clear()
             self._calls.clear()
+            if self._timing is not None:
+                self._timing = {}
+
+    def time_phases(self, on: bool = True) -> None:
+        """Start (and clear) or stop timing every phase: :meth:`phase_times` then says where an
+        operation's time goes (a diagnostic; off by default, it costs two clock reads per phase)."""
+        with self._lock:
+            self._timing = {} if on else None
+
+    def phase_times(self) -> dict[str, tuple[int, float, float]]:
+        """``{"<op>/<phase>": (calls, seconds running, seconds waiting)}`` since :meth:`time_phases`:
+        waiting is from the moment the phase could start (its op submitted, or its predecessor done)
+        until it started: the queue and the thread hand-off."""
+        with self._lock:
+            return {k: (int(v[0]), v[1], v[2]) for k, v in (self._timing or {}).items()}
 
     # ----------------------------------------------------------------------------- lifecycle
     def threads(self) -> list[threading.Thread]:

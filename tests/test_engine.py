@@ -116,3 +116,35 @@ def test_release_stops_a_queue_after_its_work_and_a_later_submission_restarts_it
         engine.release(_Key())  # a group without a queue: nothing to do
     finally:
         engine.shutdown()
+
+
+def test_phase_times_say_how_long_each_phase_ran_and_waited_for_its_queue():
+    """``time_phases``: per "<op>/<phase>", the calls, the seconds running and the seconds between
+    becoming ready and starting; the oracle is what the test makes the phases do (sleep, and hold
+    the queue busy), with the clock's slack only upwards."""
+    import time
+
+    engine = Engine()
+    group = _Key()
+    try:
+        assert engine.phase_times() == {}  # off by default
+        engine.time_phases()
+        gate = threading.Event()
+        holder = engine.submit([Phase("hold", gate.wait, group)], op="busy")
+        waiting = engine.submit([Phase("nap", lambda: time.sleep(0.05), group),
+                                 Phase("local", lambda: time.sleep(0.02))], op="t")
+        time.sleep(0.1)  # "nap" is ready but queued behind "hold" all this time
+        gate.set()
+        holder.wait()
+        waiting.wait()
+        times = engine.phase_times()
+        calls, run, wait = times["t/nap"]
+        assert calls == 1 and 0.05 <= run < 1.0 and 0.1 <= wait < 1.0
+        calls, run, wait = times["t/local"]  # inline after "nap" on its worker: no hand-off
+        assert calls == 1 and 0.02 <= run < 1.0 and wait < 0.05
+        assert times["busy/hold"][0] == 1 and times["busy/hold"][1] >= 0.1
+        engine.time_phases(False)
+        engine.submit([Phase("x", lambda: None, group)], op="t").wait()
+        assert engine.phase_times() == {}
+    finally:
+        engine.shutdown()
