@@ -223,6 +223,9 @@ def allreduce_hook(state: AllReduceState, bucket: dist.GradBucket) -> torch.futu
     Returns:
         A future of one tensor shaped like ``bucket.buffer()``.
     """
+    if not isinstance(bucket, dist.GradBucket):
+        raise RuntimeError(_python_reducer_error("allreduce_hook was called with a "
+                                                 f"{type(bucket).__name__} instead of a GradBucket"))
     buf = bucket.buffer()
     step = state.step
     if bucket.is_last():
@@ -264,6 +267,15 @@ allreduce_hook.__annotations__.update(bucket=dist.GradBucket, state=AllReduceSta
                                       **{"return": torch.futures.Future[torch.Tensor]})
 
 
+def _python_reducer_error(what: str) -> str:
+    """What to say when DDP runs its Python reducer (docs/faults.md row 41)."""
+    return (f"{what}: DDP was built with torch._dynamo.config.optimize_ddp='python_reducer', the mode compiled "
+            f"autograd needs, where DDP calls a comm hook once per parameter with (grad, param) and drops the "
+            f"Future it returns, so commopt's bucket hook (its algorithm, compressor and error feedback) cannot "
+            f"run; build the DDP model with the default optimize_ddp and use torch.compile(model) without "
+            f"compiled autograd (DDP's graph splitting keeps bucket hooks), or leave the commopt hook off")
+
+
 def check_dense_gradients(module: torch.nn.Module, reducer: str, hint: str = "use sparse=False") -> None:
     """Raise ``NotImplementedError`` when a submodule of ``module`` produces sparse gradients
     (``nn.Embedding(sparse=True)``, ``nn.EmbeddingBag(sparse=True)``), which ``reducer`` (the
@@ -281,8 +293,13 @@ def register(ddp_model: torch.nn.parallel.DistributedDataParallel, state: AllRed
     A ``state.topology`` of None is set to the layout the hook will use (``Topology.detect`` over the
     state's group, collective like DDP's construction), so it can be read back; ``"flat"`` needs none.
 
+    ``torch.compile(ddp_model)`` keeps the hook (DDP's graph splitting runs it per bucket, as eagerly);
+    compiled autograd cannot run it (docs/architecture.md section 5.10).
+
     Raises:
-        NotImplementedError: the model has sparse gradients (``nn.Embedding(sparse=True)``).
+        NotImplementedError: the model has sparse gradients (``nn.Embedding(sparse=True)``), or DDP was
+            built for compiled autograd (``torch._dynamo.config.optimize_ddp="python_reducer"``), where
+            it would call the hook per parameter and drop its result.
         TypeError: ``ddp_model`` is not a ``DistributedDataParallel`` model, ``state`` is not an
             :class:`AllReduceState`, or a parameter has a dtype commopt cannot reduce.
     """
@@ -294,6 +311,8 @@ def register(ddp_model: torch.nn.parallel.DistributedDataParallel, state: AllRed
         raise TypeError(f"register expects an AllReduceState as its state, got {type(state).__name__} {state!r}; "
                         f"pass hooks.AllReduceState(...) (for a hook of your own use "
                         f"ddp_model.register_comm_hook)")
+    if getattr(ddp_model, "_use_python_reducer", False):
+        raise NotImplementedError(_python_reducer_error("hooks.register"))
     check_dense_gradients(ddp_model.module, "DDP comm hooks", "use sparse=False or leave the default DDP "
                           "reduction for this model")
     for name, param in ddp_model.module.named_parameters():
