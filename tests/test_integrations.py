@@ -10,6 +10,9 @@ hook's own counters prove that it ran (Lightning's documented ``ddp_comm_hook`` 
 on CPU). Inside the same rank processes each framework also checkpoints a compressed run with error
 feedback after 3 steps and resumes it for 3 more with a new model, state and callback; the oracle is
 the 6-step run never interrupted, and the parameters must match bit for bit (docs/faults.md row 18).
+Sharded training (issue 27, item 4) runs in the same processes: Lightning's ``ModelParallelStrategy``
+and accelerate with FSDP2, commopt's exact FSDP2 comms against the same run without them (bit for
+bit), and the DDP-hook callbacks refusing a sharded setup with a ``TypeError`` naming that route.
 The blocks marked "README" are the README's "With your framework" snippets, verbatim.
 """
 
@@ -211,6 +214,7 @@ def _lightning_body(rank: int, world: int) -> dict:
     out["pickled"] = (copy.topology, copy.state.algorithm, copy.state.compressor.rank)
 
     out["checkpoint"] = _lightning_checkpoint(pl, rank)
+    out["sharded"] = _lightning_sharded(pl)
 
     # A strategy that does not wrap the model in DDP is a clear error at fit start.
     trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=pl.strategies.SingleDeviceStrategy("cpu"),
@@ -220,6 +224,92 @@ def _lightning_body(rank: int, world: int) -> dict:
         trainer.fit(_lightning_model(pl), _lightning_data())
     except TypeError as exc:
         out["not_ddp"] = str(exc)
+    # A sharded strategy: the callback refuses it in its setup hook (before configure_model and the
+    # strategy's own setup), naming the FSDP2 route; the same on every rank, so nothing hangs.
+    trainer = pl.Trainer(accelerator="cpu", devices=2, max_steps=1, logger=False, enable_checkpointing=False,
+                         strategy=pl.strategies.ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
+                         callbacks=[CommHookCallback(AllReduceState())])
+    out["sharded_hook"] = "fit raised no TypeError"
+    try:
+        trainer.fit(_lightning_model(pl), _lightning_data())
+    except TypeError as exc:
+        out["sharded_hook"] = str(exc)
+    return out
+
+
+def _full_params(module) -> list[torch.Tensor]:
+    """Every parameter whole (FSDP2's are DTensor shards: gathered, collective over the mesh)."""
+    return [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for p in module.parameters()]
+
+
+def _lightning_sharded(pl) -> dict:
+    """The FSDP2 route: ``ModelParallelStrategy`` on CPU/gloo, ``fully_shard`` in ``configure_model``
+    with and without ``fsdp.register`` (exact hierarchical comms on a logical 2x1: the oracle is
+    Lightning's native sharded run, bit for bit), and ``fsdp.shard`` (the ZeRO++ recipe: int8
+    weights, int4 gradients) against that run's loss."""
+    Regression = type(_lightning_model(pl))
+    out = {}
+
+    loader = _lightning_data()
+    # README: Lightning, sharded
+    from pytorch_lightning.strategies import ModelParallelStrategy
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    from commopt.comm import Topology, fsdp
+
+    class Sharded(Regression):
+        def configure_model(self):  # Lightning calls it on every rank, with the process group up
+            if isinstance(self.net, FSDPModule):
+                return  # already sharded (an earlier fit)
+            mesh = self.device_mesh["data_parallel"]
+            for layer in self.net:
+                if isinstance(layer, torch.nn.Linear):
+                    fully_shard(layer, mesh=mesh)
+            fully_shard(self.net, mesh=mesh)
+            topology = Topology.from_spec("2x1")  # or None: detected
+            self.comms = fsdp.Comms(reduce_scatter=fsdp.ReduceScatterComm(topology, "hierarchical"),
+                                    all_gather=fsdp.AllGatherComm(topology, "hierarchical"))
+            fsdp.register(self.net, reduce_scatter=self.comms.reduce_scatter, all_gather=self.comms.all_gather)
+
+    strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=1)
+    trainer.fit(Sharded(), loader)
+    # end README
+    model = trainer.lightning_module
+    out["exact"] = {"params": _full_params(model), "link_bytes": model.comms.link_bytes(),
+                    "init_moved": _max_diff(_full_params(model), _params(_lightning_model(pl)))}
+
+    class Native(Regression):
+        def configure_model(self):
+            if isinstance(self.net, FSDPModule):
+                return
+            mesh = self.device_mesh["data_parallel"]
+            for layer in self.net:
+                if isinstance(layer, torch.nn.Linear):
+                    fully_shard(layer, mesh=mesh)
+            fully_shard(self.net, mesh=mesh)
+
+    def fit(model):
+        trainer = pl.Trainer(accelerator="cpu", devices=2, max_epochs=1, logger=False, enable_checkpointing=False,
+                             enable_progress_bar=False, enable_model_summary=False,
+                             strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1))
+        trainer.fit(model, _lightning_data())
+        return model
+
+    model = fit(Native())
+    out["native"] = {"params": _full_params(model), "loss": _full_loss(model.net, _lightning_data()),
+                     "sharded": all(isinstance(p, torch.distributed.tensor.DTensor) for p in model.parameters())}
+
+    class ZeroPP(Regression):
+        def configure_model(self):
+            if not isinstance(self.net, FSDPModule):
+                self.comms = fsdp.shard(self.net, topology=Topology.from_spec("2x1"),
+                                        blocks=[m for m in self.net if isinstance(m, torch.nn.Linear)])
+
+    model = fit(ZeroPP())
+    out["zero"] = {"params": _full_params(model), "loss": _full_loss(model.net, _lightning_data()),
+                   "link_bytes": model.comms.link_bytes(),
+                   "residuals": sorted(model.comms.state_dict()["reduce_scatter"]["residuals"])}
     return out
 
 
@@ -320,6 +410,31 @@ def test_lightning_callback_registers_hook_on_cpu(tmp_path):
     assert "not DistributedDataParallel" in r0["not_ddp"] and "strategy='ddp'" in r0["not_ddp"], r0["not_ddp"]
     _assert_checkpoint_resumes(ranks)
     assert all(r["checkpoint"]["first"]["memory"] for r in ranks), "PowerSGD kept no warm start to save"
+    _assert_sharded(ranks)
+
+
+def _assert_sharded(ranks: list) -> None:
+    """ModelParallelStrategy + fully_shard in configure_model: commopt's exact comms registered there
+    give Lightning's native sharded parameters bit for bit; the ZeRO++ recipe trains; the DDP-hook
+    callback with a sharded strategy is a TypeError naming the FSDP2 route."""
+    for rank, r in enumerate(ranks):
+        sh = r["sharded"]
+        native, exact, zero = sh["native"], sh["exact"], sh["zero"]
+        assert native["sharded"], "ModelParallelStrategy + fully_shard left parameters unsharded"
+        assert exact["init_moved"] > 1e-3  # it trained
+        assert exact["link_bytes"] > 0 and zero["link_bytes"] > 0, "commopt's FSDP comms carried nothing"
+        for i, (got, want) in enumerate(zip(exact["params"], native["params"])):
+            assert torch.equal(got, want), f"rank {rank}: parameter {i} with commopt's exact FSDP2 comms differs " \
+                                           f"by {float((got - want).abs().max())} from Lightning's native run"
+        assert zero["residuals"], "the int4 reduce-scatter kept no error-feedback residuals"
+        assert _max_diff(zero["params"], native["params"]) > 0  # the quantized comms were used
+        assert zero["loss"] < 1.25 * native["loss"], (native["loss"], zero["loss"])
+        msg = r["sharded_hook"]
+        assert "ModelParallelStrategy" in msg and "fsdp.register" in msg and "configure_model" in msg, msg
+    for r in ranks[1:]:
+        for key in ("native", "exact", "zero"):
+            _assert_same_params(r["sharded"][key]["params"], ranks[0]["sharded"][key]["params"],
+                                f"sharded {key}, rank 1 vs 0")
 
 
 def _assert_checkpoint_resumes(ranks: list) -> None:
@@ -447,7 +562,77 @@ def _transformers_body(rank: int, world: int) -> dict:
 
     out["accelerate"] = {"hooked": _accelerate_hooked(), "plain": _accelerate_plain()}
     out["registered_topology"] = _registered_topology()
+    out["sharded"] = {"commopt": _accelerate_sharded(True), "native": _accelerate_sharded(False)}
+    out["fsdp_hook"] = _trainer_fsdp_refused(data)
     return out
+
+
+def _accelerate_sharded(with_commopt: bool) -> dict:
+    """FSDP2 with accelerate, without the Trainer: ``fully_shard`` GPT-2's blocks and the root, commopt's
+    exact hierarchical comms on a logical 2x1 (``fsdp.register``) or none (the oracle: FSDP2's own),
+    ``prepare(optimizer, loader)``, SGD."""
+    model = _gpt2()
+    loader = torch.utils.data.DataLoader(_Sequences(), batch_size=4)
+    rs = None
+    if with_commopt:
+        # README: accelerate, sharded
+        from accelerate import Accelerator
+        from torch.distributed.fsdp import fully_shard
+
+        from commopt.comm import Topology, fsdp
+
+        accelerator = Accelerator(cpu=True)  # starts the process group; on GPUs: Accelerator()
+        for block in model.transformer.h:
+            fully_shard(block)
+        fully_shard(model)
+        topology = Topology.from_spec("2x1")  # or None: detected
+        rs, ag = fsdp.ReduceScatterComm(topology, "hierarchical"), fsdp.AllGatherComm(topology, "hierarchical")
+        fsdp.register(model, reduce_scatter=rs, all_gather=ag)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        optimizer, loader = accelerator.prepare(optimizer, loader)  # not the model: it is sharded already
+        # end README
+    else:
+        from accelerate import Accelerator
+        from torch.distributed.fsdp import fully_shard
+
+        accelerator = Accelerator(cpu=True)
+        for block in model.transformer.h:
+            fully_shard(block)
+        fully_shard(model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        optimizer, loader = accelerator.prepare(optimizer, loader)
+    for batch in loader:
+        loss = model(**batch).loss
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+    params = [p.full_tensor().detach().clone() for p in model.parameters()]  # collective: every rank
+    return {"params": params, "link_bytes": rs.link_bytes() if rs is not None else 0.0,
+            "tied": model.lm_head.weight is model.transformer.wte.weight,
+            "sharded": all(isinstance(p, torch.distributed.tensor.DTensor) for p in model.parameters())}
+
+
+def _trainer_fsdp_refused(data) -> str:
+    """A Trainer set up for FSDP (on CPU accelerate trains DDP instead): the DDP-hook callback stops when
+    training begins, on every rank, naming the FSDP2 route. Last in the ranks: accelerate keeps the
+    FSDP choice in the environment (restored here all the same)."""
+    from transformers import Trainer, TrainingArguments
+
+    from commopt.comm.hooks import AllReduceState
+    from commopt.comm.integrations.transformers import CommHookCallback
+
+    saved = dict(os.environ)
+    args = TrainingArguments(output_dir=os.path.join(os.getcwd(), "hf-fsdp"), use_cpu=True, max_steps=1,
+                             per_device_train_batch_size=4, report_to="none", disable_tqdm=True, save_strategy="no",
+                             fsdp=True, fsdp_config={"transformer_layer_cls_to_wrap": ["GPT2Block"]})
+    try:
+        Trainer(model=_gpt2(), args=args, train_dataset=data, callbacks=[CommHookCallback(AllReduceState())]).train()
+    except TypeError as exc:
+        return str(exc)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    return "train raised no TypeError"
 
 
 def _registered_topology() -> dict:
@@ -608,6 +793,18 @@ def test_transformers_trainer_and_accelerate_register_hook(tmp_path):
     _assert_same_params(acc["hooked"]["params"], acc["plain"]["params"], "accelerate: hook vs DDP's own")
     assert _max_diff(acc["plain"]["params"], _params(_gpt2())) > 1e-3  # it trained
 
+    for rank, r in enumerate(ranks):  # FSDP2 under accelerate: commopt's exact comms = FSDP2's own, bit for bit
+        mine, native = r["sharded"]["commopt"], r["sharded"]["native"]
+        assert mine["sharded"] and native["sharded"] and mine["tied"], (mine["sharded"], mine["tied"])
+        assert mine["link_bytes"] > 0, "commopt's FSDP comms carried nothing"
+        for i, (got, want) in enumerate(zip(mine["params"], native["params"])):
+            assert torch.equal(got, want), f"rank {rank}: parameter {i} with commopt's exact FSDP2 comms differs " \
+                                           f"by {float((got - want).abs().max())} from FSDP2's own under accelerate"
+        _assert_same_params(mine["params"], r0["sharded"]["commopt"]["params"], f"sharded, rank {rank} vs 0")
+        msg = r["fsdp_hook"]
+        assert "set up for FSDP" in msg and "fsdp.register" in msg and "accelerator.prepare" in msg, msg
+    assert _max_diff(r0["sharded"]["native"]["params"], _params(_gpt2())) > 1e-3  # it trained
+
 # ------------------------------------------------------------------------------------ without the frameworks
 _IMPORT_CHECK = r"""
 import sys
@@ -678,7 +875,7 @@ def test_readme_framework_snippets_are_the_tested_code():
     """Every python snippet of the README's framework section is code the framework tests above run,
     and every block those tests mark as README code is in the README: the two cannot drift apart."""
     tested = _tested_snippets()
-    assert len(tested) == 5, tested  # Lightning x2, Trainer x2, accelerate
+    assert len(tested) == 7, tested  # Lightning x3 (DDP x2, sharded), Trainer x2, accelerate x2
     snippets = _readme_snippets((Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8"))
     if snippets is None:
         pytest.skip(f"README.md has no {_SECTION!r} section")

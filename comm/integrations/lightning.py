@@ -35,10 +35,23 @@ Works with the stock strategies that wrap in DDP (``"ddp"``, ``"ddp_spawn"``, ``
 rank trains with a pickled copy of the state: read its counters inside the ranks (for example in
 ``on_fit_end``), not in the launching process.
 
+A sharded model has no DDP module to hook: with ``ModelParallelStrategy``, ``FSDPStrategy`` or
+``DeepSpeedStrategy`` the callback stops in its ``setup`` hook (before the model is built) with a
+``TypeError`` that names the route which works. commopt's FSDP2 comms need no callback: under
+``ModelParallelStrategy(data_parallel_size=N, tensor_parallel_size=1)`` (which runs on CPU/gloo as
+on CUDA; ``FSDPStrategy`` refuses the CPU), the ``LightningModule``'s ``configure_model`` calls
+``fully_shard`` and then :func:`commopt.comm.fsdp.register` (or :func:`commopt.comm.fsdp.shard`, the
+ZeRO++ recipe, when the data-parallel mesh is every rank); the process group exists there, so a
+``Topology`` can be built, and registration happens before the optimizer and the first step. With
+exact comms the parameters are bit-identical to the same run without ``register``
+(docs/architecture.md section 5.6; the README's "frameworks: sharded" lines).
+
 Needs ``pip install commopt[lightning]``.
 """
 
 from __future__ import annotations
+
+from torch.distributed.fsdp import FSDPModule
 
 from ..hooks import AllReduceState
 from ._common import TopologyArg, check_arguments, gather_states, register_on, restore_from_gathered
@@ -56,6 +69,25 @@ __all__ = ["CommHookCallback"]
 
 _WHAT_TO_DO = ("use a strategy that wraps the model in DDP: strategy='ddp', 'ddp_spawn' or DDPStrategy(...) "
                "with devices > 1 (with one device there is nothing to reduce: leave the callback out)")
+
+
+# Lightning's strategies that shard the model instead of wrapping it in DDP, by class name (the same
+# classes exist in pytorch_lightning and lightning.pytorch).
+_SHARDED = ("ModelParallelStrategy", "FSDPStrategy", "DeepSpeedStrategy")
+
+
+def _sharded(strategy) -> bool:
+    return any(cls.__name__ in _SHARDED for cls in type(strategy).__mro__)
+
+
+def _sharded_message(strategy: str) -> str:
+    return (f"CommHookCallback registers a DDP comm hook, but the strategy is {strategy}, which shards the model: "
+            f"there is no DistributedDataParallel module to hook. For commopt's comms on a sharded model use its "
+            f"FSDP2 comms and leave CommHookCallback out: strategy=ModelParallelStrategy(data_parallel_size=N, "
+            f"tensor_parallel_size=1) (CPU or CUDA), and in the LightningModule's configure_model call fully_shard "
+            f"and then commopt.comm.fsdp.register(module, reduce_scatter=fsdp.ReduceScatterComm(...), "
+            f"all_gather=fsdp.AllGatherComm(...)), or commopt.comm.fsdp.shard(module) (README, 'frameworks: "
+            f"sharded'). For a DDP hook, use strategy='ddp', 'ddp_spawn' or DDPStrategy(...)")
 
 
 class CommHookCallback(_pl.Callback):
@@ -77,8 +109,9 @@ class CommHookCallback(_pl.Callback):
 
     Raises:
         TypeError: at construction, ``state`` is not an ``AllReduceState`` or ``topology`` is of
-            another type; at fit start, the strategy did not wrap the model in DDP (a single device,
-            FSDP, DeepSpeed, ...).
+            another type; in ``setup``, the strategy shards the model (``ModelParallelStrategy``,
+            ``FSDPStrategy``, ``DeepSpeedStrategy``: the message names the FSDP2 route); at fit
+            start, the strategy did not wrap the model in DDP (a single device, ...).
         ValueError: at construction, both ``state.topology`` and ``topology`` are given; on resume,
             the checkpoint was written by a world of another size (or with another algorithm).
         RuntimeError: at fit start, the DDP model already has a comm hook (for instance
@@ -91,8 +124,17 @@ class CommHookCallback(_pl.Callback):
         self.state = state
         self.topology = topology
 
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        """Refuse a sharded strategy at once, before ``configure_model`` and the strategy's own setup
+        (whose errors would not say what to use instead)."""
+        if _sharded(trainer.strategy):
+            raise TypeError(_sharded_message(type(trainer.strategy).__name__))
+
     def on_fit_start(self, trainer, pl_module) -> None:
-        register_on("CommHookCallback", trainer.strategy.model, self.state, self.topology,
+        model = trainer.strategy.model
+        if _sharded(trainer.strategy) or any(isinstance(m, FSDPModule) for m in model.modules()):
+            raise TypeError(_sharded_message(type(trainer.strategy).__name__))
+        register_on("CommHookCallback", model, self.state, self.topology,
                     f"the strategy is {type(trainer.strategy).__name__}: {_WHAT_TO_DO}")
 
     def state_dict(self) -> dict:

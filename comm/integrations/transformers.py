@@ -41,6 +41,20 @@ Without the ``Trainer``, with accelerate alone, no callback is needed: after
 ``commopt.comm.hooks.register(model, state)`` is the whole integration (and
 ``state.state_dict()`` / ``load_state_dict()`` per rank, beside ``accelerator.save_state``).
 
+Sharded training (FSDP) has no DDP module to hook: a ``Trainer`` set up for FSDP
+(``TrainingArguments(fsdp=...)``) makes the callback stop when training begins, with a ``TypeError``
+that names the route which works. commopt's FSDP2 comms go on the sharded model itself, with
+accelerate and without the ``Trainer``: ``Accelerator(cpu=True)`` (it starts the process group),
+``fully_shard`` the blocks and the root, :func:`commopt.comm.fsdp.register`, then
+``accelerator.prepare(optimizer, loader)`` (not the model: it is sharded already, and ``prepare``
+would wrap it in DDP, which it refuses for ``DTensor`` parameters) and the usual loop; with exact
+comms the parameters are bit-identical to the same loop without ``register`` (the README's
+"frameworks: sharded" lines). The ``Trainer`` cannot run FSDP on CPU: accelerate (1.15) sets up
+FSDP only for accelerator devices (``AcceleratorState`` keeps ``MULTI_CPU``, so
+``use_cpu=True`` with ``fsdp=`` silently trains DDP), and a model sharded before it is handed to the
+``Trainer`` meets the same ``DTensor`` refusal in ``prepare``. Lightning's ``ModelParallelStrategy``
+runs FSDP2 on CPU too (``commopt.comm.integrations.lightning``).
+
 Needs ``pip install commopt[transformers]``.
 """
 
@@ -50,6 +64,7 @@ import os
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 from torch.nn.parallel import DistributedDataParallel
 
 from ..hooks import AllReduceState
@@ -68,6 +83,22 @@ _WHERE = "CommHookCallback"
 _WHAT_TO_DO = ("the Trainer wraps the model in DDP when it runs on more than one process without DeepSpeed or FSDP "
                "(torchrun --nproc-per-node N train.py, or accelerate launch --multi_gpu --num_processes N); with one "
                "process there is nothing to reduce: leave the callback out")
+
+
+_SHARDED_MESSAGE = (
+    f"{_WHERE} registers a DDP comm hook, but this Trainer is set up for FSDP (TrainingArguments.fsdp): there is "
+    f"no DistributedDataParallel module to hook. commopt's FSDP2 comms go on the sharded model itself, trained "
+    f"with accelerate without the Trainer: accelerator = Accelerator(cpu=True); fully_shard each block, then the "
+    f"model; commopt.comm.fsdp.register(model, reduce_scatter=fsdp.ReduceScatterComm(...), "
+    f"all_gather=fsdp.AllGatherComm(...)); optimizer, loader = accelerator.prepare(optimizer, loader) (not the "
+    f"model); or Lightning's ModelParallelStrategy (README, 'frameworks: sharded'). The Trainer cannot run FSDP on "
+    f"CPU (accelerate sets FSDP up only on accelerators: with use_cpu=True it trains DDP), and its prepare refuses "
+    f"an already sharded model (DTensor parameters under DDP). For the DDP hook, leave fsdp= unset")
+
+
+def _sharded(model: torch.nn.Module) -> bool:
+    """Whether ``model`` holds FSDP-sharded modules (FSDP2's ``fully_shard`` or FSDP1's wrapper)."""
+    return any(isinstance(m, (FSDPModule, FullyShardedDataParallel)) for m in model.modules())
 
 
 class CommHookCallback(_TrainerCallback):
@@ -89,8 +120,9 @@ class CommHookCallback(_TrainerCallback):
 
     Raises:
         TypeError: at construction, ``state`` is not an ``AllReduceState`` or ``topology`` is of
-            another type; when training starts, the job is a single process, and at the first
-            training forward, the model is not run by a DDP module (DeepSpeed, FSDP, ...).
+            another type; when training starts, the Trainer is set up for FSDP (the message names the
+            FSDP2 route) or the job is a single process; at the first training forward, the model is
+            not run by a DDP module (DeepSpeed, ...).
         ValueError: at construction, both ``state.topology`` and ``topology`` are given; when a
             resumed run starts, the checkpoint was written by a world of another size (or with
             another algorithm, or an incomplete set of rank files).
@@ -108,6 +140,8 @@ class CommHookCallback(_TrainerCallback):
         self._pending = None  # the forward pre-hook waiting for the first training forward
 
     def on_train_begin(self, args, state, control, model=None, **kwargs) -> None:
+        if getattr(args, "fsdp", None) or (model is not None and _sharded(model)):
+            raise TypeError(_SHARDED_MESSAGE)
         if state.global_step > 0:  # train(resume_from_checkpoint=...) restored the Trainer's step
             restore_from_folder(_WHERE, self.state, self._checkpoint_folder(args, state), args.device)
         if self.trainer is not None:
