@@ -47,13 +47,14 @@ that names the route which works. commopt's FSDP2 comms go on the sharded model 
 accelerate and without the ``Trainer``: ``Accelerator(cpu=True)`` (it starts the process group),
 ``fully_shard`` the blocks and the root, :func:`commopt.comm.fsdp.register`, then
 ``accelerator.prepare(optimizer, loader)`` (not the model: it is sharded already, and ``prepare``
-would wrap it in DDP, which it refuses for ``DTensor`` parameters) and the usual loop; with exact
+would wrap it in DDP, which fails on ``DTensor`` parameters) and the usual loop; with exact
 comms the parameters are bit-identical to the same loop without ``register`` (the README's
 "frameworks: sharded" lines). The ``Trainer`` cannot run FSDP on CPU: accelerate (1.15) sets up
 FSDP only for accelerator devices (``AcceleratorState`` keeps ``MULTI_CPU``, so
 ``use_cpu=True`` with ``fsdp=`` silently trains DDP), and a model sharded before it is handed to the
-``Trainer`` meets the same ``DTensor`` refusal in ``prepare``. Lightning's ``ModelParallelStrategy``
-runs FSDP2 on CPU too (``commopt.comm.integrations.lightning``).
+``Trainer`` fails the same way in ``prepare`` (a ``NotImplementedError`` from DDP's first
+broadcast). Lightning's ``ModelParallelStrategy`` runs FSDP2 on CPU too
+(``commopt.comm.integrations.lightning``).
 
 Needs ``pip install commopt[transformers]``.
 """
@@ -92,8 +93,8 @@ _SHARDED_MESSAGE = (
     f"model; commopt.comm.fsdp.register(model, reduce_scatter=fsdp.ReduceScatterComm(...), "
     f"all_gather=fsdp.AllGatherComm(...)); optimizer, loader = accelerator.prepare(optimizer, loader) (not the "
     f"model); or Lightning's ModelParallelStrategy (README, 'frameworks: sharded'). The Trainer cannot run FSDP on "
-    f"CPU (accelerate sets FSDP up only on accelerators: with use_cpu=True it trains DDP), and its prepare refuses "
-    f"an already sharded model (DTensor parameters under DDP). For the DDP hook, leave fsdp= unset")
+    f"CPU (accelerate sets FSDP up only on accelerators: with use_cpu=True it trains DDP), and its prepare wraps "
+    f"an already sharded model in DDP, which fails on DTensor parameters. For the DDP hook, leave fsdp= unset")
 
 
 def _sharded(model: torch.nn.Module) -> bool:
