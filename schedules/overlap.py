@@ -72,6 +72,7 @@ import contextlib
 import functools
 import itertools
 import logging
+import sys
 import threading
 import time
 from collections import deque
@@ -276,6 +277,9 @@ class OverlapDataParallel(nn.Module):
         self._in_backward = False
         # The last op submitted (the queue is FIFO: when it is done, so is all the wrapper's work).
         self._tail: torch.futures.Future | None = None
+        # The body of every forward pre-hook; forward() hides it from torch.compile once it is in use.
+        self._before_module: Callable[[list[int], list[int]], None] = self._wait_for
+        self._hidden = False
         self._handles = []
         for i, p in enumerate(self._params):
             self._handles.append(p.register_hook(self._make_guard(i)))
@@ -290,6 +294,13 @@ class OverlapDataParallel(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The module's forward; each module first waits for its own parameters' pending update."""
         self._check_open()
+        if not self._hidden and "torch._dynamo" in sys.modules:
+            # torch.compile is in use in this process (it imports torch._dynamo): a compiled module would
+            # trace the pre-hooks' waits and optimizer steps into its graphs, cut them in pieces and
+            # rebuild them as the steps progress; they run eagerly, one graph break each
+            # (docs/architecture.md section 5.10). Not done up front: importing torch._dynamo costs seconds.
+            self._before_module = torch.compiler.disable(self._wait_for)
+            self._hidden = True
         self._forward_use = []
         out = self.module(*args, **kwargs)
         self._forward_end = time.perf_counter()
@@ -447,14 +458,18 @@ class OverlapDataParallel(nn.Module):
         buckets = sorted({self._bucket_of[i] for i in params})
 
         def hook(_module: nn.Module, _args: Any) -> None:
-            if self._forward_use is not None:
-                self._forward_use.extend(params)
-            step = self._last
-            if step is not None:
-                for b in buckets:
-                    self._wait_applied(step, b)
+            self._before_module(params, buckets)
 
         return hook
+
+    def _wait_for(self, params: list[int], buckets: list[int]) -> None:
+        """A module's forward pre-hook: note its parameters' first use, wait for their buckets' update."""
+        if self._forward_use is not None:
+            self._forward_use.extend(params)
+        step = self._last
+        if step is not None:
+            for b in buckets:
+                self._wait_applied(step, b)
 
     def _begin_backward(self) -> None:
         """First gradient of a backward pass: remember which step's updates it must wait for, and
