@@ -250,7 +250,7 @@ def _torchtitan_body(rank: int) -> dict:
 @pytest.mark.skipif(not _HAVE_TORCHTITAN, reason="needs torchtitan (see the README's torchtitan section)")
 def test_torchtitan_parallelize_fn_registers_commopt_comms(tmp_path):
     """The README's config function gives torchtitan a parallelize_fn whose FSDP2 modules run
-    commopt's comms: exact ones reproduce native FSDP2's losses, ZeRO++'s stay within 0.05 of them."""
+    commopt's comms: exact ones reproduce native FSDP2's losses, ZeRO++'s stay within 0.1 of them."""
     (module,) = _readme_blocks("python")
     (tmp_path / "my_configs.py").write_text(module, encoding="utf-8")
     ranks = _launch(_torchtitan_body, tmp_path, timeout=240)
@@ -260,11 +260,58 @@ def test_torchtitan_parallelize_fn_registers_commopt_comms(tmp_path):
     assert r0["registered"] == 1 and r0["algorithm"] == "hierarchical" and r0["nodes"] == [[0], [1]], r0
     assert r0["exact"] == r0["native"], (r0["exact"], r0["native"])  # two-rank fp32 sums: the same bits
     diffs = [abs(a - b) for a, b in zip(r0["zero++"], r0["native"])]
-    assert 0 < max(diffs) < 0.05, diffs  # quantized (so not identical), and close
+    assert 0 < max(diffs) < 0.1, diffs  # quantized (so not identical), and close (0.04 at lr 1e-2)
     assert r0["native"][-1] < r0["native"][0] - 0.05, r0["native"]  # it trained
     # Every step all-gathers and reduce-scatters every parameter over the node link; ZeRO++ sends
     # int8/int4 codes (and scales) instead of fp32.
     assert r0["exact_bytes"] > 0 and 0 < r0["zero_bytes"] < r0["exact_bytes"] / 2, r0
+
+
+@pytest.mark.skipif(not _HAVE_TORCHTITAN, reason="needs torchtitan (see the README's torchtitan section)")
+def test_parallelize_arguments_are_checked_when_built():
+    """Bad arguments fail in the config function (the launching process), not inside every rank."""
+    from commopt.comm import Topology
+    from commopt.comm.integrations.torchtitan import parallelize
+
+    def parallelize_llama(model, **kwargs):  # torchtitan's, without importing its models (triton)
+        return model
+
+    fn = parallelize(parallelize_llama)
+    assert fn.__name__ == "parallelize_llama" and fn.__wrapped__ is parallelize_llama
+    assert fn.algorithm == "hierarchical" and fn.comms == []
+    assert parallelize(parallelize_llama, comms="zero++").algorithm == "auto"
+    parallelize(parallelize_llama, topology=Topology.from_spec("1x1"))  # a built topology is kept as given
+    with pytest.raises(ValueError, match="comms must be one of"):
+        parallelize(parallelize_llama, comms="zero3")
+    with pytest.raises(TypeError, match="parallelize_fn must be"):
+        parallelize("parallelize_llama")
+    with pytest.raises(TypeError, match="topology must be a spec"):
+        parallelize(parallelize_llama, topology=[[0], [1]])
+
+
+_IMPORT_CHECK = r"""
+import sys
+sys.modules["torchtitan"] = None  # as if not installed
+try:
+    import commopt.comm.integrations.torchtitan
+except ImportError as exc:
+    assert "pip install torchtitan" in str(exc), str(exc)
+    assert exc.__cause__ is None and exc.__suppress_context__, "the message should stand alone"
+else:
+    raise AssertionError("commopt.comm.integrations.torchtitan imported without torchtitan")
+import commopt.comm.integrations
+assert "torchtitan" not in getattr(commopt.comm.integrations, "__dict__", {})
+print("ok")
+"""
+
+
+def test_without_torchtitan_the_import_says_how_to_install_it():
+    """Checked in a fresh interpreter, with torchtitan hidden: an ImportError naming the install line."""
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "-c", _IMPORT_CHECK], capture_output=True, text=True, timeout=120,
+                          cwd=os.path.dirname(os.path.abspath(__file__)))
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stdout + proc.stderr
 
 
 def test_readme_torchtitan_command_names_the_tested_module():
