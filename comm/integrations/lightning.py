@@ -125,9 +125,9 @@ class CommHookCallback(_pl.Callback):
         self.topology = topology
 
     def setup(self, trainer, pl_module, stage: str) -> None:
-        """Refuse a sharded strategy at once, before ``configure_model`` and the strategy's own setup
-        (whose errors would not say what to use instead)."""
-        if _sharded(trainer.strategy):
+        """Refuse a sharded strategy at once when fitting, before ``configure_model`` and the strategy's
+        own setup (whose errors would not say what to use instead); validate/test/predict need no hook."""
+        if stage == "fit" and _sharded(trainer.strategy):
             raise TypeError(_sharded_message(type(trainer.strategy).__name__))
 
     def on_fit_start(self, trainer, pl_module) -> None:
