@@ -72,9 +72,14 @@ def _rank_main(rank: int, world: int, store_path: str, tasks, results, env: dict
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    store = dist.FileStore(store_path, world)
-    # A short backend timeout: a test that leaves a collective half-done fails in minutes, not 30.
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=90))
+    try:
+        store = dist.FileStore(store_path, world)
+        # A short backend timeout: a test that leaves a collective half-done fails in minutes, not 30.
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=90))
+    except BaseException as exc:  # noqa: BLE001 - the pool starts its ranks again (see RankPool._await_ready)
+        results.put((rank, "init-failed", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        return
+    results.put((rank, "ready", None))
     while True:
         task = tasks.get()
         if task is None:
@@ -99,6 +104,7 @@ class RankPool:
         self._start()
 
     def _start(self) -> None:
+        self._ready: set[int] = set()
         ctx = _context()
         self._dir = tempfile.mkdtemp(prefix="commopt-pool-")
         store = os.path.join(self._dir, "store")
@@ -109,6 +115,37 @@ class RankPool:
                                    daemon=True, name=f"rank{r}") for r in range(self.world)]
         for p in self._procs:
             p.start()
+
+    def _await_ready(self, attempts: int = 3, guard: float = 120.0) -> None:
+        """Wait until every rank has its WORLD group, starting the ranks again when one failed to
+        make it (no test code has run yet). Gloo's full-mesh connect, rarely, fails at once with
+        "Connection closed by peer" when a pool starts right after the one it replaces was killed
+        (forked ranks start within milliseconds of the kill; spawned ones took seconds)."""
+        for attempt in range(attempts):
+            deadline = time.monotonic() + guard
+            failed: dict[int, str] = {}
+            while len(self._ready) < self.world and not failed:
+                dead = [p.name for r, p in enumerate(self._procs) if r not in self._ready and not p.is_alive()]
+                if dead:
+                    failed[-1] = f"processes died while starting: {dead}"
+                    break
+                if time.monotonic() > deadline:
+                    failed[-1] = f"not started within {guard:.0f} s"
+                    break
+                try:
+                    rank, status, value = self._results.get(timeout=0.5)
+                except queue.Empty:
+                    continue
+                if status == "ready":
+                    self._ready.add(rank)
+                else:
+                    failed[rank] = value
+            if not failed:
+                return
+            self.restart()
+            if attempt == attempts - 1:
+                detail = "".join(f"\n--- rank {r} ---\n{e}" for r, e in sorted(failed.items()))
+                raise PoolTimeout(f"a pool of {self.world} ranks did not start in {attempts} attempts:{detail}")
 
     def run(self, fn: Callable, *args: Any, timeout: float = 60.0, per_rank: list | None = None,
             allow_dead: bool = False, **kwargs: Any) -> list[Any]:
@@ -121,6 +158,7 @@ class RankPool:
             allow_dead: a rank may die (fault-injection tests): its result is ``None`` and the
                 survivors' results are still collected; the pool is replaced afterwards.
         """
+        self._await_ready()
         for r in range(self.world):
             extra = tuple(per_rank[r]) if per_rank is not None else ()
             self._tasks[r].put((fn, args + extra, kwargs))
