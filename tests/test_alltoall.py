@@ -352,7 +352,7 @@ def _a2a_never_enters(timeout: float):
     cases = {"flat": {"algorithm": "flat"}, "2d": {"algorithm": "2d"},  # engine phases time out
              "2d exchanged": {"algorithm": "2d", "in_splits": [2, 2, 2, 2]}}  # the split exchange does
     for kw in cases.values():
-        all_to_all(None, x, topology=topo, timeout=timeout, **kw)  # groups made, in step
+        all_to_all(None, x, topology=topo, timeout=60, **kw)  # groups made, in step (a long timeout: setup)
     if rank == 1:
         time.sleep(len(cases) * timeout + 3)
         return None
@@ -373,7 +373,7 @@ def test_rank_never_enters_all_to_all():
     Fresh processes: the group is left out of step."""
     from _pool import RankPool
 
-    timeout, slack = 3.0, 10.0
+    timeout, slack = 2.0, 10.0  # every case waits the timeout out: short
     pool = RankPool(4)
     try:
         res = pool.run(_a2a_never_enters, timeout, timeout=3 * (timeout + slack) + 60)  # + cold start

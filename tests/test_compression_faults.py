@@ -31,6 +31,7 @@ from commopt.comm import compression as C
 from commopt.comm.hooks import AllReduceState, register
 
 TIMEOUT = 3.0  # seconds a compressed collective may take before the survivors give up
+ABSENT = 2.0  # the timeout of the calls a rank never enters (row 4): every cold case waits it out
 SLACK = 10.0  # room for a cold process on 2 busy cores
 ABSENT = 1  # the rank that stays alive but never enters (node 0 of the 2x2, beside rank 0)
 
@@ -67,11 +68,11 @@ def _ddp(topo: Topology, name: str, algo: str, timeout: float):
 def _first_call(entry: str, name: str, algo: str, topo: Topology, x: torch.Tensor):
     """The first compressed reduction of a case (set up here, on every rank), as a callable."""
     if entry == "hook":
-        ddp, _ = _ddp(topo, name, algo, TIMEOUT)
+        ddp, _ = _ddp(topo, name, algo, ABSENT)
         return lambda: ddp(x).sum().backward()
     c = _compressor(name)
     return lambda: c.all_reduce(x.clone(), group=topo.group, topology=topo, algorithm=algo,
-                                error_feedback=C.ErrorFeedback(), timeout=TIMEOUT)
+                                error_feedback=C.ErrorFeedback(), timeout=ABSENT)
 
 
 def _never_enters() -> dict:
@@ -104,7 +105,7 @@ def _never_enters() -> dict:
         ddp, state = _ddp(_fresh_topology(), name, algo, 60)
         for _ in range(2):  # DDP rebuilds its buckets (a collective of its own) in the 2nd forward
             ddp(x).sum().backward()
-        state.timeout = TIMEOUT
+        state.timeout = ABSENT
         hooks.append((name, algo, ddp))
     dist.barrier()
     if rank != ABSENT:
@@ -112,7 +113,7 @@ def _never_enters() -> dict:
         for name, algo, c, topo, ef in warm:
             label, start, ev = f"warm/all_reduce/{name}/{algo}", time.monotonic(), threading.Event()
             fut = c.all_reduce(x.clone(), group=topo.group, topology=topo, algorithm=algo, error_feedback=ef, step=1,
-                               timeout=TIMEOUT, async_op=True)
+                               timeout=ABSENT, async_op=True)
 
             def settle(f, label=label, start=start, ev=ev):
                 try:
@@ -132,9 +133,9 @@ def _never_enters() -> dict:
         for t in threads:
             t.start()
         for t in threads:
-            t.join(TIMEOUT + SLACK + 5)
+            t.join(ABSENT + SLACK + 5)
         for ev in done:
-            ev.wait(TIMEOUT + SLACK + 5)
+            ev.wait(ABSENT + SLACK + 5)
     dist.barrier()
     return out
 
@@ -147,7 +148,7 @@ def test_compressed_rank_never_enters():
     ``wait(timeout)`` is unbounded), with fp16, PowerSGD and int8 spread over the cells."""
     pool = RankPool(4)
     try:
-        res = pool.run(_never_enters, timeout=5 * (TIMEOUT + SLACK) + 60)
+        res = pool.run(_never_enters, timeout=5 * (ABSENT + SLACK) + 60)
     finally:
         pool.close(graceful=False)
     assert res[ABSENT] == {}
@@ -164,7 +165,7 @@ def test_compressed_rank_never_enters():
                 assert "CommTimeoutError" in msg, (rank, label, kind, msg)
             else:
                 assert kind == "CommTimeoutError", (rank, label, kind, msg)
-            assert TIMEOUT - 0.5 <= elapsed <= TIMEOUT + SLACK, (rank, label, elapsed, msg)
+            assert ABSENT - 0.5 <= elapsed <= ABSENT + SLACK, (rank, label, elapsed, msg)
 
 
 # ------------------------------------------------------------------------------------------ mismatch
