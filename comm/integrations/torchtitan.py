@@ -16,7 +16,7 @@ Two sets of comms:
   native FSDP2 up to the order of fp32 sums, fewer bytes on the inter-node links.
 - ``comms="zero++"``: ZeRO++'s qgZ and qwZ (int4 gradients reduced hierarchically with error
   feedback, int8 weights gathered across nodes), as :func:`commopt.comm.fsdp.shard` registers them.
-  Lossy where the compressors touch (docs/architecture.md section 5.5). hpZ (the secondary shard
+  Lossy where the compressors touch (docs/architecture.md section 5.4). hpZ (the secondary shard
   inside each node) is not applied: torchtitan chooses ``reshard_after_forward`` itself
   (``--parallelism.fsdp_reshard_after_forward``).
 
