@@ -111,7 +111,9 @@ class Parallelize:
         self.error_feedback = error_feedback
         self.timeout = timeout
         self.comms: list[Comms] = []
-        functools.update_wrapper(self, parallelize_fn)
+        # Name, docstring and __wrapped__ only: merging parallelize_fn's __dict__ would overwrite these
+        # attributes when it is itself a Parallelize.
+        functools.update_wrapper(self, parallelize_fn, updated=())
 
     def __call__(self, model: nn.Module, **kwargs) -> nn.Module:
         model = self.parallelize_fn(model, **kwargs)
