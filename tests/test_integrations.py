@@ -13,7 +13,8 @@ the 6-step run never interrupted, and the parameters must match bit for bit (doc
 Sharded training (issue 27, item 4) runs in the same processes: Lightning's ``ModelParallelStrategy``
 and accelerate with FSDP2, commopt's exact FSDP2 comms against the same run without them (bit for
 bit), and the DDP-hook callbacks refusing a sharded setup with a ``TypeError`` naming that route.
-The blocks marked "README" are the README's "With your framework" snippets, verbatim.
+The blocks marked "README" are the "With your framework" snippets of docs/frameworks.md (where the
+README sends its readers), verbatim.
 """
 
 from __future__ import annotations
@@ -856,7 +857,7 @@ _SECTION = "## With your framework"
 
 
 def _readme_snippets(text: str) -> list[str] | None:
-    """The python blocks of the README's framework section (None: the README has no such section)."""
+    """The python blocks of the framework section of docs/frameworks.md (None: it has no such section)."""
     start = text.find("\n" + _SECTION + "\n")
     if start < 0:
         return None
@@ -872,14 +873,15 @@ def _tested_snippets() -> list[str]:
 
 
 def test_readme_framework_snippets_are_the_tested_code():
-    """Every python snippet of the README's framework section is code the framework tests above run,
-    and every block those tests mark as README code is in the README: the two cannot drift apart."""
+    """Every python snippet of the framework section of docs/frameworks.md is code the framework tests
+    above run, and every block those tests mark as README code is there: the two cannot drift apart."""
     tested = _tested_snippets()
     assert len(tested) == 7, tested  # Lightning x3 (DDP x2, sharded), Trainer x2, accelerate x2
-    snippets = _readme_snippets((Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8"))
+    page = Path(__file__).resolve().parents[1] / "docs" / "frameworks.md"
+    snippets = _readme_snippets(page.read_text(encoding="utf-8"))
     if snippets is None:
-        pytest.skip(f"README.md has no {_SECTION!r} section")
+        pytest.skip(f"docs/frameworks.md has no {_SECTION!r} section")
     for snippet in snippets:
-        assert snippet in tested, f"this README snippet is not run by tests/test_integrations.py:\n{snippet}"
+        assert snippet in tested, f"this snippet of docs/frameworks.md is not run by this file:\n{snippet}"
     for block in tested:
-        assert block in snippets, f"this block is marked as README code but the README lacks it:\n{block}"
+        assert block in snippets, f"this block is marked as README code but docs/frameworks.md lacks it:\n{block}"

@@ -41,7 +41,7 @@ import torch
 _HAVE_TORCHTITAN = importlib.util.find_spec("torchtitan") is not None
 _WORLD = 2
 _STEPS = 4
-_README = Path(__file__).resolve().parents[1] / "README.md"
+_README = Path(__file__).resolve().parents[1] / "docs" / "frameworks.md"  # where the README points
 _SECTION = "## With torchtitan"
 
 
@@ -49,7 +49,7 @@ def _readme_blocks(lang: str) -> list[str]:
     """The ``lang`` code blocks of the README's torchtitan section."""
     text = _README.read_text(encoding="utf-8")
     start = text.find("\n" + _SECTION + "\n")
-    assert start >= 0, f"README.md has no {_SECTION!r} section"
+    assert start >= 0, f"docs/frameworks.md has no {_SECTION!r} section"
     end = text.find("\n## ", start + 1)
     section = text[start:end if end >= 0 else len(text)]
     return [textwrap.dedent(b) for b in re.findall(rf"```{lang}\n(.*?)```", section, re.S)]
@@ -320,7 +320,7 @@ def _torchtitan_body(rank: int) -> dict:
 
 # ------------------------------------------------------------------------------------ the test
 @pytest.mark.frameworks
-@pytest.mark.skipif(not _HAVE_TORCHTITAN, reason="needs torchtitan (see the README's torchtitan section)")
+@pytest.mark.skipif(not _HAVE_TORCHTITAN, reason="needs torchtitan (see docs/frameworks.md, 'With torchtitan')")
 def test_torchtitan_parallelize_fn_registers_commopt_comms(tmp_path):
     """The README's config function gives torchtitan's Trainer a parallelize_fn whose FSDP2 modules
     run commopt's comms: exact ones reproduce native FSDP2's losses, ZeRO++'s stay within 0.1 of them."""
@@ -341,7 +341,7 @@ def test_torchtitan_parallelize_fn_registers_commopt_comms(tmp_path):
     assert r0["exact_bytes"] > 0 and 0 < r0["zero_bytes"] < r0["exact_bytes"] / 2, r0
 
 
-@pytest.mark.skipif(not _HAVE_TORCHTITAN, reason="needs torchtitan (see the README's torchtitan section)")
+@pytest.mark.skipif(not _HAVE_TORCHTITAN, reason="needs torchtitan (see docs/frameworks.md, 'With torchtitan')")
 def test_parallelize_arguments_are_checked_when_built():
     """Bad arguments fail in the config function (the launching process), not inside every rank."""
     from commopt.comm import Topology
@@ -391,7 +391,7 @@ def test_without_torchtitan_the_import_says_how_to_install_it():
 def test_readme_torchtitan_command_names_the_tested_module():
     """The README's launch line names the config module and function its Python block defines."""
     if "\n" + _SECTION + "\n" not in _README.read_text(encoding="utf-8"):
-        pytest.skip(f"README.md has no {_SECTION!r} section")
+        pytest.skip(f"docs/frameworks.md has no {_SECTION!r} section")
     (module,) = _readme_blocks("python")
     commands = "\n".join(_readme_blocks("bash"))
     assert "def llama3_debugmodel_commopt():" in module

@@ -9,7 +9,7 @@ costs nothing and never fails because a framework is missing:
   ``Trainer`` (``pip install commopt[transformers]``).
 - ``commopt.comm.integrations.torchtitan``: :func:`parallelize`, a ``ModelSpec.parallelize_fn``
   that runs torchtitan's own and then registers commopt's FSDP2 comms on the modules it sharded
-  (``pip install torchtitan``; see the README).
+  (``pip install torchtitan``; see docs/frameworks.md).
 
 Lightning's and the Trainer's register :func:`commopt.comm.hooks.allreduce_hook` once the framework
 has wrapped the model in ``DistributedDataParallel``, on any device, build the state's topology only

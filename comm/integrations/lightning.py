@@ -44,7 +44,7 @@ on CUDA; ``FSDPStrategy`` refuses the CPU), the ``LightningModule``'s ``configur
 ZeRO++ recipe, when the data-parallel mesh is every rank); the process group exists there, so a
 ``Topology`` can be built, and registration happens before the optimizer and the first step. With
 exact comms the parameters are bit-identical to the same run without ``register``
-(docs/architecture.md section 5.6; the README's "frameworks: sharded" lines).
+(docs/architecture.md section 5.6; docs/frameworks.md, "Frameworks: sharded").
 
 Needs ``pip install commopt[lightning]``.
 """
@@ -86,8 +86,8 @@ def _sharded_message(strategy: str) -> str:
             f"FSDP2 comms and leave CommHookCallback out: strategy=ModelParallelStrategy(data_parallel_size=N, "
             f"tensor_parallel_size=1) (CPU or CUDA), and in the LightningModule's configure_model call fully_shard "
             f"and then commopt.comm.fsdp.register(module, reduce_scatter=fsdp.ReduceScatterComm(...), "
-            f"all_gather=fsdp.AllGatherComm(...)), or commopt.comm.fsdp.shard(module) (README, 'frameworks: "
-            f"sharded'). For a DDP hook, use strategy='ddp', 'ddp_spawn' or DDPStrategy(...)")
+            f"all_gather=fsdp.AllGatherComm(...)), or commopt.comm.fsdp.shard(module) (docs/frameworks.md, "
+            f"'Frameworks: sharded'). For a DDP hook, use strategy='ddp', 'ddp_spawn' or DDPStrategy(...)")
 
 
 class CommHookCallback(_pl.Callback):

@@ -41,7 +41,7 @@ topology is detected (``COMMOPT_NODES``, else torchrun's ``LOCAL_WORLD_SIZE``), 
 The comms count their bytes: :attr:`Parallelize.comms` holds what each call registered
 (``link_bytes()``, and ``state_dict()`` for the ZeRO++ residuals, which belong in a checkpoint).
 
-Needs torchtitan (``pip install torchtitan``; see the README for a CPU-only torch); imported only
+Needs torchtitan (``pip install torchtitan``; see docs/frameworks.md for a CPU-only torch); imported only
 when this module is.
 """
 
@@ -60,7 +60,7 @@ try:
     import torchtitan as _torchtitan  # noqa: F401 - the framework this adapter serves
 except ImportError:
     raise ImportError("commopt.comm.integrations.torchtitan needs torchtitan: pip install torchtitan "
-                      "(see the README's torchtitan section for a CPU-only torch)") from None
+                      "(see docs/frameworks.md, 'With torchtitan', for a CPU-only torch)") from None
 
 __all__ = ["parallelize", "Parallelize", "COMMS"]
 

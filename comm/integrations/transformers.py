@@ -48,8 +48,8 @@ accelerate and without the ``Trainer``: ``Accelerator(cpu=True)`` (it starts the
 ``fully_shard`` the blocks and the root, :func:`commopt.comm.fsdp.register`, then
 ``accelerator.prepare(optimizer, loader)`` (not the model: it is sharded already, and ``prepare``
 would wrap it in DDP, which fails on ``DTensor`` parameters) and the usual loop; with exact
-comms the parameters are bit-identical to the same loop without ``register`` (the README's
-"frameworks: sharded" lines). The ``Trainer`` cannot run FSDP on CPU: accelerate (1.15) sets up
+comms the parameters are bit-identical to the same loop without ``register`` (docs/frameworks.md,
+"Frameworks: sharded"). The ``Trainer`` cannot run FSDP on CPU: accelerate (1.15) sets up
 FSDP only for accelerator devices (``AcceleratorState`` keeps ``MULTI_CPU``, so
 ``use_cpu=True`` with ``fsdp=`` silently trains DDP), and a model sharded before it is handed to the
 ``Trainer`` fails the same way in ``prepare`` (a ``NotImplementedError`` from DDP's first
@@ -92,9 +92,10 @@ _SHARDED_MESSAGE = (
     f"with accelerate without the Trainer: accelerator = Accelerator(cpu=True); fully_shard each block, then the "
     f"model; commopt.comm.fsdp.register(model, reduce_scatter=fsdp.ReduceScatterComm(...), "
     f"all_gather=fsdp.AllGatherComm(...)); optimizer, loader = accelerator.prepare(optimizer, loader) (not the "
-    f"model); or Lightning's ModelParallelStrategy (README, 'frameworks: sharded'). The Trainer cannot run FSDP on "
-    f"CPU (accelerate sets FSDP up only on accelerators: with use_cpu=True it trains DDP), and its prepare wraps "
-    f"an already sharded model in DDP, which fails on DTensor parameters. For the DDP hook, leave fsdp= unset")
+    f"model); or Lightning's ModelParallelStrategy (docs/frameworks.md, 'Frameworks: sharded'). The Trainer "
+    f"cannot run FSDP on CPU (accelerate sets FSDP up only on accelerators: with use_cpu=True it trains DDP), and "
+    f"its prepare wraps an already sharded model in DDP, which fails on DTensor parameters. For the DDP hook, leave "
+    f"fsdp= unset")
 
 
 def _sharded(model: torch.nn.Module) -> bool:
