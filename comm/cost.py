@@ -16,6 +16,7 @@ once per topology so every rank chooses the same algorithm (docs/architecture.md
 from __future__ import annotations
 
 import json
+import math
 import os
 import threading
 import time
@@ -115,7 +116,7 @@ def measured_lines(collective: str, topology: Topology) -> dict[str, LinkModel] 
 
 
 def measure_lines(topology: Topology, names: list[str], make_call: Callable[[str, int], Callable[[], object]],
-                  sizes: list[int], reps: int) -> dict[str, LinkModel]:
+                  sizes: list[int], reps: int, *, relative: bool = False) -> dict[str, LinkModel]:
     """Time each named algorithm on this machine and fit it an effective ``alpha + S * beta`` line.
 
     The level model predicts message counts and bytes; what it cannot see is this machine's cost of
@@ -131,6 +132,8 @@ def measure_lines(topology: Topology, names: list[str], make_call: Callable[[str
         make_call: ``make_call(name, nbytes)`` -> a callable running one call of ``nbytes``.
         sizes: the sizes in bytes, each the exact size ``make_call`` moves.
         reps: timed calls per algorithm and size.
+        relative: fit each line on relative errors (``fit(..., relative=True)``), for sizes that span
+            orders of magnitude.
     """
     group = topology.group
     fits: dict[str, LinkModel] = {}
@@ -147,7 +150,7 @@ def measure_lines(topology: Topology, names: list[str], make_call: Callable[[str
             slowest = torch.tensor([best], dtype=torch.float64)
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
             times.append(float(slowest))
-        fits[name] = fit([float(s) for s in sizes], times)
+        fits[name] = fit([float(s) for s in sizes], times, relative=relative)
     flat = torch.tensor([v for a in names for v in (fits[a].alpha, fits[a].beta)], dtype=torch.float64)
     dist.broadcast(flat, src=topology.group_rank_to_global(0), group=group)
     values = flat.tolist()
@@ -284,9 +287,13 @@ def _measure_allreduce(topology: Topology, model: CostModel, sizes: tuple[int, i
                                             None, True, chunks)), None)
         return call
 
-    exact = [max(1, s // 4) * 4 for s in sizes]
+    # Three sizes, the middle one where the candidates' times cross, fitted on relative errors: two
+    # sizes left the middle to the line, and auto picked leader there 6 % behind hierarchical.
+    lo, hi = sizes[0], sizes[-1]
+    spread = [lo, int(math.sqrt(lo * hi)), hi]
+    exact = [max(1, s // 4) * 4 for s in spread]
     ctx.measured_lines.put(lines_key("allreduce", topology),
-                           measure_lines(topology, options, make_call, exact, max(2, reps // 2)))
+                           measure_lines(topology, options, make_call, exact, reps, relative=True))
 
 
 def _inter_default(topo: Topology) -> LinkModel:

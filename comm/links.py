@@ -106,11 +106,13 @@ def pipeline_time(intra: float, inter: float, chunks: int) -> float:
 
 
 def fit(sizes: list[float], times: list[float], *, messages: float = 1.0,
-        bytes_factor: float = 1.0) -> LinkModel:
+        bytes_factor: float = 1.0, relative: bool = False) -> LinkModel:
     """Least-squares ``alpha``, ``beta`` from measured ``times`` of ``sizes`` (bytes).
 
     The model fitted is ``t = messages * alpha + bytes_factor * S * beta``: pass the algorithm's
     message count and byte factor (a ring all-reduce on p ranks: ``2(p-1)`` and ``2(p-1)/p``).
+    ``relative``: minimise each time's relative error instead of its absolute one, so that more than
+    two sizes spanning orders of magnitude all count (the largest would decide alone otherwise).
     Negative estimates (noise at small sizes) are clamped to zero / a tiny positive beta.
     """
     if len(sizes) != len(times) or len(sizes) < 2:
@@ -118,6 +120,9 @@ def fit(sizes: list[float], times: list[float], *, messages: float = 1.0,
                          f"{len(times)} times")
     a = torch.tensor([[messages, bytes_factor * s] for s in sizes], dtype=torch.float64)
     b = torch.tensor(times, dtype=torch.float64).unsqueeze(1)
+    if relative:
+        scale = 1.0 / b.clamp_min(1e-12)
+        a, b = a * scale, b * scale
     sol = torch.linalg.lstsq(a, b).solution.squeeze(1)
     alpha, beta = float(sol[0]), float(sol[1])
     return LinkModel(alpha=max(alpha, 0.0), beta=max(beta, 1e-15))
