@@ -5,19 +5,23 @@ forward, issuing chunks in an order every rank shares (``plan``, ``priority``); 
 the per-step timings re-planning reads, ``checkpoint`` the format of its per-bucket optimizers'
 checkpoint; ``autotune`` picks bucket sizes, partition and credit from measured steps; ``simulator``
 predicts iteration time and exposed communication at scales no laptop runs, and the traffic matrix
-of each algorithm.
+of each algorithm. ``tensor_parallel`` holds the decomposed tensor-parallel matmuls
+(``all_gather_matmul``, ``matmul_reduce_scatter``, ``matmul_all_reduce``): rings of point-to-point
+steps on the comm engine, each step's transfer overlapped with the previous block's matmul.
 """
 
 from __future__ import annotations
 
-from . import checkpoint, plan, priority, profile, simulator
+from . import checkpoint, plan, priority, profile, simulator, tensor_parallel
 from .autotune import TuneConfig, TuneResult, autotune
 from .overlap import OverlapDataParallel
 from .plan import BucketPlan, IssuePlan, broadcast_plan, build_buckets
 from .priority import credit_for, fifo_plan, partition_for, priority_plan
 from .profile import StepProfile
 from .simulator import Layer, Schedule, simulate, traffic_matrix
+from .tensor_parallel import all_gather_matmul, matmul_all_reduce, matmul_reduce_scatter
 
 __all__ = ["OverlapDataParallel", "StepProfile", "autotune", "TuneConfig", "TuneResult", "BucketPlan", "IssuePlan",
            "build_buckets", "broadcast_plan", "fifo_plan", "priority_plan", "partition_for", "credit_for", "Layer",
-           "Schedule", "simulate", "traffic_matrix", "plan", "priority", "simulator", "profile", "checkpoint"]
+           "Schedule", "simulate", "traffic_matrix", "plan", "priority", "simulator", "profile", "checkpoint",
+           "all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "tensor_parallel"]

@@ -1,0 +1,508 @@
+"""Decomposed tensor-parallel matmuls: all-gather-matmul, matmul-reduce-scatter and matmul-all-reduce
+(docs/architecture.md sections 3 and 5.1; fault cases in docs/faults.md row 39).
+
+Under tensor + sequence parallelism every transformer block all-gathers its activations before the
+column-parallel matmuls and reduce-scatters after the row-parallel ones, and nothing computes while
+those collectives run. Here each collective is split into the ``P - 1`` point-to-point steps of a
+ring over the group and the matmul into the matching ``P`` pieces, so that step k's transfer runs
+while piece k is multiplied ("decomposition-based" overlap: Wang et al., ASPLOS '23; Flux; T3):
+
+- :func:`all_gather_matmul` ``(A_shard, [B1, B2, ..])``: ``[cat(all_gather(A_shard), dim) @ Bi]``.
+  (1) multiply this rank's own block while step 1 forwards it to the next rank; (2) for k = 1 ..
+  P - 1: wait for the block of rank ``me - k`` from the previous rank, start forwarding it, multiply it.
+- :func:`matmul_reduce_scatter` ``(A, B)``: block ``me`` (along ``scatter_dim``) of
+  ``sum over ranks of A @ B``. For k = 0 .. P - 1: multiply the piece of block ``me - k - 1`` (while
+  the previous step's partial sum travels), add the partial sum received from the previous rank, and
+  send the result on; after the last step the accumulator holds every rank's contribution to block
+  ``me``.
+- :func:`matmul_all_reduce` ``(A, B)``: ``all_reduce(A @ B)``, the row-parallel matmul without
+  sequence parallelism: the reduce-scatter ring above over the rows of the product (the
+  multiplication overlapped with it), then an all-gather ring of the reduced rows.
+
+Every step is one engine phase (:class:`commopt.comm.engine.Phase`) on the group, submitted from the
+calling thread in ring order once the step before it has completed: the step's point-to-point
+exchange (``pairwise``) runs on the group's engine worker while the caller's thread multiplies, at
+most one step of a call is in flight, and every rank submits the same steps in the same order, so
+the ordering invariant of docs/architecture.md section 3 holds beside data-parallel traffic on other
+groups. The step count is the plain ring's (P - 1 exchanges of a block each, the bandwidth-optimal
+(P - 1)/P of the data per rank); no step is cut further.
+
+Autograd is decomposed the same way: the backward of ``all_gather_matmul`` with respect to
+``a_shard`` is a matmul-reduce-scatter ring of the gradient (``grad_out @ B.T`` reduce-scattered
+along ``gather_dim``), with respect to each B ``gathered_A.T @ grad_out`` (no communication: the
+gathered A of the forward is kept); the backward of ``matmul_reduce_scatter`` with respect to A is
+an all-gather-matmul ring of the gradient with ``B.T``, with respect to B ``A.T @ gathered_grad``.
+``matmul_all_reduce`` follows torch's ``RowwiseParallel`` and Megatron's row-parallel layer: A is
+sharded on its last dimension, B on its first, the output is replicated, and its backward is local
+(``grad @ B.T`` and ``A.T @ grad``, no communication), the gradient arriving replicated.
+
+Checks (docs/faults.md row 39): wrong arguments are ``TypeError`` / ``ValueError`` at the call, on
+the calling rank, before anything is sent; then one agreement check on the group
+(``commopt.comm.checks.agree``: the shape and dtype of what the ring exchanges) raises
+``CollectiveMismatchError`` on every rank before any payload moves when the ranks' shapes differ, or
+``CommTimeoutError`` when a rank never enters within ``timeout``. A world or group of one is a plain
+matmul.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.autograd.function import once_differentiable
+from torch.distributed import ProcessGroup, ReduceOp
+
+from commopt.comm.algorithms import deadline_of, pairwise, remaining
+from commopt.comm.checks import agree, check_group, check_timeout
+from commopt.comm.engine import Engine, Phase, wait
+from commopt.comm.errors import CommError
+from commopt.comm.runtime import context
+
+__all__ = ["all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"]
+
+_FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+_RING = "ring"  # the algorithm name the agreement check carries
+
+
+# --------------------------------------------------------------------------------- public functions
+def all_gather_matmul(a_shard: torch.Tensor, bs: Sequence[torch.Tensor], *, gather_dim: int = 0,
+                      group: ProcessGroup | None = None, return_a: bool = False,
+                      timeout: float | None = None) -> list[torch.Tensor] | tuple[torch.Tensor, list[torch.Tensor]]:
+    """``[torch.cat(all_gather(a_shard), dim=gather_dim) @ b for b in bs]``, decomposed into a ring.
+
+    The column-parallel matmul of tensor + sequence parallelism: the activations are sharded along
+    ``gather_dim`` (the sequence), each B is this rank's column shard of a weight (several Bs: fused
+    QKV, gate/up). Each of the P - 1 ring steps forwards one block while the block before it is
+    multiplied (module docstring; docs/architecture.md section 3).
+
+    Args:
+        a_shard: this rank's block, ``[..., K]`` with at least one leading dimension; the same shape
+            and dtype on every rank of the group.
+        bs: a list of 2-D ``[K, N_i]`` tensors (this rank's own; N_i may differ between ranks).
+        gather_dim: the leading dimension of ``a_shard`` to gather along (negative counts from the
+            end); never the last one, which is the contraction.
+        group: the tensor-parallel process group (None: WORLD).
+        return_a: also return the gathered A (autograd flows through it too).
+        timeout: seconds the call may take, the agreement check and every step together, before
+            ``CommTimeoutError`` (None: the group's own timeout); the backward pass gets as long.
+
+    Returns:
+        The list of products in the order of ``bs``, or ``(gathered_a, products)`` with ``return_a``.
+
+    Raises:
+        TypeError, ValueError: a bad argument, at the call (docs/faults.md row 39).
+        CollectiveMismatchError: the ranks' ``a_shard`` shapes, dtypes or ``gather_dim`` differ (on
+            every rank, before any payload moves).
+        CommTimeoutError: a rank did not enter the call, or a step did not finish, within ``timeout``.
+    """
+    name = "all_gather_matmul"
+    _check_matrix(name, "a_shard", a_shard, min_ndim=2)
+    if isinstance(bs, torch.Tensor) or not isinstance(bs, (list, tuple)):
+        raise TypeError(f"{name}: bs must be a list of 2-D tensors (pass [b] for one), got {type(bs).__name__}")
+    if not bs:
+        raise ValueError(f"{name}: bs is empty; pass at least one 2-D tensor [K, N] to multiply with")
+    for i, b in enumerate(bs):
+        _check_b(name, f"bs[{i}]", a_shard, "a_shard", b)
+    d = _leading_dim(name, "gather_dim", gather_dim, a_shard)
+    check_group(name, group)
+    timeout = check_timeout(name, timeout)
+    size = _group_size(name, group)
+    if size == 1:
+        outs = [torch.matmul(a_shard, b) for b in bs]
+        return (a_shard, outs) if return_a else outs
+    deadline = deadline_of(timeout)
+    _agree(name, "all_gather", a_shard, (tuple(a_shard.shape), d), group, timeout)
+    gathered, *outs = _AllGatherMatmul.apply(a_shard, d, group, timeout, deadline, bool(return_a), *bs)
+    return (gathered, list(outs)) if return_a else list(outs)
+
+
+def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, *, scatter_dim: int = 0,
+                          group: ProcessGroup | None = None, op: ReduceOp.RedOpType = ReduceOp.SUM,
+                          timeout: float | None = None) -> torch.Tensor:
+    """This rank's block (along ``scatter_dim``) of the SUM (or AVG) over the group of ``a @ b``,
+    decomposed into a ring.
+
+    The row-parallel matmul of tensor + sequence parallelism: A holds this rank's slice of the
+    contraction dimension (``K`` may differ between ranks), B this rank's row shard of a weight, and
+    the summed product is scattered along ``scatter_dim`` (the sequence). Each of the P ring steps
+    multiplies one block's piece while the previous partial sum travels (module docstring).
+
+    Args:
+        a: ``[..., K]`` with at least one leading dimension.
+        b: ``[K, N]``.
+        scatter_dim: the leading dimension of the product to scatter along (negative counts from the
+            end); never the last one. Its size must be divisible by the group size.
+        group: the tensor-parallel process group (None: WORLD).
+        op: ``ReduceOp.SUM`` or ``ReduceOp.AVG``.
+        timeout: seconds the call may take before ``CommTimeoutError`` (None: the group's own).
+
+    Returns:
+        ``[..., size(scatter_dim) / P, ..., N]``: block ``rank`` of the reduced product.
+
+    Raises:
+        TypeError, ValueError: a bad argument, at the call (docs/faults.md row 39).
+        CollectiveMismatchError: the products' shapes or dtypes differ across ranks (every rank).
+        CommTimeoutError: a rank did not enter the call, or a step did not finish, within ``timeout``.
+    """
+    name = "matmul_reduce_scatter"
+    _check_matrix(name, "a", a, min_ndim=2)
+    _check_b(name, "b", a, "a", b)
+    d = _leading_dim(name, "scatter_dim", scatter_dim, a)
+    if op not in (ReduceOp.SUM, ReduceOp.AVG):
+        raise ValueError(f"{name}: op must be ReduceOp.SUM or ReduceOp.AVG (a sum of partial products), got {op}")
+    check_group(name, group)
+    timeout = check_timeout(name, timeout)
+    size = _group_size(name, group)
+    if a.shape[d] % size:
+        raise ValueError(f"{name}: scatter_dim {scatter_dim} of the product has size {a.shape[d]}, which is not "
+                         f"divisible by the group size {size}; pad that dimension to a multiple of {size} or "
+                         f"scatter along another one")
+    if size == 1:
+        return torch.matmul(a, b)
+    deadline = deadline_of(timeout)
+    shape = tuple(a.shape[:-1]) + (b.shape[1],)
+    _agree(name, "reduce_scatter", a, (shape, d, "avg" if op == ReduceOp.AVG else "sum"), group, timeout,
+           numel=math.prod(shape), op="avg" if op == ReduceOp.AVG else "sum")
+    return _MatmulReduceScatter.apply(a, b, d, group, timeout, deadline, op == ReduceOp.AVG)
+
+
+def matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, *, group: ProcessGroup | None = None,
+                      timeout: float | None = None) -> torch.Tensor:
+    """``all_reduce(a @ b)`` (SUM), decomposed into a ring: the row-parallel matmul of tensor
+    parallelism without sequence parallelism.
+
+    Semantics of torch's ``RowwiseParallel``: ``a`` is this rank's slice of the input's last
+    dimension, ``b`` the matching rows of the weight, the output is replicated. (1) A reduce-scatter
+    ring over the rows of the product, each row block multiplied while the previous partial sum
+    travels; (2) an all-gather ring of the reduced row blocks. The backward pass is local, no
+    communication: ``grad @ b.T`` and ``a.T @ grad`` (the gradient of a replicated output arrives
+    replicated; Megatron's row-parallel layer does the same).
+
+    Args:
+        a: ``[..., K]`` (at least 1-D).
+        b: ``[K, N]``.
+        group: the tensor-parallel process group (None: WORLD).
+        timeout: seconds the call may take before ``CommTimeoutError`` (None: the group's own).
+
+    Raises:
+        TypeError, ValueError: a bad argument, at the call (docs/faults.md row 39).
+        CollectiveMismatchError: the products' shapes or dtypes differ across ranks (every rank).
+        CommTimeoutError: a rank did not enter the call, or a step did not finish, within ``timeout``.
+    """
+    name = "matmul_all_reduce"
+    _check_matrix(name, "a", a, min_ndim=1)
+    _check_b(name, "b", a, "a", b)
+    check_group(name, group)
+    timeout = check_timeout(name, timeout)
+    size = _group_size(name, group)
+    if size == 1:
+        return torch.matmul(a, b)
+    deadline = deadline_of(timeout)
+    shape = tuple(a.shape[:-1]) + (b.shape[1],)
+    _agree(name, "all_reduce", a, (shape,), group, timeout, numel=math.prod(shape))
+    return _MatmulAllReduce.apply(a, b, group, timeout, deadline)
+
+
+# --------------------------------------------------------------------------------- autograd
+class _AllGatherMatmul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a_shard, d, group, timeout, deadline, return_a, *bs):
+        gathered, outs = _gather_matmul("all_gather_matmul", a_shard, list(bs), d, group, timeout, deadline,
+                                        keep_gathered=True)
+        ctx.d, ctx.group, ctx.timeout = d, group, timeout
+        ctx.shard_shape = tuple(a_shard.shape)
+        ctx.save_for_backward(gathered, *bs)
+        ctx.set_materialize_grads(False)
+        if not return_a:
+            ctx.mark_non_differentiable(gathered)
+        return (gathered, *outs)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g_gathered, *g_outs):
+        gathered, *bs = ctx.saved_tensors
+        d, shard_shape = ctx.d, ctx.shard_shape
+        s = shard_shape[d]
+        grad_a = None
+        if ctx.needs_input_grad[0]:
+            # Every rank joins the ring whenever a_shard needs a gradient, with zeros for outputs that
+            # got none: whether a gradient arrived is local, and the ring must run on every rank.
+            def partial(c: int) -> torch.Tensor:
+                part = None
+                for g, b in zip(g_outs, bs):
+                    if g is not None:
+                        piece = torch.matmul(g.narrow(d, c * s, s), b.t())
+                        part = piece if part is None else part.add_(piece)
+                if g_gathered is not None:
+                    block = g_gathered.narrow(d, c * s, s)
+                    part = block.clone() if part is None else part.add_(block)
+                if part is None:
+                    part = gathered.new_zeros(shard_shape)
+                return part.contiguous()
+
+            grad_a = _ring_reduce_scatter("all_gather_matmul/backward", partial, lambda _c: shard_shape,
+                                          ctx.group, ctx.timeout, deadline_of(ctx.timeout), gathered)
+        grad_bs = []
+        flat_a = gathered.reshape(-1, gathered.shape[-1])
+        for i, g in enumerate(g_outs):
+            if ctx.needs_input_grad[6 + i] and g is not None:
+                grad_bs.append(flat_a.t() @ g.reshape(-1, g.shape[-1]))
+            else:
+                grad_bs.append(None)
+        return (grad_a, None, None, None, None, None, *grad_bs)
+
+
+class _MatmulReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a, b, d, group, timeout, deadline, avg):
+        size = dist.get_world_size(group)
+        s = a.shape[d] // size
+
+        def partial(c: int) -> torch.Tensor:
+            return torch.matmul(a.narrow(d, c * s, s), b).contiguous()
+
+        block = list(a.shape[:-1]) + [b.shape[1]]
+        block[d] = s
+        out = _ring_reduce_scatter("matmul_reduce_scatter", partial, lambda _c: tuple(block), group, timeout,
+                                   deadline, a)
+        if avg:
+            out.div_(size)
+        ctx.d, ctx.group, ctx.timeout, ctx.avg = d, group, timeout, avg
+        ctx.save_for_backward(a, b)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g):
+        a, b = ctx.saved_tensors
+        need_a, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if not (need_a or need_b):
+            return (None,) * 7
+        if ctx.avg:
+            g = g / dist.get_world_size(ctx.group)
+        gathered, outs = _gather_matmul("matmul_reduce_scatter/backward", g, [b.t()] if need_a else [], ctx.d,
+                                        ctx.group, ctx.timeout, deadline_of(ctx.timeout), keep_gathered=need_b)
+        grad_a = outs[0] if need_a else None
+        grad_b = None
+        if need_b:
+            grad_b = a.reshape(-1, a.shape[-1]).t() @ gathered.reshape(-1, gathered.shape[-1])
+        return grad_a, grad_b, None, None, None, None, None
+
+
+class _MatmulAllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a, b, group, timeout, deadline):
+        size, me = dist.get_world_size(group), dist.get_rank(group)
+        flat = a.reshape(-1, a.shape[-1])
+        rows, n = flat.shape[0], b.shape[1]
+        bounds = [rows * r // size for r in range(size + 1)]
+
+        def partial(c: int) -> torch.Tensor:
+            return (flat[bounds[c]:bounds[c + 1]] @ b).contiguous()
+
+        out = a.new_empty((rows, n))
+        out[bounds[me]:bounds[me + 1]] = _ring_reduce_scatter(
+            "matmul_all_reduce", partial, lambda c: (bounds[c + 1] - bounds[c], n), group, timeout, deadline, a)
+        _ring_all_gather_rows("matmul_all_reduce", out, bounds, group, timeout, deadline)
+        ctx.save_for_backward(a, b)
+        return out.reshape(tuple(a.shape[:-1]) + (n,))
+
+    @staticmethod
+    def backward(ctx, g):
+        a, b = ctx.saved_tensors
+        grad_a = torch.matmul(g, b.t()) if ctx.needs_input_grad[0] else None
+        grad_b = None
+        if ctx.needs_input_grad[1]:
+            grad_b = a.reshape(-1, a.shape[-1]).t() @ g.reshape(-1, g.shape[-1])
+        return grad_a, grad_b, None, None, None
+
+
+# --------------------------------------------------------------------------------- rings
+def _gather_matmul(op: str, shard: torch.Tensor, bs: list[torch.Tensor], d: int, group, timeout: float | None,
+                   deadline: float | None, keep_gathered: bool) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+    """The all-gather ring with a matmul per arriving block: ``(cat(blocks, d) or None, [cat(blocks, d) @ b])``.
+
+    Blocks arrive in a ``[P, *shard.shape]`` buffer (each block contiguous, so it is sent and
+    received as it is); the products of block r go to slot r of a ``[P, ..., N]`` buffer. Moving the
+    slot dimension to ``d`` is a view for ``d == 0`` and one copy otherwise.
+    """
+    size, me = dist.get_world_size(group), dist.get_rank(group)
+    engine = context().engine()
+    blocks = shard.new_empty((size,) + tuple(shard.shape))
+    blocks[me].copy_(shard)
+    outs = [shard.new_empty((size,) + tuple(shard.shape[:-1]) + (b.shape[1],)) for b in bs]
+    for k in range(size):
+        src = (me - k) % size
+        fut = None
+        if k + 1 < size:
+            # Forward the block that arrived last (or our own) while multiplying it.
+            fut = _step(engine, op, group, blocks[src], blocks[(me - k - 1) % size], deadline)
+        for b, out in zip(bs, outs):
+            torch.matmul(blocks[src], b, out=out[src])
+        if fut is not None:
+            _wait(fut, op, timeout, deadline)
+    gathered = _merge(blocks, d) if keep_gathered else None
+    return gathered, [_merge(out, d) for out in outs]
+
+
+def _ring_reduce_scatter(op: str, partial: Callable[[int], torch.Tensor], shape_of: Callable[[int], tuple],
+                         group, timeout: float | None, deadline: float | None, like: torch.Tensor) -> torch.Tensor:
+    """The reduce-scatter ring: returns the sum over the group of every rank's ``partial(me)``.
+
+    At step k this rank computes ``partial(c)`` for block ``c = me - k - 1`` (while step k - 1's
+    partial sum is on the wire), adds the partial sum of block c received from the previous rank, and
+    sends the total to the next rank; at the last step c is ``me`` and the total is the result.
+    ``partial`` returns a fresh contiguous tensor of ``shape_of(c)`` (it is added to in place).
+    """
+    size, me = dist.get_world_size(group), dist.get_rank(group)
+    engine = context().engine()
+    fut, incoming = None, None
+    for k in range(size):
+        c = (me - k - 1) % size
+        part = partial(c)
+        if fut is not None:
+            _wait(fut, op, timeout, deadline)
+            fut = None
+            part.add_(incoming)
+        if k + 1 < size:
+            incoming = like.new_empty(shape_of((me - k - 2) % size))
+            fut = _step(engine, op, group, part, incoming, deadline)
+        else:
+            return part
+    raise AssertionError("unreachable: the ring's last step returns")
+
+
+def _ring_all_gather_rows(op: str, out: torch.Tensor, bounds: list[int], group, timeout: float | None,
+                          deadline: float | None) -> None:
+    """The all-gather ring of row blocks in place: rows ``bounds[r]:bounds[r + 1]`` of ``out`` come
+    from rank r (this rank's are already there)."""
+    size, me = dist.get_world_size(group), dist.get_rank(group)
+    engine = context().engine()
+    for k in range(size - 1):
+        send, recv = (me - k) % size, (me - k - 1) % size
+        fut = _step(engine, op, group, out[bounds[send]:bounds[send + 1]], out[bounds[recv]:bounds[recv + 1]],
+                    deadline)
+        if fut is not None:
+            _wait(fut, op, timeout, deadline)
+
+
+def _step(engine: Engine, op: str, group, send: torch.Tensor, recv: torch.Tensor,
+          deadline: float | None) -> torch.futures.Future | None:
+    """Submit one ring step as an engine phase on ``group``: ``send`` to the next rank, ``recv`` from
+    the previous one (empty blocks are skipped on both sides: both know the sizes). None: nothing to
+    move."""
+    size, me = dist.get_world_size(group), dist.get_rank(group)
+    nxt, prv = (me + 1) % size, (me - 1) % size
+    sends: list = [None] * size
+    recvs: list = [None] * size
+    if send.numel():
+        sends[nxt] = send
+    if recv.numel():
+        recvs[prv] = recv
+    if sends[nxt] is None and recvs[prv] is None:
+        return None
+    pg = group if group is not None else dist.group.WORLD
+
+    def run() -> int:
+        sent = pairwise(pg, remaining(deadline), sends, recvs)
+        if recv.is_cuda:
+            # The caller's stream reads the block once the future completes: the transfer must be done.
+            torch.cuda.current_stream(recv.device).synchronize()
+        return sent
+
+    return engine.submit([Phase("ring-step", run, pg)], op=op, result=None, device=send.device)
+
+
+def _wait(fut: torch.futures.Future, op: str, timeout: float | None, deadline: float | None) -> None:
+    if deadline is None:
+        fut.wait()
+    else:
+        wait(fut, timeout, op=op, deadline=deadline)
+
+
+def _merge(stacked: torch.Tensor, d: int) -> torch.Tensor:
+    """``[P, s0, .., s_d, ..]`` -> ``[s0, .., P * s_d, ..]``: block r at position r along ``d``."""
+    shape = list(stacked.shape[1:])
+    shape[d] *= stacked.shape[0]
+    return stacked.movedim(0, d).reshape(shape)
+
+
+# --------------------------------------------------------------------------------- checks
+def _check_matrix(name: str, what: str, t, min_ndim: int) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: {what} must be a torch.Tensor, got {type(t).__name__}")
+    if t.is_sparse:
+        raise TypeError(f"{name}: {what} is sparse; pass a dense tensor (.to_dense())")
+    if t.dtype not in _FLOATS:
+        raise TypeError(f"{name}: {what} has dtype {t.dtype}; pass float32, float64, bfloat16 or float16")
+    if t.dim() < min_ndim:
+        need = "a leading dimension and the contraction dimension" if min_ndim == 2 else "the contraction dimension"
+        raise ValueError(f"{name}: {what} has shape {list(t.shape)}; it needs at least {min_ndim} dimensions "
+                         f"({need}, the last)")
+
+
+def _check_b(name: str, what: str, a: torch.Tensor, a_name: str, b) -> None:
+    if not isinstance(b, torch.Tensor):
+        raise TypeError(f"{name}: {what} must be a torch.Tensor, got {type(b).__name__}")
+    if b.is_sparse:
+        raise TypeError(f"{name}: {what} is sparse; pass a dense tensor (.to_dense())")
+    if b.dim() != 2:
+        raise ValueError(f"{name}: {what} has shape {list(b.shape)}; it must be 2-D [K, N] (a weight shard, "
+                         f"already transposed: pass linear.weight.t() for a torch.nn.Linear)")
+    if b.shape[0] != a.shape[-1]:
+        raise ValueError(f"{name}: {what} has shape {list(b.shape)} but {a_name} has shape {list(a.shape)}: the "
+                         f"first dimension of {what} must equal the last (contraction) dimension of {a_name}, "
+                         f"{a.shape[-1]}")
+    if b.dtype != a.dtype:
+        raise TypeError(f"{name}: {what} has dtype {b.dtype} but {a_name} has {a.dtype}; cast one of them")
+    if b.device != a.device:
+        raise ValueError(f"{name}: {what} is on {b.device} but {a_name} is on {a.device}; move them to one device")
+
+
+def _leading_dim(name: str, what: str, dim, a: torch.Tensor) -> int:
+    """``dim`` normalised to ``[0, a.dim() - 1)``: a leading dimension, never the contraction."""
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise TypeError(f"{name}: {what} must be an int, got {type(dim).__name__} {dim!r}")
+    nd = a.dim()
+    if not -nd <= dim < nd:
+        raise ValueError(f"{name}: {what}={dim} is out of range for shape {list(a.shape)}; pass one of its "
+                         f"leading dimensions, 0 .. {nd - 2} (or {-nd} .. -2)")
+    d = dim % nd
+    if d == nd - 1:
+        raise ValueError(f"{name}: {what}={dim} is the last dimension of shape {list(a.shape)}, the contraction "
+                         f"dimension of the matmul; pass a leading dimension, 0 .. {nd - 2}")
+    return d
+
+
+def _group_size(name: str, group) -> int:
+    if not dist.is_initialized():
+        return 1
+    if dist.get_rank(group if group is not None else dist.group.WORLD) < 0:
+        raise ValueError(f"{name}: this rank (global rank {dist.get_rank()}) is not a member of the group; call it "
+                         f"only on the group's ranks")
+    return dist.get_world_size(group)
+
+
+def _signature(key: tuple) -> int:
+    """A hash of ``key`` that is the same in every process (Python's own hash of strings is not), below 2**62."""
+    digest = hashlib.blake2b(repr(key).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 62) - 1)
+
+
+def _agree(name: str, kind: str, t: torch.Tensor, key: tuple, group, timeout: float | None, *,
+           numel: int | None = None, op: str = "sum") -> None:
+    """The agreement check before the ring (docs/architecture.md section 4): what the ring exchanges
+    (its shape, dtype and dimension) must be the same on every rank, or every rank raises."""
+    try:
+        agree(kind, numel=t.numel() if numel is None else numel, dtype=t.dtype, op=op, algorithm=_RING, group=group,
+              device=t.device, timeout=timeout, signature=_signature((name, *key)))
+    except CommError as exc:
+        what = ("a_shard's shape and dtype and gather_dim" if kind == "all_gather"
+                else "the product's shape (a's leading dimensions, b's columns), dtype and dimension")
+        # agree() speaks of the collective it checks and of its validate=True, which these calls do not have.
+        text = exc.message.replace("; pass validate=True to name the ranks that differ", "")
+        raise type(exc)(f"{name}: before the ring started: {text}. {what} must be the same on every rank of the "
+                        f"group", op=name, seq=exc.seq, ranks=exc.ranks) from exc
