@@ -232,6 +232,43 @@ def test_matches_torch_distributed_composition(ranks, world):
     assert counts == [counts[0]] * world and counts[0] == 16 + 3 * (world == 4)
 
 
+def _edges() -> int:
+    """Empty blocks (no rows, an empty contraction), a non-contiguous A that needs no gradient beside a
+    B that does (the backward's ring is skipped on every rank alike), against the composition."""
+    world = dist.get_world_size()
+    (o,) = all_gather_matmul(torch.randn(0, 4), [torch.randn(4, 3)], timeout=T)
+    assert o.shape == (0, 3)
+    (o,) = all_gather_matmul(torch.randn(2, 0), [torch.randn(0, 3)], timeout=T)
+    assert o.shape == (2 * world, 3) and not o.any()
+    o = matmul_reduce_scatter(torch.randn(2 * world, 0), torch.randn(0, 3), timeout=T)
+    assert o.shape == (2, 3) and not o.any()
+    assert matmul_all_reduce(torch.randn(0, 3), torch.randn(3, 2), timeout=T).shape == (0, 2)
+    a = _rand((4, 6), torch.float32, 5 + dist.get_rank()).t()  # [6, 4], not contiguous
+    b = _rand((4, 5), torch.float32, 6 + dist.get_rank()).requires_grad_()
+    (o,) = all_gather_matmul(a, [b], timeout=T)
+    g = _rand(o.shape, torch.float32, 7 + dist.get_rank())
+    o.backward(g)
+    parts = [torch.empty(6, 4) for _ in range(world)]
+    dist.all_gather(parts, a.contiguous())
+    full = torch.cat(parts)
+    torch.testing.assert_close(o, full @ b.detach())
+    torch.testing.assert_close(b.grad, full.t() @ g)
+    b.grad = None
+    o = matmul_reduce_scatter(a, b, timeout=T)
+    g = _rand(o.shape, torch.float32, 8 + dist.get_rank())
+    o.backward(g)
+    gs = [torch.empty_like(g) for _ in range(world)]
+    dist.all_gather(gs, g)
+    torch.testing.assert_close(b.grad, a.t() @ torch.cat(gs))
+    return 1
+
+
+def test_empty_blocks_and_inputs_without_gradient(ranks):
+    """Empty blocks and partly frozen, non-contiguous inputs at TP 2: shapes, zeros and gradients as
+    the torch.distributed composition gives them."""
+    assert ranks(2, _edges, timeout=60) == [1, 1]
+
+
 # --------------------------------------------------------------------------------- faults (row 39)
 def _mismatches() -> list:
     rank = dist.get_rank()
