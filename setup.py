@@ -36,7 +36,7 @@ setup(
         "plot": _PLOT,
         "lightning": _LIGHTNING,
         "transformers": _TRANSFORMERS,
-        "dev": _MPI + _PLOT + _LIGHTNING + _TRANSFORMERS + ["pytest>=7", "ruff"],
+        "dev": _MPI + _PLOT + _LIGHTNING + _TRANSFORMERS + ["pytest>=7", "pytest-xdist>=3", "ruff"],
     },
     entry_points={"console_scripts": ["commopt-bench = commopt.bench.__main__:main"]},
 )
