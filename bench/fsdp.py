@@ -210,7 +210,8 @@ def _setup(name: str, args, topo) -> dict:
                                   algorithm="hierarchical")
         run["module"] = model
     elif name in ("zero++", "zero++/no-ef"):
-        run["comms"] = fsdp.shard(model, topology=topo, error_feedback=name == "zero++")
+        run["comms"] = fsdp.shard(model, topology=topo, weights=C.QuantizeCompressor(8),
+                                  gradients=C.QuantizeCompressor(4), hpz=True, error_feedback=name == "zero++")
         run["module"] = model
     elif name in ("hsdp-int8", "hsdp-int8/no-ef"):
         if not topo.two_levels:

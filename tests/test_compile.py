@@ -149,6 +149,7 @@ def _fsdp_case(rank: int) -> dict:
     from torch.distributed.fsdp import fully_shard
 
     from commopt.comm import context, fsdp
+    from commopt.comm.compression import QuantizeCompressor
 
     _setup()
     native = _net()
@@ -168,7 +169,7 @@ def _fsdp_case(rank: int) -> dict:
             if recipe == "exact":
                 fsdp.shard(model, weights=None, gradients=None, hpz=False, algorithm="flat")
             else:
-                fsdp.shard(model)
+                fsdp.shard(model, weights=QuantizeCompressor(8), gradients=QuantizeCompressor(4), hpz=True)
             engine.reset_stats()
             _fresh()
             _train(torch.compile(model) if how == "whole" else model, rank)

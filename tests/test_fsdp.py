@@ -11,11 +11,13 @@ docs/faults.md rows: 33 (register validates on every rank), 34 (padding, a world
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import math
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -53,6 +55,11 @@ class _Net(nn.Module):
         for b in self.blocks:
             h = b(h)
         return self.head(self.ln(h))
+
+
+def _zero_pp() -> dict:
+    """The whole ZeRO++ recipe, forced (``fsdp.shard``'s ``"auto"`` decides per model and cluster)."""
+    return {"weights": C.QuantizeCompressor(8), "gradients": C.QuantizeCompressor(4), "hpz": True}
 
 
 def _model() -> nn.Module:
@@ -349,7 +356,7 @@ def _body_training(spec: str, steps: int) -> dict:
     out = {"fsdp2": _train(_native(), steps, lr=lr)[-1]}
     for name, kwargs in (("zero++", {}), ("zero++/no-ef", {"error_feedback": False})):
         m = _model()
-        fsdp.shard(m, topology=topo, **kwargs)
+        fsdp.shard(m, topology=topo, **_zero_pp(), **kwargs)
         out[name] = _train(m, steps, lr=lr)[-1]
     if topo.is_uniform and topo.num_nodes > 1:
         out["hsdp"] = _train(_hsdp_native(topo), steps, lr=lr)[-1]
@@ -692,7 +699,7 @@ def test_nonfinite_gradients_propagate_or_raise_and_never_poison_residuals(ranks
 def _recipe(topo: Topology, kind: str = "zero++"):
     m = _model()
     if kind == "zero++":
-        comms = fsdp.shard(m, topology=topo)
+        comms = fsdp.shard(m, topology=topo, **_zero_pp())
     else:  # compressed HSDP with PowerSGD: residuals and warm starts
         comms = fsdp.shard_hsdp(m, C.PowerSGDCompressor(rank=1, start_iter=1, min_compression_rate=0), topology=topo)
     return m, comms, torch.optim.SGD(m.parameters(), lr=0.1)
@@ -774,12 +781,65 @@ def _body_world_one() -> None:
         assert torch.equal(out, x) and not engine.bytes_sent()
     ref = _native()
     m = _model()
-    fsdp.shard(m, topology=topo)
+    fsdp.shard(m, topology=topo)  # "auto": a world of one is exact
     assert _train(m, 3) == _train(ref, 3)
 
 
 def test_world_of_one(ranks):
     ranks(1, _body_world_one, timeout=60)
+
+
+# ------------------------------------------------------------------------------------------ shard("auto")
+def _body_auto_recipe(spec: str) -> dict:
+    """``fsdp.shard(m)`` with its defaults: the recipe it chose and what it registered, its printed line,
+    3 training steps; then the argument errors and hpZ where it cannot be on."""
+    from commopt.comm.fsdp import AUTO_MARGIN
+
+    topo = _topo(spec)
+    m = _model()
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        comms = fsdp.shard(m, topology=topo)
+    codecs = {"weights": comms.all_gather.compressor, "gradients": comms.reduce_scatter.compressor}
+    losses = _train(m, 3)
+    errors = []
+    for kwargs in ({"weights": "int8"}, {"gradients": "yes"}, {"hpz": "on"}):
+        try:
+            fsdp.shard(_model(), topology=topo, **kwargs)
+        except ValueError as exc:
+            errors.append(str(exc))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        uneven = fsdp.shard(_model(), topology=Topology.from_nodes([[0, 1, 2], [3]]), weights=None, gradients=None)
+    return {"recipe": comms.recipe, "codecs": {k: None if c is None else (type(c).__name__, c.bits)
+                                               for k, c in codecs.items()},
+            "printed": printed.getvalue(), "losses": losses, "errors": errors, "margin": AUTO_MARGIN,
+            "uneven_recipe": uneven.recipe, "warned": [str(w.message) for w in caught if "hpZ" in str(w.message)]}
+
+
+def test_shard_auto_decides_once_the_same_everywhere(ranks):
+    """Issue 27 item 4b: ``fsdp.shard(model)`` times the largest unit's all-gather and reduce-scatter exact
+    and compressed, every rank takes the same decision (the slowest rank's times), the rule is the
+    documented one (compressed only at <= AUTO_MARGIN of the exact time), what it registered is what it
+    says, rank 0 alone prints it, training runs; hpZ "auto" is on for a 2x2 and silently off on 3+1;
+    a string other than "auto" is a ValueError at the call (docs/faults.md row 33)."""
+    out = ranks(4, _body_auto_recipe, "2x2", timeout=180)
+    recipe = out[0]["recipe"]
+    assert all(o["recipe"] == recipe for o in out)
+    secs, margin = recipe["seconds"], out[0]["margin"]
+    assert set(secs) == {"weights/exact", "weights/int8", "gradients/exact", "gradients/int4"}
+    assert all(t > 0 for t in secs.values())
+    for part, label, bits in (("weights", "int8", 8), ("gradients", "int4", 4)):
+        wins = secs[f"{part}/{label}"] <= margin * secs[f"{part}/exact"]
+        assert recipe[part] == (label if wins else "exact"), (part, secs)
+        assert out[0]["codecs"][part] == (("QuantizeCompressor", bits) if wins else None), out[0]["codecs"]
+    assert recipe["hpz"] is True
+    assert recipe["weights"] in out[0]["printed"] and "fsdp.shard" in out[0]["printed"]
+    assert all(o["printed"] == "" for o in out[1:])
+    assert all(math.isfinite(v) for o in out for v in o["losses"])
+    for o in out:
+        assert len(o["errors"]) == 3 and all("fsdp.shard" in e for e in o["errors"]), o["errors"]
+        assert o["uneven_recipe"] is None and o["warned"] == []
 
 
 # ------------------------------------------------------------------------------------------ benchmark

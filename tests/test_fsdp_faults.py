@@ -35,6 +35,7 @@ from commopt.comm import compression as C
 from commopt.comm.errors import CommError, NonFiniteError
 
 TIMEOUT = 3.0  # seconds a comm call may take before the survivors give up
+SETUP = 60.0  # the calls that set a case up (groups made, the first step) on busy cores
 SLACK = 10.0  # room for a cold process on 2 busy cores
 D = 7  # width: no parameter's first dimension divides by 2 or 4 (FSDP pads)
 
@@ -62,6 +63,11 @@ class _Net(nn.Module):
         for b in self.blocks:
             h = b(h)
         return self.head(h)
+
+
+def _zero_pp() -> dict:
+    """The whole ZeRO++ recipe, forced (``fsdp.shard``'s ``"auto"`` decides per model and cluster)."""
+    return {"weights": C.QuantizeCompressor(8), "gradients": C.QuantizeCompressor(4), "hpz": True}
 
 
 def _model(frozen: bool = False) -> nn.Module:
@@ -211,7 +217,7 @@ def _body_frozen(steps: int) -> dict:
                                     for n in trainable if ref_grads[0][n] is not None)
     # The full ZeRO++ recipe (int8 weights too): trains, frozen parameters untouched.
     m = _model(True)
-    comms = fsdp.shard(m, topology=topo)
+    comms = fsdp.shard(m, topology=topo, **_zero_pp())
     grads, params = run(m)
     assert all(bool(torch.isfinite(g).all()) for gs in grads for g in gs.values() if g is not None)
     assert all(torch.equal(params[n], initial[n]) for n in frozen_names)
@@ -357,17 +363,26 @@ def test_nonfinite_backward_leaves_every_residual_as_it_was(ranks):
 
 
 # ------------------------------------------------------------------------------------------ stalls, kills
-def _recipe(kind: str, topo: Topology) -> nn.Module:
+def _recipe(kind: str, topo: Topology) -> tuple[nn.Module, fsdp.Comms]:
+    """The model under one recipe, its comms made with the set-up timeout (groups made and the first
+    step taken on busy cores); :func:`_tighten` gives them the short one of the faulted attempt."""
     m = _model()
     if kind == "zero++":
-        fsdp.shard(m, topology=topo, timeout=TIMEOUT)
+        comms = fsdp.shard(m, topology=topo, **_zero_pp(), timeout=SETUP)
     elif kind == "exact-hierarchical":
-        fsdp.shard(m, topology=topo, weights=None, gradients=None, algorithm="hierarchical", timeout=TIMEOUT)
+        comms = fsdp.shard(m, topology=topo, weights=None, gradients=None, algorithm="hierarchical", timeout=SETUP)
     elif kind == "hsdp-int8":
-        fsdp.shard_hsdp(m, C.QuantizeCompressor(8), topology=topo, timeout=TIMEOUT)
+        comms = fsdp.shard_hsdp(m, C.QuantizeCompressor(8), topology=topo, timeout=SETUP)
     else:
         raise ValueError(kind)
-    return m
+    return m, comms
+
+
+def _tighten(comms: fsdp.Comms) -> None:
+    """Every comm of ``comms`` waits ``TIMEOUT`` from now on (each call reads its timeout when it starts)."""
+    for comm in (comms.reduce_scatter, comms.all_gather, comms.all_reduce):
+        if comm is not None:
+            comm.timeout = TIMEOUT
 
 
 def _attempt(model: nn.Module, mode: str, step: int) -> tuple[str, str, float, str]:
@@ -434,10 +449,11 @@ def _stall_matrix(store_dir: str, spec: str, cases: list[tuple[str, str, str, in
     for i, (kind, mode, when, stalled) in enumerate(cases):
         store = _fresh_world(store_dir, f"case{i}")
         topo = Topology.from_spec(spec)
-        model = _recipe(kind, topo)
+        model, comms = _recipe(kind, topo)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         _step(model, opt, 0)  # warm: every group made, every rank in step
         opt.step()
+        _tighten(comms)
         outcome = None
         if rank == stalled:
             if when == "backward":
@@ -457,10 +473,11 @@ def _killed_eval(spec: str, victim: int) -> tuple | None:
     run an evaluation loop (forward only, no_grad): it must raise at its first forward; the engine's
     threads exit after destroy()."""
     rank = dist.get_rank()
-    model = _recipe("zero++", Topology.from_spec(spec))
+    model, comms = _recipe("zero++", Topology.from_spec(spec))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     _step(model, opt, 0)
     opt.step()
+    _tighten(comms)
     dist.barrier()
     if rank == victim:
         os.kill(os.getpid(), signal.SIGKILL)

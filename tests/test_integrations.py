@@ -257,6 +257,7 @@ def _lightning_sharded(pl) -> dict:
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     from commopt.comm import Topology, fsdp
+    from commopt.comm.compression import QuantizeCompressor
 
     class Sharded(Regression):
         def configure_model(self):  # Lightning calls it on every rank, with the process group up
@@ -305,7 +306,8 @@ def _lightning_sharded(pl) -> dict:
         def configure_model(self):
             if not isinstance(self.net, FSDPModule):
                 self.comms = fsdp.shard(self.net, topology=Topology.from_spec("2x1"),
-                                        blocks=[m for m in self.net if isinstance(m, torch.nn.Linear)])
+                                        blocks=[m for m in self.net if isinstance(m, torch.nn.Linear)],
+                                        weights=QuantizeCompressor(8), gradients=QuantizeCompressor(4))
 
     model = fit(ZeroPP())
     out["zero"] = {"params": _full_params(model), "loss": _full_loss(model.net, _lightning_data()),

@@ -2,10 +2,11 @@
 
 One call shards a model with the ZeRO++ recipe (per-block ``fully_shard``, hpZ's secondary shard
 inside each node, int8 weights across nodes, int4 gradients reduced hierarchically with error
-feedback)::
+feedback), each part where it pays on this cluster for this model (``"auto"``: timed at the call)::
 
     from commopt.comm import fsdp
-    comms = fsdp.shard(model)                 # ZeRO++ recipe; comms.state_dict() goes in the checkpoint
+    comms = fsdp.shard(model)                 # ZeRO++ where it pays; comms.state_dict() goes in the checkpoint
+    comms = fsdp.shard(model, weights=QuantizeCompressor(8), gradients=QuantizeCompressor(4), hpz=True)  # forced
     comms = fsdp.shard(model, weights=None, gradients=None, hpz=False)   # exact, hierarchical where it pays
     comms = fsdp.shard_hsdp(model)            # HSDP: FSDP2 inside each node, int8 across nodes
 
@@ -35,6 +36,7 @@ from __future__ import annotations
 from .all_gather import AllGatherComm
 from .hsdp import AllReduceHook
 from .reduce_scatter import ReduceScatterComm
-from .register import Comms, register, shard, shard_hsdp
+from .register import AUTO_MARGIN, Comms, register, shard, shard_hsdp
 
-__all__ = ["ReduceScatterComm", "AllGatherComm", "AllReduceHook", "register", "shard", "shard_hsdp", "Comms"]
+__all__ = ["ReduceScatterComm", "AllGatherComm", "AllReduceHook", "register", "shard", "shard_hsdp", "Comms",
+           "AUTO_MARGIN"]

@@ -15,6 +15,8 @@ one view of each comm is bound to every module (its parameters' names and padded
 from __future__ import annotations
 
 import hashlib
+import math
+import time
 import warnings
 from dataclasses import dataclass
 
@@ -34,7 +36,11 @@ from .all_gather import AllGatherComm
 from .hsdp import AllReduceHook
 from .reduce_scatter import ReduceScatterComm
 
-__all__ = ["register", "shard", "shard_hsdp", "Comms"]
+__all__ = ["register", "shard", "shard_hsdp", "Comms", "AUTO", "AUTO_MARGIN"]
+
+AUTO = "auto"
+#: ``shard``'s ``"auto"`` takes a compressed collective when it measured at most this share of the exact one's time.
+AUTO_MARGIN = 0.9
 
 _WHERE = "fsdp.register"
 
@@ -46,6 +52,9 @@ class Comms:
     reduce_scatter: ReduceScatterComm | None = None
     all_gather: AllGatherComm | None = None
     all_reduce: AllReduceHook | None = None
+    #: ``shard``'s decision where a part was ``"auto"``: ``{"weights": "int8" | "exact", "gradients":
+    #: "int4" | "exact", "hpz": bool, "seconds": {"weights/exact": s, ...}}``, else None.
+    recipe: dict | None = None
 
     def _stateful(self) -> dict:
         return {k: v for k, v in (("reduce_scatter", self.reduce_scatter), ("all_reduce", self.all_reduce))
@@ -269,8 +278,8 @@ def _device_type(model: nn.Module) -> str:
     return p.device.type if p is not None else "cpu"
 
 
-def shard(model: nn.Module, *, topology: Topology | None = None, blocks=None, weights=_DEFAULT, gradients=_DEFAULT,
-          hpz: bool = True, algorithm: str = "auto", error_feedback: bool = True, prefetch: bool = True,
+def shard(model: nn.Module, *, topology: Topology | None = None, blocks=None, weights=AUTO, gradients=AUTO,
+          hpz: bool | str = AUTO, algorithm: str = "auto", error_feedback: bool = True, prefetch: bool = True,
           mp_policy: MixedPrecisionPolicy | None = None, seed: int = 0, timeout: float | None = None) -> Comms:
     """Shard ``model`` over every rank with the ZeRO++ recipe, in place, and register commopt's comms.
 
@@ -283,28 +292,56 @@ def shard(model: nn.Module, *, topology: Topology | None = None, blocks=None, we
     overlap computation (FSDP2's backward prefetch too). ``weights=None, gradients=None, hpz=False``
     is plain FSDP2 with commopt's exact (``algorithm``) reduce-scatter and all-gather.
 
+    ``"auto"`` (the default of ``weights``, ``gradients`` and ``hpz``) decides per model whether each
+    part pays, so that the one-liner is not slower than exact FSDP2 where compression cannot win (a
+    small model whose collectives are latency- or CPU-bound, a fast link): the largest unit's
+    forward all-gather and gradient reduce-scatter are timed on this cluster, exact and compressed
+    (int8 / int4), three calls each after a warm-up, the slowest rank's time counting, and a
+    compressed collective is taken only when it took at most ``AUTO_MARGIN`` of the exact one's time
+    (the margin covers what a training step adds: the codec competes with compute for the cores). Every rank
+    takes the same decision (the times are agreed with a MAX all-reduce); rank 0 prints it once, and
+    ``Comms.recipe`` holds it with the times. ``hpz="auto"`` is on wherever it can be (nodes of
+    equal size, consecutive ranks, more than one node and more than one rank per node), off without
+    a warning elsewhere; ``hpz=True`` warns where it cannot be on.
+
     hpZ needs nodes of equal size whose ranks are consecutive (node-by-node placement: FSDP2's
-    post-forward groups are consecutive ranks); elsewhere it is left off with a warning. On one node
-    it is ZeRO-3's own resharding, on one rank per node no resharding at all.
+    post-forward groups are consecutive ranks); elsewhere it is left off. On one node it is ZeRO-3's
+    own resharding, on one rank per node no resharding at all.
 
     Returns:
         The registered :class:`Comms` (their residuals belong in the checkpoint).
     """
+    for name, value in (("weights", weights), ("gradients", gradients)):
+        if isinstance(value, str) and value != AUTO:
+            raise ValueError(f"fsdp.shard: {name}={value!r}; pass {AUTO!r}, None (exact) or a compressor instance "
+                             f"such as QuantizeCompressor(8)")
+    if hpz not in (True, False, AUTO):
+        raise ValueError(f"fsdp.shard: hpz={hpz!r}; pass True, False or {AUTO!r}")
     topo = topology if topology is not None else context().topology(None, None, timeout)
-    weights = QuantizeCompressor(8) if weights is _DEFAULT else weights
-    gradients = QuantizeCompressor(4) if gradients is _DEFAULT else gradients
+    recipe = None
+    if AUTO in (weights, gradients):
+        recipe = _choose_recipe(model, blocks, topo, algorithm, weights, gradients, error_feedback, timeout)
+        weights = recipe["weights_codec"] if weights == AUTO else weights
+        gradients = recipe["gradients_codec"] if gradients == AUTO else gradients
+        recipe = {k: v for k, v in recipe.items() if not k.endswith("_codec")}
     rs = ReduceScatterComm(topo, algorithm, gradients, error_feedback=error_feedback, seed=seed, timeout=timeout)
     ag = AllGatherComm(topo, algorithm, weights, timeout=timeout)
     reshard: bool | int = True
+    local, world = topo.local_size, topo.world_size
+    forced = hpz is True
+    if hpz == AUTO:
+        hpz = 1 < local < world
     if hpz:
-        local, world = topo.local_size, topo.world_size
         consecutive = [sorted(topo.group_rank_to_global(r) for r in n) for n in topo.nodes] == [
             list(range(i * local, (i + 1) * local)) for i in range(topo.num_nodes)]
         if not topo.is_uniform or not consecutive:
-            warnings.warn(f"fsdp.shard: hpZ needs nodes of equal size with consecutive ranks, got {topo.layout}; "
-                          f"it is off (reshard_after_forward=True)", stacklevel=2)
+            if forced:
+                warnings.warn(f"fsdp.shard: hpZ needs nodes of equal size with consecutive ranks, got {topo.layout}; "
+                              f"it is off (reshard_after_forward=True)", stacklevel=2)
         else:
             reshard = True if local == world else (False if local == 1 else local)
+    if recipe is not None:
+        recipe["hpz"] = reshard is not True
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(_device_type(model), (topo.world_size,))
@@ -312,7 +349,72 @@ def shard(model: nn.Module, *, topology: Topology | None = None, blocks=None, we
     register(model, reduce_scatter=rs, all_gather=ag)
     if prefetch:
         _prefetch(model, chain)
-    return Comms(reduce_scatter=rs, all_gather=ag)
+    return Comms(reduce_scatter=rs, all_gather=ag, recipe=recipe)
+
+
+def _choose_recipe(model: nn.Module, blocks, topo: Topology, algorithm: str, weights, gradients,
+                   error_feedback: bool, timeout: float | None) -> dict:
+    """``shard``'s ``"auto"``: time the largest unit's forward all-gather and gradient reduce-scatter
+    exact and compressed on this cluster (see :func:`shard`), agree on the times, decide, print once."""
+    world = topo.world_size
+    units = _blocks(model, blocks) + [model]
+    inside = {id(p) for b in units[:-1] for p in b.parameters()}
+
+    def params(unit: nn.Module) -> list[tuple[str, nn.Parameter]]:
+        own = unit is model
+        return [(n, p) for n, p in unit.named_parameters() if not own or id(p) not in inside]
+
+    unit = max((params(u) for u in units), key=lambda ps: sum(p.numel() for _, p in ps))
+    if not unit or world == 1:
+        chosen = {"weights": "exact", "gradients": "exact", "seconds": {}}
+        return {**chosen, "weights_codec": None, "gradients_codec": None}
+    shapes = tuple((-(-p.shape[0] // world), *p.shape[1:]) if p.dim() else (1,) for _, p in unit)
+    layout = Layout("commopt.shard.auto", tuple(n for n, _ in unit), tuple(math.prod(s) for s in shapes), shapes)
+    chunk = layout.chunk
+    full, out = torch.randn(world * chunk, generator=torch.Generator().manual_seed(0)), torch.empty(world * chunk)
+    part = torch.empty(chunk)
+    group = topo.group if topo.group is not None else dist.group.WORLD
+    candidates = {}
+    if weights == AUTO:
+        for label, codec in (("exact", None), ("int8", QuantizeCompressor(8))):
+            comm = AllGatherComm(topo, algorithm, codec, timeout=timeout).bind(Bound(layout))
+            candidates[("weights", label)] = (codec, lambda c=comm: c(out, full[:chunk], group))
+    if gradients == AUTO:
+        for label, codec in (("exact", None), ("int4", QuantizeCompressor(4))):
+            comm = ReduceScatterComm(topo, algorithm, codec, error_feedback=error_feedback,
+                                     timeout=timeout).bind(Bound(layout))
+            candidates[("gradients", label)] = (codec, lambda c=comm: c(part, full, group, dist.ReduceOp.AVG))
+    seconds = torch.tensor([_median_seconds(fn, group) for _, fn in candidates.values()], dtype=torch.float64)
+    dist.all_reduce(seconds, op=dist.ReduceOp.MAX, group=group)  # the slowest rank's: the same on every rank
+    times = dict(zip(candidates, seconds.tolist()))
+    out_recipe: dict = {"seconds": {f"{part_}/{label}": t for (part_, label), t in times.items()}}
+    for part_ in ("weights", "gradients"):
+        labels = [label for (p, label) in candidates if p == part_]
+        if not labels:
+            continue
+        exact, compressed = times[(part_, "exact")], times[(part_, labels[1])]
+        label = labels[1] if compressed <= AUTO_MARGIN * exact else "exact"
+        out_recipe[part_] = label
+        out_recipe[f"{part_}_codec"] = candidates[(part_, label)][0]
+    if dist.get_rank() == (topo.group_rank_to_global(0) if topo.group is not None else 0):
+        said = ", ".join(f"{p} {out_recipe[p]} (" + ", ".join(f"{lbl} {t * 1e3:.1f} ms" for (q, lbl), t in times.items()
+                                                              if q == p) + ")"
+                         for p in ("weights", "gradients") if p in out_recipe)
+        print(f"commopt fsdp.shard: {said} for its largest unit ({sum(layout.numels) * world / 1e6:.2f} M "
+              f"parameters); compressed where it took at most {AUTO_MARGIN:.0%} of the exact time", flush=True)
+    return out_recipe
+
+
+def _median_seconds(fn, group, reps: int = 3) -> float:
+    """The median seconds of ``fn`` over ``reps`` calls after one warm-up, the ranks started together."""
+    fn()
+    times = []
+    for _ in range(reps):
+        dist.barrier(group=group)
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
 
 
 def _fully_shard(model: nn.Module, blocks, mp_policy: MixedPrecisionPolicy | None, **kwargs) -> list[nn.Module]:
