@@ -55,6 +55,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--overlap-slowdown", type=float, default=1.0,
                    help="compute takes this many times longer while the link is busy (SM or CPU contention; "
                         "commopt-bench overlap measures it)")
+    p.add_argument("--tp", type=int, default=0, help="also model the blocks under tensor + sequence parallelism "
+                   "of this size inside a node: torch's unfused plan against commopt's decomposed styles")
     p.add_argument("--png", default="simulate-timeline.png", help="timeline PNG ('' to skip)")
     p.add_argument("--json", default=None)
     return p
@@ -106,6 +108,8 @@ def run(args) -> list[dict]:
         results[name] = r
         rows.append(_row(name, r))
     rows += _sharded_rows(args, layers, topo, model, opt)
+    if args.tp > 1:
+        rows += _tensor_parallel_rows(args, model)
     if args.png:
         _plot(results, args.png)
     if args.json:
@@ -143,6 +147,28 @@ def _sharded_rows(args, layers, topo, model, opt: float) -> list[dict]:
     _header("sharded")
     return [_row(name, simulate_sharded(layers, topo, dataclasses.replace(plan, optimizer_seconds_per_byte=opt),
                                         model)) for name, plan in plans]
+
+
+def _tensor_parallel_rows(args, model) -> list[dict]:
+    """The model's blocks under tensor + sequence parallelism inside a node (``--tp``): torch's
+    unfused plan against commopt's decomposed styles, per iteration (every block, forward + backward)."""
+    from commopt.schedules.simulator import TRANSFORMERS, simulate_tensor_parallel
+
+    blocks = TRANSFORMERS[args.model].n_layer
+    print(f"# tensor parallel: TP {args.tp} over the intra-node link ({args.intra_rate}), {blocks} blocks, "
+          f"{args.tokens} tokens per TP group; the data-parallel rows above are what crosses the nodes")
+    _header("tensor parallel (per iteration)")
+    rows = []
+    for name, decomposed in (("tp: torch plan (unfused)", False), ("tp: commopt styles (decomposed)", True)):
+        r = simulate_tensor_parallel(args.model, tp=args.tp, tokens=args.tokens, flops=args.tflops * 1e12 * args.mfu,
+                                     link=model.intra, decomposed=decomposed, activation_bytes=args.grad_bytes)
+        step, compute, comm, exposed = (blocks * v for v in (r.step, r.compute, r.communication, r.exposed))
+        hidden = 1 - exposed / comm if comm else 1.0
+        print(f"{name:<34}{step * 1e3:>10.1f}{compute * 1e3:>12.1f}{comm * 1e3:>10.1f}{exposed * 1e3:>12.1f}"
+              f"{hidden:>8.0%}")
+        rows.append({"schedule": name, "iteration": step, "compute": compute, "communication": comm,
+                     "exposed": exposed, "hidden": hidden})
+    return rows
 
 
 def _plot(results: dict, path: str) -> None:

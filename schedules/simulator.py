@@ -42,7 +42,7 @@ from .priority import fifo_plan, priority_plan, shape_priority, simulate_issue
 
 __all__ = ["Layer", "Schedule", "SimResult", "simulate", "transformer_layers", "layers_from_model",
            "TRANSFORMERS", "traffic_matrix", "iteration_traffic", "SCHEDULES", "link_service", "ShardedPlan",
-           "SHARDED_KINDS", "simulate_sharded", "quantized_ratio"]
+           "SHARDED_KINDS", "simulate_sharded", "quantized_ratio", "TPResult", "simulate_tensor_parallel"]
 
 _MB = 1024 * 1024
 SCHEDULES = ("none", "ddp", "fifo", "priority")
@@ -491,6 +491,73 @@ def transformer_layers(config: TransformerConfig | str, *, tokens: int, flops: f
         layers.append(Layer(f"block{i}", block_flops / flops, 2 * block_flops / flops,
                             block_params * grad_bytes_per_param))
     return layers
+
+
+@dataclass(frozen=True)
+class TPResult:
+    """One transformer block's forward + backward on one rank of a tensor + sequence parallel group.
+
+    Attributes:
+        step: seconds of the block's forward + backward.
+        compute: seconds of its computation alone (1/tp of the block's matrices, its attention heads).
+        communication: seconds of its eight collectives alone (two all-gathers and two reduce-scatters
+            of the activations forward, the mirrored four backward), one after another.
+        exposed: ``step - compute``: the communication nothing hides.
+    """
+
+    step: float
+    compute: float
+    communication: float
+    exposed: float
+
+
+def simulate_tensor_parallel(config: TransformerConfig | str, *, tp: int, tokens: int, flops: float,
+                             link: cost.LinkModel, decomposed: bool, activation_bytes: int = 2) -> TPResult:
+    """One block of ``config`` under tensor + sequence parallelism over ``tp`` ranks joined by ``link``
+    (Megatron's layout, docs/guide.md "Tensor parallelism"): all-gather the sequence-sharded
+    activations into QKV (3 d^2) and FC1 (4 d^2), reduce-scatter out of OUT (d^2) and FC2 (4 d^2);
+    backward the mirror image (the gradient all-gathered into FC2's and OUT's input gradients,
+    reduce-scattered out of FC1's and QKV's), each weight gradient a local matmul.
+
+    Unfused (torch's plan): every collective runs alone, then its matmul: ``compute + 8 collectives``.
+    ``decomposed`` (commopt's styles): each collective is a ring of ``tp - 1`` point-to-point steps of
+    one block of ``tokens / tp`` rows, each running while the previous block's slice of the matmul
+    is multiplied (``schedules.tensor_parallel``): the pair takes one slice plus ``tp - 1`` times the
+    longer of a slice and a step. The attention core, the norms and the weight gradients hide nothing.
+
+    Args:
+        config: a :class:`TransformerConfig` or a name in :data:`TRANSFORMERS`.
+        tp: the tensor-parallel size.
+        tokens: tokens of the TP group's micro-batch (sequence x batch; each rank holds 1/tp of them
+            between blocks).
+        flops: sustained FLOP/s of one rank.
+        link: the TP group's link (inside a node: ``CostModel.intra``).
+        decomposed: commopt's decomposed rings instead of the unfused collectives.
+        activation_bytes: bytes per activation element (2: bf16).
+    """
+    cfg = TRANSFORMERS[config] if isinstance(config, str) else config
+    if not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"simulate_tensor_parallel: tp must be an int >= 1, got {tp!r}")
+    d = cfg.d_model
+    # Per rank, forward: each matmul's 1/tp; backward: the input gradient (the one beside a
+    # collective) and the weight gradient, each as long as the forward matmul.
+    mats = [2 * tokens * c * d * d / tp / flops for c in (3, 1, 4, 4)]  # QKV, OUT, FC1, FC2
+    attention = 4 * tokens * cfg.seq * d / tp / flops  # scores and the weighted sum, this rank's heads
+    compute = 3 * (sum(mats) + attention)
+    act = tokens * d * activation_bytes  # the block's whole activation
+    step_time = link.time(act / tp) if tp > 1 else 0.0  # one ring step: one rank's block
+    collective = (tp - 1) * step_time
+    communication = 8 * collective
+    if not decomposed or tp == 1:
+        step = compute + communication
+    else:
+        def ring(matmul: float) -> float:
+            piece = matmul / tp
+            return piece + (tp - 1) * max(piece, step_time)
+
+        paired = 2 * sum(ring(m) for m in mats)  # forward and the input gradients of backward
+        step = paired + sum(mats) + 3 * attention  # + the weight gradients and the attention core
+    return TPResult(step, compute, communication, step - compute)
 
 
 def layers_from_model(module: nn.Module, example: torch.Tensor, *, repeats: int = 5,

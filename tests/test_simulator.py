@@ -397,3 +397,32 @@ def test_sharded_measured_collectives_codec_and_shared_rails():
     nbytes = 1 << 20
     want = get("flat").cost(model, "reduce_scatter", nbytes, node) + get("flat").cost(model, "allreduce", nbytes, rail)
     assert reduce(nbytes) == pytest.approx(want)
+
+
+def test_tensor_parallel_block_limits():
+    """simulate_tensor_parallel against arithmetic: a free link hides nothing and costs nothing; free
+    compute leaves exactly the eight collectives' steps (decomposed or not); in between, the decomposed
+    rings hide what a slice of each matmul covers, never more than the communication, never less than 0."""
+    from commopt.comm.cost import LinkModel
+    from commopt.schedules.simulator import TransformerConfig, simulate_tensor_parallel
+
+    cfg = TransformerConfig(n_layer=2, d_model=64, seq=128)
+    tokens, tp = 256, 4
+    act = tokens * 64 * 2
+    free = LinkModel(0.0, 0.0)
+    for dec in (False, True):
+        r = simulate_tensor_parallel(cfg, tp=tp, tokens=tokens, flops=1e9, link=free, decomposed=dec)
+        assert r.communication == 0 and r.exposed == 0 and r.step == pytest.approx(r.compute)
+    link = LinkModel(1e-5, 1e-8)
+    comm = 8 * (tp - 1) * (1e-5 + act / tp * 1e-8)
+    for dec in (False, True):
+        r = simulate_tensor_parallel(cfg, tp=tp, tokens=tokens, flops=1e30, link=link, decomposed=dec)
+        assert r.communication == pytest.approx(comm) and r.step == pytest.approx(comm, rel=1e-9)
+    unfused = simulate_tensor_parallel(cfg, tp=tp, tokens=tokens, flops=1e9, link=link, decomposed=False)
+    dec = simulate_tensor_parallel(cfg, tp=tp, tokens=tokens, flops=1e9, link=link, decomposed=True)
+    assert unfused.step == pytest.approx(unfused.compute + comm)
+    assert dec.compute == unfused.compute and 0 <= dec.exposed < unfused.exposed
+    one = simulate_tensor_parallel(cfg, tp=1, tokens=tokens, flops=1e9, link=link, decomposed=True)
+    assert one.communication == 0 and one.compute == pytest.approx(tp * unfused.compute)
+    with pytest.raises(ValueError, match="tp must be"):
+        simulate_tensor_parallel(cfg, tp=0, tokens=tokens, flops=1e9, link=link, decomposed=True)
