@@ -65,6 +65,7 @@ RUNS = {
     "hierarchical": "FSDP2 + commopt hierarchical reduce-scatter / all-gather (exact)",
     "zero++": "fsdp.shard: int8 all-gather + hpZ + int4 reduce-scatter, error feedback",
     "zero++/no-ef": "fsdp.shard: the same without error feedback (stochastic rounding)",
+    "shard-auto": "fsdp.shard(model) as it comes: each part of the recipe where it timed faster (\"auto\")",
     "hsdp-int8": "fsdp.shard_hsdp: FSDP2 inside a node, int8 across nodes, error feedback",
     "hsdp-int8/no-ef": "fsdp.shard_hsdp: the same without error feedback (stochastic rounding)",
     "hsdp-powersgd": "fsdp.shard_hsdp: FSDP2 inside a node, PowerSGD across nodes (--powersgd-rank), error feedback",
@@ -78,7 +79,9 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="commopt-bench fsdp", description=__doc__.split("\n\n")[0])
     p.add_argument("--spawn", type=int, default=0, metavar="N", help="spawn N local ranks")
     p.add_argument("--topology", default=None, help="layout such as 2x2 (default: COMMOPT_NODES or detected)")
-    p.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated subset of {','.join(RUNS)}")
+    p.add_argument("--runs", default=",".join(r for r in RUNS if r != "shard-auto"),
+                   help=f"comma-separated subset of {','.join(RUNS)} (default: all but shard-auto, which has no "
+                        f"simulator plan: its recipe is decided at the call)")
     p.add_argument("--steps", type=int, default=60, help="timed training steps per run")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per run first")
     p.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
@@ -213,6 +216,9 @@ def _setup(name: str, args, topo) -> dict:
         run["comms"] = fsdp.shard(model, topology=topo, weights=C.QuantizeCompressor(8),
                                   gradients=C.QuantizeCompressor(4), hpz=True, error_feedback=name == "zero++")
         run["module"] = model
+    elif name == "shard-auto":
+        run["comms"] = fsdp.shard(model, topology=topo)
+        run["module"] = model
     elif name in ("hsdp-int8", "hsdp-int8/no-ef"):
         if not topo.two_levels:
             run["skip"] = "needs two levels of equal nodes"
@@ -287,6 +293,7 @@ def _summary(run: dict) -> dict:
             "link_modelled": run["comms"] is None, "sent_bytes_per_step": float(worst[1]),
             "wire_bytes_per_step": float(worst[2]) if float(worst[2]) > 0 else None,
             "final_loss": sum(tail) / len(tail), "losses": run["losses"],
+            "recipe": getattr(run["comms"], "recipe", None),
             "step_ms_rank0": [1e3 * t for t in run["times"]]}
 
 

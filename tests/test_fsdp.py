@@ -800,7 +800,7 @@ def _body_auto_recipe(spec: str) -> dict:
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         comms = fsdp.shard(m, topology=topo)
-    codecs = {"weights": comms.all_gather.compressor, "gradients": comms.reduce_scatter.compressor}
+    codecs = {"weights": comms.all_gather, "gradients": comms.reduce_scatter}  # None: FSDP2's own
     losses = _train(m, 3)
     errors = []
     for kwargs in ({"weights": "int8"}, {"gradients": "yes"}, {"hpz": "on"}):
@@ -811,7 +811,8 @@ def _body_auto_recipe(spec: str) -> dict:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         uneven = fsdp.shard(_model(), topology=Topology.from_nodes([[0, 1, 2], [3]]), weights=None, gradients=None)
-    return {"recipe": comms.recipe, "codecs": {k: None if c is None else (type(c).__name__, c.bits)
+    return {"recipe": comms.recipe, "codecs": {k: "native" if c is None else None if c.compressor is None else
+                                               (type(c.compressor).__name__, c.compressor.bits)
                                                for k, c in codecs.items()},
             "printed": printed.getvalue(), "losses": losses, "errors": errors, "margin": AUTO_MARGIN,
             "uneven_recipe": uneven.recipe, "warned": [str(w.message) for w in caught if "hpZ" in str(w.message)]}
@@ -827,12 +828,15 @@ def test_shard_auto_decides_once_the_same_everywhere(ranks):
     recipe = out[0]["recipe"]
     assert all(o["recipe"] == recipe for o in out)
     secs, margin = recipe["seconds"], out[0]["margin"]
-    assert set(secs) == {"weights/exact", "weights/int8", "gradients/exact", "gradients/int4"}
+    assert set(secs) == {f"{p}/{label}" for p, c in (("weights", "int8"), ("gradients", "int4"))
+                         for label in ("native", "exact", c)}
     assert all(t > 0 for t in secs.values())
     for part, label, bits in (("weights", "int8", 8), ("gradients", "int4", 4)):
-        wins = secs[f"{part}/{label}"] <= margin * secs[f"{part}/exact"]
-        assert recipe[part] == (label if wins else "exact"), (part, secs)
-        assert out[0]["codecs"][part] == (("QuantizeCompressor", bits) if wins else None), out[0]["codecs"]
+        exact = min(("native", "exact"), key=lambda lbl: secs[f"{part}/{lbl}"])
+        wins = secs[f"{part}/{label}"] <= margin * secs[f"{part}/{exact}"]
+        assert recipe[part] == (label if wins else exact), (part, secs)
+        expected = ("QuantizeCompressor", bits) if wins else (None if exact == "exact" else "native")
+        assert out[0]["codecs"][part] == expected, (part, out[0]["codecs"], secs)
     assert recipe["hpz"] is True
     assert recipe["weights"] in out[0]["printed"] and "fsdp.shard" in out[0]["printed"]
     assert all(o["printed"] == "" for o in out[1:])

@@ -52,8 +52,9 @@ class Comms:
     reduce_scatter: ReduceScatterComm | None = None
     all_gather: AllGatherComm | None = None
     all_reduce: AllReduceHook | None = None
-    #: ``shard``'s decision where a part was ``"auto"``: ``{"weights": "int8" | "exact", "gradients":
-    #: "int4" | "exact", "hpz": bool, "seconds": {"weights/exact": s, ...}}``, else None.
+    #: ``shard``'s decision where a part was ``"auto"``: ``{"weights": "native" | "exact" | "int8",
+    #: "gradients": "native" | "exact" | "int4", "hpz": bool, "seconds": {"weights/native": s, ...}}``,
+    #: else None.
     recipe: dict | None = None
 
     def _stateful(self) -> dict:
@@ -293,16 +294,19 @@ def shard(model: nn.Module, *, topology: Topology | None = None, blocks=None, we
     is plain FSDP2 with commopt's exact (``algorithm``) reduce-scatter and all-gather.
 
     ``"auto"`` (the default of ``weights``, ``gradients`` and ``hpz``) decides per model whether each
-    part pays, so that the one-liner is not slower than exact FSDP2 where compression cannot win (a
-    small model whose collectives are latency- or CPU-bound, a fast link): the largest unit's
-    forward all-gather and gradient reduce-scatter are timed on this cluster, exact and compressed
-    (int8 / int4), three calls each after a warm-up, the slowest rank's time counting, and a
-    compressed collective is taken only when it took at most ``AUTO_MARGIN`` of the exact one's time
-    (the margin covers what a training step adds: the codec competes with compute for the cores). Every rank
-    takes the same decision (the times are agreed with a MAX all-reduce); rank 0 prints it once, and
-    ``Comms.recipe`` holds it with the times. ``hpz="auto"`` is on wherever it can be (nodes of
-    equal size, consecutive ranks, more than one node and more than one rank per node), off without
-    a warning elsewhere; ``hpz=True`` warns where it cannot be on.
+    part pays, so that the one-liner is not slower than FSDP2 where compression cannot win (a small
+    model whose collectives are latency- or CPU-bound, a fast link): the largest unit's forward
+    all-gather and gradient reduce-scatter are timed on this cluster three ways -- FSDP2's own
+    collective (``"native"``), commopt's exact one with ``algorithm`` (``"exact"``) and commopt's
+    compressed one (``"int8"`` / ``"int4"``) --, three calls each after a warm-up, the slowest rank's
+    time counting. The compressed collective is taken when it took at most ``AUTO_MARGIN`` of the
+    faster exact one's time (the margin covers what a training step adds: the codec competes with
+    compute for the cores), else the faster exact one; ``"native"`` registers no comm of commopt's
+    for that part (the returned comm is None). Every rank takes the same decision (the times are
+    agreed with a MAX all-reduce); rank 0 prints it once, and ``Comms.recipe`` holds it with the
+    times. ``hpz="auto"`` is on wherever it can be (nodes of equal size, consecutive ranks, more than
+    one node and more than one rank per node), off without a warning elsewhere; ``hpz=True`` warns
+    where it cannot be on.
 
     hpZ needs nodes of equal size whose ranks are consecutive (node-by-node placement: FSDP2's
     post-forward groups are consecutive ranks); elsewhere it is left off. On one node it is ZeRO-3's
@@ -319,13 +323,15 @@ def shard(model: nn.Module, *, topology: Topology | None = None, blocks=None, we
         raise ValueError(f"fsdp.shard: hpz={hpz!r}; pass True, False or {AUTO!r}")
     topo = topology if topology is not None else context().topology(None, None, timeout)
     recipe = None
+    native = {"weights": False, "gradients": False}
     if AUTO in (weights, gradients):
         recipe = _choose_recipe(model, blocks, topo, algorithm, weights, gradients, error_feedback, timeout)
-        weights = recipe["weights_codec"] if weights == AUTO else weights
-        gradients = recipe["gradients_codec"] if gradients == AUTO else gradients
-        recipe = {k: v for k, v in recipe.items() if not k.endswith("_codec")}
-    rs = ReduceScatterComm(topo, algorithm, gradients, error_feedback=error_feedback, seed=seed, timeout=timeout)
-    ag = AllGatherComm(topo, algorithm, weights, timeout=timeout)
+        weights = recipe.pop("weights_codec") if weights == AUTO else weights
+        gradients = recipe.pop("gradients_codec") if gradients == AUTO else gradients
+        native = {p: recipe.pop(f"{p}_native", False) for p in native}
+    rs = None if native["gradients"] else ReduceScatterComm(topo, algorithm, gradients, error_feedback=error_feedback,
+                                                            seed=seed, timeout=timeout)
+    ag = None if native["weights"] else AllGatherComm(topo, algorithm, weights, timeout=timeout)
     reshard: bool | int = True
     local, world = topo.local_size, topo.world_size
     forced = hpz is True
@@ -346,7 +352,8 @@ def shard(model: nn.Module, *, topology: Topology | None = None, blocks=None, we
 
     mesh = init_device_mesh(_device_type(model), (topo.world_size,))
     chain = _fully_shard(model, blocks, mp_policy, mesh=mesh, reshard_after_forward=reshard)
-    register(model, reduce_scatter=rs, all_gather=ag)
+    if rs is not None or ag is not None:  # "auto" may leave both to FSDP2's own collectives
+        register(model, reduce_scatter=rs, all_gather=ag)
     if prefetch:
         _prefetch(model, chain)
     return Comms(reduce_scatter=rs, all_gather=ag, recipe=recipe)
@@ -355,7 +362,9 @@ def shard(model: nn.Module, *, topology: Topology | None = None, blocks=None, we
 def _choose_recipe(model: nn.Module, blocks, topo: Topology, algorithm: str, weights, gradients,
                    error_feedback: bool, timeout: float | None) -> dict:
     """``shard``'s ``"auto"``: time the largest unit's forward all-gather and gradient reduce-scatter
-    exact and compressed on this cluster (see :func:`shard`), agree on the times, decide, print once."""
+    (FSDP2's own, commopt's exact, commopt's compressed) on this cluster (see :func:`shard`), agree on
+    the times, decide, print once. Returns the recipe with each part's codec (``<part>_codec``) and
+    whether FSDP2's own collective serves it (``<part>_native``)."""
     world = topo.world_size
     units = _blocks(model, blocks) + [model]
     inside = {id(p) for b in units[:-1] for p in b.parameters()}
@@ -365,44 +374,49 @@ def _choose_recipe(model: nn.Module, blocks, topo: Topology, algorithm: str, wei
         return [(n, p) for n, p in unit.named_parameters() if not own or id(p) not in inside]
 
     unit = max((params(u) for u in units), key=lambda ps: sum(p.numel() for _, p in ps))
-    if not unit or world == 1:
-        chosen = {"weights": "exact", "gradients": "exact", "seconds": {}}
-        return {**chosen, "weights_codec": None, "gradients_codec": None}
+    parts = [p for p, v in (("weights", weights), ("gradients", gradients)) if v == AUTO]
+    if not unit or world == 1:  # nothing to move: exact, commopt's comms (a world of one copies)
+        return {"seconds": {}, **{p: "exact" for p in parts}, **{f"{p}_codec": None for p in parts},
+                **{f"{p}_native": False for p in parts}}
     shapes = tuple((-(-p.shape[0] // world), *p.shape[1:]) if p.dim() else (1,) for _, p in unit)
     layout = Layout("commopt.shard.auto", tuple(n for n, _ in unit), tuple(math.prod(s) for s in shapes), shapes)
     chunk = layout.chunk
     full, out = torch.randn(world * chunk, generator=torch.Generator().manual_seed(0)), torch.empty(world * chunk)
-    part = torch.empty(chunk)
+    part_out = torch.empty(chunk)
     group = topo.group if topo.group is not None else dist.group.WORLD
-    candidates = {}
-    if weights == AUTO:
+    # (part, label) -> (codec, native, one call)
+    candidates: dict[tuple[str, str], tuple] = {}
+    if "weights" in parts:
+        candidates[("weights", "native")] = (None, True, lambda: dist.all_gather_into_tensor(out, full[:chunk],
+                                                                                             group=group))
         for label, codec in (("exact", None), ("int8", QuantizeCompressor(8))):
             comm = AllGatherComm(topo, algorithm, codec, timeout=timeout).bind(Bound(layout))
-            candidates[("weights", label)] = (codec, lambda c=comm: c(out, full[:chunk], group))
-    if gradients == AUTO:
+            candidates[("weights", label)] = (codec, False, lambda c=comm: c(out, full[:chunk], group))
+    if "gradients" in parts:
+        candidates[("gradients", "native")] = (None, True, lambda: dist.reduce_scatter_tensor(part_out, full,
+                                                                                              group=group))
         for label, codec in (("exact", None), ("int4", QuantizeCompressor(4))):
             comm = ReduceScatterComm(topo, algorithm, codec, error_feedback=error_feedback,
                                      timeout=timeout).bind(Bound(layout))
-            candidates[("gradients", label)] = (codec, lambda c=comm: c(part, full, group, dist.ReduceOp.AVG))
-    seconds = torch.tensor([_median_seconds(fn, group) for _, fn in candidates.values()], dtype=torch.float64)
+            candidates[("gradients", label)] = (codec, False,
+                                                lambda c=comm: c(part_out, full, group, dist.ReduceOp.AVG))
+    seconds = torch.tensor([_median_seconds(c[2], group) for c in candidates.values()], dtype=torch.float64)
     dist.all_reduce(seconds, op=dist.ReduceOp.MAX, group=group)  # the slowest rank's: the same on every rank
     times = dict(zip(candidates, seconds.tolist()))
-    out_recipe: dict = {"seconds": {f"{part_}/{label}": t for (part_, label), t in times.items()}}
-    for part_ in ("weights", "gradients"):
-        labels = [label for (p, label) in candidates if p == part_]
-        if not labels:
-            continue
-        exact, compressed = times[(part_, "exact")], times[(part_, labels[1])]
-        label = labels[1] if compressed <= AUTO_MARGIN * exact else "exact"
-        out_recipe[part_] = label
-        out_recipe[f"{part_}_codec"] = candidates[(part_, label)][0]
+    recipe: dict = {"seconds": {f"{p}/{label}": t for (p, label), t in times.items()}}
+    for p in parts:
+        native, exact, compressed = [(label, times[(q, label)]) for q, label in times if q == p]
+        best = min((native, exact), key=lambda x: x[1])  # FSDP2's own on a tie
+        label = compressed[0] if compressed[1] <= AUTO_MARGIN * best[1] else best[0]
+        codec, is_native, _ = candidates[(p, label)]
+        recipe.update({p: label, f"{p}_codec": codec, f"{p}_native": is_native})
     if dist.get_rank() == (topo.group_rank_to_global(0) if topo.group is not None else 0):
-        said = ", ".join(f"{p} {out_recipe[p]} (" + ", ".join(f"{lbl} {t * 1e3:.1f} ms" for (q, lbl), t in times.items()
-                                                              if q == p) + ")"
-                         for p in ("weights", "gradients") if p in out_recipe)
-        print(f"commopt fsdp.shard: {said} for its largest unit ({sum(layout.numels) * world / 1e6:.2f} M "
-              f"parameters); compressed where it took at most {AUTO_MARGIN:.0%} of the exact time", flush=True)
-    return out_recipe
+        said = "; ".join(f"{p} {recipe[p]} (" + ", ".join(f"{label} {t * 1e3:.1f} ms" for (q, label), t in times.items()
+                                                           if q == p) + ")" for p in parts)
+        print(f"commopt fsdp.shard: {said}; timed on its largest unit ({sum(layout.numels) * world / 1e6:.2f} M "
+              f"parameters), compressed where it took at most {AUTO_MARGIN:.0%} of the faster exact one",
+              flush=True)
+    return recipe
 
 
 def _median_seconds(fn, group, reps: int = 3) -> float:
