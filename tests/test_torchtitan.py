@@ -24,19 +24,17 @@ from __future__ import annotations
 
 import importlib.util
 import io
-import multiprocessing as mp
 import os
-import queue
 import re
 import socket
 import sys
 import textwrap
-import time
 import traceback
 from pathlib import Path
 
 import pytest
 import torch
+from _spawn import run_spawned
 
 _HAVE_TORCHTITAN = importlib.util.find_spec("torchtitan") is not None
 _WORLD = 2
@@ -89,47 +87,10 @@ def _rank_entry(body, rank: int, ports: list[int], workdir: str, results) -> Non
 
 
 def _launch(body, workdir, timeout: float) -> list:
-    """``body(rank)`` in ``_WORLD`` fresh spawned processes; a hang fails naming the ranks that did not
-    finish, a rank's exception is re-raised with its traceback."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
+    """``body(rank)`` in ``_WORLD`` fresh spawned processes (``_spawn.run_spawned``: a hang fails naming
+    the ranks that did not finish, a rank's exception is re-raised with its traceback)."""
     ports = _free_ports(3)  # one rendezvous per run
-    procs = [ctx.Process(target=_rank_entry, args=(body, r, ports, str(workdir), results), daemon=True,
-                         name=f"rank{r}") for r in range(_WORLD)]
-    for p in procs:
-        p.start()
-    out, errors = {}, {}
-    deadline = time.monotonic() + timeout
-    try:
-        while len(out) + len(errors) < _WORLD:
-            try:
-                rank, status, value = results.get(timeout=0.5)
-            except queue.Empty:
-                missing = sorted(set(range(_WORLD)) - set(out) - set(errors))
-                dead = [r for r in missing if not procs[r].is_alive()]
-                if dead:
-                    raise AssertionError(f"ranks {dead} died (exit codes {[procs[r].exitcode for r in dead]})"
-                                         ) from None
-                if time.monotonic() > deadline:
-                    raise AssertionError(f"ranks {missing} did not finish within {timeout:.0f} s") from None
-                continue
-            if status == "ok":
-                out[rank] = torch.load(io.BytesIO(value), weights_only=True)
-            else:
-                errors[rank] = value
-        if errors:
-            detail = "".join(f"\n--- rank {r} ---\n{e}" for r, e in sorted(errors.items()))
-            raise AssertionError(f"failed on ranks {sorted(errors)}:{detail}")
-        for p in procs:
-            p.join(30)
-        return [out[r] for r in range(_WORLD)]
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-        results.close()
-        results.cancel_join_thread()
+    return run_spawned(_rank_entry, lambda r: (body, r, ports, str(workdir)), _WORLD, timeout, body.__name__)
 
 
 # ------------------------------------------------------------------------------------ in the ranks
