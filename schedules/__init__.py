@@ -8,12 +8,16 @@ predicts iteration time and exposed communication at scales no laptop runs, and 
 of each algorithm. ``tensor_parallel`` holds the decomposed tensor-parallel matmuls
 (``all_gather_matmul``, ``matmul_reduce_scatter``, ``matmul_all_reduce``): rings of point-to-point
 steps on the comm engine, each step's transfer overlapped with the previous block's matmul.
+``context_parallel`` holds context parallelism (``ring_attention``, ``ulysses_attention`` and the
+zig-zag layout helpers ``zigzag_shard`` / ``zigzag_unshard``): attention over a sequence sharded
+across ranks, K/V rotating around a ring of engine phases, or all-to-alls between sequence and heads.
 """
 
 from __future__ import annotations
 
-from . import checkpoint, plan, priority, profile, simulator, tensor_parallel
+from . import checkpoint, context_parallel, plan, priority, profile, simulator, tensor_parallel
 from .autotune import TuneConfig, TuneResult, autotune
+from .context_parallel import ring_attention, ulysses_attention, zigzag_shard, zigzag_unshard
 from .overlap import OverlapDataParallel
 from .plan import BucketPlan, IssuePlan, broadcast_plan, build_buckets
 from .priority import credit_for, fifo_plan, partition_for, priority_plan
@@ -24,4 +28,5 @@ from .tensor_parallel import all_gather_matmul, matmul_all_reduce, matmul_reduce
 __all__ = ["OverlapDataParallel", "StepProfile", "autotune", "TuneConfig", "TuneResult", "BucketPlan", "IssuePlan",
            "build_buckets", "broadcast_plan", "fifo_plan", "priority_plan", "partition_for", "credit_for", "Layer",
            "Schedule", "simulate", "traffic_matrix", "plan", "priority", "simulator", "profile", "checkpoint",
-           "all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "tensor_parallel"]
+           "all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "tensor_parallel",
+           "ring_attention", "ulysses_attention", "zigzag_shard", "zigzag_unshard", "context_parallel"]
