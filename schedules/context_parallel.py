@@ -1,5 +1,5 @@
 """Context parallelism: ring attention and Ulysses attention (docs/guide.md, "Context parallelism";
-docs/architecture.md sections 3 and 5.1; fault cases in docs/faults.md row 39).
+docs/architecture.md sections 3, 4 and 5.8; fault cases in docs/faults.md row 39).
 
 The sequence is split over the ranks of a context-parallel group: ``q``, ``k``, ``v`` are
 ``[..., S/P, D]`` on every rank (batch and heads leading, ``[B, H, S/P, D]`` typically), this rank's
