@@ -79,13 +79,23 @@ def _bytes(op: str) -> int:
 
 
 def _case(kind: str, seed: int, dtype: torch.dtype, shape: tuple, dv: int, causal: bool, scale, layout: str,
-          group, **kw) -> None:
-    """One call of ``ring_attention`` / ``ulysses_attention`` and its backward against the oracle."""
+          group, transposed: bool = False, **kw) -> None:
+    """One call of ``ring_attention`` / ``ulysses_attention`` and its backward against the oracle;
+    ``transposed``: q, k, v are ``[B, S/P, H, D]`` tensors transposed to ``[B, H, S/P, D]`` (not
+    contiguous), as a model's projections give them."""
     world, me = dist.get_world_size(group), dist.get_rank(group)
-    what = f"{kind}[{dtype}, {shape}, dv={dv}, causal={causal}, scale={scale}, {layout}, {kw}]"
-    q = _rand(shape, dtype, seed * 100 + 10 * me).requires_grad_()
-    k = _rand(shape, dtype, seed * 100 + 10 * me + 1).requires_grad_()
-    v = _rand(shape[:-1] + (dv,), dtype, seed * 100 + 10 * me + 2).requires_grad_()
+    what = f"{kind}[{dtype}, {shape}, dv={dv}, causal={causal}, scale={scale}, {layout}, {transposed}, {kw}]"
+
+    def leaf(shape: tuple, seed: int) -> torch.Tensor:
+        if not transposed:
+            return _rand(shape, dtype, seed).requires_grad_()
+        b, h, s, d = shape
+        return _rand((b, s, h, d), dtype, seed).transpose(1, 2).requires_grad_()
+
+    q = leaf(shape, seed * 100 + 10 * me)
+    k = leaf(shape, seed * 100 + 10 * me + 1)
+    v = leaf(shape[:-1] + (dv,), seed * 100 + 10 * me + 2)
+    assert q.is_contiguous() != transposed
     fwd, bwd = _bytes("ring_attention"), _bytes("ring_attention/backward")
     if kind == "ring":
         out = ring_attention(q, k, v, group=group, is_causal=causal, scale=scale, layout=layout, timeout=T)
@@ -137,7 +147,9 @@ def _matrix() -> int:
         checked += 1
     seed += 1
     _case("ring", seed, torch.float32, (2, 6, 8), 3, True, 0.5, "contiguous", None)
-    checked += 1
+    seed += 1
+    _case("ring", seed, torch.float32, (2, 3, 4, 8), 8, True, None, "zigzag", None, transposed=True)
+    checked += 2
     for layout in ("contiguous", "zigzag"):
         seed += 1
         _case("ring", seed, torch.bfloat16, (2, 2, 4, 8), 8, True, None, layout, None)
@@ -148,6 +160,9 @@ def _matrix() -> int:
         seed += 1
         _case("ulysses", seed, torch.float32, (2, heads, 3, 8), 8, causal, scale, "contiguous", None)
         checked += 1
+    seed += 1
+    _case("ulysses", seed, torch.float32, (2, heads, 3, 8), 8, True, None, "contiguous", None, transposed=True)
+    checked += 1
     seed += 1
     _case("ulysses", seed, torch.float64, (heads, 2, 8), 5, True, None, "contiguous", None)
     seed += 1
@@ -179,10 +194,10 @@ def test_ring_and_ulysses_match_attention_over_the_whole_sequence(ranks, world):
     """CP 2, 3 and 4: ring attention (contiguous and zig-zag layouts) and Ulysses attention (topology
     detected, 1x4 and 2x2 at 4 ranks) give this rank's block of scaled_dot_product_attention over the
     whole sequence, output and q/k/v gradients, causal and not, scale default and given, fp32, fp64
-    and bf16; on subgroups too; the ring sends exactly (P - 1) K/V blocks forward and (P - 1) K/V
-    blocks plus P gradient sums backward."""
+    and bf16, 2-D to 4-D and transposed (non-contiguous) inputs; on subgroups too; the ring sends
+    exactly (P - 1) K/V blocks forward and (P - 1) K/V blocks plus P gradient sums backward."""
     counts = ranks(world, _matrix, timeout=120)
-    assert counts == [counts[0]] * world and counts[0] == 20 + 4 * (world == 4)
+    assert counts == [counts[0]] * world and counts[0] == 22 + 4 * (world == 4)
 
 
 # --------------------------------------------------------------------------------- faults (row 39)
