@@ -322,7 +322,8 @@ def _ring_backward(g, q, k, v, out, lse, causal, scale, layout, group, timeout, 
             grads = _attend_backward(g[..., rows, :], q[..., rows, :], held.k[..., cols, :], held.v[..., cols, :],
                                      out[..., rows, :], lse[..., rows], diag, scale)
             dq[..., rows, :] += grads[0]
-        _wait(fut, op, timeout, deadline)
+        if fut is not None:  # None: nothing to move (empty blocks)
+            _wait(fut, op, timeout, deadline)
         if step == 0:
             spare.dk.zero_()
             spare.dv.zero_()
@@ -331,7 +332,9 @@ def _ring_backward(g, q, k, v, out, lse, causal, scale, layout, group, timeout, 
             spare.dv[..., cols, :] += grads[2]
         held, spare = spare, held
     # ``held`` has the complete sum of block me + 1: send it home, receive ours.
-    _wait(_step(engine, op, group, held.sums, spare.sums, deadline), op, timeout, deadline)
+    fut = _step(engine, op, group, held.sums, spare.sums, deadline)
+    if fut is not None:
+        _wait(fut, op, timeout, deadline)
     return dq.to(q.dtype), spare.dk.to(k.dtype), spare.dv.to(v.dtype)
 
 

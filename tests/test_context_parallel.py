@@ -154,6 +154,11 @@ def _matrix() -> int:
         seed += 1
         _case("ring", seed, torch.bfloat16, (2, 2, 4, 8), 8, True, None, layout, None)
         checked += 1
+    # Empty blocks: no tokens, no batch (nothing moves; shapes and empty gradients as torch's).
+    for shape, kind in (((2, 2, 0, 8), "ring"), ((0, 4, 8), "ring"), ((2, 2 * world, 0, 8), "ulysses")):
+        seed += 1
+        _case(kind, seed, torch.float32, shape, 8, True, None, "contiguous", None)
+        checked += 1
     # Ulysses: heads 2 per rank; topology detected, and given.
     heads = 2 * world
     for causal, scale in ((False, None), (True, 0.3)):
@@ -194,10 +199,10 @@ def test_ring_and_ulysses_match_attention_over_the_whole_sequence(ranks, world):
     """CP 2, 3 and 4: ring attention (contiguous and zig-zag layouts) and Ulysses attention (topology
     detected, 1x4 and 2x2 at 4 ranks) give this rank's block of scaled_dot_product_attention over the
     whole sequence, output and q/k/v gradients, causal and not, scale default and given, fp32, fp64
-    and bf16, 2-D to 4-D and transposed (non-contiguous) inputs; on subgroups too; the ring sends
+    and bf16, 2-D to 4-D, transposed (non-contiguous) and empty inputs; on subgroups too; the ring sends
     exactly (P - 1) K/V blocks forward and (P - 1) K/V blocks plus P gradient sums backward."""
     counts = ranks(world, _matrix, timeout=120)
-    assert counts == [counts[0]] * world and counts[0] == 22 + 4 * (world == 4)
+    assert counts == [counts[0]] * world and counts[0] == 25 + 4 * (world == 4)
 
 
 # --------------------------------------------------------------------------------- faults (row 39)
