@@ -204,7 +204,8 @@ def _time_both(intra, rail, nbytes: int, reps: int, sync_group) -> float | None:
 
 
 def calibrate(topology: Topology, *, cache_dir: str | os.PathLike | None = None,
-              sizes: tuple[int, int] = (64 << 10, 4 << 20), reps: int = 5) -> CostModel:
+              sizes: tuple[int, int] = (64 << 10, 4 << 20), reps: int = 5,
+              collectives: tuple[str, ...] = ("allreduce",)) -> CostModel:
     """Measure this machine's two levels (about a second) and cache the result per layout.
 
     The large size (4 MiB) is well past a shaped link's burst allowance, so the fit sees the
@@ -219,7 +220,17 @@ def calibrate(topology: Topology, *, cache_dir: str | os.PathLike | None = None,
     than the slower one plus half the faster one (loopback: every "link" is the same few cores), they
     share one resource: the model keeps one chunk (``chunks=1``) and says so (``shared``), and ``auto``
     then runs flat (the hierarchy moves the same bytes in more phases).
+
+    Then, for each of ``collectives`` (``"allreduce"``, ``"reduce_scatter"``, ``"all_gather"``), it
+    times the automatic candidates themselves at three sizes and keeps their lines
+    (:func:`measured_lines`): ``auto`` follows them, and the sharded simulator takes them for
+    commopt's own collectives (``simulate_sharded(..., lines=)``). Only the all-reduce by default:
+    each collective adds a few seconds on a shaped link.
     """
+    unknown = [c for c in collectives if c not in ("allreduce", "reduce_scatter", "all_gather")]
+    if unknown:
+        raise ValueError(f"cost.calibrate: collectives {unknown} cannot be measured; choose from 'allreduce', "
+                         f"'reduce_scatter', 'all_gather'")
     groups = context().groups(topology, "calibrate")
     levels, large = {}, {}
     for name, group, size in (("intra", groups.intra, topology.local_size),
@@ -256,43 +267,53 @@ def calibrate(topology: Topology, *, cache_dir: str | os.PathLike | None = None,
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(model.to_dict()))
     context().cost_models.put((topology.layout, id(topology.group)), model)
-    _measure_allreduce(topology, model, sizes, reps)
+    for collective in collectives:
+        _measure(collective, topology, model, sizes, reps)
     return model
 
 
-def _measure_allreduce(topology: Topology, model: CostModel, sizes: tuple[int, int], reps: int) -> None:
-    """Time ``auto``'s all-reduce candidates on this layout and keep their lines for ``auto``.
+def _measure(collective: str, topology: Topology, model: CostModel, sizes: tuple[int, int], reps: int) -> None:
+    """Time ``auto``'s candidates for ``collective`` on this layout and keep their lines.
 
     The level fit sees two link levels; what it cannot see is this machine's cost of each extra
     phase of a call (thread hand-offs, copies, a CPU shared by every rank of a node), which decides
     small calls: on the emulated 2x2 the level model let ``auto`` run hierarchical at 64 KiB at 0.87x
-    of flat. The lines are of the calls themselves (blocking, each candidate's own pipelining depth),
-    so ``auto`` picks what measured faster (docs/results.md).
+    of flat, and it predicted commopt's FSDP2 collectives 30 % too fast. The lines are of the calls
+    themselves (blocking, each candidate's own pipelining depth), so ``auto`` picks what measured
+    faster (docs/results.md). Sizes are the per-rank buffer (all-reduce) or the world-sized one.
     """
-    options = [a for a in algorithms.candidates("allreduce")
-               if algorithms.get(a).supports(topology, "allreduce") is None]
-    if len(options) < 2:
+    options = [a for a in algorithms.candidates(collective)
+               if algorithms.get(a).supports(topology, collective) is None]
+    if len(options) < 2 and collective == "allreduce":
+        return  # nothing for auto to choose; the sharded simulator asks for the others' lines
+    if not options:
         return
     ctx, world, group = context(), topology.world_size, topology.group
     ctx.prepare(topology, options)
 
     def make_call(name: str, nbytes: int) -> Callable[[], object]:
-        run = algorithms.get(name).runs(topology, "allreduce")  # flat where it degenerates to it
-        impl, x = algorithms.get(run), torch.ones(nbytes // 4, dtype=torch.float32)
-        chunks = impl.chunks(model, "allreduce", nbytes, topology) if run != "flat" else 1
+        run = algorithms.get(name).runs(topology, collective)  # flat where it degenerates to it
+        impl = algorithms.get(run)
+        chunks = impl.chunks(model, collective, nbytes, topology) if run != "flat" else 1
+        topo = topology if run != "flat" else None
+        whole = torch.ones(nbytes // 4, dtype=torch.float32)
+        part = torch.ones(nbytes // 4 // world, dtype=torch.float32)
+        out, src = {"allreduce": (whole, None), "reduce_scatter": (part, whole),
+                    "all_gather": (whole, part)}[collective]
 
         def call() -> object:
-            p, red = prepare(x, "sum", world)
-            return wait(impl.start(ctx.call(impl, "allreduce", p, red, group, topology if run != "flat" else None,
-                                            None, True, chunks)), None)
+            p, red = prepare(out, "sum", world)
+            red = None if collective == "all_gather" else red
+            return wait(impl.start(ctx.call(impl, collective, p, red, group, topo, None, True, chunks, src)), None)
         return call
 
     # Three sizes, the middle one where the candidates' times cross, fitted on relative errors: two
     # sizes left the middle to the line, and auto picked leader there 6 % behind hierarchical.
     lo, hi = sizes[0], sizes[-1]
     spread = [lo, int(math.sqrt(lo * hi)), hi]
-    exact = [max(1, s // 4) * 4 for s in spread]
-    ctx.measured_lines.put(lines_key("allreduce", topology),
+    unit = 4 * (1 if collective == "allreduce" else world)  # whole fp32 elements, a whole block per rank
+    exact = [max(1, s // unit) * unit for s in spread]
+    ctx.measured_lines.put(lines_key(collective, topology),
                            measure_lines(topology, options, make_call, exact, reps, relative=True))
 
 

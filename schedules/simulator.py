@@ -336,9 +336,11 @@ def quantized_ratio(bits: int, block: int = 256, element_bytes: float = 4) -> fl
     return min(1.0, (bits / 8 + 4 / block) / element_bytes)
 
 
-def _sharded_times(plan: ShardedPlan, topology: Topology, model: cost.CostModel):
+def _sharded_times(plan: ShardedPlan, topology: Topology, model: cost.CostModel,
+                   lines: dict[str, dict[str, cost.LinkModel]] | None = None):
     """(all-gather before forward, all-gather before backward, gradient reduction) seconds of a layer
-    of ``n`` bytes, from the algorithm objects' cost."""
+    of ``n`` bytes, from the algorithm objects' cost, or from the plan algorithm's measured line of
+    that collective on this layout where ``lines`` has one (``cost.calibrate(collectives=...)``)."""
     local, nodes = topology.local_size, topology.num_nodes
     node = Topology(nodes=(tuple(range(local)),), rank=0, world_size=local)
     rail = Topology(nodes=tuple((i,) for i in range(nodes)), rank=0, world_size=nodes)
@@ -362,8 +364,12 @@ def _sharded_times(plan: ShardedPlan, topology: Topology, model: cost.CostModel)
     if reason is not None:
         raise ValueError(f"simulate_sharded: {reason}")
 
+    def timed(collective: str, n: float) -> float:
+        line = (lines or {}).get(collective, {}).get(plan.algorithm)
+        return line.time(n) if line is not None else algo.cost(model, collective, n, topology)
+
     def forward_gather(n: float) -> float:
-        return algo.cost(model, "all_gather", n * plan.weight_ratio, topology) + n * weight_codec
+        return timed("all_gather", n * plan.weight_ratio) + n * weight_codec
 
     def backward_gather(n: float) -> float:
         # hpZ: the secondary shard holds the layer inside the node, sharded L ways.
@@ -371,15 +377,16 @@ def _sharded_times(plan: ShardedPlan, topology: Topology, model: cost.CostModel)
 
     def reduce(n: float) -> float:
         if plan.reduce_scatter_as == "allreduce":  # the whole buffer all-reduced: n bytes per rank
-            return algo.cost(model, "allreduce", n * plan.grad_ratio, topology) + n * grad_codec
-        return algo.cost(model, "reduce_scatter", n * plan.grad_ratio, topology) + n * grad_codec
+            return timed("allreduce", n * plan.grad_ratio) + n * grad_codec
+        return timed("reduce_scatter", n * plan.grad_ratio) + n * grad_codec
 
     return forward_gather, backward_gather, reduce
 
 
 def simulate_sharded(layers: Sequence[Layer], topology: Topology, plan: ShardedPlan | None = None,
                      model: cost.CostModel | None = None,
-                     collectives: tuple[Callable[[float], float], ...] | None = None) -> SimResult:
+                     collectives: tuple[Callable[[float], float], ...] | None = None,
+                     lines: dict[str, dict[str, cost.LinkModel]] | None = None) -> SimResult:
     """One iteration of sharded data parallel: every layer an FSDP unit whose parameters are
     all-gathered before its forward (and again before its backward when resharded), and whose
     gradients are reduce-scattered (HSDP: reduce-scattered inside the node, then all-reduced along
@@ -390,10 +397,15 @@ def simulate_sharded(layers: Sequence[Layer], topology: Topology, plan: ShardedP
     ``collectives``: measured seconds of (the forward all-gather, the backward all-gather, the
     gradient reduction) of a layer of ``n`` bytes, in place of the cost model's (``model`` and the
     plan's ratios then go unused): the schedule alone is then what is modelled.
+
+    ``lines``: collective -> algorithm -> the effective ``alpha + S * beta`` line measured for that
+    algorithm's calls on this layout (``cost.measured_lines`` after ``cost.calibrate(topology,
+    collectives=(...))``): where the plan's algorithm has one, it replaces the level model's cost of
+    that collective (the per-call CPU work of commopt's phases is in the line, not in the levels).
     """
     plan = plan or ShardedPlan()
     model = model or cost.CostModel(cost.DEFAULT_INTRA, cost.DEFAULT_INTER)
-    forward_gather, backward_gather, reduce = collectives or _sharded_times(plan, topology, model)
+    forward_gather, backward_gather, reduce = collectives or _sharded_times(plan, topology, model, lines)
     sizes = [layer.grad_bytes for layer in layers]
     link_free = 0.0
     timeline: list[tuple[str, str, float, float]] = []

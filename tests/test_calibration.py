@@ -16,25 +16,35 @@ SIZES = (1 << 10, 64 << 10, 1 << 20, 16 << 20)
 def _forget(topo: Topology) -> None:
     """Later tests in this pool use the level model of the defaults again."""
     ctx = context()
-    ctx.measured_lines.pop(cost.lines_key("allreduce", topo))
+    for collective in _COLLECTIVES:
+        ctx.measured_lines.pop(cost.lines_key(collective, topo))
     ctx.cost_models.pop((topo.layout, id(topo.group)))
+
+
+_COLLECTIVES = ("allreduce", "reduce_scatter", "all_gather")
 
 
 def _calibrate(cache_dir: str) -> tuple:
     topo = Topology.from_spec("2x2")
     # The candidates of this process's registry (a kept pool may hold a test's toy algorithm too).
-    names = [a for a in algorithms.candidates("allreduce") if algorithms.get(a).supports(topo, "allreduce") is None]
+    names = {c: [a for a in algorithms.candidates(c) if algorithms.get(a).supports(topo, c) is None]
+             for c in _COLLECTIVES}
     try:
-        model = cost.calibrate(topo, cache_dir=cache_dir, sizes=(4096, 65536), reps=2)
-        lines = cost.measured_lines("allreduce", topo)
-        choices = tuple(select_algorithm("allreduce", "auto", s, topo) for s in SIZES)
+        try:
+            cost.calibrate(topo, collectives=("allreduce", "broadcast"))
+        except ValueError as exc:
+            refused = str(exc)
+        model = cost.calibrate(topo, cache_dir=cache_dir, sizes=(4096, 65536), reps=2, collectives=_COLLECTIVES)
+        lines = {c: cost.measured_lines(c, topo) for c in _COLLECTIVES}
+        choices = {c: tuple(select_algorithm(c, "auto", s, topo) for s in SIZES) for c in _COLLECTIVES}
         # auto runs, and reduces correctly, with the calibration in place.
         x = torch.full((1000,), float(dist.get_rank() + 1))
         all_reduce(x, topology=topo)
         assert torch.equal(x, torch.full((1000,), 10.0))
     finally:
         _forget(topo)
-    return model.to_dict(), {a: (m.alpha, m.beta) for a, m in lines.items()}, choices, names
+    return (model.to_dict(), {c: {a: (m.alpha, m.beta) for a, m in v.items()} for c, v in lines.items()}, choices,
+            names, refused)
 
 
 def test_calibrate_measures_lines_that_auto_follows(ranks, tmp_path):
@@ -43,14 +53,17 @@ def test_calibrate_measures_lines_that_auto_follows(ranks, tmp_path):
     earlier candidate): the oracle is recomputed here from the returned lines."""
     results = ranks(4, _calibrate, str(tmp_path), timeout=120)
     assert all(r == results[0] for r in results), results
-    model, lines, choices, expected = results[0]
+    model, lines, choices, expected, refused = results[0]
+    assert "cost.calibrate" in refused and "broadcast" in refused
     assert model["intra"]["beta"] > 0 and model["inter"]["beta"] > 0
-    assert {"flat", "hierarchical"} <= set(expected) and sorted(lines) == sorted(expected)
-    assert all(alpha >= 0 and beta > 0 for alpha, beta in lines.values())
-    for size, choice in zip(SIZES, choices):
-        times = {a: LinkModel(*lines[a]).time(size) for a in expected}
-        best = min(expected, key=lambda a: (times[a], expected.index(a)))
-        assert choice == best, (size, choice, times)
+    for collective in _COLLECTIVES:  # the all-reduce's, and the reduce-scatter's and all-gather's on request
+        mine = expected[collective]
+        assert {"flat", "hierarchical"} <= set(mine) and sorted(lines[collective]) == sorted(mine), collective
+        assert all(alpha >= 0 and beta > 0 for alpha, beta in lines[collective].values()), collective
+        for size, choice in zip(SIZES, choices[collective]):
+            times = {a: LinkModel(*lines[collective][a]).time(size) for a in mine}
+            best = min(mine, key=lambda a: (times[a], mine.index(a)))
+            assert choice == best, (collective, size, choice, times)
     assert (tmp_path / next(p.name for p in tmp_path.iterdir())).read_text()  # rank 0 cached the model
 
 

@@ -426,3 +426,24 @@ def test_tensor_parallel_block_limits():
     assert one.communication == 0 and one.compute == pytest.approx(tp * unfused.compute)
     with pytest.raises(ValueError, match="tp must be"):
         simulate_tensor_parallel(cfg, tp=0, tokens=tokens, flops=1e9, link=link, decomposed=True)
+
+
+def test_sharded_simulator_takes_measured_lines():
+    """simulate_sharded(lines=): where the plan's algorithm has a measured line for a collective, the
+    line is that collective's time (the oracle: the same schedule given those times directly); without
+    lines, or for another algorithm's, the level model's."""
+    from commopt.comm.cost import CostModel, LinkModel
+    from commopt.schedules.simulator import Layer, ShardedPlan, simulate_sharded
+
+    topo = Topology(nodes=((0, 1), (2, 3)), rank=0, world_size=4)
+    layers = [Layer(f"l{i}", 0.01, 0.02, 4 << 20) for i in range(3)]
+    model = CostModel(LinkModel(1e-5, 1e-10), LinkModel(1e-4, 1e-8))
+    plan = ShardedPlan("fsdp", "hierarchical")
+    line = LinkModel(3e-3, 2e-9)
+    lines = {"all_gather": {"hierarchical": line}, "reduce_scatter": {"hierarchical": line}}
+    got = simulate_sharded(layers, topo, plan, model, lines=lines)
+    want = simulate_sharded(layers, topo, plan, model, collectives=(line.time, line.time, line.time))
+    assert got.iteration == pytest.approx(want.iteration) and got.communication == pytest.approx(want.communication)
+    plain = simulate_sharded(layers, topo, plan, model)
+    other = simulate_sharded(layers, topo, plan, model, lines={"all_gather": {"flat": line}})
+    assert other.iteration == plain.iteration and plain.iteration != pytest.approx(got.iteration)
