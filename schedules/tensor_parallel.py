@@ -49,11 +49,18 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Callable, Sequence
+from functools import partial
+from types import MethodType
 
 import torch
 import torch.distributed as dist
+import torch.distributed.tensor.parallel as _torch_tp
+import torch.nn.functional as F
+from torch import nn
 from torch.autograd.function import once_differentiable
 from torch.distributed import ProcessGroup, ReduceOp
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 
 from commopt.comm.algorithms import deadline_of, pairwise, remaining
 from commopt.comm.checks import agree, check_group, check_timeout
@@ -61,10 +68,12 @@ from commopt.comm.engine import Engine, Phase, wait
 from commopt.comm.errors import CommError
 from commopt.comm.runtime import context
 
-__all__ = ["all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"]
+__all__ = ["all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "ColwiseParallel", "RowwiseParallel",
+           "SequenceParallel"]
 
 _FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 _RING = "ring"  # the algorithm name the agreement check carries
+_GATHERED = "_commopt_gathered"  # the attribute of an input tensor that keeps its gathered form (ColwiseParallel)
 
 
 # --------------------------------------------------------------------------------- public functions
@@ -147,9 +156,22 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, *, scatter_dim: int 
         CollectiveMismatchError: the products' shapes or dtypes differ across ranks (every rank).
         CommTimeoutError: a rank did not enter the call, or a step did not finish, within ``timeout``.
     """
-    name = "matmul_reduce_scatter"
+    return _matmul_reduce_scatter("matmul_reduce_scatter", a, b, None, scatter_dim, group, op, timeout)
+
+
+def _matmul_reduce_scatter(name: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, scatter_dim: int,
+                           group: ProcessGroup | None, op: ReduceOp.RedOpType, timeout: float | None) -> torch.Tensor:
+    """:func:`matmul_reduce_scatter` with an optional ``bias`` ``[N]`` added once to the reduced block
+    (RowwiseParallel's bias). Its gradient is the sum of the whole gradient, which the backward's
+    all-gather ring already holds on every rank: a replicated bias gets a replicated gradient with
+    no communication of its own."""
     _check_matrix(name, "a", a, min_ndim=2)
     _check_b(name, "b", a, "a", b)
+    if bias is not None and op != ReduceOp.SUM:
+        raise ValueError(f"{name}: a bias is added after a SUM reduction only, got op={op}")
+    if bias is not None and (bias.shape != (b.shape[1],) or bias.dtype != b.dtype or bias.device != b.device):
+        raise ValueError(f"{name}: bias has shape {list(bias.shape)}, {bias.dtype} on {bias.device}; it must be "
+                         f"[{b.shape[1]}], {b.dtype} on {b.device} (one value per output column)")
     d = _leading_dim(name, "scatter_dim", scatter_dim, a)
     if op not in (ReduceOp.SUM, ReduceOp.AVG):
         raise ValueError(f"{name}: op must be ReduceOp.SUM or ReduceOp.AVG (a sum of partial products), got {op}")
@@ -161,12 +183,12 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, *, scatter_dim: int 
                          f"divisible by the group size {size}; pad that dimension to a multiple of {size} or "
                          f"scatter along another one")
     if size == 1:
-        return torch.matmul(a, b)
+        return torch.matmul(a, b) if bias is None else torch.matmul(a, b) + bias
     deadline = deadline_of(timeout)
     shape = tuple(a.shape[:-1]) + (b.shape[1],)
     _agree(name, "reduce_scatter", a, (shape, d, "avg" if op == ReduceOp.AVG else "sum"), group, timeout,
            numel=math.prod(shape), op="avg" if op == ReduceOp.AVG else "sum")
-    return _MatmulReduceScatter.apply(a, b, d, group, timeout, deadline, op == ReduceOp.AVG)
+    return _MatmulReduceScatter.apply(a, b, d, group, timeout, deadline, op == ReduceOp.AVG, bias)
 
 
 def matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, *, group: ProcessGroup | None = None,
@@ -204,6 +226,241 @@ def matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, *, group: ProcessGroup |
     shape = tuple(a.shape[:-1]) + (b.shape[1],)
     _agree(name, "all_reduce", a, (shape,), group, timeout, numel=math.prod(shape))
     return _MatmulAllReduce.apply(a, b, group, timeout, deadline)
+
+
+# --------------------------------------------------------------------------------- drop-in styles
+class ColwiseParallel(_torch_tp.ColwiseParallel):
+    """torch's ``ColwiseParallel`` with the all-gather of a sequence-sharded input decomposed into the
+    matmul (:func:`all_gather_matmul`); a drop-in for ``parallelize_module`` plans (docs/guide.md,
+    "Tensor parallelism").
+
+    The arguments, the parameters and the results are torch's: ``weight`` and ``bias`` become the
+    same ``Shard(0)`` DTensors on the mesh (so ``state_dict``, optimizers and FSDP2 on another mesh
+    dimension see what they see under torch's style), the output is sharded on its last dimension
+    and then laid out as ``output_layouts`` asks, a local tensor when ``use_local_output``.
+    What differs is the forward of an ``nn.Linear`` whose input arrives sharded on a leading
+    dimension ``d`` (``input_layouts=Shard(1)`` for a local tensor, or a DTensor placed ``Shard(d)``,
+    e.g. the output of ``SequenceParallel``): instead of torch's all-gather followed by the matmul,
+    :func:`all_gather_matmul` along ``d`` on the mesh's group, each ring step's transfer overlapped
+    with the previous block's matmul, the bias (this rank's shard) added after; its backward
+    reduce-scatters the input's gradient in the same kind of ring. Several modules that receive the
+    same input object (``wq``, ``wk``, ``wv`` after one norm; ``w1``, ``w3``) gather it once: the
+    first call keeps the gathered input on the input tensor (while that tensor lives and is not
+    modified in place), the others multiply it without communicating, and their gradients join the
+    first call's ring in the backward.
+
+    So the fused form of torch's Llama plan passes ``input_layouts=Shard(1)`` here and drops the
+    ``PrepareModuleInput(Shard(1) -> Replicate)`` in front of these modules. With that
+    ``PrepareModuleInput`` kept (the tutorial's form) the input arrives replicated, the all-gather
+    happens there, unfused (torch's, as before), and this style computes what torch's does: a
+    replicated input (local or DTensor) always runs torch's own forward.
+
+    Delegated to torch's ``ColwiseParallel`` unchanged: ``nn.Embedding``; an ``nn.Linear`` subclass
+    with its own ``forward``; ``input_layouts`` or ``output_layouts`` other than ``Shard`` /
+    ``Replicate`` (at ``parallelize_module``); at run time an input sharded on its last dimension,
+    or a DTensor input whose sharded dimension does not divide by the mesh size. A local input
+    declared ``Shard(d)`` must have the same shape on every rank (torch assumes so too): otherwise
+    :func:`all_gather_matmul`'s agreement check raises ``CollectiveMismatchError`` on every rank.
+
+    Args:
+        input_layouts, output_layouts, use_local_output: torch's ``ColwiseParallel`` arguments.
+
+    Raises:
+        ValueError: at ``parallelize_module``, a device mesh that is not 1-D (pass the
+            tensor-parallel sub-mesh, ``mesh["tp"]``), or a module that is neither ``nn.Linear`` nor
+            ``nn.Embedding`` (docs/faults.md row 39).
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        mesh = _tp_mesh("ColwiseParallel", device_mesh)
+        if not isinstance(module, (nn.Linear, nn.Embedding)):
+            raise ValueError(f"ColwiseParallel: module {type(module).__name__} is neither torch.nn.Linear nor "
+                             f"torch.nn.Embedding; shard its Linear submodules instead (a plan entry for each)")
+        if (not _fusable(module) or not _simple(self.input_layouts[0])
+                or not _simple(self.output_layouts[0])):
+            return super()._apply(module, mesh)
+        distribute_module(module, mesh, self._partition_linear_fn)
+        module.forward = MethodType(partial(_colwise_forward, self, mesh), module)
+        return module
+
+
+class RowwiseParallel(_torch_tp.RowwiseParallel):
+    """torch's ``RowwiseParallel`` with the reduction of the partial products decomposed into the
+    matmul; a drop-in for ``parallelize_module`` plans (docs/guide.md, "Tensor parallelism").
+
+    The arguments, the parameters (``weight`` a ``Shard(1)`` DTensor, ``bias`` a replicated one) and
+    the results are torch's. For an ``nn.Linear`` whose input arrives sharded on its last dimension
+    (the default: the output of a ``ColwiseParallel``):
+
+    - ``output_layouts=Shard(d)`` (sequence parallelism, ``Shard(1)`` in torch's Llama plan), ``d`` a
+      leading dimension: :func:`matmul_reduce_scatter` along ``d`` on the mesh's group instead of
+      torch's matmul + reduce-scatter; its backward is an all-gather-matmul ring of the gradient.
+    - ``output_layouts=Replicate()`` (the default): :func:`matmul_all_reduce`; its backward is local,
+      as torch's is.
+
+    The bias is added once, after the reduction, as in torch; under ``Shard(d)`` its gradient is
+    summed from the gradient the backward's ring gathers (replicated, as torch's, with no collective
+    of its own).
+
+    Delegated to torch's ``RowwiseParallel`` unchanged: ``nn.Embedding``; an ``nn.Linear`` subclass
+    with its own ``forward``; ``input_layouts`` or ``output_layouts`` other than ``Shard`` /
+    ``Replicate``; at run time an input that is not sharded on its last dimension (e.g. a replicated
+    DTensor), an output sharded on its last dimension, or a scatter dimension whose size does not
+    divide by the mesh size (torch pads it).
+
+    Args:
+        input_layouts, output_layouts, use_local_output: torch's ``RowwiseParallel`` arguments.
+
+    Raises:
+        ValueError: at ``parallelize_module``, a device mesh that is not 1-D, or a module that is
+            neither ``nn.Linear`` nor ``nn.Embedding`` (docs/faults.md row 39).
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        mesh = _tp_mesh("RowwiseParallel", device_mesh)
+        if not isinstance(module, (nn.Linear, nn.Embedding)):
+            raise ValueError(f"RowwiseParallel: module {type(module).__name__} is neither torch.nn.Linear nor "
+                             f"torch.nn.Embedding; shard its Linear submodules instead (a plan entry for each)")
+        if (not _fusable(module) or not _simple(self.input_layouts[0])
+                or not _simple(self.output_layouts[0])):
+            return super()._apply(module, mesh)
+        self.desired_input_layouts = (Shard(-1),)  # torch's, for the runs its own forward serves
+        distribute_module(module, mesh, self._partition_linear_fn)
+        module.forward = MethodType(partial(_rowwise_forward, self, mesh), module)
+        return module
+
+
+class SequenceParallel(_torch_tp.SequenceParallel):
+    """torch's ``SequenceParallel`` (``sequence_dim=1, use_local_output=False``), unchanged but for
+    the mesh check: norms and dropout run on this rank's block of the sequence, their parameters
+    replicated. It has no matmul to fuse: the all-gather after it is fused by a
+    :class:`ColwiseParallel` that takes its output with ``input_layouts=Shard(1)`` (the DTensor it
+    returns is placed ``Shard(sequence_dim)``), and the reduce-scatter before it by a
+    :class:`RowwiseParallel` with ``output_layouts=Shard(1)`` (docs/guide.md, "Tensor parallelism").
+
+    Raises:
+        ValueError: at ``parallelize_module``, a device mesh that is not 1-D (docs/faults.md row 39).
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return super()._apply(module, _tp_mesh("SequenceParallel", device_mesh))
+
+
+def _tp_mesh(style: str, device_mesh) -> DeviceMesh:
+    """The 1-D tensor-parallel mesh the style was applied on; its group is the ring's."""
+    if not isinstance(device_mesh, DeviceMesh):
+        raise ValueError(f"{style}: device_mesh must be a torch.distributed DeviceMesh, got "
+                         f"{type(device_mesh).__name__}; pass the 1-D tensor-parallel mesh to parallelize_module")
+    if device_mesh.ndim != 1:
+        names = f" named {device_mesh.mesh_dim_names}" if device_mesh.mesh_dim_names else ""
+        raise ValueError(f"{style}: device_mesh has {device_mesh.ndim} dimensions{names} (shape "
+                         f"{tuple(device_mesh.shape)}); tensor parallelism runs on one: pass its 1-D sub-mesh, "
+                         f"e.g. mesh['tp'], and compose the other dimension separately (fully_shard(..., "
+                         f"mesh=mesh['dp']))")
+    return device_mesh
+
+
+def _fusable(module: nn.Module) -> bool:
+    """A plain ``nn.Linear`` forward (a subclass with a forward of its own keeps torch's hooks)."""
+    return isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
+
+
+def _simple(placement) -> bool:
+    return type(placement) in (Shard, Replicate)
+
+
+def _shard_dim(placement, ndim: int) -> int | None:
+    """The normalised dimension of a plain ``Shard`` placement valid for ``ndim``, else None."""
+    if type(placement) is not Shard or not -ndim <= placement.dim < ndim:
+        return None
+    return placement.dim % ndim
+
+
+def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for n in reversed(shape):
+        stride.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(stride))
+
+
+def _as_dtensor(local: torch.Tensor, mesh: DeviceMesh, placement, shape: list[int]) -> DTensor:
+    return DTensor.from_local(local, mesh, (placement,), run_check=False, shape=torch.Size(shape),
+                              stride=_contiguous_stride(shape))
+
+
+def _colwise_forward(style: ColwiseParallel, mesh: DeviceMesh, module: nn.Linear, x: torch.Tensor):
+    """The forward of a Linear under :class:`ColwiseParallel` (installed as the module's ``forward``)."""
+    size = mesh.size()
+    is_dt = isinstance(x, DTensor)
+    d = _shard_dim(x.placements[0] if is_dt else style.input_layouts[0], x.dim())
+    if d is None or d == x.dim() - 1 or (is_dt and x.shape[d] % size):
+        # Replicated, sharded on the contraction, or uneven: torch's own hooks and DTensor matmul.
+        xt = _torch_tp.ColwiseParallel._prepare_input_fn(style.input_layouts, style.desired_input_layouts, module,
+                                                         (x,), mesh)
+        out = F.linear(xt, module.weight, module.bias)
+        return _torch_tp.ColwiseParallel._prepare_output_fn(style.output_layouts, style.use_local_output, module,
+                                                            out, mesh)
+    local = x.to_local() if is_dt else x
+    y = _shared_gather_matmul(x, local, d, module.weight.to_local().t(), mesh.get_group())
+    if module.bias is not None:
+        y = y + module.bias.to_local()  # this rank's columns
+    last = y.dim() - 1
+    out_layout = style.output_layouts[0]
+    if style.use_local_output and _shard_dim(out_layout, y.dim()) == last:
+        return y  # torch's from_local + to_local: the same tensor, the same gradient
+    shape = list(local.shape[:-1]) + [module.out_features]
+    shape[d] *= size
+    out = _as_dtensor(y, mesh, Shard(last), shape)
+    return _torch_tp.ColwiseParallel._prepare_output_fn(style.output_layouts, style.use_local_output, module, out,
+                                                        mesh)
+
+
+def _shared_gather_matmul(x: torch.Tensor, local: torch.Tensor, d: int, b: torch.Tensor, group) -> torch.Tensor:
+    """``all_gather(local) @ b``, the gathered input kept on ``x`` (the object the module received)
+    for the next module handed the same unmodified ``x`` on the same group and dimension, which then
+    multiplies it without communicating. Which modules share is decided by the program (the same
+    object reaching them), not by a local value, so every rank runs the same rings."""
+    key = (group, d, local._version, torch.is_grad_enabled())
+    kept = getattr(x, _GATHERED, None)
+    if kept is not None and kept[0] == key:
+        return torch.matmul(kept[1], b)
+    gathered, (y,) = all_gather_matmul(local, [b], gather_dim=d, group=group, return_a=True)
+    setattr(x, _GATHERED, (key, gathered))
+    return y
+
+
+def _rowwise_forward(style: RowwiseParallel, mesh: DeviceMesh, module: nn.Linear, x: torch.Tensor):
+    """The forward of a Linear under :class:`RowwiseParallel` (installed as the module's ``forward``)."""
+    size, group = mesh.size(), mesh.get_group()
+    is_dt = isinstance(x, DTensor)
+    nd = x.dim()
+    out_layout = style.output_layouts[0]
+    d = _shard_dim(out_layout, nd)
+    fused = _shard_dim(x.placements[0] if is_dt else style.input_layouts[0], nd) == nd - 1 and nd >= 1
+    if isinstance(out_layout, Replicate):
+        pass
+    elif d is None or d == nd - 1 or x.shape[d] % size:
+        fused = False
+    if not fused:
+        xt = _torch_tp.RowwiseParallel._prepare_input_fn(style.input_layouts, style.desired_input_layouts, module,
+                                                         (x,), mesh)
+        out = F.linear(xt, module.weight, module.bias)
+        return _torch_tp.RowwiseParallel._prepare_output_fn(style.output_layouts, style.use_local_output, module,
+                                                            out, mesh)
+    local = x.to_local() if is_dt else x
+    w = module.weight.to_local().t()
+    bias = module.bias.to_local() if module.bias is not None else None
+    if isinstance(out_layout, Replicate):
+        y = matmul_all_reduce(local, w, group=group)
+        if bias is not None:
+            y = y + bias  # once, after the reduction; its gradient is the replicated one's sum
+        placement, shape = Replicate(), list(y.shape)
+    else:
+        y = _matmul_reduce_scatter("RowwiseParallel", local, w, bias, d, group, ReduceOp.SUM, None)
+        placement, shape = Shard(d), list(y.shape)
+        shape[d] *= size
+    return y if style.use_local_output else _as_dtensor(y, mesh, placement, shape)
 
 
 # --------------------------------------------------------------------------------- autograd
@@ -246,10 +503,10 @@ class _AllGatherMatmul(torch.autograd.Function):
             grad_a = _ring_reduce_scatter("all_gather_matmul/backward", partial, lambda _c: shard_shape,
                                           ctx.group, ctx.timeout, deadline_of(ctx.timeout), gathered)
         grad_bs = []
-        flat_a = gathered.reshape(-1, gathered.shape[-1])
+        flat_a = _flat(gathered)
         for i, g in enumerate(g_outs):
             if ctx.needs_input_grad[6 + i] and g is not None:
-                grad_bs.append(flat_a.t() @ g.reshape(-1, g.shape[-1]))
+                grad_bs.append(flat_a.t() @ _flat(g))
             else:
                 grad_bs.append(None)
         return (grad_a, None, None, None, None, None, *grad_bs)
@@ -257,7 +514,7 @@ class _AllGatherMatmul(torch.autograd.Function):
 
 class _MatmulReduceScatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, a, b, d, group, timeout, deadline, avg):
+    def forward(ctx, a, b, d, group, timeout, deadline, avg, bias=None):
         size = dist.get_world_size(group)
         s = a.shape[d] // size
 
@@ -270,6 +527,8 @@ class _MatmulReduceScatter(torch.autograd.Function):
                                    deadline, a)
         if avg:
             out.div_(size)
+        if bias is not None:
+            out.add_(bias)  # once, after the reduction (RowwiseParallel's bias)
         ctx.d, ctx.group, ctx.timeout, ctx.avg = d, group, timeout, avg
         ctx.save_for_backward(a, b)
         return out
@@ -279,24 +538,30 @@ class _MatmulReduceScatter(torch.autograd.Function):
     def backward(ctx, g):
         a, b = ctx.saved_tensors
         need_a, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        if not (need_a or need_b):
-            return (None,) * 7
+        need_bias = ctx.needs_input_grad[7]
+        if not (need_a or need_b or need_bias):
+            return (None,) * 8
         if ctx.avg:
             g = g / dist.get_world_size(ctx.group)
         gathered, outs = _gather_matmul("matmul_reduce_scatter/backward", g, [b.t()] if need_a else [], ctx.d,
-                                        ctx.group, ctx.timeout, deadline_of(ctx.timeout), keep_gathered=need_b)
+                                        ctx.group, ctx.timeout, deadline_of(ctx.timeout),
+                                        keep_gathered=need_b or need_bias)
         grad_a = outs[0] if need_a else None
-        grad_b = None
+        grad_b = grad_bias = None
         if need_b:
-            grad_b = a.reshape(-1, a.shape[-1]).t() @ gathered.reshape(-1, gathered.shape[-1])
-        return grad_a, grad_b, None, None, None, None, None
+            grad_b = _flat(a).t() @ _flat(gathered)
+        if need_bias:
+            # Added after the (SUM) reduction: the sum of the whole gradient, which the ring has just
+            # gathered, bit for bit the same on every rank (a replicated gradient, no collective).
+            grad_bias = _flat(gathered).sum(0)
+        return grad_a, grad_b, None, None, None, None, None, grad_bias
 
 
 class _MatmulAllReduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a, b, group, timeout, deadline):
         size, me = dist.get_world_size(group), dist.get_rank(group)
-        flat = a.reshape(-1, a.shape[-1])
+        flat = _flat(a)
         rows, n = flat.shape[0], b.shape[1]
         bounds = [rows * r // size for r in range(size + 1)]
 
@@ -316,7 +581,7 @@ class _MatmulAllReduce(torch.autograd.Function):
         grad_a = torch.matmul(g, b.t()) if ctx.needs_input_grad[0] else None
         grad_b = None
         if ctx.needs_input_grad[1]:
-            grad_b = a.reshape(-1, a.shape[-1]).t() @ g.reshape(-1, g.shape[-1])
+            grad_b = _flat(a).t() @ _flat(g)
         return grad_a, grad_b, None, None, None
 
 
@@ -421,6 +686,11 @@ def _wait(fut: torch.futures.Future, op: str, timeout: float | None, deadline: f
         fut.wait()
     else:
         wait(fut, timeout, op=op, deadline=deadline)
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """``[..., n]`` -> ``[rows, n]`` (``reshape(-1, n)`` fails when ``n`` is 0: an empty column shard)."""
+    return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
 
 
 def _merge(stacked: torch.Tensor, d: int) -> torch.Tensor:

@@ -21,12 +21,28 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from _pool import RankPool
+from torch import nn
 from torch.distributed import ReduceOp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel as TorchColwise
+from torch.distributed.tensor.parallel import PrepareModuleInput, parallelize_module
+from torch.distributed.tensor.parallel import RowwiseParallel as TorchRowwise
+from torch.distributed.tensor.parallel import SequenceParallel as TorchSequence
 
 from commopt.comm import context
 from commopt.comm.errors import CollectiveMismatchError, CommTimeoutError
-from commopt.schedules import all_gather_matmul, matmul_all_reduce, matmul_reduce_scatter
+from commopt.schedules import (
+    ColwiseParallel,
+    RowwiseParallel,
+    SequenceParallel,
+    all_gather_matmul,
+    matmul_all_reduce,
+    matmul_reduce_scatter,
+)
 
 T = 60.0  # the calls' timeout where nothing is meant to time out
 ABSENT = 2.0  # the timeout of a call a peer never enters (row 39)
@@ -421,3 +437,340 @@ def test_bad_arguments_are_errors_at_the_call():
     for got, ref in ((outs[0], x2 @ w2[0]), (outs[1], x2 @ w2[1]), (y, x2 @ w2[0]), (z, x2 @ w2[1]),
                      (x.grad, x2.grad), (ws[0].grad, w2[0].grad), (ws[1].grad, w2[1].grad)):
         assert got.shape == ref.shape and torch.allclose(got, ref, rtol=1.3e-6, atol=1e-5)
+
+
+# --------------------------------------------------------------------------------- drop-in styles (item 2)
+# The oracle is torch's own ColwiseParallel / RowwiseParallel / SequenceParallel on the same module
+# from the same seeded weights: outputs, parameters (the same DTensors, the same placements) and
+# every parameter's gradient, fp32 with assert_close's default tolerances. The engine's byte
+# counters show the decomposed rings ran where they should (and nowhere under torch's plan).
+class _RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+class _Attention(nn.Module):
+    """Causal attention whose head count follows wq's (local) width: the same code serves the
+    unsharded module and any TP size that divides the heads. Biased projections (as Qwen's QKV)."""
+
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.head_dim = dim // heads
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(dim, dim, bias=True) for _ in range(4))
+
+    def forward(self, x):
+        b, s = x.shape[0], x.shape[1]
+
+        def heads(t):
+            return t.view(b, s, -1, self.head_dim).transpose(1, 2)
+
+        o = F.scaled_dot_product_attention(heads(self.wq(x)), heads(self.wk(x)), heads(self.wv(x)), is_causal=True)
+        return self.wo(o.transpose(1, 2).reshape(b, s, -1))
+
+
+class _FeedForward(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w1, self.w3 = nn.Linear(dim, hidden, bias=False), nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class _Block(nn.Module):
+    """A Llama-style block, names as in torch's tensor-parallel tutorial."""
+
+    def __init__(self, dim: int = 24, heads: int = 12, hidden: int = 48):
+        super().__init__()
+        self.attention_norm, self.ffn_norm = _RMSNorm(dim), _RMSNorm(dim)
+        self.attention = _Attention(dim, heads)
+        self.feed_forward = _FeedForward(dim, hidden)
+
+    def forward(self, x):
+        h = x + self.attention(self.attention_norm(x))
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+def _llama_plan(col, row, seq, fused: bool) -> dict:
+    """The block's plan of torch's TP tutorial, with the given styles; ``fused``: no
+    PrepareModuleInput, the Colwise modules take the norms' Shard(1) output themselves."""
+    plan = {"attention_norm": seq(), "ffn_norm": seq(),
+            "attention.wo": row(output_layouts=Shard(1)), "feed_forward.w2": row(output_layouts=Shard(1))}
+    for name in ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3"):
+        plan[name] = col(input_layouts=Shard(1)) if fused else col()
+    if not fused:
+        for name in ("attention", "feed_forward"):
+            plan[name] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    return plan
+
+
+_TORCH = (TorchColwise, TorchRowwise, TorchSequence)
+
+
+def _ring_bytes() -> dict[str, int]:
+    sent = context().engine().bytes_sent()
+    return {op: sent.get(op, 0) for op in ("all_gather_matmul", "all_gather_matmul/backward", "matmul_reduce_scatter",
+                                           "matmul_reduce_scatter/backward", "matmul_all_reduce")}
+
+
+def _run_styled(make, plan, mesh, x: torch.Tensor, g: torch.Tensor | int, replicated: bool = False):
+    """Parallelize a fresh seeded module with ``plan``, run forward + backward (``g``, or a random
+    gradient of the local output's shape seeded with ``g``, and with the rank unless the output is
+    ``replicated``); return the module, its output, the input's gradient and the ring bytes the run
+    sent through commopt."""
+    torch.manual_seed(1234)
+    model = parallelize_module(make(), mesh, plan)
+    before = _ring_bytes()
+    x = x.detach().clone().requires_grad_()
+    out = model(x)
+    local = out.to_local() if isinstance(out, DTensor) else out
+    seed = 0 if isinstance(g, torch.Tensor) else 1000 * g + (0 if replicated else dist.get_rank())
+    local.backward(g if isinstance(g, torch.Tensor) else _rand(local.shape, torch.float32, seed))
+    after = _ring_bytes()
+    return model, out, x.grad, {op: after[op] - before[op] for op in after}
+
+
+def _eq(got: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+    torch.testing.assert_close(got, ref, msg=lambda m: f"{what}: {m}")
+
+
+def _same_module(got: nn.Module, ref: nn.Module, what: str) -> int:
+    """The same parameter names, DTensor placements and values, and the same gradients."""
+    got_p, ref_p = dict(got.named_parameters()), dict(ref.named_parameters())
+    assert got_p.keys() == ref_p.keys(), what
+    for name, p in got_p.items():
+        r = ref_p[name]
+        assert isinstance(p, DTensor) and isinstance(r, DTensor), (what, name)
+        assert p.placements == r.placements and p.shape == r.shape, (what, name, p.placements, r.placements)
+        torch.testing.assert_close(p.to_local(), r.to_local(), rtol=0, atol=0)
+        assert (p.grad is None) == (r.grad is None), (what, name)
+        assert p.grad.placements == r.grad.placements, (what, name, p.grad.placements, r.grad.placements)
+        _eq(p.grad.to_local(), r.grad.to_local(), f"{what} {name}.grad")
+    assert got.state_dict().keys() == ref.state_dict().keys(), what
+    return len(got_p)
+
+
+def _styles_matrix(tp: int) -> list[str]:
+    """Each case parallelized with torch's styles and with commopt's, the same plan otherwise, on a
+    TP mesh of ``tp`` ranks."""
+    if tp == dist.get_world_size():
+        mesh = init_device_mesh("cpu", (tp,))
+    else:  # TP groups of a 2-D mesh, not WORLD (each runs the matrix on its own)
+        mesh = init_device_mesh("cpu", (dist.get_world_size() // tp, tp), mesh_dim_names=("dp", "tp"))["tp"]
+    try:
+        return _styles_cases(mesh)
+    finally:
+        if mesh.get_group() is not dist.group.WORLD:
+            context().engine().release(mesh.get_group())
+
+
+def _styles_cases(mesh) -> list[str]:
+    world, me = mesh.size(), mesh.get_local_rank()
+    ours, theirs = (ColwiseParallel, RowwiseParallel, SequenceParallel), _TORCH
+    done = []
+    batch, seq, dim = 2, 2 * world, 24
+    x_full = _rand((batch, seq, dim), torch.float32, 300)
+    x_local = x_full.chunk(world, dim=1)[me]
+    g_local = _rand((batch, seq, dim), torch.float32, 301).chunk(world, dim=1)[me]
+    x_bytes = x_local.numel() * 4
+
+    # (1) The Llama block: the tutorial's plan (PrepareModuleInput) and the fused one, each against
+    # torch's styles in the same plan and, for the fused one, against torch's tutorial plan too.
+    ref = {fused: _run_styled(_Block, _llama_plan(*theirs, fused), mesh, x_local, g_local) for fused in (False, True)}
+    for fused in (False, True):
+        assert not any(ref[fused][3].values()), ref[fused][3]  # torch's plan sends nothing through commopt
+        model, out, x_grad, sent = _run_styled(_Block, _llama_plan(*ours, fused), mesh, x_local, g_local)
+        for oracle in (ref[fused], ref[False]):
+            what = f"llama block (fused={fused}) at TP {world}"
+            _eq(out, oracle[1], f"{what} output")
+            _eq(x_grad, oracle[2], f"{what} input grad")
+            _same_module(model, oracle[0], what)
+        # One ring per matmul that is adjacent to a collective: wo and w2 reduce-scatter; in the
+        # fused plan wq/wk/wv gather their input once, w1/w3 once (each ring moves (P-1)/P).
+        rs = 2 * (world - 1) * x_bytes
+        assert sent["matmul_reduce_scatter"] == rs and sent["matmul_reduce_scatter/backward"] == rs, sent
+        ag = 2 * (world - 1) * x_bytes if fused else 0
+        assert sent["all_gather_matmul"] == ag and sent["all_gather_matmul/backward"] == ag, sent
+        assert sent["matmul_all_reduce"] == 0, sent
+        done.append(f"llama fused={fused}")
+
+    # (2) TP without sequence parallelism: a biased MLP on a replicated input, Rowwise's default
+    # Replicate output (matmul_all_reduce, the bias added once after it), DTensor outputs.
+    def mlp():
+        return nn.Sequential(nn.Linear(dim, 36), nn.GELU(), nn.Linear(36, dim))
+
+    for local_out in (True, False):
+        def plan(col, row, seq, local_out=local_out):
+            return {"0": col(), "2": row(use_local_output=local_out)}
+
+        xr = _rand((batch, 3, dim), torch.float32, 302)  # replicated: the same on every rank
+        gr = _rand((batch, 3, dim), torch.float32, 303)
+        r_model, r_out, r_grad, _ = _run_styled(mlp, plan(*theirs), mesh, xr, gr)
+        model, out, x_grad, sent = _run_styled(mlp, plan(*ours), mesh, xr, gr)
+        what = f"mlp use_local_output={local_out} at TP {world}"
+        assert isinstance(out, DTensor) == isinstance(r_out, DTensor), what
+        if isinstance(out, DTensor):
+            assert out.placements == r_out.placements and out.shape == r_out.shape, (what, out.placements)
+            out, r_out = out.to_local(), r_out.to_local()
+        _eq(out, r_out, f"{what} output")
+        _eq(x_grad, r_grad, f"{what} input grad")
+        _same_module(model, r_model, what)
+        assert sent["matmul_all_reduce"] > 0 and sent["all_gather_matmul"] == 0, sent
+        done.append(what)
+
+    # (3) A fused Colwise whose output is laid out otherwise (the tutorial's output projection:
+    # Shard(1) in, Replicate out), a DTensor output sharded on its last dimension (loss_parallel's)
+    # of a width that does not divide by P, and an MLP whose Rowwise scatters the batch (Shard(0)).
+    cases = (("head, replicate out", lambda: nn.Linear(dim, 30),
+              lambda col, row, seq: col(input_layouts=Shard(1), output_layouts=Replicate()), x_local),
+             ("head, uneven DTensor out", lambda: nn.Linear(dim, 2 * world + 1),
+              lambda col, row, seq: col(input_layouts=Shard(1), use_local_output=False), x_local),
+             ("mlp, Shard(0) out", mlp, lambda col, row, seq: {"0": col(), "2": row(output_layouts=Shard(0))},
+              _rand((world, 3, dim), torch.float32, 305)))
+    for what, make, plan, x in cases:
+        what = f"{what} at TP {world}"
+        rep = "replicate out" in what
+        r_model, r_out, r_grad, _ = _run_styled(make, plan(*theirs), mesh, x, 306, rep)
+        model, out, x_grad, sent = _run_styled(make, plan(*ours), mesh, x, 306, rep)
+        assert isinstance(out, DTensor) == isinstance(r_out, DTensor), what
+        if isinstance(out, DTensor):
+            assert out.placements == r_out.placements and out.shape == r_out.shape, (what, out.placements, out.shape)
+            out, r_out = out.to_local(), r_out.to_local()
+        _eq(out, r_out, f"{what} output")
+        _eq(x_grad, r_grad, f"{what} input grad")
+        _same_module(model, r_model, what)
+        assert sent["all_gather_matmul" if "head" in what else "matmul_reduce_scatter"] > 0, (what, sent)
+        done.append(what)
+
+    # (4) nn.Embedding is torch's style unchanged (the tutorial's token embedding, and Colwise).
+    ids = torch.randint(0, 16, (batch, seq), generator=torch.Generator().manual_seed(307))
+    for what, plan in (("embedding rowwise", lambda col, row, seq: row(input_layouts=Replicate(),
+                                                                      output_layouts=Shard(1))),
+                       ("embedding colwise", lambda col, row, seq: col())):
+        outs = []
+        for styles in (theirs, ours):
+            torch.manual_seed(1234)
+            emb = parallelize_module(nn.Embedding(16, dim), mesh, plan(*styles))
+            out = emb(ids)
+            out.backward(_rand(out.shape, torch.float32, 308 + me))
+            outs.append((emb, out))
+        _eq(outs[1][1], outs[0][1], f"{what} output")
+        _same_module(outs[1][0], outs[0][0], what)
+        done.append(what)
+    return done
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_styles_match_torch_styles(ranks, tp):
+    """docs/faults.md row 39 (exactness): commopt's ColwiseParallel / RowwiseParallel /
+    SequenceParallel in torch's plans -- the Llama block of torch's TP tutorial with its
+    PrepareModuleInput, the fused form (Colwise taking Shard(1)), TP without SP (Replicate out,
+    biases), an output projection, uneven and DTensor outputs, a batch scatter, nn.Embedding -- give
+    torch's styles' outputs, input gradients, parameters (the same DTensors) and parameter gradients,
+    the rings running where a collective is adjacent to a matmul. TP 4 on WORLD, TP 2 on the two TP
+    groups of a 2 x 2 mesh; both in the 4-rank pool (its ranks pay DTensor's first use once)."""
+    done = ranks(4, _styles_matrix, tp, timeout=120)
+    assert done == [done[0]] * 4 and len(done[0]) == 9, done
+
+
+class _Stack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([_Block(), _Block()])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _two_d(steps: int) -> list[str]:
+    """TP 2 x FSDP2 2 on 4 ranks: two blocks, each parallelized on mesh["tp"] then fully_shard-ed on
+    mesh["dp"] (torch's 2-D recipe), ``steps`` SGD steps with momentum on batches that differ per
+    data-parallel rank; torch's styles against commopt's in the tutorial's plan and the fused one."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    tp, dp = mesh["tp"], mesh["dp"]
+    dp_rank, tp_rank = dp.get_local_rank(), tp.get_local_rank()
+    ours = (ColwiseParallel, RowwiseParallel, SequenceParallel)
+    runs = {}
+    try:
+        for name, styles, fused in (("torch", _TORCH, False), ("commopt", ours, False), ("commopt fused", ours, True)):
+            torch.manual_seed(1234)
+            model = _Stack()
+            for layer in model.layers:
+                parallelize_module(layer, tp, _llama_plan(*styles, fused))
+                fully_shard(layer, mesh=dp)
+            fully_shard(model, mesh=dp)
+            opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+            before = _ring_bytes()
+            for step in range(steps):
+                x = _rand((2, 4, 24), torch.float32, 700 + 10 * step + dp_rank).chunk(2, dim=1)[tp_rank]
+                model(x).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+            sent = sum(_ring_bytes().values()) - sum(before.values())
+            assert (sent > 0) == name.startswith("commopt"), (name, sent)
+            runs[name] = {k: v for k, v in model.named_parameters()}
+        done = []
+        for name in ("commopt", "commopt fused"):
+            assert runs[name].keys() == runs["torch"].keys(), name
+            for k, p in runs[name].items():
+                r = runs["torch"][k]
+                assert p.device_mesh.ndim == 2 and p.placements == r.placements, (name, k, p.placements, r.placements)
+                _eq(p.to_local(), r.to_local(), f"{name} {k} after {steps} steps")
+            done.append(name)
+        return done
+    finally:
+        context().engine().release(tp.get_group())
+
+
+def test_styles_compose_with_fsdp2_on_a_2d_mesh(ranks):
+    """TP 2 x FSDP2 2 on 4 ranks, 5 optimizer steps: commopt's styles (the tutorial's plan and the
+    fused one) leave every parameter -- 2-D DTensors, the same placements -- equal to torch's 2-D
+    composition with its own styles; commopt's rings ran beside FSDP2's collectives."""
+    done = ranks(4, _two_d, 5, timeout=120)
+    assert done == [["commopt", "commopt fused"]] * 4, done
+
+
+def _bad_arguments() -> list[str]:
+    mesh2d = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    mesh = mesh2d["tp"]
+    seen = []
+    before = _ring_bytes()
+    cases = [
+        (["ColwiseParallel: device_mesh has 2 dimensions named ('dp', 'tp')", "mesh['tp']"],
+         lambda: ColwiseParallel()._apply(nn.Linear(4, 4), mesh2d)),
+        (["RowwiseParallel: device_mesh has 2 dimensions", "mesh['tp']"],
+         lambda: parallelize_module(nn.Linear(4, 4), mesh2d, RowwiseParallel())),
+        (["SequenceParallel: device_mesh has 2 dimensions", "mesh['tp']"],
+         lambda: parallelize_module(nn.LayerNorm(4), mesh2d, SequenceParallel())),
+        (["ColwiseParallel: device_mesh must be a torch.distributed DeviceMesh, got NoneType"],
+         lambda: ColwiseParallel()._apply(nn.Linear(4, 4), None)),
+        (["ColwiseParallel: module Conv1d is neither torch.nn.Linear nor torch.nn.Embedding", "Linear submodules"],
+         lambda: parallelize_module(nn.Conv1d(4, 4, 1), mesh, ColwiseParallel())),
+        (["RowwiseParallel: module LayerNorm is neither"],
+         lambda: parallelize_module(nn.Sequential(nn.LayerNorm(4)), mesh, {"0": RowwiseParallel()})),
+    ]
+    for texts, call in cases:
+        try:
+            call()
+            seen.append(f"no error: {texts[0]}")
+        except ValueError as exc:
+            seen.append("ok" if all(t in str(exc) for t in texts) else f"wrong message for {texts}: {exc}")
+    assert _ring_bytes() == before
+    context().engine().release(mesh.get_group())
+    return seen
+
+
+def test_bad_style_arguments_are_value_errors(ranks):
+    """docs/faults.md row 39: a 2-D mesh handed to a style (directly or through parallelize_module),
+    no mesh, a module that is neither Linear nor Embedding -> ValueError at parallelize_module,
+    naming the style and what to pass, before any parameter is distributed."""
+    for seen in ranks(4, _bad_arguments, timeout=60):
+        assert seen == ["ok"] * 6, seen
