@@ -13,6 +13,8 @@ steps on the comm engine, each step's transfer overlapped with the previous bloc
 ``context_parallel`` holds context parallelism (``ring_attention``, ``ulysses_attention`` and the
 zig-zag layout helpers ``zigzag_shard`` / ``zigzag_unshard``): attention over a sequence sharded
 across ranks, K/V rotating around a ring of engine phases, or all-to-alls between sequence and heads.
+``diloco`` holds ``DiLoCo``, the low-communication outer loop (workers train ``sync_every`` inner steps
+alone, then reduce their pseudo-gradients along the rails), and ``worker_group``, the inner loop's group.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 from . import checkpoint, context_parallel, plan, priority, profile, simulator, tensor_parallel
 from .autotune import TuneConfig, TuneResult, autotune
 from .context_parallel import ring_attention, ulysses_attention, zigzag_shard, zigzag_unshard
+from .diloco import DiLoCo, worker_group, worker_topology
 from .overlap import OverlapDataParallel
 from .plan import BucketPlan, IssuePlan, broadcast_plan, build_buckets
 from .priority import credit_for, fifo_plan, partition_for, priority_plan
@@ -39,4 +42,5 @@ __all__ = ["OverlapDataParallel", "StepProfile", "autotune", "TuneConfig", "Tune
            "Schedule", "simulate", "traffic_matrix", "plan", "priority", "simulator", "profile", "checkpoint",
            "all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "tensor_parallel", "ColwiseParallel",
            "RowwiseParallel", "SequenceParallel",
-           "ring_attention", "ulysses_attention", "zigzag_shard", "zigzag_unshard", "context_parallel"]
+           "ring_attention", "ulysses_attention", "zigzag_shard", "zigzag_unshard", "context_parallel",
+           "DiLoCo", "worker_group", "worker_topology", "diloco"]

@@ -16,7 +16,7 @@ __all__ = [
     "A2A_INTRA", "A2A_INTER", "A2A_INTER_B", "A2A_META",
     "RAIL_ALL_REDUCE",
     "FSDP_QRS_INTRA", "FSDP_QRS_RAIL", "FSDP_QRS_FLAT", "FSDP_CHECK", "FSDP_HSDP", "FSDP_HSDP_RS", "FSDP_HSDP_AG",
-    "FSDP_HSDP_ROLES", "COMPRESSED_CHECK",
+    "FSDP_HSDP_ROLES", "COMPRESSED_CHECK", "DILOCO",
 ]
 
 # hierarchical: the three all-reduce phases, then the reduce-scatter's and the all-gather's levels.
@@ -58,3 +58,7 @@ FSDP_HSDP_ROLES = (FSDP_HSDP, FSDP_HSDP_RS, FSDP_HSDP_AG)
 # The compressed reduction (``compression.exchange``): the check phase over the reduced level. Its
 # rounds' roles are derived from the codec's name (``cmp-<name>-<round>``), one family per codec.
 COMPRESSED_CHECK = "cmp-check"
+
+# DiLoCo (``schedules.diloco``): the worker's group (.intra: the inner DDP / FSDP2, the all-gather of
+# the new global weights, the finiteness flag) and the rail (.rail: the exact outer all-reduce).
+DILOCO = "diloco"

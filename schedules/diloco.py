@@ -1,0 +1,607 @@
+"""DiLoCo: the low-communication outer loop, hierarchical and streaming (docs/guide.md, "Training
+across slow links: DiLoCo"; docs/architecture.md section 5.8; docs/faults.md row 40).
+
+Workers (the nodes of the topology, or any equal replica grouping) train ``sync_every`` inner steps on
+their own: inside a worker the ranks train as usual (one rank, DDP or FSDP2 on :attr:`DiLoCo.worker_group`).
+Every ``sync_every`` inner steps each fragment of the model runs one outer step:
+
+(1) pseudo-gradient: this rank's piece of (global weights - local weights), where the global weights
+    are the backups kept on ``backup_device``; (2) all-reduce (AVG) of the pieces across workers
+    ALONG THE RAILS (the ranks of one local index, one per worker): exact, or through the reduction
+    pipeline with a codec and error feedback (``compression.reduce_tensors(..., algorithm="rail")``),
+    issued asynchronously; (3) ``delay`` inner steps later: an agreed finiteness check inside the
+    worker, the outer optimizer's step on the backups with the averaged pseudo-gradient as ``.grad``;
+    (4) the workers adopt the new global weights, mixed as ``(1 - alpha) * global + alpha * local``:
+    a DTensor (FSDP2) parameter's local shard directly, a replicated parameter through an all-gather
+    of the pieces inside the worker.
+
+A rank's piece is the part it owns: a DTensor parameter's local shard; for a replicated parameter
+(one rank per worker, or DDP) a block of ``ceil(rows / L)`` rows of dim 0 (zero-padded), by local
+rank, L the worker's size. So the inter-node links carry 1/L of the model per rank, and the
+backups and the outer optimizer's state take 1/L of the model per rank too.
+
+The fragments (``fragments=F``: contiguous groups of parameters of about equal size, or explicit
+lists of names) sync at staggered inner steps: fragment f at every step t with
+``t % sync_every == (f * sync_every) // F``. ``F = 1, delay = 0, alpha = 0`` is plain DiLoCo
+(Douillard et al., arXiv 2311.08105); ``F > 1, delay > 0`` is Streaming DiLoCo (arXiv 2501.18512).
+
+Ordering (docs/architecture.md section 3): every collective is issued from the training thread in
+:meth:`DiLoCo.step` (or through the engine, for compressed reductions), in the same order on every
+rank, because the schedule depends on the step count and the settings only; nothing is issued from
+a callback.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import numbers
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import ReduceOp
+
+from commopt.comm import all_gather, all_reduce
+from commopt.comm.algorithms.roles import DILOCO
+from commopt.comm.checks import check_timeout
+from commopt.comm.compression import Codec, ErrorFeedback, reduce_tensors
+from commopt.comm.engine import wait, wait_work
+from commopt.comm.errors import NonFiniteError, TopologyError
+from commopt.comm.runtime import context
+from commopt.comm.topology import Topology
+
+__all__ = ["DiLoCo", "worker_group", "worker_topology"]
+
+OptimizerFactory = Callable[[list], torch.optim.Optimizer]
+_NAME = "DiLoCo"
+
+
+def _default_outer(params: list) -> torch.optim.Optimizer:
+    """DiLoCo's outer optimizer: Nesterov SGD, lr 0.7, momentum 0.9 (arXiv 2311.08105)."""
+    return torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)
+
+
+# --------------------------------------------------------------------------------- workers
+def worker_topology(topology: Topology | None = None, workers: str | list = "node",
+                    timeout: float | None = None) -> Topology:
+    """The workers as a :class:`~commopt.comm.Topology` over WORLD: one "node" per worker.
+
+    Args:
+        topology: the cluster's layout (None: ``Topology.detect()``, collective over WORLD).
+        workers: ``"node"`` (one worker per node of ``topology``) or explicit workers, a list of
+            lists of global ranks (e.g. ``[[0, 2], [1, 3]]``), which then replaces the topology.
+        timeout: seconds a detection may wait for the other ranks.
+
+    Raises:
+        TypeError, ValueError: a bad argument; workers of unequal size (the rails need one rank of
+            every local index on every worker); a topology over a subgroup.
+    """
+    timeout = check_timeout(_NAME, timeout)
+    if topology is not None and not isinstance(topology, Topology):
+        raise TypeError(f"{_NAME}: topology must be a commopt.comm.Topology or None (detected), got "
+                        f"{type(topology).__name__} {topology!r}; e.g. Topology.from_spec('2x2')")
+    if isinstance(workers, str):
+        if workers != "node":
+            raise ValueError(f"{_NAME}: workers must be 'node' (one worker per node of the topology) or a list "
+                             f"of lists of ranks (e.g. [[0, 1], [2, 3]]), got {workers!r}")
+        if not dist.is_initialized():
+            raise ValueError(f"{_NAME}: torch.distributed is not initialised; call init_process_group() "
+                             f"before building DiLoCo or its worker group")
+        topo = context().topology(topology, None, timeout)
+    elif isinstance(workers, (list, tuple)):
+        if topology is not None:
+            raise ValueError(f"{_NAME}: pass either topology (with workers='node') or explicit workers, not both")
+        try:
+            topo = Topology.from_nodes([list(w) for w in workers])
+        except TopologyError as exc:
+            raise ValueError(f"{_NAME}: workers {workers!r} are not a partition of the world's ranks: "
+                             f"{exc.message if hasattr(exc, 'message') else exc}") from None
+    else:
+        raise TypeError(f"{_NAME}: workers must be 'node' or a list of lists of ranks, got "
+                        f"{type(workers).__name__} {workers!r}")
+    if topo.group is not None:
+        raise ValueError(f"{_NAME}: the topology must describe WORLD (group=None): DiLoCo's groups are created "
+                         f"over WORLD; build it with Topology.from_spec(spec) without group=")
+    if not topo.is_uniform:
+        raise ValueError(f"{_NAME}: workers of unequal size {[len(n) for n in topo.nodes]} ({topo.layout!r}): the "
+                         f"outer all-reduce runs along the rails (one rank of each local index per worker), so "
+                         f"every worker needs the same number of ranks; group the ranks into equal workers "
+                         f"(workers=[[...], [...]])")
+    return topo
+
+
+def worker_group(topology: Topology | None = None, workers: str | list = "node", timeout: float | None = None):
+    """This rank's worker's process group: what the inner DDP or FSDP2 runs on, built before the model
+    is wrapped (``DDP(model, process_group=worker_group())``, ``DeviceMesh.from_group(worker_group(),
+    "cpu")``). Collective over WORLD: call it on every rank, with the same arguments; ``DiLoCo`` with
+    the same arguments reuses the group (created once per layout, in the runtime context).
+
+    Returns:
+        The group, or None where a worker is one rank (train that rank's model as it is: a DDP over
+        ``None`` would be WORLD).
+    """
+    topo = worker_topology(topology, workers, timeout)
+    if topo.world_size == 1:
+        return None
+    return context().groups(topo, DILOCO, timeout).intra
+
+
+# --------------------------------------------------------------------------------- the pieces
+@dataclass
+class _Piece:
+    """What this rank owns of one parameter.
+
+    Attributes:
+        name: the parameter's name in the model.
+        param: the parameter (a DTensor for FSDP2).
+        sharded: a DTensor: the piece is its local shard (padded to at least one element).
+        rows: ``ceil(dim0 / L)`` rows of a replicated parameter (its piece's first dimension).
+        shape: the piece's shape (what the backup, the pseudo-gradient and the outer state hold).
+    """
+
+    name: str
+    param: torch.Tensor
+    sharded: bool
+    rows: int
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank holds of ``p``: a DTensor's local shard (the storage itself, writable
+    under no_grad), else ``p``."""
+    return p.to_local() if hasattr(p, "to_local") else p
+
+
+class _Pending:
+    """One fragment's reduction in flight: the averaged pseudo-gradient pieces and when to apply them."""
+
+    def __init__(self, fragment: int, due: int, deltas: list[torch.Tensor], future, kind: str) -> None:
+        self.fragment, self.due, self.deltas, self.future, self.kind = fragment, due, deltas, future, kind
+
+
+# --------------------------------------------------------------------------------- DiLoCo
+class DiLoCo:
+    """The DiLoCo outer loop around the user's inner training (see the module docstring).
+
+    Call :meth:`step` after every inner optimizer step, on every rank. Construction is collective over
+    WORLD: it creates the worker and rail groups (or reuses :func:`worker_group`'s), checks that every
+    rank holds the same model and settings, and broadcasts the starting weights of worker 0 to every
+    worker, which become the first global weights.
+
+    Args:
+        model: the module being trained (plain, DDP-wrapped, or FSDP2-sharded over the worker group).
+            Parameters with ``requires_grad=False`` or no elements are not synchronised.
+        inner_optimizer: the optimizer of the inner steps, stepped by the user; it must optimise the
+            model's parameters (built after wrapping). DiLoCo never steps it or keeps its state.
+        outer_optimizer: ``params -> torch.optim.Optimizer``, called once per fragment with the backup
+            pieces of that fragment (None: Nesterov SGD, lr 0.7, momentum 0.9). Elementwise optimizers
+            only (SGD, Adam...): each rank steps 1/L of every parameter.
+        sync_every: inner steps between two outer steps of a fragment (H), >= 1.
+        fragments: the number of fragments (contiguous groups of parameters in ``named_parameters()``
+            order, of about equal size), or explicit fragments: lists of parameter names that cover every
+            synchronised parameter exactly once.
+        delay: inner steps between a fragment's reduction being issued and its outer step (0 <= delay <
+            sync_every): the reduction overlaps that many inner steps.
+        alpha: the local weights' share when the global ones are adopted, in [0, 1) (0: replace).
+        compressor: a ``commopt.comm.compression`` codec for the pseudo-gradients (None: exact).
+        error_feedback: keep what a biased codec drops (per parameter name) for the next outer step.
+        topology: the cluster's layout (None: detected).
+        workers: ``"node"`` or explicit equal workers (lists of global ranks).
+        backup_device: where the global weights and the outer optimizer's state live (default CPU).
+        timeout: seconds each collective of DiLoCo may wait (``CommTimeoutError``); None: the group's.
+
+    Attributes:
+        worker_group: this rank's worker's process group (None for one-rank workers).
+        topology: the workers, one "node" each.
+        fragments: the parameter names of each fragment.
+        outer_optimizers: one per fragment.
+        error_feedback: the residuals of the compressed pseudo-gradients, by parameter name.
+        steps: inner steps counted so far.
+    """
+
+    def __init__(self, model: nn.Module, inner_optimizer: torch.optim.Optimizer, *,
+                 outer_optimizer: OptimizerFactory | None = None, sync_every: int = 32,
+                 fragments: int | list[list[str]] = 1, delay: int = 0, alpha: float = 0.0,
+                 compressor: Codec | None = None, error_feedback: bool = True, topology: Topology | None = None,
+                 workers: str | list = "node", backup_device: str | torch.device = "cpu",
+                 timeout: float | None = None) -> None:
+        # Local checks first: every rank raises the same error before anything is sent.
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"{_NAME}: model must be a torch.nn.Module, got {type(model).__name__}")
+        if not isinstance(inner_optimizer, torch.optim.Optimizer):
+            raise TypeError(f"{_NAME}: inner_optimizer must be a torch.optim.Optimizer over the model's parameters, "
+                            f"got {type(inner_optimizer).__name__}")
+        if outer_optimizer is not None and not callable(outer_optimizer):
+            raise TypeError(f"{_NAME}: outer_optimizer must be a factory params -> torch.optim.Optimizer (e.g. "
+                            f"lambda ps: torch.optim.SGD(ps, lr=0.7, momentum=0.9, nesterov=True)) or None, got "
+                            f"{type(outer_optimizer).__name__}")
+        self.sync_every = _positive_int("sync_every", sync_every, "e.g. sync_every=32")
+        if isinstance(delay, bool) or not isinstance(delay, numbers.Integral) or not 0 <= delay < self.sync_every:
+            raise ValueError(f"{_NAME}: delay must be an int with 0 <= delay < sync_every ({self.sync_every}): a "
+                             f"fragment's outer step must land before its next sync; got {delay!r}")
+        self.delay = int(delay)
+        if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real) or not 0.0 <= float(alpha) < 1.0:
+            raise ValueError(f"{_NAME}: alpha must be a number in [0, 1) (the local weights' share when the "
+                             f"global ones are adopted; 0 replaces them), got {alpha!r}")
+        self.alpha = float(alpha)
+        if compressor is not None and not isinstance(compressor, Codec):
+            raise TypeError(f"{_NAME}: compressor must be a commopt.comm.compression codec instance (e.g. "
+                            f"QuantizeCompressor(8), PowerSGDCompressor(rank=4)) or None, got "
+                            f"{type(compressor).__name__}")
+        if not isinstance(error_feedback, bool):
+            raise TypeError(f"{_NAME}: error_feedback must be a bool, got {type(error_feedback).__name__}")
+        try:
+            self.backup_device = torch.device(backup_device)
+        except (RuntimeError, TypeError):
+            raise ValueError(f"{_NAME}: backup_device must name a torch device such as 'cpu' or 'cuda:0', got "
+                             f"{backup_device!r}") from None
+        self.timeout = check_timeout(_NAME, timeout)
+        self.model, self.inner_optimizer = model, inner_optimizer
+        self.compressor = compressor
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad and p.numel() > 0]
+        if not named:
+            raise ValueError(f"{_NAME}: the model has no trainable parameters with elements to synchronise")
+        ids = {id(p) for _, p in named}
+        inner = [p for g in inner_optimizer.param_groups for p in g["params"]]
+        strangers = [i for i, p in enumerate(inner) if id(p) not in ids and p.requires_grad]
+        if strangers:
+            raise ValueError(f"{_NAME}: inner_optimizer optimises {len(strangers)} tensor(s) that are not trainable "
+                             f"parameters of the model (it was built before the model was wrapped or sharded?); "
+                             f"build it after wrapping, over model.parameters()")
+        devices = {_local(p).device for _, p in named}
+        if len(devices) != 1:
+            raise ValueError(f"{_NAME}: the model's parameters are on several devices {sorted(map(str, devices))}; "
+                             f"put them on one device")
+        self.device = devices.pop()
+        if self.backup_device.type not in ("cpu", self.device.type):
+            raise ValueError(f"{_NAME}: backup_device {self.backup_device} is neither 'cpu' nor the model's "
+                             f"device type ({self.device.type})")
+        self.fragments = _fragments(fragments, named)
+        self.offsets = [(f * self.sync_every) // len(self.fragments) for f in range(len(self.fragments))]
+
+        # Collective from here on, in the same order on every rank.
+        self.topology = worker_topology(topology, workers, self.timeout)
+        topo = self.topology
+        self.num_workers, self.local_size, self.local_rank = topo.num_nodes, topo.local_size, topo.local_rank
+        groups = context().groups(topo, DILOCO, self.timeout) if topo.world_size > 1 else None
+        self.worker_group = groups.intra if groups is not None else None
+        self._rail = groups.rail if groups is not None else None
+        self._rail_src = groups.rail_ranks[0] if groups is not None and groups.rail is not None else None
+        self._intra_src = groups.intra_ranks[0] if groups is not None and groups.intra is not None else None
+        by_name = dict(named)
+        self._pieces = {n: self._piece(n, by_name[n]) for frag in self.fragments for n in frag}
+        self._agree_settings(named)
+        self._broadcast_start()
+        self.backups: dict[str, torch.Tensor] = {n: self._read_piece(pc).to(self.backup_device, copy=True)
+                                                for n, pc in self._pieces.items()}
+        factory = outer_optimizer if outer_optimizer is not None else _default_outer
+        self.outer_optimizers = []
+        for f, frag in enumerate(self.fragments):
+            params = [self.backups[n] for n in frag]
+            opt = factory(params)
+            if not isinstance(opt, torch.optim.Optimizer):
+                raise TypeError(f"{_NAME}: outer_optimizer returned {type(opt).__name__}, not a torch.optim.Optimizer")
+            got = {id(p) for g in opt.param_groups for p in g["params"]}
+            if got != {id(p) for p in params}:
+                raise ValueError(f"{_NAME}: outer_optimizer must optimise exactly the params it is given (fragment "
+                                 f"{f}'s backups); it returned an optimizer over other tensors")
+            self.outer_optimizers.append(opt)
+        self.error_feedback = ErrorFeedback()
+        self.compressor_state = compressor.new_state() if compressor is not None else None
+        self._use_ef = error_feedback and compressor is not None
+        self.steps = 0
+        self._reductions = 0
+        self._pending: list[_Pending] = []
+
+    # ------------------------------------------------------------------------------- set-up
+    def _piece(self, name: str, p: torch.Tensor) -> _Piece:
+        if hasattr(p, "to_local"):
+            local = p.to_local()
+            return _Piece(name, p, True, 0, tuple(local.shape) if local.numel() else (1,))
+        rows0 = p.shape[0] if p.dim() else 1
+        rows = -(-rows0 // self.local_size)
+        return _Piece(name, p, False, rows, (rows, *p.shape[1:]) if p.dim() else (1,))
+
+    def _read_piece(self, pc: _Piece, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """This rank's piece of ``pc``'s current values, zero-padded, in the backup dtype."""
+        dtype = dtype or _backup_dtype(pc.param.dtype)
+        if pc.sharded:
+            local = pc.param.to_local().detach()
+            if local.numel() == 0:
+                return torch.zeros(pc.shape, dtype=dtype, device=local.device)
+            return local.to(dtype, copy=True).contiguous()
+        p = pc.param.detach()
+        flat = p.reshape(-1, *p.shape[1:]) if p.dim() else p.reshape(1)
+        lo = self.local_rank * pc.rows
+        part = flat[lo: lo + pc.rows]
+        out = torch.zeros(pc.shape, dtype=dtype, device=p.device)
+        if part.shape[0]:
+            out[: part.shape[0]] = part
+        return out
+
+    def _agree_settings(self, named: list) -> None:
+        """One MAX all-reduce over WORLD of a fingerprint of the model and the settings: ranks that differ
+        raise ``ValueError`` on every rank (a silent mismatch would average unrelated tensors)."""
+        text = repr(([(n, tuple(p.shape), str(p.dtype)) for n, p in named], self.fragments, self.sync_every,
+                     self.delay, self.alpha, None if self.compressor is None else self.compressor.config(),
+                     self.topology.layout))
+        h = int.from_bytes(hashlib.sha1(text.encode()).digest()[:7], "little")
+        mine = torch.tensor([h, -h], dtype=torch.int64)
+        if self.topology.world_size > 1:
+            wait_work(dist.all_reduce(mine, op=ReduceOp.MAX, async_op=True), self.timeout, f"{_NAME}/agree")
+            if int(mine[0]) != -int(mine[1]):
+                raise ValueError(f"{_NAME}: the ranks' models or settings differ (parameter names, shapes or dtypes, "
+                                 f"fragments, sync_every, delay, alpha, compressor or workers); build the same "
+                                 f"model and DiLoCo on every rank")
+
+    @torch.no_grad()
+    def _broadcast_start(self) -> None:
+        """Every worker starts from worker 0's weights: along the rails (shards and replicas), then, for
+        replicated parameters, inside the worker from its first rank (which DDP does too)."""
+        if self.topology.world_size == 1:
+            return
+        pieces = list(self._pieces.values())
+        for group, src, todo in ((self._rail, self._rail_src, pieces),
+                                 (self.worker_group, self._intra_src, [pc for pc in pieces if not pc.sharded])):
+            if group is None or not todo:
+                continue
+            tensors = [_local(pc.param).detach() for pc in todo]
+            flat = torch.cat([t.reshape(-1) for t in tensors]) if tensors else None
+            if flat is None or flat.numel() == 0:
+                continue
+            wait_work(dist.broadcast(flat, src=src, group=group, async_op=True), self.timeout,
+                      f"{_NAME}/broadcast")
+            pos = 0
+            for t in tensors:
+                t.copy_(flat[pos: pos + t.numel()].view_as(t))
+                pos += t.numel()
+
+    # ------------------------------------------------------------------------------- the loop
+    def step(self) -> None:
+        """After each inner optimizer step, on every rank: apply the outer steps now due, then issue the
+        reductions of the fragments whose turn it is (applied now when ``delay`` is 0).
+
+        Raises:
+            NonFiniteError: an averaged pseudo-gradient holds NaN/Inf, on every rank; nothing is applied
+                (the backups, the outer state and the residuals are unchanged; the local weights stay).
+            CommTimeoutError: a worker did not reach the sync within ``timeout``.
+        """
+        self.steps += 1
+        t = self.steps
+        for pending in [p for p in self._pending if p.due <= t]:
+            self._apply(pending)
+        for f, off in enumerate(self.offsets):
+            if t % self.sync_every == off % self.sync_every:
+                pending = self._issue(f, t + self.delay)
+                if self.delay == 0:
+                    self._apply(pending)
+
+    def synchronize(self) -> None:
+        """Wait for every reduction in flight and apply it now (before its due step): at the end of
+        training, or before evaluating."""
+        for pending in list(self._pending):
+            self._apply(pending)
+
+    @torch.no_grad()
+    def _issue(self, f: int, due: int) -> _Pending:
+        """Fragment ``f``'s pseudo-gradient pieces, reduced (AVG) along the rail, asynchronously."""
+        names = self.fragments[f]
+        deltas = []
+        for n in names:
+            pc = self._pieces[n]
+            backup = self.backups[n]
+            deltas.append(backup.to(self.device) - self._read_piece(pc, backup.dtype))
+        step = self._reductions
+        self._reductions += 1
+        if self.num_workers == 1:
+            fut, kind = None, "local"
+        elif self.compressor is not None:
+            fut = reduce_tensors(self.compressor, deltas, list(names), topology=self.topology, algorithm="rail",
+                                 average=True, step=step, seed=0,
+                                 feedback=self.error_feedback if self._use_ef else None,
+                                 state=self.compressor_state, timeout=self.timeout)
+            kind = "compressed"
+        else:
+            flat = torch.cat([d.reshape(-1) for d in deltas])
+            # agreement=False: the pieces match along the rail by construction (_agree_settings); a check
+            # here would queue behind a reduction still in flight on the rail group and block this thread.
+            fut = all_reduce(flat, ReduceOp.AVG, group=self._rail, algorithm="flat", async_op=True,
+                             timeout=self.timeout, agreement=False)
+            deltas = [flat]
+            kind = "exact"
+        pending = _Pending(f, due, deltas, fut, kind)
+        self._pending.append(pending)
+        return pending
+
+    def _averaged(self, pending: _Pending) -> list[torch.Tensor]:
+        """The averaged pieces of ``pending`` (waiting for its reduction)."""
+        if pending.future is not None:
+            wait(pending.future, self.timeout, op=f"{_NAME}/rail")
+            pending.future = None
+        if pending.kind == "exact":
+            flat, out, pos = pending.deltas[0], [], 0
+            for n in self.fragments[pending.fragment]:
+                shape = self._pieces[n].shape
+                k = math.prod(shape)
+                out.append(flat[pos: pos + k].view(shape))
+                pos += k
+            pending.deltas, pending.kind = out, "done"
+        return pending.deltas
+
+    @torch.no_grad()
+    def _apply(self, pending: _Pending) -> None:
+        deltas = self._averaged(pending)
+        f = pending.fragment
+        names = self.fragments[f]
+        # Rail j's average is the same on every worker; the worker's ranks agree on every rail's
+        # flag, so every rank of the world takes the same branch.
+        bad = torch.tensor([0.0 if all(bool(torch.isfinite(d).all()) for d in deltas) else 1.0])
+        if self.worker_group is not None:
+            wait_work(dist.all_reduce(bad, op=ReduceOp.MAX, group=self.worker_group, async_op=True), self.timeout,
+                      f"{_NAME}/finite")
+        self._pending.remove(pending)
+        if float(bad) > 0:
+            raise NonFiniteError(f"{_NAME}: the averaged pseudo-gradient of fragment {f} holds NaN/Inf (a worker's "
+                                 f"weights diverged); nothing was applied: the global weights, the outer optimizer "
+                                 f"and the residuals are unchanged and the workers keep their local weights. Lower "
+                                 f"the inner learning rate or restore a checkpoint", op=f"{_NAME}/outer_step")
+        opt = self.outer_optimizers[f]
+        for n, d in zip(names, deltas):
+            backup = self.backups[n]
+            backup.grad = d.to(self.backup_device, backup.dtype)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        gather = []
+        for n in names:
+            pc = self._pieces[n]
+            new = self.backups[n].to(self.device, pc.param.dtype)
+            if self.alpha:
+                new = (1.0 - self.alpha) * new + self.alpha * self._read_piece(pc, pc.param.dtype)
+            if pc.sharded:
+                local = pc.param.to_local()
+                if local.numel():
+                    local.copy_(new.view_as(local))
+            elif self.worker_group is None:
+                pc.param.detach().copy_(new.reshape(pc.param.shape) if pc.param.dim() else new.reshape(()))
+            else:
+                gather.append((pc, new))
+        if gather:
+            self._gather(gather)
+
+    def _gather(self, pieces: list[tuple[_Piece, torch.Tensor]]) -> None:
+        """The worker's new pieces of its replicated parameters, all-gathered into every rank's copy."""
+        mine = torch.cat([new.reshape(-1) for _, new in pieces])
+        out = mine.new_empty(self.local_size * mine.numel())
+        all_gather(out, mine, group=self.worker_group, algorithm="flat", timeout=self.timeout)
+        rows = out.view(self.local_size, mine.numel())
+        pos = 0
+        for pc, new in pieces:
+            k = new.numel()
+            full = rows[:, pos: pos + k].reshape(self.local_size * pc.rows, *pc.shape[1:])
+            p = pc.param.detach()
+            n0 = p.shape[0] if p.dim() else 1
+            p.copy_(full[:n0].reshape(p.shape))
+            pos += k
+
+    # ------------------------------------------------------------------------------- state
+    def _meta(self) -> dict:
+        return {"world_size": self.topology.world_size, "workers": self.topology.layout,
+                "rank": self.topology.rank, "fragments": [list(f) for f in self.fragments],
+                "sync_every": self.sync_every, "delay": self.delay,
+                "compressor": None if self.compressor is None else dict(self.compressor.config())}
+
+    def state_dict(self) -> dict:
+        """This rank's outer state: its backup pieces, the outer optimizers, the residuals, the compressor's
+        state, the step, the fragment schedule and the reductions in flight (waited for and kept, to be
+        applied at their due steps after a restart). Tensors, numbers and strings only
+        (``torch.load(weights_only=True)`` reads it); one per rank, like a sharded checkpoint."""
+        pending = []
+        for p in self._pending:
+            deltas = self._averaged(p)
+            pending.append({"fragment": p.fragment, "due": p.due,
+                            "deltas": [d.detach().clone() for d in deltas]})
+        return {"meta": self._meta(), "steps": self.steps, "reductions": self._reductions,
+                "offsets": list(self.offsets),
+                "backups": {n: b.detach().clone() for n, b in self.backups.items()},
+                "outer_optimizers": [opt.state_dict() for opt in self.outer_optimizers],
+                "error_feedback": self.error_feedback.state_dict(),
+                "compressor_state": None if self.compressor_state is None else self.compressor_state.state_dict(),
+                "pending": pending}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict` of the same rank, world, workers and settings (the model's own
+        weights and the inner optimizer are the user's checkpoint).
+
+        Raises:
+            ValueError: the checkpoint was taken with another world size, worker layout, rank, fragments,
+                sync_every, delay or compressor, or holds other parameters.
+        """
+        if not isinstance(state, dict) or "meta" not in state:
+            raise ValueError(f"{_NAME}: not a DiLoCo state_dict (no 'meta')")
+        saved, now = state["meta"], self._meta()
+        if saved != now:
+            diff = {k: (saved.get(k), now.get(k)) for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)}
+            raise ValueError(f"{_NAME}: the checkpoint was taken with another layout or settings ({diff}, saved vs "
+                             f"now): DiLoCo's state is per rank and per worker layout; resume on the same world and "
+                             f"workers with the same settings, each rank loading its own state_dict")
+        backups = state["backups"]
+        if set(backups) != set(self.backups):
+            raise ValueError(f"{_NAME}: the checkpoint holds the backups of other parameters "
+                             f"({sorted(set(backups) ^ set(self.backups))[:5]} differ)")
+        for n, b in backups.items():
+            if tuple(b.shape) != tuple(self.backups[n].shape):
+                raise ValueError(f"{_NAME}: backup {n!r} has shape {tuple(b.shape)}, expected "
+                                 f"{tuple(self.backups[n].shape)}")
+        with torch.no_grad():
+            for n, b in backups.items():
+                self.backups[n].copy_(b)
+        for opt, sd in zip(self.outer_optimizers, state["outer_optimizers"]):
+            opt.load_state_dict(sd)
+        self.error_feedback.load_state_dict(state["error_feedback"])
+        if self.compressor_state is not None and state.get("compressor_state") is not None:
+            self.compressor_state.load_state_dict(state["compressor_state"])
+        self.steps, self._reductions = int(state["steps"]), int(state["reductions"])
+        self._pending = []
+        for p in state["pending"]:
+            deltas = [d.to(self.device) for d in p["deltas"]]
+            self._pending.append(_Pending(int(p["fragment"]), int(p["due"]), deltas, None, "done"))
+
+
+# --------------------------------------------------------------------------------- helpers
+def _positive_int(name: str, value: object, hint: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{_NAME}: {name} must be an int >= 1 ({hint}), got {type(value).__name__} {value!r}")
+    if value < 1:
+        raise ValueError(f"{_NAME}: {name} must be >= 1 ({hint}), got {value!r}")
+    return int(value)
+
+
+def _backup_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The global weights in at least fp32: the outer step's small updates would vanish in bf16/fp16."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def _fragments(fragments: int | Iterable, named: list) -> list[list[str]]:
+    """The fragments as lists of names: ``F`` contiguous groups of about equal numel, or the given ones,
+    checked to cover every synchronised parameter exactly once."""
+    names = [n for n, _ in named]
+    if isinstance(fragments, bool) or not isinstance(fragments, (numbers.Integral, list, tuple)):
+        raise TypeError(f"{_NAME}: fragments must be an int >= 1 or a list of lists of parameter names, got "
+                        f"{type(fragments).__name__} {fragments!r}")
+    if isinstance(fragments, numbers.Integral):
+        count = _positive_int("fragments", fragments, "e.g. fragments=4")
+        if count > len(names):
+            raise ValueError(f"{_NAME}: fragments={count} but the model has {len(names)} synchronised parameters; "
+                             f"use at most {len(names)} fragments")
+        prefix = [0]
+        for _, p in named:
+            prefix.append(prefix[-1] + p.numel())
+        # Cut k (k = 1..F-1) after the parameter whose prefix sum is nearest k/F of the total,
+        # leaving at least one parameter to every fragment.
+        cuts = [0]
+        for k in range(1, count):
+            lo, hi = cuts[-1] + 1, len(names) - (count - k)
+            target = prefix[-1] * k / count
+            cuts.append(min(range(lo, hi + 1), key=lambda b: (abs(prefix[b] - target), b)))
+        cuts.append(len(names))
+        return [names[a:b] for a, b in zip(cuts, cuts[1:])]
+    groups = [list(g) for g in fragments] if all(isinstance(g, (list, tuple)) for g in fragments) else None
+    if not groups or any(not g or not all(isinstance(n, str) for n in g) for g in groups):
+        raise TypeError(f"{_NAME}: explicit fragments must be a non-empty list of non-empty lists of parameter "
+                        f"names (str), got {fragments!r}")
+    seen = [n for g in groups for n in g]
+    dup = sorted({n for n in seen if seen.count(n) > 1})
+    missing = [n for n in names if n not in seen]
+    unknown = [n for n in seen if n not in names]
+    if dup or missing or unknown:
+        raise ValueError(f"{_NAME}: fragments must cover every trainable parameter exactly once: missing "
+                         f"{missing[:5]}, unknown {unknown[:5]} (frozen or not in the model), duplicated {dup[:5]}; "
+                         f"names are those of model.named_parameters()")
+    return groups

@@ -1,0 +1,370 @@
+"""DiLoCo (issue 26): ``commopt.schedules.DiLoCo`` against independent oracles.
+
+- Oracle 1: inner SGD, ``sync_every=1``, outer SGD with lr 1 and no momentum, exact: the parameters of
+  data-parallel SGD over the whole world, the average gradient computed here with plain
+  ``torch.distributed`` (2x2 with DDP inside each worker, 1x4 (one worker), 4x1, 2x2 with FSDP2 inside).
+- Oracle 2: every worker fed the same data: one model trained alone, followed by Nesterov's outer update
+  written out in the test.
+- Streaming: each fragment adopts, ``delay`` steps after its turn, the workers' mean of the local weights
+  of its turn, mixed with ``alpha``; the other fragments are untouched.
+- Compression: int8 stays within its quantization bound of the exact run; top-k with error feedback
+  conserves what it is given (fp64: sum of pseudo-gradients = applied + residuals).
+- Checkpoint: a round trip mid-run (a reduction in flight) continues bit for bit, loaded with
+  ``weights_only=True``; another worker layout is a ValueError. NaN: ``NonFiniteError`` on every rank,
+  nothing applied. Bad arguments: TypeError / ValueError before anything moves.
+docs/faults.md row 40.
+"""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from commopt.comm import Topology
+from commopt.comm import compression as C
+from commopt.comm.errors import NonFiniteError
+from commopt.schedules import DiLoCo, worker_group
+
+
+class _Net(nn.Module):
+    """Rows that do not divide by 2 or 4 (padded pieces), and, optionally, a scalar parameter."""
+
+    def __init__(self, scalar: bool = True) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(5, 7), nn.Linear(7, 3)
+        self.scale = nn.Parameter(torch.tensor(1.25)) if scalar else None
+
+    def forward(self, x):
+        y = self.fc2(torch.tanh(self.fc1(x)))
+        return y * self.scale if self.scale is not None else y
+
+
+def _model(scalar: bool = True, dtype=torch.float32, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return _Net(scalar).to(dtype)
+
+
+def _data(rank: int, step: int, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(6, 5, generator=g, dtype=dtype)
+    return x, torch.stack([x[:, 0] * x[:, 1], torch.sin(x[:, 2]), x[:, 3]], dim=1)
+
+
+def _inner_step(model, opt, rank: int, step: int, dtype=torch.float32) -> None:
+    x, y = _data(rank, step, dtype)
+    opt.zero_grad()
+    nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+
+
+def _params(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Full parameters (DTensors gathered), by name without DDP's ``module.`` prefix."""
+    out = {}
+    for n, p in model.named_parameters():
+        t = p.full_tensor() if hasattr(p, "full_tensor") else p
+        out[n.removeprefix("module.")] = t.detach().clone()
+    return out
+
+
+def _close(a: dict, b: dict, what: str, rtol: float = 1e-5, atol: float = 1e-6) -> None:
+    assert a.keys() == b.keys(), what
+    for k in a:
+        assert torch.allclose(a[k], b[k], rtol=rtol, atol=atol), (
+            f"{what}: {k} differs by {float((a[k] - b[k]).abs().max()):.3g}")
+
+
+# --------------------------------------------------------------------------------- world of 4
+def _ddp_oracle(steps: int, lr: float, scalar: bool) -> dict[str, torch.Tensor]:
+    """SGD on the average gradient of every rank's batch (plain torch.distributed)."""
+    model = _model(scalar)
+    world = dist.get_world_size()
+    for step in range(steps):
+        model.zero_grad()
+        x, y = _data(dist.get_rank(), step)
+        nn.functional.mse_loss(model(x), y).backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                dist.all_reduce(p.grad)
+                p -= lr * p.grad / world
+    return _params(model)
+
+
+def _oracle_case(case: str, steps: int, lr: float) -> dict[str, torch.Tensor]:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    spec, inner = case.split("-")
+    topo = Topology.from_spec(spec)
+    wg = worker_group(topo)
+    model = _model(scalar=inner != "fsdp")
+    if inner == "ddp":
+        model = DDP(model, process_group=wg)
+    elif inner == "fsdp":
+        fully_shard(model, mesh=DeviceMesh.from_group(wg, "cpu"))
+    else:
+        assert wg is None  # one rank per worker: nothing to wrap
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    d = DiLoCo(model, opt, outer_optimizer=lambda ps: torch.optim.SGD(ps, lr=1.0), sync_every=1, topology=topo)
+    assert d.worker_group is wg and d.num_workers == topo.num_nodes
+    for step in range(steps):
+        _inner_step(model, opt, dist.get_rank(), step)
+        d.step()
+    return _params(model)
+
+
+def _body_world4() -> None:
+    steps, lr = 3, 0.1
+    for case in ("2x2-ddp", "1x4-ddp", "4x1-none", "2x2-fsdp"):
+        got = _oracle_case(case, steps, lr)
+        want = _ddp_oracle(steps, lr, scalar=not case.endswith("fsdp"))
+        _close(got, want, case)
+    # Unequal workers cannot pair up along rails: a clear error on every rank, before any group.
+    m = _model()
+    with pytest.raises(ValueError, match="unequal"):
+        DiLoCo(m, torch.optim.SGD(m.parameters(), lr=0.1), workers=[[0, 1, 2], [3]])
+    with pytest.raises(ValueError, match="unequal"):
+        DiLoCo(m, torch.optim.SGD(m.parameters(), lr=0.1), topology=Topology.from_spec("3+1"))
+
+
+def test_sync_every_step_equals_data_parallel_sgd(ranks):
+    """Oracle 1 on 2x2 (DDP inside each worker), 1x4, 4x1 and 2x2 with FSDP2 inside."""
+    ranks(4, _body_world4, timeout=120)
+
+
+# --------------------------------------------------------------------------------- world of 2
+def _same_data_body() -> None:
+    """Oracle 2: with the same data everywhere, DiLoCo = one model alone + Nesterov outer steps."""
+    rank = dist.get_rank()
+    H, rounds, lr_out, mom = 3, 2, 0.7, 0.9
+    model = _model()
+    opt = torch.optim.Adam(model.parameters(), lr=0.05)
+    d = DiLoCo(model, opt, sync_every=H, workers=[[0], [1]])  # default outer: Nesterov SGD(0.7, 0.9)
+    alone = _model()
+    alone_opt = torch.optim.Adam(alone.parameters(), lr=0.05)
+    glob = {n: p.detach().clone() for n, p in alone.named_parameters()}
+    buf = {}
+    for r in range(rounds):
+        for s in range(H):
+            _inner_step(model, opt, 0, r * H + s)  # rank 0's data on every rank
+            d.step()
+            _inner_step(alone, alone_opt, 0, r * H + s)
+        with torch.no_grad():
+            for n, p in alone.named_parameters():
+                g = glob[n] - p
+                buf[n] = g.clone() if n not in buf else mom * buf[n] + g
+                glob[n] = glob[n] - lr_out * (g + mom * buf[n])
+                p.copy_(glob[n])
+    _close(_params(model), _params(alone), f"same data, rank {rank}")
+
+
+def _streaming_body() -> None:
+    """Each fragment, ``delay`` steps after its turn, adopts (1-alpha) * mean of the workers' local
+    weights at its turn + alpha * its current local weights; the others are untouched."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    H, F, delay, alpha = 2, 2, 1, 0.3
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    d = DiLoCo(model, opt, outer_optimizer=lambda ps: torch.optim.SGD(ps, lr=1.0), sync_every=H, fragments=F,
+               delay=delay, alpha=alpha, workers=[[0], [1]])
+    names = [n for n, _ in model.named_parameters()]
+    assert sorted(n for f in d.fragments for n in f) == sorted(names) and len(d.fragments) == F
+    frag_of = {n: f for f, frag in enumerate(d.fragments) for n in frag}
+    means = {}
+    for t in range(1, 4 * H + 1):
+        _inner_step(model, opt, rank, t)
+        before = _params(model)
+        gathered = {}
+        for n, p in before.items():
+            parts = [torch.empty_like(p) for _ in range(world)]
+            dist.all_gather(parts, p)
+            gathered[n] = torch.stack(parts).mean(0)
+        means[t] = gathered
+        d.step()
+        after = _params(model)
+        for n in names:
+            f = frag_of[n]
+            issued = t - delay
+            if issued >= 1 and issued % H == (f * H) // F:
+                want = (1 - alpha) * means[issued][n] + alpha * before[n]
+                assert torch.allclose(after[n], want, rtol=1e-5, atol=1e-6), (t, n)
+            else:
+                assert torch.equal(after[n], before[n]), (t, n)
+    # One fragment and no delay is plain DiLoCo: the explicit one-fragment schedule gives the same bits.
+    runs = []
+    for fragments in (1, [names]):
+        m = _model()
+        o = torch.optim.SGD(m.parameters(), lr=0.1)
+        dd = DiLoCo(m, o, sync_every=2, fragments=fragments, workers=[[0], [1]])
+        for t in range(4):
+            _inner_step(m, o, rank, t)
+            dd.step()
+        runs.append(_params(m))
+    for n in names:
+        assert torch.equal(runs[0][n], runs[1][n]), n
+
+
+def _compressed_body() -> None:
+    """int8 within its quantization bound of the exact run; top-k + error feedback conserves (fp64)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    H, rounds = 2, 3
+    finals, bound = {}, 0.0
+    for name, comp in (("exact", None), ("int8", C.QuantizeCompressor(8))):
+        model = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        d = DiLoCo(model, opt, outer_optimizer=lambda ps: torch.optim.SGD(ps, lr=1.0), sync_every=H,
+                   compressor=comp, workers=[[0], [1]])
+        for t in range(H * rounds):
+            _inner_step(model, opt, rank, t)
+            if name == "exact" and (t + 1) % H == 0:
+                amax = max(float((d.backups[n] - p.detach()).abs().max()) for n, p in model.named_parameters())
+                amax_t = torch.tensor([amax])
+                dist.all_reduce(amax_t, op=dist.ReduceOp.MAX)
+                bound += float(amax_t) / 127 * 2  # a quantization step per block, both workers' shares
+            d.step()
+        finals[name] = _params(model)
+    diff = max(float((finals["int8"][n] - finals["exact"][n]).abs().max()) for n in finals["exact"])
+    assert 0 < diff <= 2 * bound, (diff, bound)
+
+    # Conservation: sum over workers and syncs of the pseudo-gradients = n * applied + residuals.
+    model = _model(dtype=torch.float64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    d = DiLoCo(model, opt, outer_optimizer=lambda ps: torch.optim.SGD(ps, lr=1.0), sync_every=H,
+               compressor=C.TopKCompressor(ratio=0.3), workers=[[0], [1]])
+    sent = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
+    applied = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
+    glob = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for t in range(H * rounds):
+        _inner_step(model, opt, rank, t, torch.float64)
+        if (t + 1) % H == 0:
+            for n, p in model.named_parameters():
+                sent[n] += glob[n] - p.detach()
+        d.step()
+        if (t + 1) % H == 0:
+            for n, p in model.named_parameters():
+                applied[n] += glob[n] - p.detach()
+                glob[n] = p.detach().clone()
+    residuals = d.error_feedback.residuals["worker"]
+    assert set(residuals) == set(sent) and any(float(r.abs().max()) > 0 for r in residuals.values())
+    for n in sent:
+        total = sent[n].clone()
+        dist.all_reduce(total)
+        kept = residuals[n].reshape(sent[n].shape).clone()
+        dist.all_reduce(kept)
+        assert torch.allclose(world * applied[n] + kept, total, rtol=1e-12, atol=1e-12), n
+
+
+def _run_for_checkpoint(stop: int | None, total: int, saved: dict | None):
+    rank = dist.get_rank()
+    model = _model(seed=0 if saved is None else 7)  # a fresh model unlike the saved one
+    opt = torch.optim.Adam(model.parameters(), lr=0.05)
+    d = DiLoCo(model, opt, sync_every=2, fragments=2, delay=1, alpha=0.25,
+               compressor=C.TopKCompressor(ratio=0.4), workers=[[0], [1]])
+    start = 0
+    if saved is not None:
+        state = torch.load(io.BytesIO(saved["bytes"]), weights_only=True)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["inner"])
+        d.load_state_dict(state["diloco"])
+        start = d.steps
+    for t in range(start, total):
+        _inner_step(model, opt, rank, t)
+        d.step()
+        if stop is not None and t + 1 == stop:
+            assert d._pending, "the checkpoint is meant to hold a reduction in flight"
+            buf = io.BytesIO()
+            torch.save({"model": model.state_dict(), "inner": opt.state_dict(), "diloco": d.state_dict()}, buf)
+            return {"bytes": buf.getvalue()}
+    d.synchronize()
+    return _params(model), {n: b.clone() for n, b in d.backups.items()}, d
+
+
+def _checkpoint_body() -> None:
+    total = 8
+    want, want_backups, _ = _run_for_checkpoint(None, total, None)
+    saved = _run_for_checkpoint(5, total, None)
+    got, got_backups, d = _run_for_checkpoint(None, total, saved)
+    for n in want:
+        assert torch.equal(got[n], want[n]), n
+    for n in want_backups:
+        assert torch.equal(got_backups[n], want_backups[n]), n
+    # Another worker layout (one worker of two ranks) is a clear error.
+    state = torch.load(io.BytesIO(saved["bytes"]), weights_only=True)["diloco"]
+    m = _model()
+    other = DiLoCo(m, torch.optim.SGD(m.parameters(), lr=0.1), sync_every=2, fragments=2, delay=1,
+                   compressor=C.TopKCompressor(ratio=0.4), workers=[[0, 1]])
+    with pytest.raises(ValueError, match="workers"):
+        other.load_state_dict(state)
+
+
+def _nonfinite_body() -> None:
+    """NaN in one worker's weights: NonFiniteError on every rank, nothing applied."""
+    rank = dist.get_rank()
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    d = DiLoCo(model, opt, sync_every=2, workers=[[0], [1]])
+    _inner_step(model, opt, rank, 0)
+    d.step()
+    if rank == 1:
+        with torch.no_grad():
+            model.fc1.weight[0, 0] = float("nan")
+    _inner_step(model, opt, rank, 1)
+    backups = {n: b.clone() for n, b in d.backups.items()}
+    with pytest.raises(NonFiniteError):
+        d.step()
+    for n, b in d.backups.items():
+        assert torch.equal(b, backups[n]), n
+    assert not d.outer_optimizers[0].state  # the outer optimizer never stepped
+
+
+def _bad_arguments_body() -> None:
+    m = _model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    w = {"workers": [[0], [1]]}
+    cases = [
+        (TypeError, "model", lambda: DiLoCo("model", opt)),
+        (TypeError, "inner_optimizer", lambda: DiLoCo(m, None)),
+        (ValueError, "inner_optimizer", lambda: DiLoCo(m, torch.optim.SGD(_model().parameters(), lr=0.1))),
+        (TypeError, "outer_optimizer", lambda: DiLoCo(m, opt, outer_optimizer=0.7)),
+        (ValueError, "sync_every", lambda: DiLoCo(m, opt, sync_every=0)),
+        (TypeError, "sync_every", lambda: DiLoCo(m, opt, sync_every=2.0)),
+        (ValueError, "delay", lambda: DiLoCo(m, opt, sync_every=4, delay=4)),
+        (ValueError, "delay", lambda: DiLoCo(m, opt, delay=-1)),
+        (ValueError, "alpha", lambda: DiLoCo(m, opt, alpha=1.0)),
+        (ValueError, "fragments", lambda: DiLoCo(m, opt, fragments=0)),
+        (ValueError, "fragments", lambda: DiLoCo(m, opt, fragments=99)),
+        (ValueError, "exactly once", lambda: DiLoCo(m, opt, fragments=[["fc1.weight"]])),
+        (ValueError, "exactly once", lambda: DiLoCo(m, opt, fragments=[[n for n, _ in m.named_parameters()],
+                                                                       ["fc1.weight"]])),
+        (TypeError, "compressor", lambda: DiLoCo(m, opt, compressor="int8")),
+        (TypeError, "error_feedback", lambda: DiLoCo(m, opt, error_feedback=1)),
+        (ValueError, "backup_device", lambda: DiLoCo(m, opt, backup_device="nowhere")),
+        (ValueError, "timeout", lambda: DiLoCo(m, opt, timeout=0)),
+        (TypeError, "topology", lambda: DiLoCo(m, opt, topology="2x1")),
+        (ValueError, "workers", lambda: DiLoCo(m, opt, workers="rack")),
+        (ValueError, "partition", lambda: DiLoCo(m, opt, workers=[[0, 1], [1]])),
+        (ValueError, "not both", lambda: DiLoCo(m, opt, topology=Topology.from_spec("2x1"), **w)),
+        (ValueError, "exactly", lambda: DiLoCo(m, opt, outer_optimizer=lambda ps: torch.optim.SGD(
+            _model().parameters(), lr=1.0), **w)),
+    ]
+    for exc, words, make in cases:
+        with pytest.raises(exc, match=words):
+            make()
+
+
+def _body_world2() -> None:
+    _same_data_body()
+    _streaming_body()
+    _compressed_body()
+    _checkpoint_body()
+    _nonfinite_body()
+    _bad_arguments_body()
+
+
+def test_outer_loop_oracles_streaming_compression_checkpoint_and_errors(ranks):
+    """Oracle 2, streaming, compression, checkpoint, NaN and bad arguments on two one-rank workers."""
+    ranks(2, _body_world2, timeout=120)
