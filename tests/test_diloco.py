@@ -11,13 +11,15 @@
   conserves what it is given (fp64: sum of pseudo-gradients = applied + residuals).
 - Checkpoint: a round trip mid-run (a reduction in flight) continues bit for bit, loaded with
   ``weights_only=True``; another worker layout is a ValueError. NaN: ``NonFiniteError`` on every rank,
-  nothing applied. Bad arguments: TypeError / ValueError before anything moves.
+  nothing applied. A late worker: ``CommTimeoutError`` within the timeout. Bad arguments: TypeError /
+  ValueError before anything moves.
 docs/faults.md row 40.
 """
 
 from __future__ import annotations
 
 import io
+import time
 
 import pytest
 import torch
@@ -26,7 +28,7 @@ from torch import nn
 
 from commopt.comm import Topology
 from commopt.comm import compression as C
-from commopt.comm.errors import NonFiniteError
+from commopt.comm.errors import CommTimeoutError, NonFiniteError
 from commopt.schedules import DiLoCo, worker_group
 
 
@@ -123,6 +125,7 @@ def _body_world4() -> None:
         got = _oracle_case(case, steps, lr)
         want = _ddp_oracle(steps, lr, scalar=not case.endswith("fsdp"))
         _close(got, want, case)
+    _int8_within_bound(Topology.from_spec("2x2"), ddp=True)
     # Unequal workers cannot pair up along rails: a clear error on every rank, before any group.
     m = _model()
     with pytest.raises(ValueError, match="unequal"):
@@ -208,27 +211,41 @@ def _streaming_body() -> None:
         assert torch.equal(runs[0][n], runs[1][n]), n
 
 
-def _compressed_body() -> None:
-    """int8 within its quantization bound of the exact run; top-k + error feedback conserves (fp64)."""
-    rank, world = dist.get_rank(), dist.get_world_size()
+def _int8_within_bound(topo: Topology, ddp: bool) -> None:
+    """int8 outer gradients stay within their quantization bound of the exact run, and differ from it."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    rank = dist.get_rank()
     H, rounds = 2, 3
     finals, bound = {}, 0.0
     for name, comp in (("exact", None), ("int8", C.QuantizeCompressor(8))):
         model = _model()
+        if ddp:
+            model = DDP(model, process_group=worker_group(topo))
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         d = DiLoCo(model, opt, outer_optimizer=lambda ps: torch.optim.SGD(ps, lr=1.0), sync_every=H,
-                   compressor=comp, workers=[[0], [1]])
+                   compressor=comp, topology=topo)
+        glob = _params(model)
         for t in range(H * rounds):
             _inner_step(model, opt, rank, t)
             if name == "exact" and (t + 1) % H == 0:
-                amax = max(float((d.backups[n] - p.detach()).abs().max()) for n, p in model.named_parameters())
-                amax_t = torch.tensor([amax])
-                dist.all_reduce(amax_t, op=dist.ReduceOp.MAX)
-                bound += float(amax_t) / 127 * 2  # a quantization step per block, both workers' shares
+                local = _params(model)
+                amax = torch.tensor([max(float((glob[n] - local[n]).abs().max()) for n in glob)])
+                dist.all_reduce(amax, op=dist.ReduceOp.MAX)
+                bound += float(amax) / 127 * 2  # a quantization step per block, every worker's share
             d.step()
+            if (t + 1) % H == 0:
+                glob = _params(model)
         finals[name] = _params(model)
     diff = max(float((finals["int8"][n] - finals["exact"][n]).abs().max()) for n in finals["exact"])
-    assert 0 < diff <= 2 * bound, (diff, bound)
+    assert 0 < diff <= 2 * bound, (topo, diff, bound)
+
+
+def _compressed_body() -> None:
+    """int8 within its quantization bound of the exact run; top-k + error feedback conserves (fp64)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    H, rounds = 2, 3
+    _int8_within_bound(Topology.from_spec("2x1"), ddp=False)
 
     # Conservation: sum over workers and syncs of the pseudo-gradients = n * applied + residuals.
     model = _model(dtype=torch.float64)
@@ -321,6 +338,26 @@ def _nonfinite_body() -> None:
     assert not d.outer_optimizers[0].state  # the outer optimizer never stepped
 
 
+def _late_worker_body() -> None:
+    """A worker that does not reach the outer sync in time: CommTimeoutError on the other within the
+    timeout. The late one arrives afterwards, so its reduction pairs with the abandoned one and the
+    process groups stay in step for the tests after this one."""
+    rank, timeout = dist.get_rank(), 1.0
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    d = DiLoCo(model, opt, sync_every=1, workers=[[0], [1]], timeout=timeout)
+    _inner_step(model, opt, rank, 0)
+    if rank == 1:
+        time.sleep(timeout + 1.0)
+        d.step()
+    else:
+        began = time.monotonic()
+        with pytest.raises(CommTimeoutError):
+            d.step()
+        assert time.monotonic() - began < timeout + 0.9
+    dist.barrier()
+
+
 def _bad_arguments_body() -> None:
     m = _model()
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
@@ -362,6 +399,7 @@ def _body_world2() -> None:
     _compressed_body()
     _checkpoint_body()
     _nonfinite_body()
+    _late_worker_body()
     _bad_arguments_body()
 
 
