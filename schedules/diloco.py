@@ -148,10 +148,6 @@ class _Piece:
     rows: int
     shape: tuple[int, ...]
 
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
 
 def _local(p: torch.Tensor) -> torch.Tensor:
     """The tensor this rank holds of ``p``: a DTensor's local shard (the storage itself, writable
@@ -333,7 +329,7 @@ class DiLoCo:
                      self.delay, self.alpha, None if self.compressor is None else self.compressor.config(),
                      self.topology.layout))
         h = int.from_bytes(hashlib.sha1(text.encode()).digest()[:7], "little")
-        mine = torch.tensor([h, -h], dtype=torch.int64)
+        mine = torch.tensor([h, -h], dtype=torch.int64, device=self.device)  # NCCL reduces device tensors only
         if self.topology.world_size > 1:
             wait_work(dist.all_reduce(mine, op=ReduceOp.MAX, async_op=True), self.timeout, f"{_NAME}/agree")
             if int(mine[0]) != -int(mine[1]):
@@ -442,7 +438,7 @@ class DiLoCo:
         names = self.fragments[f]
         # Rail j's average is the same on every worker; the worker's ranks agree on every rail's
         # flag, so every rank of the world takes the same branch.
-        bad = torch.tensor([0.0 if all(bool(torch.isfinite(d).all()) for d in deltas) else 1.0])
+        bad = torch.tensor([0.0 if all(bool(torch.isfinite(d).all()) for d in deltas) else 1.0], device=self.device)
         if self.worker_group is not None:
             wait_work(dist.all_reduce(bad, op=ReduceOp.MAX, group=self.worker_group, async_op=True), self.timeout,
                       f"{_NAME}/finite")
