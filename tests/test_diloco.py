@@ -9,10 +9,10 @@
   of its turn, mixed with ``alpha``; the other fragments are untouched.
 - Compression: int8 stays within its quantization bound of the exact run; top-k with error feedback
   conserves what it is given (fp64: sum of pseudo-gradients = applied + residuals).
-- Checkpoint: a round trip mid-run (a reduction in flight) continues bit for bit, loaded with
-  ``weights_only=True``; another worker layout is a ValueError. NaN: ``NonFiniteError`` on every rank,
-  nothing applied. A late worker: ``CommTimeoutError`` within the timeout. Bad arguments: TypeError /
-  ValueError before anything moves.
+- Checkpoint: a round trip mid-run (a reduction in flight; one-rank workers, and FSDP2 inside 2x2
+  workers) continues bit for bit, loaded with ``weights_only=True``; another worker layout is a
+  ValueError. NaN: ``NonFiniteError`` on every rank, nothing applied. A late worker: ``CommTimeoutError``
+  within the timeout. Bad arguments: TypeError / ValueError before anything moves.
 docs/faults.md row 40.
 """
 
@@ -126,6 +126,13 @@ def _body_world4() -> None:
         want = _ddp_oracle(steps, lr, scalar=not case.endswith("fsdp"))
         _close(got, want, case)
     _int8_within_bound(Topology.from_spec("2x2"), ddp=True)
+    # Sharded pieces in a checkpoint; a world of another size (4x1, no FSDP) refuses it.
+    saved = _checkpoint_round_trip("2x2-fsdp")
+    m = _model(scalar=False)
+    other = DiLoCo(m, torch.optim.SGD(m.parameters(), lr=0.1), sync_every=2, fragments=2, delay=1, alpha=0.25,
+                   compressor=C.TopKCompressor(ratio=0.4), topology=Topology.from_spec("4x1"))
+    with pytest.raises(ValueError, match="workers"):
+        other.load_state_dict(torch.load(io.BytesIO(saved), weights_only=True)["diloco"])
     # Unequal workers cannot pair up along rails: a clear error on every rank, before any group.
     m = _model()
     with pytest.raises(ValueError, match="unequal"):
@@ -134,8 +141,9 @@ def _body_world4() -> None:
         DiLoCo(m, torch.optim.SGD(m.parameters(), lr=0.1), topology=Topology.from_spec("3+1"))
 
 
-def test_sync_every_step_equals_data_parallel_sgd(ranks):
-    """Oracle 1 on 2x2 (DDP inside each worker), 1x4, 4x1 and 2x2 with FSDP2 inside."""
+def test_four_ranks_data_parallel_oracle_int8_and_sharded_checkpoint(ranks):
+    """Oracle 1 on 2x2 (DDP inside each worker), 1x4, 4x1 and 2x2 with FSDP2 inside; int8 on 2x2 with DDP;
+    a checkpoint round trip with FSDP2 inside (sharded pieces) and a 4x1 world refusing it; unequal workers."""
     ranks(4, _body_world4, timeout=120)
 
 
@@ -275,16 +283,34 @@ def _compressed_body() -> None:
         assert torch.allclose(world * applied[n] + kept, total, rtol=1e-12, atol=1e-12), n
 
 
-def _run_for_checkpoint(stop: int | None, total: int, saved: dict | None):
+def _local(p: torch.Tensor) -> torch.Tensor:
+    return p.to_local() if hasattr(p, "to_local") else p
+
+
+def _run_for_checkpoint(layout: str, stop: int | None, total: int, saved: bytes | None):
+    """Train ``total`` steps; with ``stop``: return the checkpoint taken after that step (a reduction in
+    flight); with ``saved``: a fresh model, optimizer and DiLoCo resume from it. ``layout``: two one-rank
+    workers with inner Adam, or 2x2 with FSDP2 inside each worker (sharded pieces)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
     rank = dist.get_rank()
-    model = _model(seed=0 if saved is None else 7)  # a fresh model unlike the saved one
-    opt = torch.optim.Adam(model.parameters(), lr=0.05)
-    d = DiLoCo(model, opt, sync_every=2, fragments=2, delay=1, alpha=0.25,
-               compressor=C.TopKCompressor(ratio=0.4), workers=[[0], [1]])
+    fsdp = layout == "2x2-fsdp"
+    model = _model(scalar=not fsdp, seed=0 if saved is None else 7)  # a fresh model unlike the saved one
+    where = {"topology": Topology.from_spec("2x2")} if fsdp else {"workers": [[0], [1]]}
+    if fsdp:
+        fully_shard(model, mesh=DeviceMesh.from_group(worker_group(**where), "cpu"))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    else:
+        opt = torch.optim.Adam(model.parameters(), lr=0.05)
+    d = DiLoCo(model, opt, sync_every=2, fragments=2, delay=1, alpha=0.25, compressor=C.TopKCompressor(ratio=0.4),
+               **where)
     start = 0
     if saved is not None:
-        state = torch.load(io.BytesIO(saved["bytes"]), weights_only=True)
-        model.load_state_dict(state["model"])
+        state = torch.load(io.BytesIO(saved), weights_only=True)
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                _local(p).copy_(state["model"][n])
         opt.load_state_dict(state["inner"])
         d.load_state_dict(state["diloco"])
         start = d.steps
@@ -294,23 +320,30 @@ def _run_for_checkpoint(stop: int | None, total: int, saved: dict | None):
         if stop is not None and t + 1 == stop:
             assert d._pending, "the checkpoint is meant to hold a reduction in flight"
             buf = io.BytesIO()
-            torch.save({"model": model.state_dict(), "inner": opt.state_dict(), "diloco": d.state_dict()}, buf)
-            return {"bytes": buf.getvalue()}
+            local = {n: _local(p).detach().clone() for n, p in model.named_parameters()}
+            torch.save({"model": local, "inner": opt.state_dict(), "diloco": d.state_dict()}, buf)
+            return buf.getvalue()
     d.synchronize()
-    return _params(model), {n: b.clone() for n, b in d.backups.items()}, d
+    return {n: _local(p).detach().clone() for n, p in model.named_parameters()}, dict(d.backups)
+
+
+def _checkpoint_round_trip(layout: str) -> bytes:
+    """A checkpoint mid-run continues bit for bit; returns the checkpoint."""
+    total = 8
+    want, want_backups = _run_for_checkpoint(layout, None, total, None)
+    saved = _run_for_checkpoint(layout, 5, total, None)
+    got, got_backups = _run_for_checkpoint(layout, None, total, saved)
+    for n in want:
+        assert torch.equal(got[n], want[n]), (layout, n)
+    for n in want_backups:
+        assert torch.equal(got_backups[n], want_backups[n]), (layout, n)
+    return saved
 
 
 def _checkpoint_body() -> None:
-    total = 8
-    want, want_backups, _ = _run_for_checkpoint(None, total, None)
-    saved = _run_for_checkpoint(5, total, None)
-    got, got_backups, d = _run_for_checkpoint(None, total, saved)
-    for n in want:
-        assert torch.equal(got[n], want[n]), n
-    for n in want_backups:
-        assert torch.equal(got_backups[n], want_backups[n]), n
+    saved = _checkpoint_round_trip("2x1")
     # Another worker layout (one worker of two ranks) is a clear error.
-    state = torch.load(io.BytesIO(saved["bytes"]), weights_only=True)["diloco"]
+    state = torch.load(io.BytesIO(saved), weights_only=True)["diloco"]
     m = _model()
     other = DiLoCo(m, torch.optim.SGD(m.parameters(), lr=0.1), sync_every=2, fragments=2, delay=1,
                    compressor=C.TopKCompressor(ratio=0.4), workers=[[0, 1]])
