@@ -36,6 +36,13 @@ an all-gather-matmul ring of the gradient with ``B.T``, with respect to B ``A.T 
 sharded on its last dimension, B on its first, the output is replicated, and its backward is local
 (``grad @ B.T`` and ``A.T @ grad``, no communication), the gradient arriving replicated.
 
+Drop-in styles for torch's ``parallelize_module`` (docs/guide.md, "Drop-in styles"):
+:class:`ColwiseParallel`, :class:`RowwiseParallel` and :class:`SequenceParallel` subclass torch's,
+take its arguments and make its parameters, and run the rings above where a collective meets a
+matmul: a column-parallel Linear fed a sequence-sharded input all-gathers it in
+:func:`all_gather_matmul`, a row-parallel Linear reduces in :func:`matmul_reduce_scatter` (sharded
+output) or :func:`matmul_all_reduce` (replicated output). Every other case runs torch's own code.
+
 Checks (docs/faults.md row 39): wrong arguments are ``TypeError`` / ``ValueError`` at the call, on
 the calling rank, before anything is sent; then one agreement check on the group
 (``commopt.comm.checks.agree``: the shape and dtype of what the ring exchanges) raises
@@ -419,11 +426,13 @@ def _colwise_forward(style: ColwiseParallel, mesh: DeviceMesh, module: nn.Linear
 def _shared_gather_matmul(x: torch.Tensor, local: torch.Tensor, d: int, b: torch.Tensor, group) -> torch.Tensor:
     """``all_gather(local) @ b``, the gathered input kept on ``x`` (the object the module received)
     for the next module handed the same unmodified ``x`` on the same group and dimension, which then
-    multiplies it without communicating. Which modules share is decided by the program (the same
-    object reaching them), not by a local value, so every rank runs the same rings."""
+    multiplies it without communicating, until a backward pass has run through the ring that
+    gathered it (its graph is then freed: an input reused across steps is gathered again). Which
+    modules share is decided by the program (the same object reaching them), not by a local value,
+    so every rank runs the same rings."""
     key = (group, d, local._version, torch.is_grad_enabled())
     kept = getattr(x, _GATHERED, None)
-    if kept is not None and kept[0] == key:
+    if kept is not None and kept[0] == key and not getattr(kept[1].grad_fn, "ran", False):
         return torch.matmul(kept[1], b)
     gathered, (y,) = all_gather_matmul(local, [b], gather_dim=d, group=group, return_a=True)
     setattr(x, _GATHERED, (key, gathered))
@@ -437,12 +446,11 @@ def _rowwise_forward(style: RowwiseParallel, mesh: DeviceMesh, module: nn.Linear
     nd = x.dim()
     out_layout = style.output_layouts[0]
     d = _shard_dim(out_layout, nd)
-    fused = _shard_dim(x.placements[0] if is_dt else style.input_layouts[0], nd) == nd - 1 and nd >= 1
-    if isinstance(out_layout, Replicate):
-        pass
-    elif d is None or d == nd - 1 or x.shape[d] % size:
-        fused = False
+    fused = _shard_dim(x.placements[0] if is_dt else style.input_layouts[0], nd) == nd - 1
+    if not isinstance(out_layout, Replicate) and (d is None or d == nd - 1 or x.shape[d] % size):
+        fused = False  # scattered on the last dimension, or unevenly: torch's (padded) reduce-scatter
     if not fused:
+        # An input not sharded on the contraction (e.g. replicated): torch's hooks and DTensor matmul.
         xt = _torch_tp.RowwiseParallel._prepare_input_fn(style.input_layouts, style.desired_input_layouts, module,
                                                          (x,), mesh)
         out = F.linear(xt, module.weight, module.bias)
@@ -480,6 +488,7 @@ class _AllGatherMatmul(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, g_gathered, *g_outs):
+        ctx.ran = True  # a gathered input kept for ColwiseParallel's sharing is no longer usable
         gathered, *bs = ctx.saved_tensors
         d, shard_shape = ctx.d, ctx.shard_shape
         s = shard_shape[d]

@@ -483,6 +483,15 @@ class _FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+class _Pair(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.a, self.b = nn.Linear(dim, 12), nn.Linear(dim, 12, bias=False)
+
+    def forward(self, x):
+        return self.a(x) * self.b(x)
+
+
 class _Block(nn.Module):
     """A Llama-style block, names as in torch's tensor-parallel tutorial."""
 
@@ -648,7 +657,27 @@ def _styles_cases(mesh) -> list[str]:
         assert sent["all_gather_matmul" if "head" in what else "matmul_reduce_scatter"] > 0, (what, sent)
         done.append(what)
 
-    # (4) nn.Embedding is torch's style unchanged (the tutorial's token embedding, and Colwise).
+    # (4) Two fused Colwise modules handed the same leaf input, over two steps with the same input
+    # (the gathered input is shared within a step, gathered again after a backward).
+    outs = []
+    for styles in (theirs, ours):
+        torch.manual_seed(1234)
+        pair = parallelize_module(_Pair(dim), mesh, {"a": styles[0](input_layouts=Shard(1)),
+                                                     "b": styles[0](input_layouts=Shard(1))})
+        x = x_local.detach().clone().requires_grad_()
+        before = _ring_bytes()["all_gather_matmul"]
+        for step in range(2):
+            y = pair(x)
+            y.backward(_rand(y.shape, torch.float32, 309 + step + 10 * me))
+        outs.append((pair, y, x.grad, _ring_bytes()["all_gather_matmul"] - before))
+    what = f"two Colwise on one input, two steps, at TP {world}"
+    _eq(outs[1][1], outs[0][1], f"{what} output")
+    _eq(outs[1][2], outs[0][2], f"{what} input grad")
+    _same_module(outs[1][0], outs[0][0], what)
+    assert outs[0][3] == 0 and outs[1][3] == 2 * (world - 1) * x_bytes, (what, outs[1][3])
+    done.append(what)
+
+    # (5) nn.Embedding is torch's style unchanged (the tutorial's token embedding, and Colwise).
     ids = torch.randint(0, 16, (batch, seq), generator=torch.Generator().manual_seed(307))
     for what, plan in (("embedding rowwise", lambda col, row, seq: row(input_layouts=Replicate(),
                                                                       output_layouts=Shard(1))),
@@ -671,12 +700,13 @@ def test_styles_match_torch_styles(ranks, tp):
     """docs/faults.md row 39 (exactness): commopt's ColwiseParallel / RowwiseParallel /
     SequenceParallel in torch's plans -- the Llama block of torch's TP tutorial with its
     PrepareModuleInput, the fused form (Colwise taking Shard(1)), TP without SP (Replicate out,
-    biases), an output projection, uneven and DTensor outputs, a batch scatter, nn.Embedding -- give
+    biases), an output projection, uneven and DTensor outputs, a batch scatter, two modules sharing
+    one gathered input over two steps, nn.Embedding -- give
     torch's styles' outputs, input gradients, parameters (the same DTensors) and parameter gradients,
     the rings running where a collective is adjacent to a matmul. TP 4 on WORLD, TP 2 on the two TP
     groups of a 2 x 2 mesh; both in the 4-rank pool (its ranks pay DTensor's first use once)."""
     done = ranks(4, _styles_matrix, tp, timeout=120)
-    assert done == [done[0]] * 4 and len(done[0]) == 9, done
+    assert done == [done[0]] * 4 and len(done[0]) == 10, done
 
 
 class _Stack(nn.Module):
