@@ -108,6 +108,7 @@ def run(args) -> list[dict]:
         results[name] = r
         rows.append(_row(name, r))
     rows += _sharded_rows(args, layers, topo, model, opt)
+    rows += _diloco_rows(args, layers, topo, model)
     if args.tp > 1:
         rows += _tensor_parallel_rows(args, model)
     if args.png:
@@ -147,6 +148,29 @@ def _sharded_rows(args, layers, topo, model, opt: float) -> list[dict]:
     _header("sharded")
     return [_row(name, simulate_sharded(layers, topo, dataclasses.replace(plan, optimizer_seconds_per_byte=opt),
                                         model)) for name, plan in plans]
+
+
+def _diloco_rows(args, layers, topo, model) -> list[dict]:
+    """DiLoCo beside the rows above: each node a worker training with DDP inside it, the pseudo-gradient
+    (fp32, or int8 / int4 blocks) all-reduced along the rails every H inner steps, streamed in fragments."""
+    from commopt.schedules.simulator import quantized_ratio, simulate_diloco
+
+    pseudo = 4 / args.grad_bytes  # pseudo-gradients travel in fp32 whatever the training dtype
+    configs = [("diloco H=8, fp32", 8, 1, 0, 1.0), ("diloco H=32, fp32", 32, 1, 0, 1.0),
+               ("diloco H=32, int8", 32, 1, 0, quantized_ratio(8)),
+               ("diloco H=32, int4, 4 fragments", 32, 4, 4, quantized_ratio(4))]
+    print(f"# diloco: one worker per node (DDP over the node's {args.intra_rate} link inside it), outer syncs "
+          f"along the rails over the {args.link_rate} node link; per inner step")
+    print(f"{'diloco':<34}{'step ms':>10}{'inner ms':>12}{'sync ms':>10}{'exposed ms':>12}{'link MB':>8}")
+    rows = []
+    for name, h, frags, delay, ratio in configs:
+        r = simulate_diloco(layers, topo, model, sync_every=h, fragments=frags, delay=delay, ratio=ratio,
+                            pseudo_bytes_per_param_byte=pseudo)
+        print(f"{name:<34}{r.step * 1e3:>10.1f}{r.inner * 1e3:>12.1f}{r.sync * 1e3:>10.1f}{r.exposed * 1e3:>12.2f}"
+              f"{r.link_bytes_per_step / 2**20:>8.1f}")
+        rows.append({"schedule": name, "iteration": r.step, "inner": r.inner, "sync": r.sync, "exposed": r.exposed,
+                     "link_bytes_per_step": r.link_bytes_per_step})
+    return rows
 
 
 def _tensor_parallel_rows(args, model) -> list[dict]:

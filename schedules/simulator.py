@@ -42,7 +42,8 @@ from .priority import fifo_plan, priority_plan, shape_priority, simulate_issue
 
 __all__ = ["Layer", "Schedule", "SimResult", "simulate", "transformer_layers", "layers_from_model",
            "TRANSFORMERS", "traffic_matrix", "iteration_traffic", "SCHEDULES", "link_service", "ShardedPlan",
-           "SHARDED_KINDS", "simulate_sharded", "quantized_ratio", "TPResult", "simulate_tensor_parallel"]
+           "SHARDED_KINDS", "simulate_sharded", "quantized_ratio", "TPResult", "simulate_tensor_parallel",
+           "DiLoCoResult", "simulate_diloco"]
 
 _MB = 1024 * 1024
 SCHEDULES = ("none", "ddp", "fifo", "priority")
@@ -454,6 +455,66 @@ def simulate_sharded(layers: Sequence[Layer], topology: Topology, plan: ShardedP
     end = run("O", end, shard * plan.optimizer_seconds_per_byte) if plan.optimizer_seconds_per_byte else end
     compute = sum(x.forward + x.backward for x in layers)
     return SimResult(end, compute, comm, end - compute, plan, timeline)
+
+
+# ------------------------------------------------------------------------------------- DiLoCo
+@dataclass(frozen=True)
+class DiLoCoResult:
+    """DiLoCo's average inner step (``schedules.DiLoCo``, docs/guide.md "DiLoCo").
+
+    Attributes:
+        step: seconds per inner step, the outer syncs' exposed time spread over the steps between them.
+        inner: seconds of one inner step: the worker's own data-parallel training inside its node.
+        sync: seconds of one fragment's outer all-reduce along the rails.
+        exposed: seconds per inner step the outer syncs add (``step - inner``).
+        link_bytes_per_step: bytes per inner step each node's link carries (one direction), averaged.
+    """
+
+    step: float
+    inner: float
+    sync: float
+    exposed: float
+    link_bytes_per_step: float
+
+
+def simulate_diloco(layers: Sequence[Layer], topology: Topology, model: cost.CostModel | None = None, *,
+                    sync_every: int, fragments: int = 1, delay: int = 0, ratio: float = 1.0,
+                    schedule: Schedule | None = None, pseudo_bytes_per_param_byte: float = 1.0) -> DiLoCoResult:
+    """DiLoCo on ``topology``: each node is a worker whose ranks train with DDP among themselves
+    (``schedule``, default DDP's, over the intra-node link: the node as a one-level topology); every
+    ``sync_every`` inner steps each of ``fragments`` equal fragments of the model is all-reduced along
+    the rails (each rank its 1/L slice; the node's L rails share its link, which so carries the
+    fragment once), ``ratio`` of its bytes on the wire (a codec), overlapped with ``delay`` inner
+    steps: a fragment's sync hides behind ``delay`` inner steps and the rest is exposed.
+
+    Args:
+        layers: the model (gradient bytes per layer: the pseudo-gradient's, times
+            ``pseudo_bytes_per_param_byte`` when it is reduced in another dtype, e.g. 2 for fp32 of bf16).
+        topology: nodes x ranks (equal nodes).
+        model: the level model (intra-node link for the inner loop, node link for the outer sync).
+        sync_every: inner steps between two syncs of a fragment (H).
+        fragments: fragments synced at staggered steps (1: plain DiLoCo).
+        delay: inner steps a fragment's reduction overlaps before its update is applied.
+        ratio: wire bytes / pseudo-gradient bytes (1: fp32 as it is).
+    """
+    if sync_every < 1 or fragments < 1 or delay < 0 or delay >= sync_every:
+        raise ValueError(f"simulate_diloco: need sync_every >= 1, fragments >= 1 and 0 <= delay < sync_every, got "
+                         f"sync_every={sync_every}, fragments={fragments}, delay={delay}")
+    model = model or cost.CostModel(cost.DEFAULT_INTRA, cost.DEFAULT_INTER)
+    local, nodes = topology.local_size, topology.num_nodes
+    node = Topology(nodes=(tuple(range(local)),), rank=0, world_size=local)
+    rail = Topology(nodes=tuple((i,) for i in range(nodes)), rank=0, world_size=nodes)
+    inner_model = cost.CostModel(model.intra, model.intra, model.chunks, model.shared)
+    if local > 1:
+        inner = simulate(layers, link_service("flat", node, inner_model), schedule or Schedule("ddp")).iteration
+    else:
+        inner = sum(x.forward + x.backward for x in layers)
+    fragment = sum(x.grad_bytes for x in layers) * pseudo_bytes_per_param_byte / fragments
+    flat = algorithms.get("flat")
+    sync = flat.cost(model, "allreduce", fragment * ratio, rail) if nodes > 1 else 0.0
+    exposed = fragments * max(0.0, sync - delay * inner) / sync_every
+    link = flat.link_bytes("allreduce", fragment * ratio, rail) * fragments / sync_every if nodes > 1 else 0.0
+    return DiLoCoResult(inner + exposed, inner, sync, exposed, link)
 
 
 # ------------------------------------------------------------------------------------- workloads

@@ -447,3 +447,31 @@ def test_sharded_simulator_takes_measured_lines():
     plain = simulate_sharded(layers, topo, plan, model)
     other = simulate_sharded(layers, topo, plan, model, lines={"all_gather": {"flat": line}})
     assert other.iteration == plain.iteration and plain.iteration != pytest.approx(got.iteration)
+
+
+def test_diloco_simulation_against_arithmetic():
+    """simulate_diloco: one node never syncs; a sync of the whole model costs the flat all-reduce of its
+    bytes along the rails, spread over H inner steps; a delay long enough hides it; fragments sync
+    1/F of the bytes F times per H; a codec's ratio scales the bytes; bad schedules are ValueErrors."""
+    from commopt.comm.cost import CostModel, LinkModel, predict
+    from commopt.schedules.simulator import Layer, simulate_diloco
+
+    layers = [Layer(f"l{i}", 0.01, 0.02, 8 << 20) for i in range(4)]
+    model = CostModel(LinkModel(1e-5, 1e-10), LinkModel(1e-4, 1e-8))
+    total = 4 * (8 << 20)
+    compute = 4 * 0.03
+    one_node = simulate_diloco(layers, Topology(nodes=((0, 1, 2, 3),), rank=0, world_size=4), model, sync_every=4)
+    assert one_node.sync == 0 and one_node.exposed == 0 and one_node.step == one_node.inner
+    topo = Topology(nodes=((0,), (1,), (2,), (3,)), rank=0, world_size=4)
+    rail = Topology(nodes=((0,), (1,), (2,), (3,)), rank=0, world_size=4)
+    r = simulate_diloco(layers, topo, model, sync_every=8)
+    assert r.inner == pytest.approx(compute) and r.sync == pytest.approx(predict("flat", total, rail, model))
+    assert r.step == pytest.approx(compute + r.sync / 8)
+    hidden = simulate_diloco(layers, topo, model, sync_every=8, delay=int(r.sync / compute) + 1)
+    assert hidden.exposed == 0 and hidden.step == pytest.approx(compute)
+    frag = simulate_diloco(layers, topo, model, sync_every=8, fragments=4, ratio=0.25)
+    assert frag.sync == pytest.approx(predict("flat", total / 4 * 0.25, rail, model))
+    assert frag.exposed == pytest.approx(4 * frag.sync / 8) and frag.link_bytes_per_step < r.link_bytes_per_step
+    for bad in ({"sync_every": 0}, {"sync_every": 4, "delay": 4}, {"sync_every": 4, "fragments": 0}):
+        with pytest.raises(ValueError, match="simulate_diloco"):
+            simulate_diloco(layers, topo, model, **bad)
