@@ -28,6 +28,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "kernels": ("kernels", "throughput of the packing kernels against a plain copy"),
     "ddp": ("ddp", "a small GPT trained with DDP under each comm hook: step time, bytes, loss"),
     "fsdp": ("fsdp", "the GPT sharded with FSDP2 / HSDP under each commopt comm: step time, link bytes, loss"),
+    "tp": ("tp", "a transformer block under tensor + sequence parallelism: torch's plan vs commopt's styles, "
+                 "ring / Ulysses attention"),
     "ina-switch": ("ina_switch", "run the simulated in-network aggregation switch"),
     "ina-overlap": ("ina_overlap", "DDP on the \"ina\" backend: is backward blocked by the switch?"),
     "overlap": ("overlap", "OverlapDataParallel vs DDP interleaved, with the simulator's prediction"),

@@ -6,7 +6,9 @@ It reads what the benchmarks write with ``--json`` and draws, by the kind of res
   algorithm (solid), with the cost model's bound for each (dashed: the busbw the alpha-beta model
   predicts), and beside it each algorithm's speed-up against flat, measured and predicted;
 - ``commopt-bench ddp``: the median step time and the final loss of every hook (DDP's default as
-  the reference line), and the loss curves.
+  the reference line), and the loss curves;
+- ``commopt-bench tp``: each variant's step beside its compute alone and its communication alone
+  (the block, then attention).
 
 The same pictures come out of a run with ``--plot PNG`` on those subcommands. matplotlib is the
 ``plot`` extra (``pip install commopt[plot]``), imported only when something is drawn. Every plot
@@ -27,7 +29,7 @@ from typing import Any
 
 from ._plot import pyplot
 
-__all__ = ["kind_of", "main", "plot", "plot_collectives", "plot_ddp"]
+__all__ = ["kind_of", "main", "plot", "plot_collectives", "plot_ddp", "plot_tp"]
 
 _OP_TITLE = {"allreduce": "all-reduce", "reduce_scatter": "reduce-scatter", "all_gather": "all-gather",
              "alltoall": "all-to-all"}
@@ -41,20 +43,23 @@ _STYLE = {"flat": dict(marker="o", markersize=7), "hierarchical": dict(marker="s
 
 
 def kind_of(data: dict) -> str:
-    """``"collectives"`` or ``"ddp"``: which benchmark wrote ``data`` (ValueError for anything else)."""
+    """``"collectives"``, ``"ddp"`` or ``"tp"``: which benchmark wrote ``data`` (ValueError for anything else)."""
     if isinstance(data, dict):
+        if data.get("kind") == "tp" and isinstance(data.get("results"), list):
+            return "tp"
         if isinstance(data.get("rows"), list) and isinstance(data.get("meta"), dict):
             return "collectives"
         results = data.get("results")
         if isinstance(results, list) and results and all(isinstance(r, dict) and "hook" in r for r in results):
             return "ddp"
     raise ValueError("not the JSON of a benchmark that plots: expected `commopt-bench collectives --json` "
-                     "({'meta', 'rows'}) or `commopt-bench ddp --json` ({'results': [{'hook', ...}]})")
+                     "({'meta', 'rows'}), `commopt-bench ddp --json` ({'results': [{'hook', ...}]}) or "
+                     "`commopt-bench tp --json` ({'kind': 'tp', 'results': [...]})")
 
 
 def plot(data: dict, path: str) -> dict | None:
     """Draw ``data`` (any kind :func:`kind_of` knows) into the PNG ``path``; see the plot functions."""
-    return {"collectives": plot_collectives, "ddp": plot_ddp}[kind_of(data)](data, path)
+    return {"collectives": plot_collectives, "ddp": plot_ddp, "tp": plot_tp}[kind_of(data)](data, path)
 
 
 def _labels(fig) -> dict:
@@ -316,11 +321,60 @@ def plot_ddp(data: dict, path: str) -> dict | None:
     return out
 
 
+# ------------------------------------------------------------------------------------ tp
+def plot_tp(data: dict, path: str) -> dict | None:
+    """The variants of a ``commopt-bench tp`` run: one panel for the block, one for attention; per
+    variant a bar of its step (annotated with its ratio to max(compute, communication)), with compute
+    alone and communication alone as dashed lines and their max dotted: the gap from the bar down to
+    the dotted line is what overlap did not hide.
+
+    Returns:
+        ``{"step_ms": {variant: ms}, "compute_ms": {group: ms}, "comm_ms": {group: ms}}`` read back from
+        the figure, with ``"title"`` and ``"axes"``; None when matplotlib is missing.
+    """
+    plt = pyplot(f"plot {path}")
+    if plt is None:
+        return None
+    rows = data["results"]
+    groups = [g for g in ("block", "attention") if any(r["group"] == g for r in rows)]
+    fig, axes = plt.subplots(1, len(groups), figsize=(6.5 * len(groups), 4.2), squeeze=False)
+    out: dict[str, Any] = {"step_ms": {}, "compute_ms": {}, "comm_ms": {}}
+    for ax, group in zip(axes[0], groups):
+        mine = [r for r in rows if r["group"] == group]
+        names = [r["variant"] for r in mine]
+        compute, comm = 1e3 * mine[0]["compute_s"], 1e3 * mine[0]["comm_s"]
+        bars = ax.bar(names, [1e3 * r["step_s"] for r in mine], color="tab:blue", gid=f"step:{group}")
+        for bar, r in zip(bars, mine):
+            ax.annotate(f"{1e3 * r['step_s']:.1f} ms\n{r['step_over_max']:.2f}x max",
+                        (bar.get_x() + bar.get_width() / 2, bar.get_height()), xytext=(0, 3),
+                        textcoords="offset points", ha="center", fontsize="small")
+            out["step_ms"][r["variant"]] = float(bar.get_height())
+        ax.axhline(compute, color="tab:green", linestyle="--", label=f"compute alone {compute:.1f} ms")
+        ax.axhline(comm, color="tab:red", linestyle="--", label=f"communication alone {comm:.1f} ms")
+        ax.axhline(max(compute, comm), color="black", linestyle=":", label="max of the two (perfect overlap)")
+        out["compute_ms"][group], out["comm_ms"][group] = compute, comm
+        ax.set_ylabel("forward + backward (ms, slowest rank, median)")
+        ax.set_title(f"{group}: each variant's step")
+        ax.set_ylim(0, max(max(b.get_height() for b in bars), compute, comm) * 1.3)
+        ax.legend(fontsize="small", loc="upper right")
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.tick_params(axis="x", labelsize="small")
+    args = data.get("args", {})
+    fig.suptitle(f"commopt-bench tp: TP {data.get('world', '?')}, d={args.get('d_model', '?')} heads="
+                 f"{args.get('heads', '?')} ffn={args.get('ffn', '?')} seq={args.get('seq_len', '?')} "
+                 f"batch={args.get('batch', '?')}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    out.update(_labels(fig))
+    plt.close(fig)
+    return out
+
+
 # ------------------------------------------------------------------------------------ CLI
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="commopt-bench plot", description=__doc__.split("\n\n")[0])
-    p.add_argument("results", metavar="RESULTS.json", help="what `commopt-bench collectives --json` or "
-                   "`commopt-bench ddp --json` wrote")
+    p.add_argument("results", metavar="RESULTS.json", help="what `commopt-bench collectives --json`, "
+                   "`commopt-bench ddp --json` or `commopt-bench tp --json` wrote")
     p.add_argument("-o", "--output", default=None, metavar="PNG",
                    help="the picture (default: RESULTS.png beside the JSON)")
     return p

@@ -147,3 +147,30 @@ def test_plot_command(collectives_run, ddp_run, tmp_path, capsys):
     assert "expected `commopt-bench collectives --json`" in capsys.readouterr().err
     assert plot.main([str(tmp_path / "missing.json")]) == 2
     assert not (tmp_path / "other.png").exists() and not (tmp_path / "missing.png").exists()
+
+
+def test_bench_tp_quick_and_its_plot(tmp_path):
+    """``commopt-bench tp --quick`` on 2 spawned ranks: the block (torch's plan, commopt's styles, which the
+    benchmark itself checks equal torch's output) and attention (all-gathered, ring, Ulysses) each with
+    their compute-alone and communication-alone references; each row's derived columns follow from its
+    own times; the plot draws the JSON's steps and references."""
+    path = tmp_path / "tp.json"
+    res = subprocess.run([sys.executable, "-m", "commopt.bench", "tp", "--spawn", "2", "--quick", "--json", str(path)],
+                         capture_output=True, text=True, timeout=_TIMEOUT)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    data = json.loads(path.read_text())
+    assert data["kind"] == "tp" and data["world"] == 2
+    rows = {r["variant"]: r for r in data["results"]}
+    assert list(rows) == ["torch plan", "commopt styles", "attention gathered", "ring attention", "ulysses attention"]
+    for r in rows.values():
+        assert r["step_s"] > 0 and r["compute_s"] > 0 and r["comm_s"] > 0
+        assert r["step_over_max"] == pytest.approx(r["step_s"] / max(r["compute_s"], r["comm_s"]))
+        assert r["exposed_s"] == pytest.approx(max(r["step_s"] - r["compute_s"], 0.0))
+    assert rows["torch plan"]["speedup"] == 1.0 and rows["attention gathered"]["speedup"] == 1.0
+    assert "commopt styles" in res.stdout and "ring attention" in res.stdout
+    drawn = plot.plot(data, str(tmp_path / "tp.png"))
+    _png_size(tmp_path / "tp.png")
+    assert drawn["step_ms"] == pytest.approx({v: 1e3 * r["step_s"] for v, r in rows.items()})
+    assert drawn["compute_ms"]["block"] == pytest.approx(1e3 * rows["torch plan"]["compute_s"])
+    assert drawn["comm_ms"]["attention"] == pytest.approx(1e3 * rows["ring attention"]["comm_s"])
+    assert "TP 2" in drawn["title"]

@@ -1,0 +1,273 @@
+"""``commopt-bench tp``: a transformer block under tensor + sequence parallelism, forward + backward,
+torch's plan against the same plan with commopt's styles, and ring / Ulysses attention against
+all-gathered attention, measured interleaved in one run (docs/guide.md, "Tensor parallelism").
+
+The TP group is the whole world. Printed per variant: its step (the slowest rank's forward +
+backward, median over the iterations), the compute alone (the same rank-local shapes with no
+communication), the communication alone (the variant's collectives with nothing to overlap), the
+step against max(compute, communication) -- 1.00 is perfect overlap -- and the exposed
+communication (step minus compute). Where the communication is link-bound it has something to hide
+behind; the issue's setting is two nodes of one rank each in the emulated cluster::
+
+    commopt-bench cluster --nodes 2 --ranks-per-node 1 --link-rate 200mbit -- commopt-bench tp
+
+or ``--spawn 2`` on loopback (CPU-bound there: both "links" are the same two cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ._launch import launch
+from ._progress import progress
+
+__all__ = ["main", "Block", "plan"]
+
+
+class Block(nn.Module):
+    """A pre-norm transformer block: LayerNorm, fused QKV (laid out head by head, so a column
+    shard holds whole heads), attention, output projection, LayerNorm, a GELU MLP; residuals.
+
+    ``heads`` and ``ffn`` are this module's own: a TP-sharded block runs ``heads / P`` heads and
+    ``ffn / P`` hidden units per rank, which is what the compute-alone model is built with.
+    """
+
+    def __init__(self, d_model: int, heads: int, head_dim: int, ffn: int, *, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.head_dim = head_dim
+        self.norm1 = nn.LayerNorm(d_model)
+        self.qkv = nn.Linear(d_model, 3 * heads * head_dim)
+        self.out = nn.Linear(heads * head_dim, d_model)
+        self.norm2 = nn.LayerNorm(d_model)
+        self.fc1 = nn.Linear(d_model, ffn)
+        self.fc2 = nn.Linear(ffn, d_model)
+
+    def attend(self, h: torch.Tensor) -> torch.Tensor:
+        b, s, _ = h.shape
+        q, k, v = self.qkv(h).view(b, s, -1, 3, self.head_dim).permute(3, 0, 2, 1, 4)  # [3, B, H, S, hd]
+        return self.out(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, s, -1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attend(self.norm1(x))
+        return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
+
+
+def plan(colwise: type, rowwise: type, sequence: type) -> dict:
+    """The sequence-parallel plan of :class:`Block` with these style classes (torch's or commopt's):
+    norms sequence-parallel, the activations all-gathered into QKV and FC1 (their input arrives
+    sharded on the sequence), reduce-scattered out of OUT and FC2."""
+    from torch.distributed.tensor import Shard
+
+    return {"norm1": sequence(), "qkv": colwise(input_layouts=Shard(1)), "out": rowwise(output_layouts=Shard(1)),
+            "norm2": sequence(), "fc1": colwise(input_layouts=Shard(1)), "fc2": rowwise(output_layouts=Shard(1))}
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="commopt-bench tp", description=__doc__.split("\n\n")[0])
+    p.add_argument("--spawn", type=int, default=0, metavar="N", help="spawn N local ranks")
+    p.add_argument("--d-model", type=int, default=512)
+    p.add_argument("--heads", type=int, default=8, help="attention heads (divisible by the TP size)")
+    p.add_argument("--ffn", type=int, default=2048, help="MLP hidden units (divisible by the TP size)")
+    p.add_argument("--seq-len", type=int, default=1024, help="the whole sequence (divisible by the TP size)")
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--causal", action="store_true", help="causal attention in the attention comparison")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--iters", type=int, default=7)
+    p.add_argument("--quick", action="store_true", help="tiny shapes, two iterations (smoke test)")
+    p.add_argument("--json", default=None, help="write the results as JSON to this file (rank 0)")
+    p.add_argument("--timeout", type=float, default=300.0)
+    return p
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    """Seconds of ``fn`` on the slowest rank, every rank starting together."""
+    dist.barrier()
+    start = time.perf_counter()
+    fn()
+    t = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def _block_cases(args, rank: int, world: int) -> dict[str, tuple[Callable[[], object], str]]:
+    """name -> (one forward + backward, its group: "block"); the compute- and communication-alone
+    references included."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
+
+    from commopt.schedules import tensor_parallel as tp
+
+    d, h, f, s, b = args.d_model, args.heads, args.ffn, args.seq_len, args.batch
+    hd = d // h
+    mesh = init_device_mesh("cpu", (world,))
+    models = {"torch plan": parallelize_module(Block(d, h, hd, f), mesh, plan(ColwiseParallel, RowwiseParallel,
+                                                                             SequenceParallel)),
+              "commopt styles": parallelize_module(Block(d, h, hd, f), mesh, plan(tp.ColwiseParallel,
+                                                                                 tp.RowwiseParallel,
+                                                                                 tp.SequenceParallel))}
+    local = Block(d, h // world, hd, f // world)  # this rank's compute, no communication
+    gen = torch.Generator().manual_seed(rank)
+    x_shard = torch.randn(b, s // world, d, generator=gen)
+    ref, got = (m(x_shard) for m in models.values())  # the same block: the styles must agree with torch's
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4,
+                               msg=lambda m: f"commopt's styles differ from torch's: {m}")
+    x_full = torch.randn(b, s, d, generator=gen)
+    full, shard = torch.empty(b * s * d), torch.empty(b * s * d // world)
+
+    def step(model: nn.Module, x: torch.Tensor) -> Callable[[], object]:
+        return lambda: model(x.detach().requires_grad_()).square().mean().backward()
+
+    def comm() -> None:  # 2 all-gathers and 2 reduce-scatters of the activations, forward and backward
+        for _ in range(4):
+            dist.all_gather_into_tensor(full, shard)
+            dist.reduce_scatter_tensor(shard, full)
+
+    cases = {name: (step(m, x_shard), "block") for name, m in models.items()}
+    cases["compute alone"] = (step(local, x_full), "block")
+    cases["communication alone"] = (comm, "block")
+    return cases
+
+
+def _attention_cases(args, rank: int, world: int) -> dict[str, tuple[Callable[[], object], str]]:
+    """Attention over the whole sequence from this rank's block of it: gathered (K and V
+    all-gathered, their gradients reduce-scattered), ring and Ulysses."""
+    from commopt.schedules import context_parallel as cp
+
+    d, h, s, b = args.d_model, args.heads, args.seq_len, args.batch
+    hd = d // h
+    gen = torch.Generator().manual_seed(100 + rank)
+    q, k, v = (torch.randn(b, h, s // world, hd, generator=gen) for _ in range(3))
+    kv_full = torch.randn(b, h, s, hd, generator=gen)
+    causal = args.causal
+
+    def run(fn: Callable[..., torch.Tensor], *tensors: torch.Tensor) -> Callable[[], object]:
+        def go() -> None:
+            leaves = [t.detach().requires_grad_() for t in tensors]
+            fn(*leaves).square().mean().backward()
+        return go
+
+    def gathered(q_, k_, v_):
+        return _local_attention(q_, _Gather.apply(k_), _Gather.apply(v_), causal, rank, s // world)
+
+    kv_full_buf, kv_shard = torch.empty(2 * k.numel() * world), torch.empty(2 * k.numel())
+
+    def comm() -> None:  # K and V gathered forward, their gradients reduce-scattered backward
+        dist.all_gather_into_tensor(kv_full_buf, kv_shard)
+        dist.reduce_scatter_tensor(kv_shard, kv_full_buf)
+
+    ref = gathered(q, k, v)  # every variant computes the same attention: checked once, before timing
+    variants = [cp.ring_attention] + ([cp.ulysses_attention] if h % world == 0 else [])
+    for fn in variants:
+        torch.testing.assert_close(fn(q, k, v, is_causal=causal), ref, rtol=1e-4, atol=1e-4,
+                                   msg=lambda m, f=fn: f"{f.__name__} differs from all-gathered attention: {m}")
+    cases = {"attention gathered": (run(gathered, q, k, v), "attention"),
+             "ring attention": (run(lambda *t: cp.ring_attention(*t, is_causal=causal), q, k, v), "attention")}
+    if h % world == 0:
+        cases["ulysses attention"] = (run(lambda *t: cp.ulysses_attention(*t, is_causal=causal), q, k, v),
+                                      "attention")
+    cases["attention compute alone"] = (
+        run(lambda q_, k_, v_: _local_attention(q_, k_, v_, causal, rank, s // world), q, kv_full, kv_full),
+        "attention")
+    cases["attention communication alone"] = (comm, "attention")
+    return cases
+
+
+class _Gather(torch.autograd.Function):
+    """All-gather along the sequence (dim 2) forward, reduce-scatter of the gradient backward: the
+    unfused composition attention runs without context parallelism."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        world = dist.get_world_size()
+        out = x.new_empty((world * x.shape[0], *x.shape[1:]))
+        dist.all_gather_into_tensor(out, x.contiguous())
+        return torch.cat(out.view(world, *x.shape).unbind(0), dim=2)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> torch.Tensor:
+        world = dist.get_world_size()
+        parts = torch.cat(g.chunk(world, dim=2), dim=0).contiguous()
+        out = g.new_empty((parts.shape[0] // world, *parts.shape[1:]))
+        dist.reduce_scatter_tensor(out, parts)
+        return out
+
+
+def _local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, rank: int,
+                     block: int) -> torch.Tensor:
+    """This rank's block of queries against the whole sequence's keys (the global causal mask)."""
+    if not causal:
+        return F.scaled_dot_product_attention(q, k, v)
+    rows = torch.arange(rank * block, (rank + 1) * block).unsqueeze(1)
+    mask = rows >= torch.arange(k.shape[-2]).unsqueeze(0)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def _body(args) -> int:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for what, n in (("--heads", args.heads), ("--ffn", args.ffn), ("--seq-len", args.seq_len)):
+        if n % world:
+            if rank == 0:
+                print(f"commopt-bench tp: {what} {n} does not divide by the TP size {world}", file=sys.stderr)
+            return 2
+    cases = {**_block_cases(args, rank, world), **_attention_cases(args, rank, world)}
+    names = list(cases)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    bar = progress(args.warmup + args.iters, f"{len(names)} cases", rank=rank, unit="round")
+    for it in range(args.warmup + args.iters):
+        for name in names[it % len(names):] + names[: it % len(names)]:  # interleaved and rotated
+            t = _timed(cases[name][0])
+            if it >= args.warmup:
+                times[name].append(t)
+        bar.update()
+    bar.close()
+    if rank == 0:
+        _report(args, world, {n: statistics.median(v) for n, v in times.items()},
+                {n: c[1] for n, c in cases.items()})
+    return 0
+
+
+def _report(args, world: int, med: dict[str, float], groups: dict[str, str]) -> None:
+    rows = []
+    print(f"# commopt-bench tp: block d={args.d_model} heads={args.heads} ffn={args.ffn} seq={args.seq_len} "
+          f"batch={args.batch}, TP {world} (forward + backward, the slowest rank, median of {args.iters}, "
+          f"interleaved)")
+    print(f"{'variant':<22}{'step ms':>10}{'compute ms':>12}{'comm ms':>10}{'step/max':>10}{'exposed ms':>12}"
+          f"{'vs first':>10}")
+    for group, compute, comm in (("block", "compute alone", "communication alone"),
+                                 ("attention", "attention compute alone", "attention communication alone")):
+        variants = [n for n, g in groups.items() if g == group and n not in (compute, comm)]
+        first = med[variants[0]]
+        for name in variants:
+            step, c, m = med[name], med[compute], med[comm]
+            row = {"variant": name, "group": group, "step_s": step, "compute_s": c, "comm_s": m,
+                   "step_over_max": step / max(c, m), "exposed_s": max(step - c, 0.0), "speedup": first / step}
+            rows.append(row)
+            print(f"{name:<22}{step * 1e3:>10.1f}{c * 1e3:>12.1f}{m * 1e3:>10.1f}{row['step_over_max']:>10.2f}"
+                  f"{row['exposed_s'] * 1e3:>12.1f}{row['speedup']:>9.2f}x")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"kind": "tp", "world": world, "args": {k: v for k, v in vars(args).items()
+                                                              if isinstance(v, (int, float, str, bool))},
+                       "results": rows}, fh, indent=1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.quick:
+        args.d_model, args.heads, args.ffn, args.seq_len, args.batch = 32, 4, 64, 16, 1
+        args.warmup, args.iters = 1, 2
+    if args.d_model % args.heads:
+        print(f"commopt-bench tp: --d-model {args.d_model} does not divide by --heads {args.heads}", file=sys.stderr)
+        return 2
+    return launch(_body, args, spawn=args.spawn, timeout=args.timeout, single=False)
