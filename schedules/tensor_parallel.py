@@ -252,9 +252,9 @@ class ColwiseParallel(_torch_tp.ColwiseParallel):
     with the previous block's matmul, the bias (this rank's shard) added after; its backward
     reduce-scatters the input's gradient in the same kind of ring. Several modules that receive the
     same input object (``wq``, ``wk``, ``wv`` after one norm; ``w1``, ``w3``) gather it once: the
-    first call keeps the gathered input on the input tensor (while that tensor lives and is not
-    modified in place), the others multiply it without communicating, and their gradients join the
-    first call's ring in the backward.
+    first call keeps the gathered input on the input tensor (while that tensor lives, is not
+    modified in place and no backward pass has run through the ring), the others multiply it without
+    communicating, and their gradients join the first call's ring in the backward.
 
     So the fused form of torch's Llama plan passes ``input_layouts=Shard(1)`` here and drops the
     ``PrepareModuleInput(Shard(1) -> Replicate)`` in front of these modules. With that

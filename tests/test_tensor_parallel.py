@@ -27,7 +27,7 @@ from torch import nn
 from torch.distributed import ReduceOp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel as TorchColwise
 from torch.distributed.tensor.parallel import PrepareModuleInput, parallelize_module
 from torch.distributed.tensor.parallel import RowwiseParallel as TorchRowwise
@@ -657,6 +657,20 @@ def _styles_cases(mesh) -> list[str]:
         assert sent["all_gather_matmul" if "head" in what else "matmul_reduce_scatter"] > 0, (what, sent)
         done.append(what)
 
+    # A DTensor input whose sequence does not divide by P: torch's own path (uneven shards), no ring.
+    xu = distribute_tensor(_rand((batch, world + 1, dim), torch.float32, 310), mesh, [Shard(1)])
+    outs = []
+    for styles in (theirs, ours):
+        torch.manual_seed(1234)
+        lin = parallelize_module(nn.Linear(dim, 12), mesh, styles[0](input_layouts=Shard(1)))
+        before = _ring_bytes()
+        outs.append((lin, lin(xu), _ring_bytes() == before))
+        outs[-1][1].sum().backward()
+    _eq(outs[1][1], outs[0][1], f"uneven DTensor input at TP {world} output")
+    _same_module(outs[1][0], outs[0][0], f"uneven DTensor input at TP {world}")
+    assert outs[1][2], "an uneven DTensor input went through the ring"
+    done.append("uneven DTensor input")
+
     # (4) Two fused Colwise modules handed the same leaf input, over two steps with the same input
     # (the gathered input is shared within a step, gathered again after a backward).
     outs = []
@@ -706,7 +720,7 @@ def test_styles_match_torch_styles(ranks, tp):
     the rings running where a collective is adjacent to a matmul. TP 4 on WORLD, TP 2 on the two TP
     groups of a 2 x 2 mesh; both in the 4-rank pool (its ranks pay DTensor's first use once)."""
     done = ranks(4, _styles_matrix, tp, timeout=120)
-    assert done == [done[0]] * 4 and len(done[0]) == 10, done
+    assert done == [done[0]] * 4 and len(done[0]) == 11, done
 
 
 class _Stack(nn.Module):
