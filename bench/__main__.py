@@ -28,6 +28,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "kernels": ("kernels", "throughput of the packing kernels against a plain copy"),
     "ddp": ("ddp", "a small GPT trained with DDP under each comm hook: step time, bytes, loss"),
     "fsdp": ("fsdp", "the GPT sharded with FSDP2 / HSDP under each commopt comm: step time, link bytes, loss"),
+    "diloco": ("diloco", "the GPT trained with DDP against DiLoCo (H 8/32, fp32/int8/int4, streaming): step, "
+                         "bytes on the node link, exposed sync, training and held-out loss"),
     "tp": ("tp", "a transformer block under tensor + sequence parallelism: torch's plan vs commopt's styles, "
                  "ring / Ulysses attention"),
     "ina-switch": ("ina_switch", "run the simulated in-network aggregation switch"),

@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import glob
 import json
 import math
 import statistics
@@ -53,6 +52,7 @@ from torch import nn
 
 from ._launch import launch, topology_of
 from ._progress import progress
+from .cluster.host import wire_bytes
 
 __all__ = ["main", "RUNS"]
 
@@ -153,17 +153,6 @@ def _native_link_bytes(log: list, topo, hsdp: bool) -> float:
     return total
 
 
-def _wire_bytes() -> int:
-    """Bytes this rank's network namespace has sent on its interfaces other than loopback: inside
-    the emulated cluster, what this node put on its node link (headers included), a measurement."""
-    total = 0
-    for path in glob.glob("/sys/class/net/*/statistics/tx_bytes"):
-        if path.split("/")[-3] != "lo":
-            with open(path, encoding="ascii") as f:
-                total += int(f.read())
-    return total
-
-
 # ------------------------------------------------------------------------------------------ runs
 def _gpt(args):
     from commopt.bench.models import GPT
@@ -251,7 +240,7 @@ def _step(run: dict, step: int, args, topo, timed: bool) -> None:
     if run["log"] is not None:
         run["log"].clear()
     dist.barrier()
-    wire = _wire_bytes() if topo.link_rate_bps else 0
+    wire = wire_bytes() if topo.link_rate_bps else 0
     t0 = time.perf_counter()
     run["opt"].zero_grad(set_to_none=True)
     logits = run["module"](data[:, :-1])
@@ -262,7 +251,7 @@ def _step(run: dict, step: int, args, topo, timed: bool) -> None:
     if not timed:
         return
     run["times"].append(elapsed)
-    run["wire"].append(_wire_bytes() - wire if topo.link_rate_bps else 0)
+    run["wire"].append(wire_bytes() - wire if topo.link_rate_bps else 0)
     run["sent"].append(sum(engine.bytes_sent().values()) - before)
     if run["comms"] is not None:
         run["link"].append(run["comms"].link_bytes())

@@ -19,6 +19,10 @@ docs/faults.md row 40.
 from __future__ import annotations
 
 import io
+import json
+import math
+import subprocess
+import sys
 import time
 
 import pytest
@@ -439,3 +443,24 @@ def _body_world2() -> None:
 def test_outer_loop_oracles_streaming_compression_checkpoint_and_errors(ranks):
     """Oracle 2, streaming, compression, checkpoint, NaN and bad arguments on two one-rank workers."""
     ranks(2, _body_world2, timeout=120)
+
+
+def test_bench_diloco_quick(tmp_path):
+    """``commopt-bench diloco --quick`` on 4 spawned ranks as a 2x2: every run asked for trains on the same
+    tokens and reports its step, inner step, exposed sync, bytes and losses; DiLoCo's syncs move fewer
+    bytes per step than DDP's every-step all-reduce is not asserted (no timing or rate in tests), but each
+    row's exposed time follows from its own step times and every loss is finite."""
+    path = tmp_path / "diloco.json"
+    res = subprocess.run([sys.executable, "-m", "commopt.bench", "diloco", "--spawn", "4", "--topology", "2x2",
+                          "--quick", "--runs", "ddp,diloco-8,diloco-32-int4-stream", "--json", str(path)],
+                         capture_output=True, text=True, timeout=180)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    data = json.loads(path.read_text())
+    rows = {r["run"]: r for r in data["results"]}
+    assert list(rows) == ["ddp", "diloco-8", "diloco-32-int4-stream"]
+    assert rows["ddp"]["sync_every"] is None and rows["diloco-8"]["sync_every"] == 2
+    for r in rows.values():
+        assert len(r["losses"]) == 16 and all(math.isfinite(v) for v in r["losses"])
+        assert math.isfinite(r["held_out_loss"]) and r["step_ms"] > 0 and r["inner_ms"] > 0
+        assert r["exposed_ms"] == pytest.approx(max(r["step_ms"] - r["inner_ms"], 0.0))
+    assert "diloco-32-int4-stream" in res.stdout

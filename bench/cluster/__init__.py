@@ -20,6 +20,7 @@ from .host import (
     list_namespaces,
     missing_requirements,
     parse_cap_eff,
+    wire_bytes,
 )
 from .launch import place_ranks, rank_environments, run_ranks
 from .netns import Cluster, parse_rate
@@ -34,6 +35,7 @@ __all__ = [
     "check_requirements",
     "cleanup_leftovers",
     "leftover_prefixes",
+    "wire_bytes",
     "list_namespaces",
     "main",
     "missing_requirements",

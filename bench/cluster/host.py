@@ -9,6 +9,7 @@ time, is gone. Nothing here reads environment variables (docs/architecture.md se
 
 from __future__ import annotations
 
+import glob
 import os
 import re
 import signal
@@ -24,6 +25,7 @@ __all__ = [
     "check_requirements",
     "cleanup_leftovers",
     "leftover_prefixes",
+    "wire_bytes",
     "list_namespaces",
     "missing_requirements",
     "parse_cap_eff",
@@ -203,3 +205,14 @@ def _remove_namespaces(ip: str, namespaces: Sequence[str]) -> list[str]:
         return [f"ip netns del: {e}"]
     left = sorted(set(targets) & set(list_namespaces(ip)))
     return [f"ip netns del {ns}: {res.stderr.strip()}" for ns in left]
+
+
+def wire_bytes() -> int:
+    """Bytes this process's network namespace has sent on its interfaces other than loopback: inside
+    the emulated cluster, what this node put on its node link (headers included), a measurement."""
+    total = 0
+    for path in glob.glob("/sys/class/net/*/statistics/tx_bytes"):
+        if path.split("/")[-3] != "lo":
+            with open(path, encoding="ascii") as f:
+                total += int(f.read())
+    return total

@@ -1,0 +1,206 @@
+"""``commopt-bench diloco``: the bench GPT trained side by side on the same tokens with DDP over every
+rank (the synchronous baseline) and with DiLoCo (``schedules.DiLoCo``: each node a worker training
+with DDP inside it, the pseudo-gradient reduced along the rails every H inner steps), H in {8, 32},
+outer gradients fp32 / int8 / int4, streaming off and on (docs/guide.md, "DiLoCo").
+
+Every run trains from the same initial weights on the same tokens (rank r's batch of step t is the
+same for every run), one step of each in turn, rotated every step. Printed per run: the mean step
+time (inner steps and outer syncs together), the mean step without a sync (the inner step), the
+exposed outer sync per step (the difference), the bytes per step this node put on its link (the
+interface counters inside the emulated cluster; elsewhere the engine's count of what this rank sent),
+the final training loss (mean of the last 5 steps over the ranks) and the held-out loss of the final
+weights on batches no run trained on. The setting these methods were made for::
+
+    commopt-bench cluster --nodes 2 --ranks-per-node 2 --link-rate 200mbit -- commopt-bench diloco
+
+torchft's ``DiLoCo`` is not run beside it: it needs torchft's Lighthouse and Manager processes and, for
+its quantized outer gradients, Triton on CUDA (docs/results.md says what was tried).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ._launch import launch, topology_of
+from ._progress import progress
+from .cluster.host import wire_bytes
+
+__all__ = ["main", "RUNS"]
+
+_VOCAB = 256
+
+#: name -> (sync_every, compressor bits or None, fragments, delay); "ddp": the synchronous baseline.
+RUNS: dict[str, tuple | None] = {
+    "ddp": None,
+    "diloco-8": (8, None, 1, 0),
+    "diloco-32": (32, None, 1, 0),
+    "diloco-32-int8": (32, 8, 1, 0),
+    "diloco-32-int4": (32, 4, 1, 0),
+    "diloco-32-int4-stream": (32, 4, 4, 2),
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="commopt-bench diloco", description=__doc__.split("\n\n")[0])
+    p.add_argument("--spawn", type=int, default=0, metavar="N", help="spawn N local ranks")
+    p.add_argument("--topology", default=None, help="layout such as 2x2 (default: COMMOPT_NODES or detected)")
+    p.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated subset of {','.join(RUNS)}")
+    p.add_argument("--steps", type=int, default=64, help="training steps per run (a multiple of 32 ends on a sync)")
+    p.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--lr", type=float, default=3e-3, help="inner AdamW learning rate")
+    p.add_argument("--quick", action="store_true", help="a tiny model, 16 steps, H 4 and 8 (smoke test)")
+    p.add_argument("--json", default=None, help="write the results (with the loss curves) as JSON (rank 0)")
+    p.add_argument("--timeout", type=float, default=300.0, help="collective timeout in seconds")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    unknown = [r for r in args.runs.split(",") if r not in RUNS]
+    if unknown:
+        print(f"commopt-bench diloco: unknown runs {unknown}; choose from {','.join(RUNS)}")
+        return 2
+    if args.quick:
+        args.d_model, args.layers, args.seq_len, args.batch, args.steps = 32, 1, 16, 2, 16
+    return launch(_rank_body, args, spawn=args.spawn, timeout=args.timeout, single=False)
+
+
+def _sync_every(args, name: str) -> int:
+    h = RUNS[name][0]
+    return max(1, h // 4) if args.quick else h  # --quick: 2 and 8 instead of 8 and 32
+
+
+def _setup(name: str, args, topo) -> dict:
+    from commopt.bench.models import GPT
+    from commopt.comm.compression import QuantizeCompressor
+    from commopt.schedules import DiLoCo, worker_group
+
+    model = GPT(_VOCAB, args.d_model, args.layers, 4, args.seq_len, seed=0)
+    run = {"name": name, "model": model, "times": [], "synced": [], "bytes": [], "losses": []}
+    if RUNS[name] is None:
+        run["wrapped"] = DDP(model)
+        run["opt"] = torch.optim.AdamW(model.parameters(), lr=args.lr)
+        return run
+    _, bits, fragments, delay = RUNS[name]
+    group = worker_group(topo, timeout=args.timeout)
+    run["wrapped"] = DDP(model, process_group=group) if group is not None else model
+    run["opt"] = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    h = _sync_every(args, name)
+    run["diloco"] = DiLoCo(model, run["opt"], sync_every=h, fragments=fragments, delay=min(delay, h - 1),
+                           compressor=QuantizeCompressor(bits) if bits else None, topology=topo,
+                           timeout=args.timeout)
+    return run
+
+
+def _bytes(topo) -> int:
+    """This node's bytes on its link inside the emulated cluster; elsewhere this rank's engine count."""
+    if topo.link_rate_bps:
+        return wire_bytes()
+    from commopt.comm import context
+
+    return sum(context().engine().bytes_sent().values())
+
+
+def _step(run: dict, step: int, args, topo) -> None:
+    from commopt.bench.models import synthetic_tokens
+
+    data = synthetic_tokens(args.batch, args.seq_len, _VOCAB, seed=10_000 * step + dist.get_rank())
+    dist.barrier()
+    before = _bytes(topo)
+    t0 = time.perf_counter()
+    run["opt"].zero_grad(set_to_none=True)
+    logits = run["wrapped"](data[:, :-1])
+    loss = nn.functional.cross_entropy(logits.reshape(-1, _VOCAB), data[:, 1:].reshape(-1))
+    loss.backward()
+    run["opt"].step()
+    diloco = run.get("diloco")
+    synced = False
+    if diloco is not None:
+        t, h = diloco.steps + 1, diloco.sync_every  # the step DiLoCo is about to count
+        synced = any(t % h == o % h or t % h == (o + diloco.delay) % h for o in diloco.offsets)
+        diloco.step()
+    elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the step is as slow as its slowest rank
+    run["times"].append(float(elapsed))
+    run["synced"].append(synced)
+    run["bytes"].append(_bytes(topo) - before)
+    mean = loss.detach().clone()
+    dist.all_reduce(mean)
+    run["losses"].append(float(mean) / dist.get_world_size())
+
+
+@torch.no_grad()
+def _held_out(run: dict, args) -> float:
+    """The mean cross-entropy over 4 batches no run trained on, every rank's final weights, averaged."""
+    from commopt.bench.models import synthetic_tokens
+
+    if "diloco" in run:
+        run["diloco"].synchronize()
+    total = 0.0
+    for i in range(4):
+        data = synthetic_tokens(args.batch, args.seq_len, _VOCAB, seed=99_000_000 + 100 * i + dist.get_rank())
+        logits = run["model"](data[:, :-1])
+        total += float(nn.functional.cross_entropy(logits.reshape(-1, _VOCAB), data[:, 1:].reshape(-1)))
+    mean = torch.tensor([total / 4], dtype=torch.float64)
+    dist.all_reduce(mean)
+    return float(mean) / dist.get_world_size()
+
+
+def _summary(run: dict, args) -> dict:
+    times, synced = run["times"], run["synced"]
+    inner = [t for t, s in zip(times, synced) if not s] or times
+    nbytes = torch.tensor([statistics.mean(run["bytes"])], dtype=torch.float64)
+    dist.all_reduce(nbytes, op=dist.ReduceOp.MAX)  # the busiest node's link
+    return {"run": run["name"], "step_ms": 1e3 * statistics.mean(times), "inner_ms": 1e3 * statistics.median(inner),
+            "exposed_ms": 1e3 * max(statistics.mean(times) - statistics.median(inner), 0.0),
+            "bytes_per_step": float(nbytes), "final_loss": statistics.mean(run["losses"][-5:]),
+            "held_out_loss": _held_out(run, args), "losses": run["losses"],
+            "sync_every": None if RUNS[run["name"]] is None else _sync_every(args, run["name"])}
+
+
+def _rank_body(args) -> int:
+    topo = topology_of(args)
+    runs = [_setup(name, args, topo) for name in args.runs.split(",")]
+    bar = progress(args.steps, f"training {len(runs)} runs", rank=dist.get_rank(), unit="step")
+    for step in range(args.steps):
+        k = step % len(runs)
+        for run in runs[k:] + runs[:k]:
+            _step(run, step, args, topo)
+        bar.update()
+    bar.close()
+    results = [_summary(run, args) for run in runs]
+    if dist.get_rank() == 0:
+        _report(results, args, topo)
+    return 0
+
+
+def _report(results: list[dict], args, topo) -> None:
+    base = next((r for r in results if r["run"] == "ddp"), results[0])
+    link = f", link {topo.link_rate_bps / 1e6:.0f} Mbit/s" if topo.link_rate_bps else ""
+    where = "this node's link (interface counters)" if topo.link_rate_bps else "this rank's sends (engine count)"
+    print(f"# commopt-bench diloco: GPT d={args.d_model} L={args.layers} seq={args.seq_len} batch={args.batch}/rank, "
+          f"{args.steps} steps, world {dist.get_world_size()} ({topo.layout}{link}); one worker per node")
+    print(f"# step: mean over every step (inner steps and syncs); inner: median step without a sync; exposed: the "
+          f"difference; MB/step: {where}, the busiest; losses: training (last 5 steps) and held-out (final weights)")
+    print(f"{'run':<24}{'step ms':>9}{'vs ddp':>8}{'inner ms':>10}{'exposed':>9}{'MB/step':>9}{'vs ddp':>8}"
+          f"{'train':>8}{'held-out':>10}")
+    for r in results:
+        ratio = base["bytes_per_step"] / r["bytes_per_step"] if r["bytes_per_step"] else float("inf")
+        print(f"{r['run']:<24}{r['step_ms']:>9.1f}{base['step_ms'] / r['step_ms']:>7.2f}x{r['inner_ms']:>10.1f}"
+              f"{r['exposed_ms']:>9.1f}{r['bytes_per_step'] / 2**20:>9.2f}{ratio:>7.1f}x{r['final_loss']:>8.4f}"
+              f"{r['held_out_loss']:>10.4f}")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump({"kind": "diloco", "args": vars(args), "layout": topo.layout, "world_size": dist.get_world_size(),
+                       "link_rate_bps": topo.link_rate_bps, "results": results}, f, indent=1)
