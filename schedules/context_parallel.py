@@ -68,7 +68,7 @@ from commopt.comm.errors import CommError
 from commopt.comm.runtime import context
 from commopt.comm.topology import Topology
 
-from .tensor_parallel import _group_size, _signature, _step, _wait
+from . import _ring
 
 __all__ = ["ring_attention", "ulysses_attention", "zigzag_shard", "zigzag_unshard"]
 
@@ -122,7 +122,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
                          f"(zigzag_shard)")
     check_group(name, group)
     timeout = check_timeout(name, timeout)
-    size = _group_size(name, group)
+    size = _ring.group_size(name, group)
     if size == 1:
         return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale)
     deadline = deadline_of(timeout)
@@ -163,7 +163,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grou
         raise TypeError(f"{name}: topology must be a commopt.comm.Topology or None (detected), got "
                         f"{type(topology).__name__}")
     timeout = check_timeout(name, timeout)
-    size = _group_size(name, group)
+    size = _ring.group_size(name, group)
     heads = q.shape[-3]
     if heads % size:
         raise ValueError(f"{name}: q has {heads} heads (dim -3), which is not divisible by the group size {size}; "
@@ -276,7 +276,7 @@ def _ring_forward(q, k, v, causal, scale, layout, group, timeout, deadline) -> t
     out = q.new_zeros(tuple(q.shape[:-1]) + (v.shape[-1],), dtype=acc)
     lse = q.new_full(tuple(q.shape[:-1]), -math.inf, dtype=acc)
     for step in range(size):
-        fut = _step(engine, op, group, held, spare, deadline) if step + 1 < size else None
+        fut = _ring.step(engine, op, group, held, spare, deadline) if step + 1 < size else None
         plan = _block(layout, causal, me, (me - step) % size, s)
         if plan is not None:
             rows, cols, diag = plan
@@ -284,7 +284,7 @@ def _ring_forward(q, k, v, causal, scale, layout, group, timeout, deadline) -> t
             o, block_lse = _attend(q[..., rows, :], kj[..., cols, :], vj[..., cols, :], diag, scale)
             _merge(out[..., rows, :], lse[..., rows], o, block_lse)
         if fut is not None:
-            _wait(fut, op, timeout, deadline)
+            _ring.wait_step(fut, op, timeout, deadline)
             held, spare = spare, held
     return out.to(q.dtype), lse
 
@@ -310,11 +310,11 @@ def _ring_backward(g, q, k, v, out, lse, causal, scale, layout, group, timeout, 
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     for step in range(size):
         if step == 0:
-            fut = _step(engine, op, group, held.kv, spare.kv, deadline)
+            fut = _ring.step(engine, op, group, held.kv, spare.kv, deadline)
         elif step + 1 < size:
-            fut = _step(engine, op, group, held.raw, spare.raw, deadline)
+            fut = _ring.step(engine, op, group, held.raw, spare.raw, deadline)
         else:
-            fut = _step(engine, op, group, held.sums, spare.sums, deadline)
+            fut = _ring.step(engine, op, group, held.sums, spare.sums, deadline)
         plan = _block(layout, causal, me, (me - step) % size, s)
         grads = None
         if plan is not None:
@@ -323,7 +323,7 @@ def _ring_backward(g, q, k, v, out, lse, causal, scale, layout, group, timeout, 
                                      out[..., rows, :], lse[..., rows], diag, scale)
             dq[..., rows, :] += grads[0]
         if fut is not None:  # None: nothing to move (empty blocks)
-            _wait(fut, op, timeout, deadline)
+            _ring.wait_step(fut, op, timeout, deadline)
         if step == 0:
             spare.dk.zero_()
             spare.dv.zero_()
@@ -332,9 +332,9 @@ def _ring_backward(g, q, k, v, out, lse, causal, scale, layout, group, timeout, 
             spare.dv[..., cols, :] += grads[2]
         held, spare = spare, held
     # ``held`` has the complete sum of block me + 1: send it home, receive ours.
-    fut = _step(engine, op, group, held.sums, spare.sums, deadline)
+    fut = _ring.step(engine, op, group, held.sums, spare.sums, deadline)
     if fut is not None:
-        _wait(fut, op, timeout, deadline)
+        _ring.wait_step(fut, op, timeout, deadline)
     return dq.to(q.dtype), spare.dk.to(k.dtype), spare.dv.to(v.dtype)
 
 
@@ -479,7 +479,7 @@ def _zigzag_args(name: str, x, dim, group) -> tuple[int, int, int]:
     if not -x.dim() <= dim < x.dim():
         raise ValueError(f"{name}: dim={dim} is out of range for shape {list(x.shape)}")
     check_group(name, group)
-    size = _group_size(name, group)
+    size = _ring.group_size(name, group)
     rank = dist.get_rank(group) if size > 1 else 0
     d = dim % x.dim()
     if x.shape[d] % (2 * size):
@@ -497,7 +497,7 @@ def _agree(name: str, kind: str, algorithm: str, q, k, v, key: tuple, group, tim
               tuple(t.requires_grad for t in (q, k, v)) if grads else ())
     try:
         agree(kind, numel=k.numel() + v.numel(), dtype=q.dtype, op="none", algorithm=algorithm, group=group,
-              device=q.device, timeout=timeout, signature=_signature((name, *shapes, *key)))
+              device=q.device, timeout=timeout, signature=_ring.signature((name, *shapes, *key)))
     except CommError as exc:
         # agree() speaks of the collective it checks and of its validate=True, which these calls do not have.
         text = exc.message.replace("; pass validate=True to name the ranks that differ", "")

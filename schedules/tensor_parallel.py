@@ -53,7 +53,6 @@ matmul.
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -69,11 +68,12 @@ from torch.distributed import ProcessGroup, ReduceOp
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 
-from commopt.comm.algorithms import deadline_of, pairwise, remaining
+from commopt.comm.algorithms import deadline_of
 from commopt.comm.checks import agree, check_group, check_timeout
-from commopt.comm.engine import Engine, Phase, wait
 from commopt.comm.errors import CommError
 from commopt.comm.runtime import context
+
+from . import _ring
 
 __all__ = ["all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "ColwiseParallel", "RowwiseParallel",
            "SequenceParallel"]
@@ -125,7 +125,7 @@ def all_gather_matmul(a_shard: torch.Tensor, bs: Sequence[torch.Tensor], *, gath
     d = _leading_dim(name, "gather_dim", gather_dim, a_shard)
     check_group(name, group)
     timeout = check_timeout(name, timeout)
-    size = _group_size(name, group)
+    size = _ring.group_size(name, group)
     if size == 1:
         outs = [torch.matmul(a_shard, b) for b in bs]
         return (a_shard, outs) if return_a else outs
@@ -184,7 +184,7 @@ def _matmul_reduce_scatter(name: str, a: torch.Tensor, b: torch.Tensor, bias: to
         raise ValueError(f"{name}: op must be ReduceOp.SUM or ReduceOp.AVG (a sum of partial products), got {op}")
     check_group(name, group)
     timeout = check_timeout(name, timeout)
-    size = _group_size(name, group)
+    size = _ring.group_size(name, group)
     if a.shape[d] % size:
         raise ValueError(f"{name}: scatter_dim {scatter_dim} of the product has size {a.shape[d]}, which is not "
                          f"divisible by the group size {size}; pad that dimension to a multiple of {size} or "
@@ -226,7 +226,7 @@ def matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, *, group: ProcessGroup |
     _check_b(name, "b", a, "a", b)
     check_group(name, group)
     timeout = check_timeout(name, timeout)
-    size = _group_size(name, group)
+    size = _ring.group_size(name, group)
     if size == 1:
         return torch.matmul(a, b)
     deadline = deadline_of(timeout)
@@ -613,11 +613,11 @@ def _gather_matmul(op: str, shard: torch.Tensor, bs: list[torch.Tensor], d: int,
         fut = None
         if k + 1 < size:
             # Forward the block that arrived last (or our own) while multiplying it.
-            fut = _step(engine, op, group, blocks[src], blocks[(me - k - 1) % size], deadline)
+            fut = _ring.step(engine, op, group, blocks[src], blocks[(me - k - 1) % size], deadline)
         for b, out in zip(bs, outs):
             torch.matmul(blocks[src], b, out=out[src])
         if fut is not None:
-            _wait(fut, op, timeout, deadline)
+            _ring.wait_step(fut, op, timeout, deadline)
     gathered = _merge(blocks, d) if keep_gathered else None
     return gathered, [_merge(out, d) for out in outs]
 
@@ -638,12 +638,12 @@ def _ring_reduce_scatter(op: str, partial: Callable[[int], torch.Tensor], shape_
         c = (me - k - 1) % size
         part = partial(c)
         if fut is not None:
-            _wait(fut, op, timeout, deadline)
+            _ring.wait_step(fut, op, timeout, deadline)
             fut = None
             part.add_(incoming)
         if k + 1 < size:
             incoming = like.new_empty(shape_of((me - k - 2) % size))
-            fut = _step(engine, op, group, part, incoming, deadline)
+            fut = _ring.step(engine, op, group, part, incoming, deadline)
         else:
             return part
     raise AssertionError("unreachable: the ring's last step returns")
@@ -657,44 +657,10 @@ def _ring_all_gather_rows(op: str, out: torch.Tensor, bounds: list[int], group, 
     engine = context().engine()
     for k in range(size - 1):
         send, recv = (me - k) % size, (me - k - 1) % size
-        fut = _step(engine, op, group, out[bounds[send]:bounds[send + 1]], out[bounds[recv]:bounds[recv + 1]],
+        fut = _ring.step(engine, op, group, out[bounds[send]:bounds[send + 1]], out[bounds[recv]:bounds[recv + 1]],
                     deadline)
         if fut is not None:
-            _wait(fut, op, timeout, deadline)
-
-
-def _step(engine: Engine, op: str, group, send: torch.Tensor, recv: torch.Tensor,
-          deadline: float | None) -> torch.futures.Future | None:
-    """Submit one ring step as an engine phase on ``group``: ``send`` to the next rank, ``recv`` from
-    the previous one (empty blocks are skipped on both sides: both know the sizes). None: nothing to
-    move."""
-    size, me = dist.get_world_size(group), dist.get_rank(group)
-    nxt, prv = (me + 1) % size, (me - 1) % size
-    sends: list = [None] * size
-    recvs: list = [None] * size
-    if send.numel():
-        sends[nxt] = send
-    if recv.numel():
-        recvs[prv] = recv
-    if sends[nxt] is None and recvs[prv] is None:
-        return None
-    pg = group if group is not None else dist.group.WORLD
-
-    def run() -> int:
-        sent = pairwise(pg, remaining(deadline), sends, recvs)
-        if recv.is_cuda:
-            # The caller's stream reads the block once the future completes: the transfer must be done.
-            torch.cuda.current_stream(recv.device).synchronize()
-        return sent
-
-    return engine.submit([Phase("ring-step", run, pg)], op=op, result=None, device=send.device)
-
-
-def _wait(fut: torch.futures.Future, op: str, timeout: float | None, deadline: float | None) -> None:
-    if deadline is None:
-        fut.wait()
-    else:
-        wait(fut, timeout, op=op, deadline=deadline)
+            _ring.wait_step(fut, op, timeout, deadline)
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -756,28 +722,13 @@ def _leading_dim(name: str, what: str, dim, a: torch.Tensor) -> int:
     return d
 
 
-def _group_size(name: str, group) -> int:
-    if not dist.is_initialized():
-        return 1
-    if dist.get_rank(group if group is not None else dist.group.WORLD) < 0:
-        raise ValueError(f"{name}: this rank (global rank {dist.get_rank()}) is not a member of the group; call it "
-                         f"only on the group's ranks")
-    return dist.get_world_size(group)
-
-
-def _signature(key: tuple) -> int:
-    """A hash of ``key`` that is the same in every process (Python's own hash of strings is not), below 2**62."""
-    digest = hashlib.blake2b(repr(key).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & ((1 << 62) - 1)
-
-
 def _agree(name: str, kind: str, t: torch.Tensor, key: tuple, group, timeout: float | None, *,
            numel: int | None = None, op: str = "sum") -> None:
     """The agreement check before the ring (docs/architecture.md section 4): what the ring exchanges
     (its shape, dtype and dimension) must be the same on every rank, or every rank raises."""
     try:
         agree(kind, numel=t.numel() if numel is None else numel, dtype=t.dtype, op=op, algorithm=_RING, group=group,
-              device=t.device, timeout=timeout, signature=_signature((name, *key)))
+              device=t.device, timeout=timeout, signature=_ring.signature((name, *key)))
     except CommError as exc:
         what = ("a_shard's shape and dtype and gather_dim" if kind == "all_gather"
                 else "the product's shape (a's leading dimensions, b's columns), dtype and dimension")

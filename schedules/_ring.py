@@ -1,0 +1,65 @@
+"""The ring step the decomposed tensor-parallel matmuls and ring attention share (docs/architecture.md
+sections 3 and 5.8): one point-to-point exchange with the ring's neighbours as one engine phase on
+the group, submitted from the caller's thread in ring order, so that the transfer runs on the group's
+engine worker while the caller computes; and the group checks both modules make at the call."""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+import torch.distributed as dist
+
+from commopt.comm.algorithms import pairwise, remaining
+from commopt.comm.engine import Engine, Phase, wait
+
+__all__ = ["step", "wait_step", "group_size", "signature"]
+
+
+def step(engine: Engine, op: str, group, send: torch.Tensor, recv: torch.Tensor,
+          deadline: float | None) -> torch.futures.Future | None:
+    """Submit one ring step as an engine phase on ``group``: ``send`` to the next rank, ``recv`` from
+    the previous one (empty blocks are skipped on both sides: both know the sizes). None: nothing to
+    move."""
+    size, me = dist.get_world_size(group), dist.get_rank(group)
+    nxt, prv = (me + 1) % size, (me - 1) % size
+    sends: list = [None] * size
+    recvs: list = [None] * size
+    if send.numel():
+        sends[nxt] = send
+    if recv.numel():
+        recvs[prv] = recv
+    if sends[nxt] is None and recvs[prv] is None:
+        return None
+    pg = group if group is not None else dist.group.WORLD
+
+    def run() -> int:
+        sent = pairwise(pg, remaining(deadline), sends, recvs)
+        if recv.is_cuda:
+            # The caller's stream reads the block once the future completes: the transfer must be done.
+            torch.cuda.current_stream(recv.device).synchronize()
+        return sent
+
+    return engine.submit([Phase("ring-step", run, pg)], op=op, result=None, device=send.device)
+
+
+def wait_step(fut: torch.futures.Future, op: str, timeout: float | None, deadline: float | None) -> None:
+    if deadline is None:
+        fut.wait()
+    else:
+        wait(fut, timeout, op=op, deadline=deadline)
+
+
+def group_size(name: str, group) -> int:
+    if not dist.is_initialized():
+        return 1
+    if dist.get_rank(group if group is not None else dist.group.WORLD) < 0:
+        raise ValueError(f"{name}: this rank (global rank {dist.get_rank()}) is not a member of the group; call it "
+                         f"only on the group's ranks")
+    return dist.get_world_size(group)
+
+
+def signature(key: tuple) -> int:
+    """A hash of ``key`` that is the same in every process (Python's own hash of strings is not), below 2**62."""
+    digest = hashlib.blake2b(repr(key).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 62) - 1)
