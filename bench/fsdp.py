@@ -359,7 +359,8 @@ def _predict(args, topo, measured: dict[str, float]) -> tuple[dict[str, float], 
     # The levels, and the lines of commopt's own reduce-scatter and all-gather calls (their per-call
     # CPU work is not in the levels: without them the model put commopt's FSDP2 steps 30 % fast).
     collectives = ("allreduce", "reduce_scatter", "all_gather")
-    model = cost.calibrate(topo, collectives=collectives)
+    small = dict(sizes=(4 << 10, 64 << 10), reps=2) if args.quick else {}  # --quick: a smoke test
+    model = cost.calibrate(topo, collectives=collectives, **small)
     lines = {c: cost.measured_lines(c, topo) or {} for c in collectives}
     gpt = _gpt(args)
     data = synthetic_tokens(args.batch, args.seq_len, _VOCAB, seed=dist.get_rank())

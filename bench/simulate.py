@@ -108,7 +108,7 @@ def run(args) -> list[dict]:
         results[name] = r
         rows.append(_row(name, r))
     rows += _sharded_rows(args, layers, topo, model, opt)
-    rows += _diloco_rows(args, layers, topo, model)
+    rows += _diloco_rows(args, layers, topo, model, sched("ddp", 0))
     if args.tp > 1:
         rows += _tensor_parallel_rows(args, model)
     if args.png:
@@ -150,9 +150,10 @@ def _sharded_rows(args, layers, topo, model, opt: float) -> list[dict]:
                                         model)) for name, plan in plans]
 
 
-def _diloco_rows(args, layers, topo, model) -> list[dict]:
-    """DiLoCo beside the rows above: each node a worker training with DDP inside it, the pseudo-gradient
-    (fp32, or int8 / int4 blocks) all-reduced along the rails every H inner steps, streamed in fragments."""
+def _diloco_rows(args, layers, topo, model, inner) -> list[dict]:
+    """DiLoCo beside the rows above: each node a worker training with DDP inside it (``inner``: DDP's
+    schedule, the optimizer's cost included), the pseudo-gradient (fp32, or int8 / int4 blocks)
+    all-reduced along the rails every H inner steps, streamed in fragments."""
     from commopt.schedules.simulator import quantized_ratio, simulate_diloco
 
     pseudo = 4 / args.grad_bytes  # pseudo-gradients travel in fp32 whatever the training dtype
@@ -165,7 +166,7 @@ def _diloco_rows(args, layers, topo, model) -> list[dict]:
     rows = []
     for name, h, frags, delay, ratio in configs:
         r = simulate_diloco(layers, topo, model, sync_every=h, fragments=frags, delay=delay, ratio=ratio,
-                            pseudo_bytes_per_param_byte=pseudo)
+                            schedule=inner, pseudo_bytes_per_param_byte=pseudo)
         print(f"{name:<34}{r.step * 1e3:>10.1f}{r.inner * 1e3:>12.1f}{r.sync * 1e3:>10.1f}{r.exposed * 1e3:>12.2f}"
               f"{r.link_bytes_per_step / 2**20:>8.1f}")
         rows.append({"schedule": name, "iteration": r.step, "inner": r.inner, "sync": r.sync, "exposed": r.exposed,

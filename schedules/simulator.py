@@ -505,10 +505,9 @@ def simulate_diloco(layers: Sequence[Layer], topology: Topology, model: cost.Cos
     node = Topology(nodes=(tuple(range(local)),), rank=0, world_size=local)
     rail = Topology(nodes=tuple((i,) for i in range(nodes)), rank=0, world_size=nodes)
     inner_model = cost.CostModel(model.intra, model.intra, model.chunks, model.shared)
-    if local > 1:
-        inner = simulate(layers, link_service("flat", node, inner_model), schedule or Schedule("ddp")).iteration
-    else:
-        inner = sum(x.forward + x.backward for x in layers)
+    # One rank per node: nothing to reduce inside the worker (the schedule's optimizer cost still counts).
+    service = link_service("flat", node, inner_model) if local > 1 else (lambda n: 0.0)
+    inner = simulate(layers, service, schedule or Schedule("ddp")).iteration
     fragment = sum(x.grad_bytes for x in layers) * pseudo_bytes_per_param_byte / fragments
     flat = algorithms.get("flat")
     sync = flat.cost(model, "allreduce", fragment * ratio, rail) if nodes > 1 else 0.0

@@ -860,7 +860,7 @@ def test_bench_fsdp_quick(tmp_path):
     rows = {r["run"]: r for r in data["results"]}
     from commopt.bench.fsdp import RUNS
 
-    assert set(rows) == set(RUNS)
+    assert set(rows) == set(RUNS) - {"shard-auto"}  # opt-in: its recipe is decided at the call, no plan
     for name, r in rows.items():
         assert "skipped" not in r, r
         assert r["step_ms"] > 0 and math.isfinite(r["final_loss"]), r

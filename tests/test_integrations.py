@@ -214,7 +214,6 @@ def _lightning_sharded(pl) -> dict:
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     from commopt.comm import Topology, fsdp
-    from commopt.comm.compression import QuantizeCompressor
 
     class Sharded(Regression):
         def configure_model(self):  # Lightning calls it on every rank, with the process group up
@@ -259,7 +258,9 @@ def _lightning_sharded(pl) -> dict:
     out["native"] = {"params": _full_params(model), "loss": _full_loss(model.net, _lightning_data()),
                      "sharded": all(isinstance(p, torch.distributed.tensor.DTensor) for p in model.parameters())}
 
-    class ZeroPP(Regression):
+    from commopt.comm.compression import QuantizeCompressor
+
+    class ZeroPP(Regression):  # the whole recipe, forced (shard's "auto" decides per model and cluster)
         def configure_model(self):
             if not isinstance(self.net, FSDPModule):
                 self.comms = fsdp.shard(self.net, topology=Topology.from_spec("2x1"),

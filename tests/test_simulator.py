@@ -281,7 +281,8 @@ def test_simulate_command_rows_and_timeline_with_an_optimizer_cost(tmp_path):
     costly = rows("--optimizer-gbps", "50", "--png", str(png))
     free = rows("--png", "")
     assert list(costly)[:len(SCHEDULES)] == list(SCHEDULES)
-    sharded = list(costly)[len(SCHEDULES):]
+    sharded = [k for k in list(costly)[len(SCHEDULES):] if not k.startswith("diloco")]  # DiLoCo: DDP inside
+    assert [k for k in costly if k.startswith("diloco")][:2] == ["diloco H=8, fp32", "diloco H=32, fp32"]
     assert sharded[:2] == ["fsdp2 (flat)", "fsdp2 hierarchical"] and any("zero++" in k for k in sharded)
     for kind in ("fifo", "priority", *sharded):
         assert costly[kind] > free[kind]
