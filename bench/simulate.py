@@ -91,6 +91,7 @@ def run(args) -> list[dict]:
         print(f"# partition chosen by simulation: {label}, credit {credit:g} MiB")
     else:
         part = float(args.partition_mb)
+    inner = sched("ddp", 0)  # DiLoCo's inner loop: DDP inside each node
     runs = [(kind, sched(kind, part), 1.0) for kind in SCHEDULES]
     if args.compression_ratio < 1:
         squeeze = 1 / (args.compress_gbps * 1e9) if args.compress_gbps else 0.0
@@ -108,7 +109,7 @@ def run(args) -> list[dict]:
         results[name] = r
         rows.append(_row(name, r))
     rows += _sharded_rows(args, layers, topo, model, opt)
-    rows += _diloco_rows(args, layers, topo, model, sched("ddp", 0))
+    rows += _diloco_rows(args, layers, topo, model, inner)
     if args.tp > 1:
         rows += _tensor_parallel_rows(args, model)
     if args.png:

@@ -848,19 +848,21 @@ def test_shard_auto_decides_once_the_same_everywhere(ranks):
 
 # ------------------------------------------------------------------------------------------ benchmark
 def test_bench_fsdp_quick(tmp_path):
-    """``commopt-bench fsdp --quick``: every run appears in the JSON with a step time, a loss and the
-    simulator's two predictions (DDP: one), and the simulator's inputs are recorded; the numbers
+    """``commopt-bench fsdp --quick``: every run asked for (one of each kind: the floor, DDP, torch's FSDP2 and
+    HSDP, commopt's exact, ZeRO++ and compressed HSDP comms) appears in the JSON with a step time, a loss
+    and the simulator's two predictions (DDP: one), and the simulator's inputs are recorded; the numbers
     themselves are the benchmark's, not asserted here."""
     path = tmp_path / "fsdp.json"
+    asked = ["compute", "ddp", "fsdp2", "hsdp", "hierarchical", "zero++", "hsdp-powersgd"]
     res = subprocess.run([sys.executable, "-m", "commopt.bench", "fsdp", "--spawn", "4", "--topology", "2x2",
-                          "--quick", "--steps", "2", "--json", str(path)], capture_output=True, text=True,
-                         timeout=150)
+                          "--quick", "--steps", "2", "--runs", ",".join(asked), "--json", str(path)],
+                         capture_output=True, text=True, timeout=150)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     data = json.loads(path.read_text())
     rows = {r["run"]: r for r in data["results"]}
     from commopt.bench.fsdp import RUNS
 
-    assert set(rows) == set(RUNS) - {"shard-auto"}  # opt-in: its recipe is decided at the call, no plan
+    assert list(rows) == asked and set(asked) <= set(RUNS)
     for name, r in rows.items():
         assert "skipped" not in r, r
         assert r["step_ms"] > 0 and math.isfinite(r["final_loss"]), r
