@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import Callable
 
 from tqdm import tqdm
 
-__all__ = ["progress", "progress_enabled"]
+__all__ = ["progress", "progress_enabled", "interleaved"]
 
 
 def progress_enabled(rank: int = 0) -> bool:
@@ -39,3 +40,16 @@ def progress(total: int, desc: str, *, rank: int = 0, unit: str = "it") -> tqdm:
     # leave=False: the bar is gone when the table is printed; the table is what stays on screen.
     return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, leave=False,
                 disable=not progress_enabled(rank), dynamic_ncols=True)
+
+
+def interleaved(runs: list, steps: int, step: Callable[[object, int], None], what: str, *, rank: int = 0) -> None:
+    """``step(run, i)`` for every run at every step ``i``, one step of each in turn, the order rotated
+    every step: a load spike on a shared machine hits every run alike, so the ratios between them stay
+    honest (the training benchmarks' side-by-side runs)."""
+    bar = progress(steps, f"training {len(runs)} {what}", rank=rank, unit="step")
+    for i in range(steps):
+        k = i % len(runs)
+        for run in runs[k:] + runs[:k]:
+            step(run, i)
+        bar.update()
+    bar.close()

@@ -40,7 +40,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ._launch import launch, topology_of
-from ._progress import progress
+from ._progress import interleaved
 
 __all__ = ["main", "HOOKS"]
 
@@ -211,13 +211,7 @@ def _rank_body(args) -> int:
     # Every hook trains side by side, one step each in turn (rotated every step), so that a load
     # spike on a shared machine hits all of them alike and the ratios between them stay honest.
     runs = [_setup(name, args, topo) for name in names]
-    bar = progress(args.steps, f"training {len(runs)} hooks", rank=dist.get_rank(), unit="step")
-    for step in range(args.steps):
-        k = step % len(runs)
-        for run in runs[k:] + runs[:k]:
-            _step(run, step, args)
-        bar.update()
-    bar.close()
+    interleaved(runs, args.steps, lambda run, step: _step(run, step, args), "hooks", rank=dist.get_rank())
     results = [_summary(run, args) for run in runs]
     if dist.get_rank() == 0:
         _report(results, args, topo)

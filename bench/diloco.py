@@ -30,7 +30,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ._launch import launch, topology_of
-from ._progress import progress
+from ._progress import interleaved
 from .cluster.host import wire_bytes
 
 __all__ = ["main", "RUNS"]
@@ -172,13 +172,7 @@ def _summary(run: dict, args) -> dict:
 def _rank_body(args) -> int:
     topo = topology_of(args)
     runs = [_setup(name, args, topo) for name in args.runs.split(",")]
-    bar = progress(args.steps, f"training {len(runs)} runs", rank=dist.get_rank(), unit="step")
-    for step in range(args.steps):
-        k = step % len(runs)
-        for run in runs[k:] + runs[:k]:
-            _step(run, step, args, topo)
-        bar.update()
-    bar.close()
+    interleaved(runs, args.steps, lambda run, step: _step(run, step, args, topo), "runs", rank=dist.get_rank())
     results = [_summary(run, args) for run in runs]
     if dist.get_rank() == 0:
         _report(results, args, topo)

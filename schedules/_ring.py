@@ -1,7 +1,8 @@
 """The ring step the decomposed tensor-parallel matmuls and ring attention share (docs/architecture.md
 sections 3 and 5.8): one point-to-point exchange with the ring's neighbours as one engine phase on
 the group, submitted from the caller's thread in ring order, so that the transfer runs on the group's
-engine worker while the caller computes; and the group checks both modules make at the call."""
+engine worker while the caller computes; and the checks of the group and of a floating tensor both
+modules make at the call."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ import torch.distributed as dist
 from commopt.comm.algorithms import pairwise, remaining
 from commopt.comm.engine import Engine, Phase, wait
 
-__all__ = ["step", "wait_step", "group_size", "signature"]
+__all__ = ["step", "wait_step", "group_size", "signature", "check_float_tensor", "FLOATS"]
+
+FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
 def step(engine: Engine, op: str, group, send: torch.Tensor, recv: torch.Tensor,
@@ -63,3 +66,13 @@ def signature(key: tuple) -> int:
     """A hash of ``key`` that is the same in every process (Python's own hash of strings is not), below 2**62."""
     digest = hashlib.blake2b(repr(key).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & ((1 << 62) - 1)
+
+
+def check_float_tensor(name: str, what: str, t) -> None:
+    """``t`` is a dense floating torch.Tensor, else ``TypeError`` naming ``name``'s argument ``what``."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: {what} must be a torch.Tensor, got {type(t).__name__}")
+    if t.is_sparse:
+        raise TypeError(f"{name}: {what} is sparse; pass a dense tensor (.to_dense())")
+    if t.dtype not in FLOATS:
+        raise TypeError(f"{name}: {what} has dtype {t.dtype}; pass float32, float64, bfloat16 or float16")

@@ -72,7 +72,6 @@ from . import _ring
 
 __all__ = ["ring_attention", "ulysses_attention", "zigzag_shard", "zigzag_unshard"]
 
-_FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 _LAYOUTS = ("contiguous", "zigzag")
 # torch's fused flash attention for CPU, which returns the log-sum-exp with the output (None where
 # this torch lacks it: every block is then computed explicitly).
@@ -440,12 +439,7 @@ def _heads_to_seq(x: torch.Tensor, size: int, group, topology, algorithm: str, t
 # --------------------------------------------------------------------------------- checks
 def _check_qkv(name: str, q, k, v, min_ndim: int) -> None:
     for what, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}: {what} must be a torch.Tensor, got {type(t).__name__}")
-        if t.is_sparse:
-            raise TypeError(f"{name}: {what} is sparse; pass a dense tensor (.to_dense())")
-        if t.dtype not in _FLOATS:
-            raise TypeError(f"{name}: {what} has dtype {t.dtype}; pass float32, float64, bfloat16 or float16")
+        _ring.check_float_tensor(name, what, t)
         if t.dim() < min_ndim:
             need = "[..., S/P, D]" if min_ndim == 2 else "[..., H, S/P, D] (heads on dim -3)"
             raise ValueError(f"{name}: {what} has shape {list(t.shape)}; it must be {need}, at least {min_ndim}-D")

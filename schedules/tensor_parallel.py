@@ -78,7 +78,6 @@ from . import _ring
 __all__ = ["all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "ColwiseParallel", "RowwiseParallel",
            "SequenceParallel"]
 
-_FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 _RING = "ring"  # the algorithm name the agreement check carries
 _GATHERED = "_commopt_gathered"  # the attribute of an input tensor that keeps its gathered form (ColwiseParallel)
 
@@ -677,12 +676,7 @@ def _merge(stacked: torch.Tensor, d: int) -> torch.Tensor:
 
 # --------------------------------------------------------------------------------- checks
 def _check_matrix(name: str, what: str, t, min_ndim: int) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: {what} must be a torch.Tensor, got {type(t).__name__}")
-    if t.is_sparse:
-        raise TypeError(f"{name}: {what} is sparse; pass a dense tensor (.to_dense())")
-    if t.dtype not in _FLOATS:
-        raise TypeError(f"{name}: {what} has dtype {t.dtype}; pass float32, float64, bfloat16 or float16")
+    _ring.check_float_tensor(name, what, t)
     if t.dim() < min_ndim:
         need = "a leading dimension and the contraction dimension" if min_ndim == 2 else "the contraction dimension"
         raise ValueError(f"{name}: {what} has shape {list(t.shape)}; it needs at least {min_ndim} dimensions "

@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _oracle import close_to, sent_bytes
 from _pool import RankPool
 
 from commopt.comm import Topology, context
@@ -61,23 +62,6 @@ def _mine(full: torch.Tensor, layout: str, group) -> torch.Tensor:
                      dim=-2)
 
 
-def _close(got: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, world: int, what: str) -> None:
-    assert got.dtype == dtype and got.shape == ref.shape, f"{what}: {got.dtype} {list(got.shape)} vs {list(ref.shape)}"
-    if dtype != torch.bfloat16:
-        torch.testing.assert_close(got, ref.to(dtype), msg=lambda m: f"{what}: {m}")
-        return
-    # bf16: each block's output / gradient is rounded to bf16 once (P blocks summed in fp32), then the
-    # result once more; torch's own bf16 attention is within 0.8 eps of the fp64 one at these sizes.
-    eps = torch.finfo(dtype).eps
-    mag = max(1.0, ref.abs().max().item())
-    torch.testing.assert_close(got.to(torch.float64), ref.to(torch.float64), rtol=2 * eps,
-                               atol=(world + 2) * eps * mag, msg=lambda m: f"{what}: {m}")
-
-
-def _bytes(op: str) -> int:
-    return context().engine().bytes_sent().get(op, 0)
-
-
 def _case(kind: str, seed: int, dtype: torch.dtype, shape: tuple, dv: int, causal: bool, scale, layout: str,
           group, transposed: bool = False, **kw) -> None:
     """One call of ``ring_attention`` / ``ulysses_attention`` and its backward against the oracle;
@@ -96,7 +80,7 @@ def _case(kind: str, seed: int, dtype: torch.dtype, shape: tuple, dv: int, causa
     k = leaf(shape, seed * 100 + 10 * me + 1)
     v = leaf(shape[:-1] + (dv,), seed * 100 + 10 * me + 2)
     assert q.is_contiguous() != transposed
-    fwd, bwd = _bytes("ring_attention"), _bytes("ring_attention/backward")
+    fwd, bwd = sent_bytes("ring_attention"), sent_bytes("ring_attention/backward")
     if kind == "ring":
         out = ring_attention(q, k, v, group=group, is_causal=causal, scale=scale, layout=layout, timeout=T)
     else:
@@ -107,17 +91,17 @@ def _case(kind: str, seed: int, dtype: torch.dtype, shape: tuple, dv: int, causa
     if kind == "ring":
         kv = (k.numel() + v.numel()) * k.element_size()
         sums = (k.numel() + v.numel()) * (8 if dtype == torch.float64 else 4)
-        assert _bytes("ring_attention") - fwd == (world - 1) * kv, what
-        assert _bytes("ring_attention/backward") - bwd == (world - 1) * kv + world * sums, what
+        assert sent_bytes("ring_attention") - fwd == (world - 1) * kv, what
+        assert sent_bytes("ring_attention/backward") - bwd == (world - 1) * kv + world * sums, what
 
     odt = torch.float32 if dtype == torch.float32 else torch.float64
     full_q, full_k, full_v = (_whole(t.detach(), layout, group).to(odt).requires_grad_() for t in (q, k, v))
     ref = F.scaled_dot_product_attention(full_q, full_k, full_v, is_causal=causal, scale=scale)
     ref.backward(_whole(g, layout, group).to(odt))
-    _close(out, _mine(ref.detach(), layout, group), dtype, world, f"{what} output")
-    _close(q.grad, _mine(full_q.grad, layout, group), dtype, world, f"{what} q.grad")
-    _close(k.grad, _mine(full_k.grad, layout, group), dtype, world, f"{what} k.grad")
-    _close(v.grad, _mine(full_v.grad, layout, group), dtype, world, f"{what} v.grad")
+    close_to(out, _mine(ref.detach(), layout, group), dtype, world, f"{what} output")
+    close_to(q.grad, _mine(full_q.grad, layout, group), dtype, world, f"{what} q.grad")
+    close_to(k.grad, _mine(full_k.grad, layout, group), dtype, world, f"{what} k.grad")
+    close_to(v.grad, _mine(full_v.grad, layout, group), dtype, world, f"{what} v.grad")
 
 
 def _matrix() -> int:
@@ -175,12 +159,12 @@ def _matrix() -> int:
     checked += 2
     if world == 4:
         for spec, two_d in (("1x4", False), ("2x2", True)):
-            before = _bytes("all_to_all/2d")
+            before = sent_bytes("all_to_all/2d")
             seed += 1
             _case("ulysses", seed, torch.float32, (2, 4, 3, 8), 8, True, None, "contiguous", None,
                   topology=Topology.from_spec(spec))
             # Two all-to-alls forward, two backward: through the 2-D algorithm exactly when it has two levels.
-            assert (_bytes("all_to_all/2d") > before) == two_d, spec
+            assert (sent_bytes("all_to_all/2d") > before) == two_d, spec
             checked += 1
         cp = [dist.new_group(members, timeout=timedelta(seconds=T)) for members in ([0, 2], [1, 3])]
         mine = cp[dist.get_rank() % 2]

@@ -22,6 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _oracle import close_to, sent_bytes
 from _pool import RankPool
 from torch import nn
 from torch.distributed import ReduceOp
@@ -58,26 +59,6 @@ def _oracle_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype == torch.float32 else torch.float64
 
 
-def _close(got: torch.Tensor | None, ref: torch.Tensor | None, dtype: torch.dtype, world: int, what: str) -> None:
-    assert (got is None) == (ref is None), f"{what}: got {got is None and 'no' or 'a'} gradient"
-    if got is None:
-        return
-    assert got.dtype == dtype and got.shape == ref.shape, f"{what}: {got.dtype} {list(got.shape)} vs {list(ref.shape)}"
-    if dtype == torch.float32:
-        torch.testing.assert_close(got, ref, msg=lambda m: f"{what}: {m}")
-        return
-    # bf16: the partial products are rounded once each and the ring sums them in bf16 (world - 1
-    # roundings), then the result is rounded: about world + 1 roundings of eps/2 of the magnitude.
-    eps = torch.finfo(dtype).eps
-    mag = max(1.0, ref.abs().max().item())
-    torch.testing.assert_close(got.to(torch.float64), ref.to(torch.float64), rtol=2 * eps,
-                               atol=(world + 2) * eps * mag, msg=lambda m: f"{what}: {m}")
-
-
-def _bytes(op: str) -> int:
-    return context().engine().bytes_sent().get(op, 0)
-
-
 # --------------------------------------------------------------------------------- the cases
 def _case_all_gather_matmul(seed: int, dtype: torch.dtype, shard_shape: tuple, dim: int, widths: list[int],
                             return_a: bool, skip_last: bool, group, timeout) -> None:
@@ -89,17 +70,17 @@ def _case_all_gather_matmul(seed: int, dtype: torch.dtype, shard_shape: tuple, d
     a = _rand(shard_shape, dtype, seed * 100 + me).requires_grad_()
     bs = [_rand((k, n), dtype, seed * 100 + 50 + 10 * i + me, 1 / math.sqrt(k)).requires_grad_()
           for i, n in enumerate(widths)]
-    before, before_bw = _bytes("all_gather_matmul"), _bytes("all_gather_matmul/backward")
+    before, before_bw = sent_bytes("all_gather_matmul"), sent_bytes("all_gather_matmul/backward")
     res = all_gather_matmul(a, bs, gather_dim=dim, group=group, return_a=return_a, timeout=timeout)
     gathered, outs = res if return_a else (None, res)
     assert isinstance(outs, list) and len(outs) == len(bs), what
-    sent = _bytes("all_gather_matmul") - before
+    sent = sent_bytes("all_gather_matmul") - before
     assert sent == (world - 1) * a.numel() * a.element_size(), f"{what}: {sent} bytes sent"
     used = outs[:-1] if skip_last else outs
     grads = [_rand(o.shape, dtype, seed * 100 + 80 + 10 * i + me) for i, o in enumerate(used)]
     g_gathered = _rand(gathered.shape, dtype, seed * 100 + 99 + me) if return_a else None
     torch.autograd.backward(used + ([gathered] if return_a else []), grads + ([g_gathered] if return_a else []))
-    sent = _bytes("all_gather_matmul/backward") - before_bw
+    sent = sent_bytes("all_gather_matmul/backward") - before_bw
     assert sent == (world - 1) * a.numel() * a.element_size(), f"{what}: backward sent {sent} bytes"
 
     odt = _oracle_dtype(dtype)
@@ -117,12 +98,12 @@ def _case_all_gather_matmul(seed: int, dtype: torch.dtype, shard_shape: tuple, d
     ref_grad_a = grad_full.narrow(dim % len(shard_shape), me * s, s)
 
     for i, (o, r) in enumerate(zip(outs, ref_outs)):
-        _close(o, r.detach(), dtype, world, f"{what} output {i}")
+        close_to(o, r.detach(), dtype, world, f"{what} output {i}")
     if return_a:
-        _close(gathered, full.detach(), dtype, world, f"{what} gathered A")
-    _close(a.grad, ref_grad_a, dtype, world, f"{what} a.grad")
+        close_to(gathered, full.detach(), dtype, world, f"{what} gathered A")
+    close_to(a.grad, ref_grad_a, dtype, world, f"{what} a.grad")
     for i, (b, bo) in enumerate(zip(bs, bs_o)):
-        _close(b.grad, bo.grad, dtype, world, f"{what} bs[{i}].grad")
+        close_to(b.grad, bo.grad, dtype, world, f"{what} bs[{i}].grad")
 
 
 def _case_matmul_reduce_scatter(seed: int, dtype: torch.dtype, lead: tuple, k: int, n: int, dim: int, op,
@@ -135,12 +116,12 @@ def _case_matmul_reduce_scatter(seed: int, dtype: torch.dtype, lead: tuple, k: i
     kr = k + me
     a = _rand(lead + (kr,), dtype, seed * 100 + me).requires_grad_()
     b = _rand((kr, n), dtype, seed * 100 + 50 + me, 1 / math.sqrt(kr)).requires_grad_()
-    before, before_bw = _bytes("matmul_reduce_scatter"), _bytes("matmul_reduce_scatter/backward")
+    before, before_bw = sent_bytes("matmul_reduce_scatter"), sent_bytes("matmul_reduce_scatter/backward")
     out = matmul_reduce_scatter(a, b, scatter_dim=dim, group=group, op=op, timeout=timeout)
-    assert _bytes("matmul_reduce_scatter") - before == (world - 1) * out.numel() * out.element_size(), what
+    assert sent_bytes("matmul_reduce_scatter") - before == (world - 1) * out.numel() * out.element_size(), what
     g = _rand(out.shape, dtype, seed * 100 + 80 + me)
     out.backward(g)
-    assert _bytes("matmul_reduce_scatter/backward") - before_bw == (world - 1) * g.numel() * g.element_size(), what
+    assert sent_bytes("matmul_reduce_scatter/backward") - before_bw == (world - 1) * g.numel() * g.element_size(), what
 
     odt = _oracle_dtype(dtype)
     d = dim % (len(lead) + 1)
@@ -156,9 +137,9 @@ def _case_matmul_reduce_scatter(seed: int, dtype: torch.dtype, lead: tuple, k: i
     if op == ReduceOp.AVG:
         ref, big_g = ref / world, big_g / world
     p.backward(big_g)
-    _close(out, ref, dtype, world, f"{what} output")
-    _close(a.grad, a_o.grad, dtype, world, f"{what} a.grad")
-    _close(b.grad, b_o.grad, dtype, world, f"{what} b.grad")
+    close_to(out, ref, dtype, world, f"{what} output")
+    close_to(a.grad, a_o.grad, dtype, world, f"{what} a.grad")
+    close_to(b.grad, b_o.grad, dtype, world, f"{what} b.grad")
 
 
 def _case_matmul_all_reduce(seed: int, dtype: torch.dtype, lead: tuple, k: int, n: int, group, timeout) -> None:
@@ -185,9 +166,9 @@ def _case_matmul_all_reduce(seed: int, dtype: torch.dtype, lead: tuple, k: int, 
     total = p.detach().clone()
     dist.all_reduce(total, group=group)
     p.backward(g.to(odt))
-    _close(out, total, dtype, world, f"{what} output")
-    _close(a.grad, a_o.grad, dtype, world, f"{what} a.grad")
-    _close(b.grad, b_o.grad, dtype, world, f"{what} b.grad")
+    close_to(out, total, dtype, world, f"{what} output")
+    close_to(a.grad, a_o.grad, dtype, world, f"{what} a.grad")
+    close_to(b.grad, b_o.grad, dtype, world, f"{what} b.grad")
 
     # The unsharded computation (no communication at all): the semantics, not only the composition.
     every = [inputs(r) for r in range(world)]
@@ -196,9 +177,9 @@ def _case_matmul_all_reduce(seed: int, dtype: torch.dtype, lead: tuple, k: int, 
     whole = big_a @ big_b
     whole.backward(g.to(odt))
     lo = sum(k + r for r in range(me))
-    _close(out, whole.detach(), dtype, world, f"{what} output against the unsharded matmul")
-    _close(a.grad, big_a.grad.narrow(-1, lo, k + me), dtype, world, f"{what} a.grad against the unsharded matmul")
-    _close(b.grad, big_b.grad.narrow(0, lo, k + me), dtype, world, f"{what} b.grad against the unsharded matmul")
+    close_to(out, whole.detach(), dtype, world, f"{what} output against the unsharded matmul")
+    close_to(a.grad, big_a.grad.narrow(-1, lo, k + me), dtype, world, f"{what} a.grad against the unsharded matmul")
+    close_to(b.grad, big_b.grad.narrow(0, lo, k + me), dtype, world, f"{what} b.grad against the unsharded matmul")
 
 
 def _matrix(groups: bool) -> int:
