@@ -376,7 +376,7 @@ def _predict(args, topo, measured: dict[str, float]) -> tuple[dict[str, float], 
     layers = [layers[-1], *layers[:-1]] if layers[0].name != "<root>" else layers
     nbytes = sum(x.grad_bytes for x in layers)
 
-    timed = _median_seconds
+    timed = cost.median_seconds
     for p in gpt.parameters():
         p.grad = torch.randn_like(p)
     opt = torch.optim.AdamW(gpt.parameters(), lr=args.lr)
@@ -481,18 +481,6 @@ def _profile(active: list[dict], args, topo) -> None:
                   + (f"{a_ms:10.2f}{a_wait_ms:8.2f}" if a_calls else f"{'-':>10}{'-':>8}") + ratio)
 
 
-def _median_seconds(fn, reps: int = 5) -> float:
-    """Median seconds of ``fn()`` after one untimed call, every rank starting each call together."""
-    fn()
-    times = []
-    for _ in range(reps):
-        dist.barrier()
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 class _OwnDataOnly:
     """An FSDP2 reduce-scatter / all-gather that moves nothing: this rank's own data in place of
     every rank's (the timing floor of FSDP2 itself; its results are not the collective's)."""
@@ -558,7 +546,7 @@ def _collective_seconds(name: str, topo, block: dict, args) -> tuple[float, floa
     from torch.distributed import ReduceOp
 
     from commopt.comm import compression as C
-    from commopt.comm import context, fsdp
+    from commopt.comm import context, cost, fsdp
     from commopt.comm.fsdp._common import Bound, Layout
 
     world, local = topo.world_size, topo.local_size
@@ -572,7 +560,7 @@ def _collective_seconds(name: str, topo, block: dict, args) -> tuple[float, floa
     full = torch.randn(world * chunk)
     bound = Bound(Layout("sim", tuple(names), tuple(shards), tuple(shapes)))
 
-    timed = functools.partial(_median_seconds, reps=3)
+    timed = functools.partial(cost.median_seconds, reps=3)
 
     def native_gather(group, n: int):
         out = torch.empty(n * chunk)

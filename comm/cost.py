@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import statistics
 import threading
 import time
 from pathlib import Path
@@ -161,6 +162,19 @@ def _cache_path(topo: Topology, cache_dir: str | os.PathLike | None) -> Path:
     root = Path(cache_dir) if cache_dir else Path.home() / ".cache" / "commopt"
     rate = f"-{int(topo.link_rate_bps)}" if topo.link_rate_bps else ""
     return root / f"calibration-{topo.layout.replace(';', '_').replace(',', '.')}{rate}.json"
+
+
+def median_seconds(fn: Callable[[], object], *, group=None, reps: int = 5) -> float:
+    """The median seconds of ``fn()`` over ``reps`` calls after one untimed call (warm-up), every
+    rank of ``group`` (None: WORLD) starting each call together (a barrier before each)."""
+    fn()
+    times = []
+    for _ in range(reps):
+        dist.barrier(group=group)
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def _time_allreduce(group, nbytes: int, reps: int, sync_group) -> float | None:

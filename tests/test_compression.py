@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
-from commopt.comm import Topology, context
+from commopt.comm import Topology, algorithms, context
 from commopt.comm import compression as C
-from commopt.comm.compression import ErrorFeedback
+from commopt.comm.compression import ErrorFeedback, auto
 from commopt.comm.errors import NonFiniteError
 
 
@@ -346,9 +346,8 @@ def _body_randomness() -> dict:
             if warm:
                 steps.append(ps.default_state.q_memory["m"].clone())
             else:
-                from commopt.comm.compression.base import Job
-                job = Job(x=m.view(-1), out=m.view(-1), sent=None, group=None, n=2, rank=rank, step=step, seed=0)
-                steps.append(ps._initial_q("m", 16, 2, job))
+                ex = C.Exchange(x=m.view(-1), out=m.view(-1), sent=None, groups=(None,), n=2, rank=rank, step=step)
+                steps.append(ps._initial_q("m", 16, 2, ex))
         assert not torch.equal(steps[0], steps[1]), warm
         for q in steps:
             all_q = [torch.zeros_like(q) for _ in range(dist.get_world_size())]
@@ -516,13 +515,14 @@ def test_declarations_and_bytes():
     assert C.RandomKCompressor().summable and not C.RandomKCompressor().biased
     assert not C.QuantizeCompressor().summable and not C.QuantizeCompressor().biased
     # Every trait a caller branches on is declared on the base, with its default.
-    for trait, default in (("summable", True), ("biased", False), ("needs_matrices", False), ("n_rounds", 1),
-                           ("uses_server_residual", False), ("chunked", False), ("optimistic", False),
-                           ("layout_free", False), ("min_numel", 0)):
+    for trait, default in (("summable", True), ("biased", False), ("needs_matrices", False),
+                           ("rounds", ("all_reduce",)), ("uses_server_residual", False), ("chunked", False),
+                           ("optimistic", False), ("layout_free", False), ("min_numel", 0)):
         assert getattr(C.Compressor, trait) == default, trait
     assert C.OneBitCompressor().uses_server_residual and not C.SignCompressor().uses_server_residual
     assert C.FP16Compressor().optimistic and not C.FP16Compressor(agreed_scale=True).optimistic
-    assert C.PowerSGDCompressor().n_rounds == len(C.PowerSGDCompressor().rounds()) == 2
+    assert C.PowerSGDCompressor().rounds == ("all_reduce_p", "all_reduce_q")
+    assert C.QuantizeCompressor().rounds == C.OneBitCompressor().rounds == ("all_to_all", "all_gather")
     # A state of other settings is refused (its memory would not fit them).
     with pytest.raises(ValueError, match="new_state"):
         C.PowerSGDCompressor(rank=2).check_state(C.PowerSGDCompressor(rank=4).new_state(), "test")
@@ -546,7 +546,13 @@ def _body_engine_bytes() -> dict:
         c.all_reduce(torch.randn(1 << 16, generator=torch.Generator().manual_seed(dist.get_rank())),
                      topology=topo, algorithm="hierarchical", error_feedback=ErrorFeedback())
         sent = context().engine().bytes_sent()
-        out[label] = (sent[f"compress/{c.name}"], sent[f"compress/{c.name}/intra"])
+        # What the algorithm says it moves with this codec (the cost model's and auto's figure).
+        pairs = algorithms.get("hierarchical").compressed_traffic(auto.Encoding(c, [1 << 16], [(1 << 16,)], 4),
+                                                                  topo).pairs
+        node = set(topo.nodes[topo.node])
+        model = (sum(v for (s, d), v in pairs.items() if s == topo.rank and d not in node),
+                 sum(v for (s, d), v in pairs.items() if s == topo.rank and d in node))
+        out[label] = (sent[f"compress/{c.name}"], sent[f"compress/{c.name}/intra"], model)
     return out
 
 
@@ -554,7 +560,9 @@ def test_engine_counts_compressed_bytes(ranks):
     """Bytes on the wire come from the engine's counters: intra-node phases exact (fp32, counted
     under "compress/<name>/intra"), the inter-node phase compressed, the agreed check a few bytes
     (none for the optimistic fp16 default, whose finite result needs no agreement: it carries its
-    input's 64-element tag in the fp16 payload and agrees on the input within the node instead)."""
+    input's 64-element tag in the fp16 payload and agrees on the input within the node instead).
+    The hierarchical algorithm's ``compressed_traffic`` (what ``auto`` weighs) is held to the same
+    counts."""
     res = ranks(4, _body_engine_bytes)[0]
     d, local = 1 << 16, 2
     intra = 2 * (local - 1) * (d // local) * 4  # reduce-scatter + all-gather, exact fp32
@@ -566,9 +574,13 @@ def test_engine_counts_compressed_bytes(ranks):
                 "quantize": check + 2 * 1 * (d // 4 + d // 4 // 256 * 4),
                 "onebit": check + 2 * 1 * (d // 4 // 8 + d // 4 // 256 * 4)}
     assert set(res) == set(expected)
-    for name, (inter_bytes, intra_bytes) in res.items():
+    for name, (inter_bytes, intra_bytes, (model_inter, model_intra)) in res.items():
         assert intra_bytes == intra + (node_agreement if name == "fp16" else 0), (name, intra_bytes, intra)
         assert inter_bytes == expected[name], (name, inter_bytes, expected[name])
+        # The algorithm's compressed traffic is the engine's count less the agreement: the check
+        # phase, or the fp16 default's 64-element tag and node agreement.
+        assert model_intra == intra, (name, model_intra)
+        assert model_inter == inter_bytes - (2 * 1 / 2 * 64 * 2 if name == "fp16" else check), (name, model_inter)
 
 
 def _body_in_flight() -> None:

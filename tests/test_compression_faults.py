@@ -317,7 +317,7 @@ def _compressed_lifecycle(store_dir: str, spec: str, cycles: int) -> dict:
         gc.set_debug(gc.DEBUG_SAVEALL)
         gc.collect()
         held = sorted({type(o).__name__ for o in gc.garbage
-                       if isinstance(o, (dist.ProcessGroup, Phase, C.Job, CompressedReduction))})
+                       if isinstance(o, (dist.ProcessGroup, Phase, C.Exchange, CompressedReduction))})
         gc.garbage.clear()
     finally:
         gc.set_debug(0)

@@ -37,6 +37,7 @@ from .base import (
     SWITCH,
     Algorithm,
     Call,
+    Encoded,
     Traffic,
 )
 from .flat import FLAT
@@ -46,9 +47,9 @@ from .leader import LEADER
 from .rail import RAIL
 from .two_d import TWO_D
 
-__all__ = ["Algorithm", "Call", "Traffic", "SWITCH", "COLLECTIVES", "ALGORITHM_FACTORS", "ALGORITHMS", "GROUP_SCOPE",
-           "RAIL_SCOPE", "ALL_PHASES", "INTER_PHASE", "AUTO", "roles", "register", "get", "names", "candidates",
-           "then_finish", "flat_future", "pipelined", "deadline_of", "remaining", "pairwise",
+__all__ = ["Algorithm", "Call", "Traffic", "Encoded", "SWITCH", "COLLECTIVES", "ALGORITHM_FACTORS", "ALGORITHMS",
+           "GROUP_SCOPE", "RAIL_SCOPE", "ALL_PHASES", "INTER_PHASE", "AUTO", "roles", "register", "get", "names",
+           "candidates", "then_finish", "flat_future", "pipelined", "deadline_of", "remaining", "pairwise",
            "exchange_reduce_scatter", "exchange_all_gather"]
 
 #: The name that asks the cost model to choose; never an algorithm's own.

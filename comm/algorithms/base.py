@@ -7,6 +7,11 @@ runtime context build a :class:`Call` holding the prepared tensors, the process 
 algorithm's roles, the engine, the pipelining depth the cost model chose and the algorithms' own
 long-lived state (INA sessions), and hands it to :meth:`Algorithm.start`, which returns a Future.
 
+An algorithm that can carry a codec (:attr:`Algorithm.codec_phase`) also answers
+:meth:`Algorithm.compressed_traffic` and :meth:`Algorithm.compressed_cost` for an :class:`Encoded`
+(what the codec makes of each part of the staged vector): the compressed ``auto`` weighs its
+candidates by them, and a test holds the traffic equal to the engine's count of a compressed reduction.
+
 Everything that needs to know what an algorithm moves asks :meth:`Algorithm.traffic`: the cost
 model's link bytes, ``auto``, the simulator's traffic matrix and the benchmarks' link columns. The
 engine counts what each phase actually sends (the bytes of the tensors it posts), and a test holds
@@ -17,7 +22,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch.distributed import ReduceOp
@@ -28,7 +33,7 @@ from ..links import ALGORITHM_FACTORS, COPY_BETA, PHASE_HANDOFF, CostModel, pad_
 from ..topology import Groups, Topology
 from ._transport import Prepared
 
-__all__ = ["Algorithm", "Call", "Traffic", "SWITCH", "COLLECTIVES", "ALGORITHM_FACTORS", "PHASE_HANDOFF",
+__all__ = ["Algorithm", "Call", "Traffic", "Encoded", "SWITCH", "COLLECTIVES", "ALGORITHM_FACTORS", "PHASE_HANDOFF",
            "COPY_BETA", "pipeline_time", "pad_to", "GROUP_SCOPE", "RAIL_SCOPE", "ALL_PHASES", "INTER_PHASE"]
 
 COLLECTIVES = ("allreduce", "reduce_scatter", "all_gather", "alltoall")
@@ -103,6 +108,21 @@ class Traffic:
                 if b >= 0:
                     inn[b] += v
         return max(out + inn, default=0.0)
+
+
+class Encoded(Protocol):
+    """What a codec sends for one reduction, as an algorithm that carries it asks
+    (``compression.auto.encoded`` builds one from the codec and the tensors' shapes): the
+    algorithm knows which part of the staged vector crosses which link, the codec how many bytes
+    that part becomes."""
+
+    def section_bytes(self, sections: int, section: int, ranks: int) -> float:
+        """Exact (uncompressed) bytes of section ``section`` of the staged vector laid out in
+        ``sections`` sections (one per local rank; tensor-aligned for matrix codecs) for an exchange
+        over ``ranks`` ranks."""
+
+    def sent(self, sections: int, section: int, ranks: int) -> float:
+        """Bytes one rank sends to exchange that section, encoded, over ``ranks`` ranks."""
 
 
 @dataclass
@@ -227,6 +247,15 @@ class Algorithm:
     def cost(self, model: CostModel, collective: str, nbytes: float, topology: Topology) -> float:
         """Predicted seconds of one call under the level ``model`` (same ``nbytes`` as :meth:`traffic`)."""
         raise NotImplementedError(f"{type(self).__name__} must say its cost(): every algorithm does")
+
+    def compressed_traffic(self, codec: Encoded, topology: Topology) -> Traffic:
+        """What one all-reduce carrying ``codec`` on its :attr:`codec_phase` moves (the phases the
+        codec does not apply to move the exact bytes)."""
+        raise NotImplementedError(f"algorithm {self.name!r} cannot carry a codec (codec_phase is None)")
+
+    def compressed_cost(self, model: CostModel, codec: Encoded, topology: Topology) -> float:
+        """Predicted seconds of one all-reduce carrying ``codec`` under the level ``model``."""
+        raise NotImplementedError(f"algorithm {self.name!r} cannot carry a codec (codec_phase is None)")
 
     def chunks(self, model: CostModel, collective: str, nbytes: float, topology: Topology) -> int:
         """The pipelining depth with the lowest predicted time (1 for unpipelined algorithms)."""

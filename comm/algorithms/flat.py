@@ -14,7 +14,7 @@ import torch.distributed as dist
 from ..links import ALGORITHM_FACTORS, CostModel
 from ..topology import Topology
 from ._transport import all_gather_single, byte_rows, flat_future, reduce_scatter_single, row_bytes
-from .base import ALL_PHASES, Algorithm, Call, Traffic
+from .base import ALL_PHASES, Algorithm, Call, Encoded, Traffic
 
 __all__ = ["Flat", "FLAT"]
 
@@ -52,6 +52,21 @@ class Flat(Algorithm):
             return ia.time(volume, rounds * (p - 1))
         link = self.link_bytes(collective, nbytes, topology)
         return rounds * (p - 1) * max(ia.alpha, ea.alpha) + max(volume * ia.beta, link * ea.beta)
+
+    def compressed_traffic(self, codec: Encoded, topology: Topology) -> Traffic:
+        """The codec on every byte: each rank sends its encoded payload over the ring of all p ranks."""
+        t = Traffic(topology)
+        p = topology.world_size
+        if p > 1:
+            t.ring(list(range(p)), codec.sent(1, 0, p))
+        return t
+
+    def compressed_cost(self, model: CostModel, codec: Encoded, topology: Topology) -> float:
+        """As the exact all-reduce that sends as many bytes per rank as the encoded payload."""
+        p = topology.world_size
+        if p == 1:
+            return 0.0
+        return self.cost(model, "allreduce", codec.sent(1, 0, p) / ALGORITHM_FACTORS["allreduce"](p), topology)
 
     def all_reduce(self, call: Call) -> torch.futures.Future:
         p = call.prepared

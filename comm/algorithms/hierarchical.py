@@ -16,6 +16,8 @@ the rail all-reduce is the group's own. The compressed hierarchical reduction
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 
@@ -31,7 +33,7 @@ from ._transport import (
     then_finish,
     wait_work,
 )
-from .base import INTER_PHASE, Algorithm, Call, Traffic
+from .base import INTER_PHASE, Algorithm, Call, Encoded, Traffic
 from .roles import (
     HIER_AG_INTRA,
     HIER_AG_RAIL,
@@ -93,6 +95,38 @@ class Hierarchical(Algorithm):
             link = self.link_bytes(collective, nbytes, topology)
             return intra + (model.inter.time(link, n - 1) if n > 1 else 0.0)
         return self._pipeline(model, nbytes, topology, self.chunks(model, collective, nbytes, topology))
+
+    def compressed_traffic(self, codec: Encoded, topology: Topology) -> Traffic:
+        """The codec on the inter-node phase only: inside each node every rank sends the others their
+        exact sections (reduce-scatter) and its own (all-gather); rail j rings local rank j's section,
+        encoded, around the nodes."""
+        t = Traffic(topology)
+        local, n = topology.local_size, topology.num_nodes
+        if topology.world_size == 1:
+            return t
+        sections = [codec.section_bytes(local, j, n) for j in range(local)]
+        for node in topology.nodes:
+            for ja, a in enumerate(node):
+                for jb, b in enumerate(node):
+                    t.add(a, b, sections[jb] + sections[ja])
+        if n > 1:
+            for j in range(local):
+                t.ring([node[j] for node in topology.nodes], codec.sent(local, j, n))
+        return t
+
+    def compressed_cost(self, model: CostModel, codec: Encoded, topology: Topology) -> float:
+        """The exact all-reduce of the staged vector in one chunk (the compressed reduction does not
+        pipeline), under the model whose inter-node level carries the encoded bytes: its beta scaled
+        by the ratio of what every local rank's encoded section puts on the node link to what the
+        exact rail all-reduce puts there."""
+        local, n = topology.local_size, topology.num_nodes
+        nbytes = sum(codec.section_bytes(local, j, n) for j in range(local))
+        exact = self.link_bytes("allreduce", nbytes, topology)
+        if not exact:
+            return 0.0
+        compressed = sum(codec.sent(local, j, n) for j in range(local))  # every rail leaves the node
+        inter = dataclasses.replace(model.inter, beta=model.inter.beta * compressed / exact)
+        return self.cost(dataclasses.replace(model, inter=inter, chunks=1), "allreduce", nbytes, topology)
 
     def _pipeline(self, model: CostModel, nbytes: float, topology: Topology, chunks: int) -> float:
         local, n = topology.local_size, topology.num_nodes

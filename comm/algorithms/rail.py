@@ -19,7 +19,7 @@ from ..engine import Phase, wait_work
 from ..links import ALGORITHM_FACTORS, CostModel
 from ..topology import Topology
 from ._transport import deadline_of, remaining, then_finish
-from .base import ALL_PHASES, RAIL_SCOPE, Algorithm, Call, Traffic
+from .base import ALL_PHASES, RAIL_SCOPE, Algorithm, Call, Encoded, Traffic
 from .roles import RAIL_ALL_REDUCE
 
 __all__ = ["Rail", "RAIL"]
@@ -48,6 +48,20 @@ class Rail(Algorithm):
         if topology.world_size == 1 or not nbytes or n == 1:
             return 0.0
         return model.inter.time(self.link_bytes(collective, nbytes, topology), 2 * (n - 1))
+
+    def compressed_traffic(self, codec: Encoded, topology: Topology) -> Traffic:
+        """The codec on every byte: each rank sends its encoded payload around its rail."""
+        t = Traffic(topology)
+        n = topology.num_nodes
+        if topology.world_size > 1 and n > 1:
+            t.rail_rings(codec.sent(1, 0, n))
+        return t
+
+    def compressed_cost(self, model: CostModel, codec: Encoded, topology: Topology) -> float:
+        n = topology.num_nodes
+        if topology.world_size == 1 or n == 1:
+            return 0.0
+        return self.cost(model, "allreduce", codec.sent(1, 0, n) / ALGORITHM_FACTORS["allreduce"](n), topology)
 
     def all_reduce(self, call: Call) -> torch.futures.Future:
         """(1) all-reduce over this rank's rail group (no phase where the rail has one rank). AVG

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from .base import Compressor
 from .cast import BF16Compressor, FP16Compressor
-from .codec import Codec, CompressorState, Job, Round
+from .codec import Codec, CompressorState, Exchange, Result
 from .exchange import compressed_all_reduce, reduce_tensors
 from .feedback import ErrorFeedback
 from .powersgd import PowerSGDCompressor, PowerSGDState
@@ -21,6 +21,6 @@ from .quantize import QuantizeCompressor
 from .sign import OneBitCompressor, SignCompressor
 from .sparse import RandomKCompressor, TopKCompressor
 
-__all__ = ["Compressor", "Codec", "compressed_all_reduce", "CompressorState", "PowerSGDState", "Job", "Round",
+__all__ = ["Compressor", "Codec", "compressed_all_reduce", "CompressorState", "PowerSGDState", "Exchange", "Result",
            "ErrorFeedback", "reduce_tensors", "FP16Compressor", "BF16Compressor", "PowerSGDCompressor",
            "TopKCompressor", "RandomKCompressor", "SignCompressor", "OneBitCompressor", "QuantizeCompressor"]

@@ -2,17 +2,10 @@
 
 The candidates are the registry's automatic algorithms that can carry a compressor
 (``algorithms.candidates("allreduce", codec=True)``: flat and hierarchical), each predicted by its
-``codec_phase``. The hierarchical exchange compresses only its inter-node phase: the intra-node reduce-scatter and
-all-gather move the uncompressed shard. The flat exchange compresses everything, over a ring that
-crosses the node links. So, for the staged vector of ``S`` bytes (``layout.py``):
-
-- flat: the compressor's payload over all p ranks (``compressor.exchange_bytes``), as the flat
-  all-reduce that sends as many bytes per rank (``algorithms.get("flat").cost``);
-- hierarchical: the exact hierarchical all-reduce of ``S`` in one chunk (the compressed exchange
-  does not pipeline), ``algorithms.get("hierarchical").cost``, under the model whose inter-node
-  level carries the compressed bytes instead of the exact ones: its beta scaled by the ratio of
-  the bytes every local rank's rail payload puts on the node link (each local rank's own section
-  for matrix compressors) to the bytes the exact rail all-reduce puts there.
+own ``compressed_cost`` for an :class:`Encoding` of the tensors (what the compressor makes of each
+section of the staged vector, ``layout.py``): the flat exchange compresses everything, over a ring
+that crosses the node links; the hierarchical one only its inter-node phase, the intra-node
+reduce-scatter and all-gather moving the exact sections (``commopt.comm.algorithms.hierarchical``).
 
 ``flat`` where the model's levels share one resource (``model.shared``: loopback, where the
 hierarchy only adds phases), and where the topology has one level. The model is
@@ -23,17 +16,14 @@ shapes: every rank chooses the same (docs/architecture.md section 3, rule 2).
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from .. import algorithms, cost
-from ..links import ALGORITHM_FACTORS
 from ..topology import Topology
 from .codec import Codec, compute_dtype
 from .layout import layout_for
 
-__all__ = ["choose", "predict"]
+__all__ = ["choose", "predict", "Encoding"]
 
 
 def choose(compressor: Codec, tensors: list[torch.Tensor], topology: Topology, *,
@@ -69,23 +59,30 @@ def choose(compressor: Codec, tensors: list[torch.Tensor], topology: Topology, *
 def predict(algorithm: str, compressor: Codec, numels: list[int], shapes: list[tuple[int, ...]],
             itemsize: int, topology: Topology, model: cost.CostModel) -> float:
     """Predicted seconds of the compressed exchange of tensors of ``numels`` / ``shapes`` elements
-    (computed in ``itemsize``-byte floats) with ``algorithm`` (see the module docstring)."""
-    p, local, nodes = topology.world_size, topology.local_size, topology.num_nodes
+    (computed in ``itemsize``-byte floats) with ``algorithm``: its ``compressed_cost``."""
     algo = algorithms.get(algorithm)
     if algo.scope != algorithms.GROUP_SCOPE or algo.codec_phase is None:
         known = algorithms.names("allreduce", codec=True)
         raise ValueError(f"compressed auto: no prediction for algorithm {algorithm!r}; one of {known}")
-    if algo.codec_phase == algorithms.ALL_PHASES:
-        total = layout_for(compressor, numels, local_size=1, local_rank=0, rail_size=p).total
-        sent = compressor.exchange_bytes(total, shapes, p)
-        return algo.cost(model, "allreduce", sent / ALGORITHM_FACTORS["allreduce"](p), topology)
-    compressed = 0
-    for j in range(local):  # every local rank's rail leaves the node through its link
-        section = layout_for(compressor, numels, local_size=local, local_rank=j, rail_size=nodes)
-        compressed += compressor.exchange_bytes(section.hi - section.lo, [shapes[i] for i in section.owned], nodes)
-    nbytes = section.total * itemsize
-    exact = algo.link_bytes("allreduce", nbytes, topology)
-    if not exact:
-        return 0.0
-    inter = dataclasses.replace(model.inter, beta=model.inter.beta * compressed / exact)
-    return algo.cost(dataclasses.replace(model, inter=inter, chunks=1), "allreduce", nbytes, topology)
+    return algo.compressed_cost(model, Encoding(compressor, numels, shapes, itemsize), topology)
+
+
+class Encoding:
+    """What ``compressor`` sends for tensors of ``numels`` / ``shapes`` elements computed in
+    ``itemsize``-byte floats: an :class:`commopt.comm.algorithms.Encoded` for the algorithms'
+    ``compressed_traffic`` and ``compressed_cost`` (the layout of ``layout.py``, the bytes of
+    ``compressor.exchange_bytes``)."""
+
+    def __init__(self, compressor: Codec, numels: list[int], shapes: list[tuple[int, ...]], itemsize: int) -> None:
+        self.compressor, self.numels, self.shapes, self.itemsize = compressor, list(numels), list(shapes), itemsize
+
+    def _section(self, sections: int, section: int, ranks: int):
+        return layout_for(self.compressor, self.numels, local_size=sections, local_rank=section, rail_size=ranks)
+
+    def section_bytes(self, sections: int, section: int, ranks: int) -> float:
+        s = self._section(sections, section, ranks)
+        return float((s.hi - s.lo) * self.itemsize)
+
+    def sent(self, sections: int, section: int, ranks: int) -> float:
+        s = self._section(sections, section, ranks)
+        return float(self.compressor.exchange_bytes(s.hi - s.lo, [self.shapes[i] for i in s.owned], ranks))

@@ -19,8 +19,9 @@ from .codec import (
     TAG_LEN,
     Codec,
     CompressorState,
-    Job,
-    Round,
+    Exchange,
+    Result,
+    Rounds,
     all_finite,
     as_bytes,
     check_tag,
@@ -31,7 +32,7 @@ from .codec import (
 from .exchange import compressed_all_reduce
 from .feedback import ErrorFeedback
 
-__all__ = ["Compressor", "Codec", "CompressorState", "Job", "Round", "derive_seed", "all_gather_single",
+__all__ = ["Compressor", "Codec", "CompressorState", "Exchange", "Result", "Rounds", "derive_seed", "all_gather_single",
            "compute_dtype", "as_bytes", "all_finite", "TAG_LEN", "tag_of", "check_tag"]
 
 
@@ -40,7 +41,7 @@ class Compressor(Codec):
     checkpointing) that can also reduce one tensor on its own (:meth:`all_reduce`).
 
     Subclasses set the class attributes (or override them with properties) and implement
-    :meth:`rounds`; one with per-run memory sets :attr:`State` to a :class:`CompressorState`
+    :meth:`~.codec.Codec.exchange`; one with per-run memory sets :attr:`State` to a :class:`CompressorState`
     subclass. Every trait is what a caller may branch on (see ``codec.py``).
     """
 

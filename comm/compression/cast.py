@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 from ..engine import wait_work
-from .base import TAG_LEN, Compressor, Job, Round, all_finite, check_tag
+from .base import TAG_LEN, Compressor, Exchange, Result, Rounds, all_finite, check_tag
 
 __all__ = ["FP16Compressor", "BF16Compressor"]
 
@@ -43,7 +43,6 @@ _FP16_TARGET = 2.0 ** 15
 class _CastCompressor(Compressor):
     summable = True
     biased = False
-    n_rounds = 1
     # Element-wise with no per-block scales: tensors need no alignment in the staged vector, and
     # a DDP bucket is cast straight from its buffer.
     align = 1
@@ -59,9 +58,6 @@ class _CastCompressor(Compressor):
     def optimistic(self) -> bool:  # type: ignore[override]
         return not self.agreed_scale
 
-    def rounds(self) -> list[Round]:
-        return [Round("all_reduce", self._exchange)]
-
     def scale(self, amax: float, ranks: int) -> float:
         """The factor applied before casting: 1/ranks, times a power of two with an agreed scale."""
         s = 1.0 / ranks
@@ -70,27 +66,25 @@ class _CastCompressor(Compressor):
             s *= 2.0 ** max(-60, min(60, math.floor(math.log2(_FP16_TARGET / amax))))
         return s
 
-    def _exchange(self, job: Job) -> int:
-        s = self.scale(job.scale_hint, job.total_ranks)
-        numel = job.x.numel()
+    def exchange(self, ex: Exchange) -> Rounds:
+        s = self.scale(ex.scale_hint, ex.total_ranks)
+        numel = ex.x.numel()
         # Optimistic: the input's tag rides at the end of the wire (TAG_LEN elements), checked
         # right after the all-reduce (no check phase compared the ranks' inputs).
-        tail = 0 if job.tag is None else TAG_LEN
-        buf = torch.empty(numel + tail, dtype=self.wire, device=job.x.device)
+        tail = 0 if ex.tag is None else TAG_LEN
+        buf = torch.empty(numel + tail, dtype=self.wire, device=ex.x.device)
         wire = buf[:numel]
-        torch.mul(job.x, s, out=wire)  # computed in fp32, rounded once: (x * s).to(wire)
+        torch.mul(ex.x, s, out=wire)  # computed in fp32, rounded once: (x * s).to(wire)
         if tail:
-            buf[numel:].copy_(job.tag)
-        if job.sent is not None:
-            job.sent.copy_(wire).div_(s)
-        wait_work(dist.all_reduce(buf, op=ReduceOp.SUM, group=job.group, async_op=True), job.timeout)
+            buf[numel:].copy_(ex.tag)
+        if ex.sent is not None:
+            ex.sent.copy_(wire).div_(s)
+        wait_work(dist.all_reduce(buf, op=ReduceOp.SUM, group=ex.groups[0], async_op=True), ex.timeout)
         if tail:
-            check_tag(job, buf[numel:], f"compress/{self.name}/all_reduce")
-        if self.optimistic:
-            job.nonfinite = not all_finite(wire)
-        # The exchange decodes (SUM = wire / s) while writing the result, folded with the averaging.
-        job.out, job.out_scale = wire, 1.0 / s
-        return self.payload_bytes(numel + tail, job.n)
+            check_tag(ex, buf[numel:], f"compress/{self.name}/all_reduce")
+        yield self.payload_bytes(numel + tail, ex.n)
+        # The reduction decodes (SUM = wire / s) while writing the result, folded with the averaging.
+        return Result(wire, 1.0 / s, nonfinite=self.optimistic and not all_finite(wire))
 
     def roundtrip(self, x: torch.Tensor, *, step: int = 0, seed: int = 0, salt: int = 0) -> torch.Tensor:
         return x.to(self.wire).to(x.dtype)

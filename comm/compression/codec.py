@@ -11,10 +11,11 @@ attribute (never with ``getattr``); GRACE's compressor/memory split (docs/archit
   signs, PowerSGD); unbiased ones (random-k scaled by d/k, stochastic quantization) skip it;
 - ``needs_matrices`` (False): it compresses whole tensors (PowerSGD), so a topology-aware exchange
   must not cut tensors (the tensor-aligned intra-node partition of ``layout.py``);
-- ``n_rounds`` (1): the collectives it issues per exchange, each on a process group of its own role
-  (the comm engine refuses a queue fed by two different predecessors, docs/architecture.md section 3);
+- ``rounds`` (``("all_reduce",)``): the names of the collectives it issues per exchange, in order,
+  each on a process group of its own role (the comm engine refuses a queue fed by two different
+  predecessors, docs/architecture.md section 3);
 - ``uses_server_residual`` (False): a round re-compresses an aggregated chunk and keeps that error
-  in ``job.server`` (the 1-bit all-reduce's server error feedback);
+  in ``Exchange.server`` (the 1-bit all-reduce's server error feedback);
 - ``chunked`` (False): the rounds cut ``x`` into n equal chunks (all-to-all), so ``x`` is padded to
   n * ``align``; ``align`` (16): the element alignment of every tensor in the staged vector;
   ``min_numel`` (0): shorter vectors are reduced exactly;
@@ -26,9 +27,9 @@ attribute (never with ``getattr``); GRACE's compressor/memory split (docs/archit
   group (the all-reduced fp16/bf16 cast, PowerSGD's all-reduced P and Q), so whether that result is
   non-finite is a value every rank already agrees on (docs/architecture.md section 3, rule 2): the exchange then runs no
   agreed check before reducing, and a round that finds its reduced result non-finite sets
-  ``job.nonfinite``; the exchange redoes that reduction exactly (fp32) from the kept input. With no
-  check to compare the ranks' inputs either, the first round appends ``job.tag`` (``TAG_LEN``
-  values) to its all-reduced payload and calls ``check_tag`` on the result.
+  returns ``Result(nonfinite=True)``; the reduction redoes it exactly (fp32) from the kept input.
+  With no check to compare the ranks' inputs either, the first round appends ``Exchange.tag``
+  (``TAG_LEN`` values) to its all-reduced payload and calls ``check_tag`` on the result.
 
 A compressor holds settings only. What a run mutates (the step counter of standalone calls,
 PowerSGD's Q memory) lives in a :class:`CompressorState` (``compressor.new_state()``), so one
@@ -36,8 +37,12 @@ compressor can serve two models: each hook state (``hooks.AllReduceState``) hold
 ``compressor.all_reduce`` without ``state=`` uses the compressor's default state. The error-feedback
 memory is a separate object (``feedback.ErrorFeedback``), keyed by parameter, never by bucket.
 
-``rounds()`` returns the exchange's rounds as :class:`Round` objects: each runs on the comm engine's
-worker of its group, may compute locally, and issues at most one blocking collective.
+``exchange(ex)`` is the codec's whole exchange, read top to bottom: a generator that, for each of
+its ``rounds``, computes locally, issues one blocking collective on ``ex.groups[i]`` and yields the
+bytes it sent, then returns the :class:`Result`. The reduction runs each round as an engine phase
+on the worker of that round's group (the generator resumes there: the rounds never run at once),
+so what one round leaves for the next is a local variable, and the reduction learns what the codec
+did from the returned :class:`Result` only (an :class:`Exchange` in, a :class:`Result` out).
 
 A :class:`Codec` has no reduction of its own: the compressed reduction (``exchange.py``) drives it,
 and :class:`~commopt.comm.compression.base.Compressor` adds the standalone ``all_reduce``, a thin
@@ -49,8 +54,9 @@ from __future__ import annotations
 
 import hashlib
 import warnings
-from dataclasses import dataclass, field
-from typing import Callable, ClassVar
+from collections.abc import Generator
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
@@ -58,8 +64,8 @@ from torch.distributed import ProcessGroup
 
 from ..errors import CollectiveMismatchError
 
-__all__ = ["Codec", "CompressorState", "Job", "Round", "derive_seed", "all_gather_single", "compute_dtype",
-           "as_bytes", "all_finite", "TAG_LEN", "tag_of", "check_tag"]
+__all__ = ["Codec", "CompressorState", "Exchange", "Result", "Rounds", "derive_seed", "all_gather_single",
+           "compute_dtype", "as_bytes", "all_finite", "TAG_LEN", "tag_of", "check_tag"]
 
 # torch 2.13 renamed the tensor variant; older releases (>= 2.3) have only the old name.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -79,7 +85,7 @@ def derive_seed(seed: int, *parts: int | str) -> int:
     return int.from_bytes(h.digest(), "little") >> 1
 
 
-#: Elements of the tag an optimistic round appends to its first all-reduced payload (see ``Job.tag``).
+#: Elements of the tag an optimistic round appends to its first all-reduced payload (see ``Exchange.tag``).
 TAG_LEN = 64
 
 
@@ -93,19 +99,19 @@ def tag_of(signature: int) -> torch.Tensor:
     return torch.tensor(bits + [1 - b for b in bits], dtype=torch.float64)
 
 
-def check_tag(job: Job, reduced: torch.Tensor, op: str) -> None:
+def check_tag(ex: Exchange, reduced: torch.Tensor, op: str) -> None:
     """Raise ``CollectiveMismatchError`` when the reduced tag shows that the ranks' signatures differ.
 
     Every rank of the group sees it: two ranks that differ in a bit both hold a 1 at one of its two
     positions, which is a 0 on every rank that agrees with either of them.
     """
-    if job.tag is None:
+    if ex.tag is None:
         return
-    zero = (job.tag == 0).to(reduced.device)
+    zero = (ex.tag == 0).to(reduced.device)
     if bool((reduced.ne(0) & zero).any()):
         raise CollectiveMismatchError(
-            f"the ranks of this compressed exchange (a group of {job.n}) hold different tensors, dtypes, "
-            f"compressor settings or steps (this rank: {job.what}); pass tensors of the same shapes and "
+            f"the ranks of this compressed exchange (a group of {ex.n}) hold different tensors, dtypes, "
+            f"compressor settings or steps (this rank: {ex.what}); pass tensors of the same shapes and "
             f"dtype, and the same compressor settings and step, on every rank (AllReduceState(validate=True) "
             f"names the ranks that differ)", op=op)
 
@@ -135,82 +141,88 @@ def as_bytes(*tensors: torch.Tensor) -> torch.Tensor:
     return torch.cat([t.contiguous().view(-1).view(torch.uint8) for t in tensors])
 
 
-@dataclass
-class Job:
-    """One exchange of one flat vector over one process group.
+@dataclass(frozen=True)
+class Exchange:
+    """What a codec's :meth:`Codec.exchange` reads: one exchange of one flat vector, decided by the
+    compressed reduction (``exchange.py``) before the first round; the codec never changes it.
 
     Attributes:
         x: this rank's contribution, 1-D, fp32 or fp64 (the gradient plus the residual).
-        out: receives the SUM over the group of the transmitted values (same length and dtype).
-        sent: receives what this rank's payload decodes to (for error feedback), or None.
-        group: the process group of the exchange (a rail in hierarchical mode).
-        n: its size; rank: this rank's index in it.
+        out: a buffer of x's length and dtype the codec may write the SUM into.
+        sent: receives what this rank's payload decodes to (error feedback), or None; a codec that
+            computes the residual itself, fused with decoding, writes it there instead and says so
+            (``Result.residual``).
+        groups: the process group of each round, in order (``len(codec.rounds)`` of them; the same
+            members, another role: two exchanges in flight never share a queue between two rounds,
+            docs/architecture.md section 3, rule 1).
+        n: the groups' size; rank: this rank's index in them.
         step: the training step (seeds rounding and sampling).
         seed: the seed shared by all ranks.
         salt: identifies the vector (a hash of its parameter keys), so buckets draw differently.
         tensors: (key, offset into x, shape) of the whole tensors held by x (PowerSGD's matrices).
-        server: the server-side residual of the chunk this rank aggregates, or None.
+        server: the server-side residual of the chunk this rank aggregates (``uses_server_residual``),
+            updated in place, or None.
         timeout: seconds a collective may take.
-        scale_hint: an upper bound on every |partial sum| / n_total agreed across ranks (casts).
+        scale_hint: an upper bound on every |partial sum| / total_ranks agreed across ranks (casts).
         total_ranks: ranks contributing to the final sum (the world size, also in hierarchical mode).
-        scratch: what one round leaves for the next (PowerSGD's matrices and P).
-        out_scale: the SUM is ``out * out_scale``: a round may replace ``out`` by its reduced wire
-            tensor (another floating dtype, e.g. the fp16 cast) and leave the decoding scale to the
-            exchange, which folds it with the averaging into one pass while writing the result.
-        sent_is_residual: set by a round that wrote the residual (x minus what was sent) into
-            ``sent`` directly, fused with decoding; the exchange then keeps ``sent`` as it is.
-        dest: with ``tensors``, where each tensor's final result goes (same order), or None; a round
-            that writes ``SUM * dest_scale`` there itself (once nothing can fall back any more) sets
-            ``dest_written`` and the exchange skips its own copy of ``out`` into the tensors.
-        nonfinite: set by an optimistic compressor's round when its reduced result (identical on
-            every rank of the group) holds NaN/Inf; later rounds then do nothing, ``out`` is not
-            meaningful and the exchange reduces ``x`` exactly instead.
-        tag: optimistic compressors only (they run no agreed check first): ``TAG_LEN`` values
-            (``tag_of`` of the signature of the tensors, dtype, settings and step) that the first
-            round appends to its all-reduced payload and checks with ``check_tag`` right after, so
-            that ranks holding different tensors raise ``CollectiveMismatchError`` instead of
-            returning wrong values. None: no tag (the exchange's check phase compared them).
+        dest: with ``tensors``, where each tensor's final result goes (same order), or None; a codec
+            may write ``SUM * dest_scale`` there itself once nothing can fall back any more
+            (``Result.written``).
+        tag: optimistic codecs only (they run no agreed check first): ``TAG_LEN`` values (``tag_of``
+            of the signature of the tensors, dtype, settings and step) that the first round appends
+            to its all-reduced payload and checks with ``check_tag`` right after, so that ranks
+            holding different tensors raise ``CollectiveMismatchError`` instead of returning wrong
+            values. None: no tag (the reduction's check phase compared them).
         what: this rank's tensors in words, for that error.
-        state: the per-run state of the compressor (PowerSGD's Q memory), or None (no memory).
+        state: the per-run state of the codec (PowerSGD's Q memory), or None (no memory).
     """
 
     x: torch.Tensor
     out: torch.Tensor
     sent: torch.Tensor | None
-    group: ProcessGroup | None
+    groups: tuple[ProcessGroup | None, ...]
     n: int
     rank: int
-    step: int
-    seed: int
+    step: int = 0
+    seed: int = 0
     salt: int = 0
-    tensors: list[tuple[str, int, tuple[int, ...]]] = field(default_factory=list)
+    tensors: tuple[tuple[str, int, tuple[int, ...]], ...] = ()
     server: torch.Tensor | None = None
     timeout: float | None = None
     scale_hint: float = 0.0
     total_ranks: int = 1
-    scratch: dict = field(default_factory=dict)
-    out_scale: float = 1.0
-    sent_is_residual: bool = False
-    dest: list[torch.Tensor] | None = None
+    dest: tuple[torch.Tensor, ...] | None = None
     dest_scale: float = 1.0
-    dest_written: bool = False
-    nonfinite: bool = False
     tag: torch.Tensor | None = None
     what: str = ""
     state: CompressorState | None = None
 
 
-@dataclass
-class Round:
-    """One collective round of a compressor.
+@dataclass(frozen=True)
+class Result:
+    """What an exchange returns: the SUM over the group of what every rank transmitted.
 
     Attributes:
-        name: label for profiles ("commopt/compress/<name>/<round>").
-        fn: ``fn(job) -> bytes sent``: local work plus at most one blocking collective on ``job.group``.
+        out: the SUM divided by ``scale``'s inverse: ``SUM = out * scale`` (a codec may return its
+            reduced wire tensor, in another floating dtype, and leave the decoding scale to the
+            reduction, which folds it with the averaging into one pass while writing the result).
+        scale: see ``out``.
+        residual: ``Exchange.sent`` holds the residual (x minus what was sent), not what was sent.
+        written: the codec wrote the result into ``Exchange.dest`` itself.
+        nonfinite: optimistic codecs: the reduced result (identical on every rank of the group)
+            holds NaN/Inf, ``out`` is not meaningful and the reduction reduces x exactly instead.
     """
 
-    name: str
-    fn: Callable[[Job], int]
+    out: torch.Tensor | None
+    scale: float = 1.0
+    residual: bool = False
+    written: bool = False
+    nonfinite: bool = False
+
+
+#: The generator :meth:`Codec.exchange` returns: it yields the bytes each round sent and returns
+#: the :class:`Result`.
+Rounds = Generator[int, None, Result]
 
 
 class CompressorState:
@@ -253,7 +265,7 @@ class Codec:
     checkpointing; no reduction of its own (``Compressor`` adds the standalone ``all_reduce``).
 
     Subclasses set the class attributes (or override them with properties) and implement
-    :meth:`rounds`; one with per-run memory sets :attr:`State` to a :class:`CompressorState`
+    :meth:`exchange`; one with per-run memory sets :attr:`State` to a :class:`CompressorState`
     subclass. Every trait below is what a caller may branch on (see the module docstring).
     """
 
@@ -264,9 +276,9 @@ class Codec:
     biased: bool = False
     #: Compresses whole tensors: a hierarchical exchange partitions tensors, never cuts them.
     needs_matrices: bool = False
-    #: Collectives per exchange (``len(rounds())``), each on a process group of its own role.
-    n_rounds: int = 1
-    #: A round re-compresses an aggregated chunk and keeps that error in ``job.server``.
+    #: The names of the collectives of one exchange, in order, each on a process group of its own role.
+    rounds: tuple[str, ...] = ("all_reduce",)
+    #: A round re-compresses an aggregated chunk and keeps that error in ``Exchange.server``.
     uses_server_residual: bool = False
     #: Element alignment of every tensor in the staged vector (the block of per-block scales, so
     #: that no block straddles two tensors and an all-zero tensor decodes to zeros).
@@ -275,8 +287,8 @@ class Codec:
     chunked: bool = False
     #: Vectors shorter than this are reduced exactly: compressing them saves less than it costs.
     min_numel: int = 0
-    #: Reduce first, no agreed check (see the module docstring); the rounds set ``job.nonfinite``
-    #: from their (rank-identical) reduced results and need no ``job.scale_hint``.
+    #: Reduce first, no agreed check (see the module docstring); the exchange returns
+    #: ``Result(nonfinite=True)`` from its (rank-identical) reduced results and needs no ``scale_hint``.
     optimistic: bool = False
     #: Element-wise with no per-tensor state (no residuals, seeds or block scales): the DDP hook
     #: hands such a compressor the bucket's flat buffer as one tensor, which is then not staged.
@@ -304,9 +316,12 @@ class Codec:
         """
         return numel >= max(1, self.min_numel)
 
-    def rounds(self) -> list[Round]:
-        """The exchange's rounds; exactly ``n_rounds`` of them, in order (each gets the ``Job``)."""
-        raise NotImplementedError
+    def exchange(self, ex: Exchange) -> Rounds:
+        """The exchange of ``ex.x`` over ``ex.groups``: a generator that yields the bytes each of
+        :attr:`rounds` sent (one blocking collective each, on ``ex.groups[i]``) and returns the
+        :class:`Result` (see the module docstring)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement exchange()")
+        yield 0  # a generator
 
     def roundtrip(self, x: torch.Tensor, *, step: int = 0, seed: int = 0, salt: int = 0) -> torch.Tensor:
         """What this rank's payload of ``x`` decodes to, without communicating (tests, analysis)."""

@@ -12,9 +12,11 @@ agree           (checked compressors) a tiny MAX all-reduce over the whole group
                 finiteness, on ``max |x|`` and on the input's signature (phase "check")
 reduce_scatter  (hierarchical) intra-node, exact, the hierarchical algorithm's own transport
                 (``algorithms._transport``: concurrent point-to-point transfers)
-exchange        per round: the compressor's rounds over the whole group (flat) or on the rail
-                (inter-node) group on this rank's 1/L shard (hierarchical); an optimistic
-                compressor's last round settles a non-finite result by an exact redo
+exchange        per round: the codec's exchange generator (``Codec.exchange``) resumed for its
+                next round, over the whole group (flat) or on the rail (inter-node) group on
+                this rank's 1/L shard (hierarchical); it reads an ``Exchange`` and returns a
+                ``Result``; an optimistic codec's last round settles a non-finite result by an
+                exact redo
 all_gather      (hierarchical) intra-node, exact, the same transport
 apply_feedback  the residuals: what was meant minus what was sent (phase "residuals")
 unstage         the result into the tensors, averaged
@@ -33,7 +35,7 @@ too): ``CommTimeoutError`` when a rank never arrives.
 Optimistic compressors (``compressor.optimistic``: the fp16/bf16 casts, PowerSGD) skip "agree":
 their rounds' reduced results are identical on every rank of the round's group, so "is it
 non-finite" is already agreed there. A round that finds NaN/Inf (an fp16 overflow, or a NaN/Inf
-input) sets ``job.nonfinite``; right after the last round, on the same engine worker, the exchange
+input) returns ``Result(nonfinite=True)``; right after the last round, on the same engine worker, the exchange
 redoes the reduction exactly in fp32 from the kept input (this rank's shard without its residual)
 on a group of its own role (``cmp-<name>-exact``: only that worker ever issues on it, in its FIFO
 order) and leaves the residuals untouched. With ``check_finite=True`` a result still non-finite
@@ -51,6 +53,7 @@ compressor and the shapes (``auto.py``); flat where the levels share one resourc
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import numbers
 from typing import Callable
@@ -72,7 +75,18 @@ from ..runtime import context
 from ..topology import Topology
 from . import auto
 from .agreement import agree_inputs, agreement, describe, disagreement, signature
-from .codec import Codec, CompressorState, Job, all_finite, check_tag, compute_dtype, derive_seed, tag_of
+from .codec import (
+    Codec,
+    CompressorState,
+    Exchange,
+    Result,
+    Rounds,
+    all_finite,
+    check_tag,
+    compute_dtype,
+    derive_seed,
+    tag_of,
+)
 from .feedback import ErrorFeedback
 from .layout import layout_for, stage, stage_sum, unstage
 
@@ -262,7 +276,8 @@ class CompressedReduction:
         nonfinite, amax: the agreed non-finite flag and max |x| ("agree").
         shard: this rank's node-summed shard (hierarchical "reduce_scatter").
         exact: the rounds reduce exactly (a non-finite or inactive step, or a fallback).
-        job: the rounds' :class:`Job`.
+        ex, rounds, result: the codec's :class:`Exchange`, its running generator (``Codec.exchange``)
+            and the :class:`Result` it returned (or the exact path's).
         resid, server: the staged worker and server residuals.
         full_nonfinite: hierarchical, optimistic: the gathered result holds NaN/Inf.
         averaged: the division by the world size already happened (before the all-gather).
@@ -280,10 +295,10 @@ class CompressedReduction:
         self.check_finite, self.timeout = check_finite, timeout
         # rails: the flat path over this rank's rail of that topology (every phase on rail groups).
         self.world = rails.num_nodes if rails is not None else dist.get_world_size(group)
-        self.rounds = compressor.rounds()
-        if len(self.rounds) != compressor.n_rounds:
-            raise RuntimeError(f"{type(compressor).__name__}.rounds() returned {len(self.rounds)} rounds but "
-                               f"declares n_rounds={compressor.n_rounds}")
+        self.round_names = tuple(compressor.rounds)
+        if not self.round_names or not all(isinstance(r, str) for r in self.round_names):
+            raise TypeError(f"{type(compressor).__name__}.rounds must be a non-empty tuple of round names, got "
+                            f"{compressor.rounds!r}")
         # The flags that select the path, derived once.
         self.hierarchical = topology is not None
         self.optimistic = bool(compressor.optimistic)
@@ -309,7 +324,9 @@ class CompressedReduction:
         self.tag = tag_of(self.sig_hash) if self.optimistic else None
         # What the stages leave for each other.
         self.nonfinite, self.amax, self.exact = False, 0.0, False
-        self.job: Job | None = None
+        self.ex: Exchange | None = None
+        self.running: Rounds | None = None
+        self.result: Result | None = None
         self.shard: torch.Tensor | None = None
         self.resid: torch.Tensor | None = None
         self.server: torch.Tensor | None = None
@@ -324,7 +341,7 @@ class CompressedReduction:
         own. On rails, every group is this rank's rail of its role (the rails of every rank are created
         together, over the whole group).
         """
-        ctx, timeout, n = context(), self.timeout, self.compressor.n_rounds
+        ctx, timeout, n = context(), self.timeout, len(self.round_names)
         role = f"cmp-{self.name}-opt" if self.optimistic else f"cmp-{self.name}"
         # One level: every rank of the group as one node (its groups: .intra), or this rank's rail.
         if rails is not None:
@@ -356,7 +373,7 @@ class CompressedReduction:
         if self.hierarchical:
             out.append(_phase("reduce_scatter", self.rs_group, self.reduce_scatter))
         for i, group in enumerate(self.round_groups):
-            out.append(_phase(self.rounds[i].name, group, functools.partial(self.exchange, i)))
+            out.append(_phase(self.round_names[i], group, functools.partial(self.exchange, i)))
         if self.hierarchical:
             out.append(_phase("all_gather", self.ag_group, self.all_gather))
         out.append(Phase("residuals", self.apply_feedback))
@@ -436,20 +453,39 @@ class CompressedReduction:
 
     # ------------------------------------------------------------------------------- exchange
     def exchange(self, i: int, group: ProcessGroup | None) -> int:
-        """Round ``i`` of the compressor; after the last, an optimistic compressor settles."""
+        """Round ``i`` of the codec's exchange (the generator resumed on this round's worker); after
+        the last, the codec's :class:`Result` is in, and an optimistic codec's is settled."""
         if group is None:  # a rail of one node: the exchange is local (exact)
-            return self._first_round(None) if i == 0 else 0
-        nbytes = self._first_round(group) if i == 0 else self._later_round(i, group)
-        if self.optimistic and i == len(self.rounds) - 1:
-            nbytes += self._settle()
+            return self._exact_round(None) if i == 0 else 0
+        if i == 0:
+            self.exact = self.nonfinite or not self.active
+            if self.exact:
+                return self._exact_round(group)
+            self.ex = self._exchange_inputs()
+            self.running = self.compressor.exchange(self.ex)
+        nbytes = self._resume()
+        if i == len(self.round_names) - 1:
+            self._resume()  # the return after the last round's yield: the Result
+            if self.running is not None:
+                raise RuntimeError(f"{type(self.compressor).__name__}.exchange() yielded more than its "
+                                   f"{len(self.round_names)} rounds {self.round_names}")
+            if self.optimistic:
+                nbytes += self._settle()
         return nbytes
 
-    def _first_round(self, group: ProcessGroup | None) -> int:
-        self.exact = self.nonfinite or not self.active
-        if self.exact or group is None:
-            return self._exact_round(group)
-        self.job = self._job(group)
-        return self.rounds[0].fn(self.job)
+    def _resume(self) -> int:
+        """Run the codec to its next round's end: the bytes it sent (its Result kept at its return)."""
+        if self.running is None:
+            return 0  # the exact path, or the codec returned early (a non-finite reduced result)
+        try:
+            return next(self.running)
+        except StopIteration as stop:
+            self.running = None
+            if not isinstance(stop.value, Result):
+                raise TypeError(f"{type(self.compressor).__name__}.exchange() must return a Result, got "
+                                f"{type(stop.value).__name__}") from None
+            self.result = stop.value
+            return 0
 
     def _exact_round(self, group: ProcessGroup | None) -> int:
         """The exact fallback (a non-finite step, compression not started or not worth it): the same
@@ -457,8 +493,7 @@ class CompressedReduction:
         n = dist.get_world_size(group) if group is not None else 1
         shard = self._own_shard()
         self.exact = True
-        self.job = Job(x=shard, out=shard, sent=None, group=group, n=n, rank=0, step=self.step, seed=self.seed,
-                       tag=self.tag, what=self.what)
+        self.result = Result(shard)
         if group is None:
             return 0
         if self.tag is None:  # the check phase compared the ranks' inputs
@@ -469,15 +504,17 @@ class CompressedReduction:
         # steps send the whole vector anyway).
         buf = torch.cat([shard, self.tag.to(dtype=shard.dtype, device=shard.device)])
         wait_work(dist.all_reduce(buf, op=ReduceOp.SUM, group=group, async_op=True), self.timeout)
-        check_tag(self.job, buf[shard.numel():], f"compress/{self.name}/{self.rounds[0].name}")
+        check_tag(Exchange(x=shard, out=shard, sent=None, groups=(group,), n=n, rank=0, tag=self.tag, what=self.what),
+                  buf[shard.numel():], f"compress/{self.name}/{self.round_names[0]}")
         shard.copy_(buf[: shard.numel()])
         return int(ALGORITHM_FACTORS["allreduce"](n) * buf.numel() * self.esize)
 
-    def _job(self, group: ProcessGroup) -> Job:
-        """The rounds' job: x = this rank's shard plus its residual, and where the result goes."""
+    def _exchange_inputs(self) -> Exchange:
+        """The codec's exchange: x = this rank's shard plus its residual, and where the result goes."""
         layout, tensors, keys, cdtype, device = self.layout, self.tensors, self.keys, self.cdtype, self.device
         lo, hi = layout.lo, layout.hi
-        n = dist.get_world_size(group)
+        groups = tuple(self.round_groups)
+        n = dist.get_world_size(groups[0])
         shard = self.shard if self.shard is not None or self.lazy else self.staged[lo: hi]
         x = shard
         if self.use_ef and self.optimistic and self.whole_tensors:
@@ -498,54 +535,47 @@ class CompressedReduction:
         if self.uses_server:
             self.server = stage(self.feedback.get("server", keys, self.numels, cdtype, device), layout, cdtype,
                                 self.compressor.align)
-        rank = dist.get_rank(group)
+        rank = dist.get_rank(groups[0])
         chunk = x.numel() // n if self.compressor.chunked else 0
-        owned = [(keys[i], layout.offsets[i] - lo, tuple(tensors[i].shape)) for i in layout.owned]
+        owned = tuple((keys[i], layout.offsets[i] - lo, tuple(tensors[i].shape)) for i in layout.owned)
         # Flat and lazy: the tensors can take the result themselves (no copy of out into them).
         direct = self.lazy and all(tensors[i].dtype == cdtype and tensors[i].is_contiguous() for i in layout.owned)
-        return Job(x=x, out=torch.empty_like(x), sent=torch.empty_like(x) if self.use_ef else None,
-                   group=group, n=n, rank=rank, step=self.step, seed=self.seed, salt=self.salt, tensors=owned,
-                   server=(self.server[lo + rank * chunk: lo + (rank + 1) * chunk] if self.uses_server else None),
-                   timeout=self.timeout, scale_hint=self.amax, total_ranks=self.world,
-                   dest=[tensors[i] for i in layout.owned] if direct else None,
-                   dest_scale=1.0 / self.world if self.average else 1.0, tag=self.tag, what=self.what,
-                   state=self.state)
-
-    def _later_round(self, i: int, group: ProcessGroup) -> int:
-        if self.exact or self.job.nonfinite:
-            return 0  # agreed: the exact path, or an earlier round's reduced result was non-finite
-        # Each round issues its collective on its own group (same members, another role): two
-        # buckets in flight must never share a queue between two rounds (docs/architecture.md section 3, rule 1).
-        self.job.group = group
-        return self.rounds[i].fn(self.job)
+        return Exchange(x=x, out=torch.empty_like(x), sent=torch.empty_like(x) if self.use_ef else None,
+                        groups=groups, n=n, rank=rank, step=self.step, seed=self.seed, salt=self.salt,
+                        tensors=owned,
+                        server=(self.server[lo + rank * chunk: lo + (rank + 1) * chunk] if self.uses_server else None),
+                        timeout=self.timeout, scale_hint=self.amax, total_ranks=self.world,
+                        dest=tuple(tensors[i] for i in layout.owned) if direct else None,
+                        dest_scale=1.0 / self.world if self.average else 1.0, tag=self.tag, what=self.what,
+                        state=self.state)
 
     def _settle(self) -> int:
-        """After the last round (optimistic compressors): the exact redo of a non-finite result."""
-        job, nbytes = self.job, 0
-        if not self.exact and job.nonfinite:
+        """After the last round (optimistic codecs): the exact redo of a non-finite result."""
+        nbytes = 0
+        if not self.exact and self.result.nonfinite:
             # Every rank of the group saw the same reduced values, so all of them take this branch.
             shard = self._own_shard()
             if self.exact_group is not None and shard.numel():
                 wait_work(dist.all_reduce(shard, op=ReduceOp.SUM, group=self.exact_group, async_op=True),
                           self.timeout)
-                nbytes = int(ALGORITHM_FACTORS["allreduce"](job.n) * shard.numel() * self.esize)
+                nbytes = int(ALGORITHM_FACTORS["allreduce"](self.ex.n) * shard.numel() * self.esize)
             self.exact = True
-            job.out, job.out_scale = shard, 1.0
-        if self.check_finite and not self.hierarchical and self.exact and not all_finite(job.out):
+            self.result = Result(shard)
+        if self.check_finite and not self.hierarchical and self.exact and not all_finite(self.result.out):
             raise self._nonfinite_error()  # flat: the whole group holds this same result
         return nbytes
 
     # ------------------------------------------------------------------------------- all-gather
     def all_gather(self, group: ProcessGroup | None) -> int:
         """Intra-node, exact: every rank's decoded (and averaged) shard into the staged vector."""
-        job, staged = self.job, self.staged
-        out = job.out
-        factor = job.out_scale / self.world if self.average else job.out_scale
+        res, staged = self.result, self.staged
+        out = res.out
+        factor = res.scale / self.world if self.average else res.scale
         if out.dtype != staged.dtype or factor != 1.0:
             # Decode and average this shard before gathering (1/L of the data, not all of it).
-            out = _scaled(out, factor, staged.dtype, job.out_scale == 1.0 and self.average, self.world)
+            out = _scaled(out, factor, staged.dtype, res.scale == 1.0 and self.average, self.world)
             self.averaged = self.average
-        job.out, job.out_scale = staged, 1.0  # the shard's result is gathered into the staged vector
+        self.result = dataclasses.replace(res, out=staged, scale=1.0)  # gathered into the staged vector
         nbytes = exchange_all_gather(staged, out.contiguous(), group, self.timeout)
         context().engine().count(f"compress/{self.name}/intra", nbytes)
         if self.optimistic and (self.check_finite or self.use_ef) and not all_finite(staged):
@@ -560,7 +590,7 @@ class CompressedReduction:
         """Residual = what was meant minus what was sent, for the shard; zero where not owned."""
         if self.exact or self.full_nonfinite or not self.use_ef:
             return
-        job, layout, keys = self.job, self.layout, self.keys
+        ex, res, layout, keys = self.ex, self.result, self.layout, self.keys
         fb = self.feedback.get("worker", keys, self.numels, self.cdtype, self.device)
         if self.whole_tensors:
             # Each tensor lies wholly in the shard (owned) or wholly outside it (another local rank's
@@ -570,38 +600,38 @@ class CompressedReduction:
             for i, (t, off) in enumerate(zip(fb, layout.offsets)):
                 if i in owned:
                     lo, hi = off - layout.lo, off - layout.lo + t.numel()
-                    if job.sent_is_residual:
-                        self.feedback.adopt("worker", keys[i], job.sent[lo: hi])
+                    if res.residual:
+                        self.feedback.adopt("worker", keys[i], ex.sent[lo: hi])
                     else:
-                        torch.sub(job.x[lo: hi], job.sent[lo: hi], out=t)
+                        torch.sub(ex.x[lo: hi], ex.sent[lo: hi], out=t)
                 else:
                     t.zero_()
         else:
             keep = torch.zeros_like(self.resid)
-            keep[layout.lo: layout.hi] = job.sent if job.sent_is_residual else job.x - job.sent
+            keep[layout.lo: layout.hi] = ex.sent if res.residual else ex.x - ex.sent
             unstage(keep, fb, layout)
         if self.uses_server:
             server = torch.zeros_like(self.server)
-            chunk = job.x.numel() // job.n
-            start = layout.lo + job.rank * chunk
-            server[start: start + chunk] = job.server
+            chunk = ex.x.numel() // ex.n
+            start = layout.lo + ex.rank * chunk
+            server[start: start + chunk] = ex.server
             unstage(server, self.feedback.get("server", keys, self.numels, self.cdtype, self.device), layout)
 
     # ------------------------------------------------------------------------------- unstage
     def unstage(self) -> None:
         """The result into the tensors, decoded and averaged in one pass (unless a round wrote them)."""
-        job, layout = self.job, self.layout
-        if job.dest_written:
+        res, layout = self.result, self.layout
+        if res.written:
             return
-        out = job.out
+        out = res.out
         base = 0 if out.numel() == layout.total else layout.lo
         divide = self.average and not self.averaged
-        factor = job.out_scale / self.world if divide else job.out_scale
+        factor = res.scale / self.world if divide else res.scale
         for t, off in zip(self.tensors, layout.offsets):
             src = out[off - base: off - base + t.numel()].view(t.shape)
             if factor == 1.0:
                 t.copy_(src)
-            elif job.out_scale == 1.0 and divide:
+            elif res.scale == 1.0 and divide:
                 torch.div(src, self.world, out=t)
             else:
                 torch.mul(src if src.dtype == self.cdtype else src.to(self.cdtype), factor, out=t)

@@ -21,7 +21,7 @@ critical path.
 Error feedback: the residual is M - P Q_local^T, this rank's own approximation (P is shared), so that
 sum over ranks of what each rank transmitted is exactly the result (torch keeps M - P Q_mean^T,
 which conserves only the sum over ranks). It is one fused product per matrix (``addmm``), written
-where the exchange expects what was sent (``job.sent_is_residual``).
+where the reduction expects what was sent (``Result.residual``).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 from ..engine import wait_work
-from .base import TAG_LEN, Compressor, CompressorState, Job, Round, all_finite, check_tag, derive_seed
+from .base import TAG_LEN, Compressor, CompressorState, Exchange, Result, Rounds, all_finite, check_tag, derive_seed
 
 __all__ = ["PowerSGDCompressor", "PowerSGDState"]
 
@@ -99,7 +99,7 @@ class PowerSGDCompressor(Compressor):
     summable = True
     biased = True
     needs_matrices = True
-    n_rounds = 2
+    rounds = ("all_reduce_p", "all_reduce_q")
     align = 1
     optimistic = True  # P and Q are all-reduced: identical on every rank
     State = PowerSGDState
@@ -146,30 +146,29 @@ class PowerSGDCompressor(Compressor):
             return None
         return rows, cols, r
 
-    def rounds(self) -> list[Round]:
-        return [Round("all_reduce_p", self._p_round), Round("all_reduce_q", self._q_round)]
-
-    def _initial_q(self, key: str, cols: int, r: int, job: Job) -> torch.Tensor:
-        """Q for ``key``, stored transposed: [r, cols], contiguous (see ``_p_round``): the run's
-        warm-start memory (``job.state``) when it holds one of that shape, else a seeded draw."""
-        memory = job.state.q_memory if self.warm_start and isinstance(job.state, PowerSGDState) else {}
+    def _initial_q(self, key: str, cols: int, r: int, ex: Exchange) -> torch.Tensor:
+        """Q for ``key``, stored transposed: [r, cols], contiguous (see :meth:`exchange`): the run's
+        warm-start memory (``ex.state``) when it holds one of that shape, else a seeded draw."""
+        memory = ex.state.q_memory if self.warm_start and isinstance(ex.state, PowerSGDState) else {}
         q = memory.get(key)
         if q is not None and q.shape == (r, cols):
-            return q.to(job.x.dtype)
-        gen = torch.Generator().manual_seed(derive_seed(job.seed, self.name, key, 0 if self.warm_start else job.step))
+            return q.to(ex.x.dtype)
+        gen = torch.Generator().manual_seed(derive_seed(ex.seed, self.name, key, 0 if self.warm_start else ex.step))
         q = torch.randn(cols, r, generator=gen, dtype=torch.float64).t()
-        return q.to(dtype=job.x.dtype, device=job.x.device, memory_format=torch.contiguous_format)
+        return q.to(dtype=ex.x.dtype, device=ex.x.device, memory_format=torch.contiguous_format)
 
-    def _p_round(self, job: Job) -> int:
+    def exchange(self, ex: Exchange) -> Rounds:
         # Q is kept transposed, [r, cols] contiguous, and every product reads M row by row:
         # P = M (Q^T)^T, Q^T = P^T M, result = P Q^T. The same products with Q as [cols, r] (M^T P
         # in particular) run 3-5x slower on CPU BLAS: a skinny output with r columns.
-        x = job.x
+        x, n = ex.x, ex.n
+
+        # ---- (1) P = M Q, all-reduced together with the tensors reduced exactly.
         # Elements reduced exactly: tensors not worth compressing (as slices of x, no mask over all
         # of it). Padding between sections (not in any tensor) is not sent at all.
         exact: list[tuple[int, int, str]] = []
         batches: dict[tuple, list] = {}
-        for key, off, shape in job.tensors:
+        for key, off, shape in ex.tensors:
             dims = self.matrix_shape(shape)
             if dims is None:
                 exact.append((off, math.prod(shape), key))
@@ -180,14 +179,14 @@ class PowerSGDCompressor(Compressor):
         sizes = [len(entries) * entries[0][2][0] * entries[0][2][2] for entries in batches.values()]
         # One buffer: the exact elements, then every batch's P, computed straight into it, then the
         # input's tag (checked right after the all-reduce: no check phase compared the inputs).
-        tail = 0 if job.tag is None else TAG_LEN
+        tail = 0 if ex.tag is None else TAG_LEN
         buf = x.new_empty(n_exact + sum(sizes) + tail)
         if tail:
-            buf[buf.numel() - tail:].copy_(job.tag)
+            buf[buf.numel() - tail:].copy_(ex.tag)
         pos = 0
-        for off, n, _ in exact:
-            buf[pos: pos + n].copy_(x[off: off + n])
-            pos += n
+        for off, size, _ in exact:
+            buf[pos: pos + size].copy_(x[off: off + size])
+            pos += size
         plan = []
         for entries, size in zip(batches.values(), sizes):
             rows, cols, r = entries[0][2]
@@ -195,54 +194,51 @@ class PowerSGDCompressor(Compressor):
             pos += size
             if len(entries) == 1:  # views, no copy
                 m = x[entries[0][1]: entries[0][1] + rows * cols].view(1, rows, cols)
-                qt = self._initial_q(entries[0][0], cols, r, job).unsqueeze(0)
+                qt = self._initial_q(entries[0][0], cols, r, ex).unsqueeze(0)
             else:
                 m = torch.stack([x[off: off + rows * cols].view(rows, cols) for _, off, _ in entries])
-                qt = torch.stack([self._initial_q(key, cols, r, job) for key, _, _ in entries])
+                qt = torch.stack([self._initial_q(key, cols, r, ex) for key, _, _ in entries])
             torch.bmm(m, qt.transpose(1, 2), out=p)
             plan.append((entries, m, p))
         if buf.numel():
-            wait_work(dist.all_reduce(buf, op=ReduceOp.SUM, group=job.group, async_op=True), job.timeout)
+            wait_work(dist.all_reduce(buf, op=ReduceOp.SUM, group=ex.groups[0], async_op=True), ex.timeout)
         if tail:
-            check_tag(job, buf[buf.numel() - tail:], f"compress/{self.name}/all_reduce_p")
+            check_tag(ex, buf[buf.numel() - tail:], f"compress/{self.name}/all_reduce_p")
+        exact_sum = buf[:n_exact]
+        yield int(2 * (n - 1) / n * buf.numel() * buf.element_size())
         # The reduced buffer is identical on every rank: NaN/Inf anywhere in x reaches it (through
-        # the exact elements or P's rows), so every rank agrees whether to fall back (optimistic).
-        job.nonfinite = not all_finite(buf)
-        job.scratch.update(exact=exact, exact_sum=buf[:n_exact], plan=plan)
-        return int(2 * (job.n - 1) / job.n * buf.numel() * buf.element_size())
+        # the exact elements or P's rows), so every rank agrees to fall back (optimistic).
+        if not all_finite(buf):
+            return Result(None, nonfinite=True)
 
-    def _q_round(self, job: Job) -> int:
-        x, sc = job.x, job.scratch
-        if job.nonfinite:
-            sc.clear()
-            return 0
-        sizes = [p.shape[0] * p.shape[2] * m.shape[2] for _, m, p in sc["plan"]]
+        # ---- (2) Q = M^T P (P orthogonalized), all-reduced.
+        sizes = [p.shape[0] * p.shape[2] * m.shape[2] for _, m, p in plan]
         buf = x.new_empty(sum(sizes))
         qts, pos = [], 0
-        for (_, m, p), size in zip(sc["plan"], sizes):
+        for (_, m, p), size in zip(plan, sizes):
             orthogonalize(p, self.orthogonalization_epsilon)
             qt = buf[pos: pos + size].view(p.shape[0], p.shape[2], m.shape[2])
             torch.bmm(p.transpose(1, 2), m, out=qt)
             qts.append(qt)
             pos += size
-        local = buf.clone() if job.sent is not None else None
-        work = dist.all_reduce(buf, op=ReduceOp.SUM, group=job.group, async_op=True) if buf.numel() else None
+        local = buf.clone() if ex.sent is not None else None
+        work = dist.all_reduce(buf, op=ReduceOp.SUM, group=ex.groups[1], async_op=True) if buf.numel() else None
         # While Q is being reduced, everything that needs only this rank's values: the exact
         # elements' sums (from round 1), zeros in the padding, and the error feedback, which
         # ``sent`` receives as the residual itself: x - P Q_local^T, one fused product per matrix
         # (the exact elements were sent as they are: residual zero). A non-finite Q discards it.
-        out, sent = job.out, job.sent
+        out, sent = ex.out, ex.sent
         covered = []
         pos = 0
-        for off, n, _ in sc["exact"]:
-            if job.dest is None:
-                out[off: off + n].copy_(sc["exact_sum"][pos: pos + n])
+        for off, size, _ in exact:
+            if ex.dest is None:
+                out[off: off + size].copy_(exact_sum[pos: pos + size])
             if sent is not None:
-                sent[off: off + n].zero_()
-            covered.append((off, n))
-            pos += n
+                sent[off: off + size].zero_()
+            covered.append((off, size))
+            pos += size
         pos = 0
-        for (entries, _, p), qt in zip(sc["plan"], qts):
+        for (entries, _, p), qt in zip(plan, qts):
             mine = local[pos: pos + qt.numel()].view_as(qt) if local is not None else None
             pos += qt.numel()
             for i, (_, off, (rows, cols, _)) in enumerate(entries):
@@ -250,46 +246,43 @@ class PowerSGDCompressor(Compressor):
                     torch.addmm(x[off: off + rows * cols].view(rows, cols), p[i], mine[i], alpha=-1,
                                 out=sent[off: off + rows * cols].view(rows, cols))
                 covered.append((off, rows * cols))
-        job.sent_is_residual = sent is not None
         # Padding between sections (hierarchical) is in no tensor: zeros, never stale memory.
         end = 0
-        for off, n in sorted(covered):
+        for off, size in sorted(covered):
             if off > end:
                 out[end: off].zero_()
                 if sent is not None:
                     sent[end: off].zero_()
-            end = max(end, off + n)
+            end = max(end, off + size)
         if end < out.numel():
             out[end:].zero_()
             if sent is not None:
                 sent[end:].zero_()
         if work is not None:
-            wait_work(work, job.timeout)
+            wait_work(work, ex.timeout)
+        yield int(2 * (n - 1) / n * buf.numel() * buf.element_size())
         if not all_finite(buf):
-            job.nonfinite = True  # identical on every rank: the exchange reduces exactly instead
-            sc.clear()
-            return int(2 * (job.n - 1) / job.n * buf.numel() * buf.element_size())
-        # The result, P Q^T: into the tensors themselves when the exchange offers them (job.dest,
-        # scaled there: the average), else into out. Nothing falls back after this point.
-        dest = dict(zip((key for key, _, _ in job.tensors), job.dest)) if job.dest is not None else None
-        memory = job.state.q_memory if self.warm_start and isinstance(job.state, PowerSGDState) else None
-        scale = job.dest_scale if dest is not None else 1.0
+            return Result(None, nonfinite=True)  # identical on every rank: reduced exactly instead
+
+        # ---- The result, P Q^T: into the tensors themselves when the reduction offers them
+        # (ex.dest, scaled there: the average), else into out; the averaged Q is the next warm start.
+        dest = dict(zip((key for key, _, _ in ex.tensors), ex.dest)) if ex.dest is not None else None
+        memory = ex.state.q_memory if self.warm_start and isinstance(ex.state, PowerSGDState) else None
+        scale = ex.dest_scale if dest is not None else 1.0
         if dest is not None:
             pos = 0
-            for _, n, key in sc["exact"]:
-                torch.mul(sc["exact_sum"][pos: pos + n], scale, out=dest[key].view(-1))
-                pos += n
-        for (entries, _, p), qt_sum in zip(sc["plan"], qts):  # qt_sum: a view of the reduced buffer
+            for _, size, key in exact:
+                torch.mul(exact_sum[pos: pos + size], scale, out=dest[key].view(-1))
+                pos += size
+        for (entries, _, p), qt_sum in zip(plan, qts):  # qt_sum: a view of the reduced buffer
             for i, (key, off, (rows, cols, _)) in enumerate(entries):
                 if dest is not None:
                     torch.mm(p[i], qt_sum[i] * scale, out=dest[key].view(rows, cols))
                 else:
                     torch.mm(p[i], qt_sum[i], out=out[off: off + rows * cols].view(rows, cols))
                 if memory is not None:
-                    memory[key] = qt_sum[i] / job.n
-        job.dest_written = dest is not None
-        sc.clear()
-        return int(2 * (job.n - 1) / job.n * buf.numel() * buf.element_size())
+                    memory[key] = qt_sum[i] / n
+        return Result(out, residual=sent is not None, written=dest is not None)
 
     def payload_bytes(self, numel: int, n: int) -> int:
         raise NotImplementedError("PowerSGD's payload depends on the tensors' shapes; see shapes_bytes()")

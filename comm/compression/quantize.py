@@ -36,7 +36,7 @@ from torch.distributed import ProcessGroup
 
 from ... import kernels
 from ..algorithms._transport import pairwise
-from .base import Compressor, Job, Round, all_finite, derive_seed
+from .base import Compressor, Exchange, Result, Rounds, all_finite, derive_seed
 
 __all__ = ["QuantizeCompressor", "quantized_reduce_scatter", "quantized_all_gather"]
 
@@ -56,7 +56,7 @@ class QuantizeCompressor(Compressor):
     name = "quantize"
     summable = False
     biased = False
-    n_rounds = 2
+    rounds = ("all_to_all", "all_gather")
     chunked = True
 
     def __init__(self, bits: int = 8, block: int = 256) -> None:
@@ -148,28 +148,22 @@ class QuantizeCompressor(Compressor):
         return out
 
     # ------------------------------------------------------------------------------- DDP rounds
-    def rounds(self) -> list[Round]:
-        return [Round("all_to_all", self._scatter), Round("all_gather", self._gather)]
-
-    def _scatter(self, job: Job) -> int:
-        n = job.n
-        chunk = job.x.numel() // n
-        total = torch.empty(chunk, dtype=job.x.dtype, device=job.x.device)
-        # Each rank rounds with its own stream (independent errors average out), reproducibly.
-        sent = quantized_reduce_scatter(self, list(job.x.view(n, chunk).unbind(0)), [[chunk]] * n, total, job.rank,
-                                        job.group, residual=None,
-                                        seed=derive_seed(job.seed, self.name, "worker", job.salt), step=job.step,
-                                        stochastic=True, timeout=job.timeout)
-        job.scratch["reduced"] = total
-        return sent
-
-    def _gather(self, job: Job) -> int:
-        n = job.n
-        chunk = job.x.numel() // n
-        rows = [job.out[i * chunk: (i + 1) * chunk] for i in range(n)]
-        return quantized_all_gather(self, job.scratch.pop("reduced"), [[chunk]] * n, rows, job.rank, job.group,
-                                    residual=None, seed=derive_seed(job.seed, self.name, "server", job.rank, job.salt),
-                                    step=job.step, stochastic=True, timeout=job.timeout)
+    def exchange(self, ex: Exchange) -> Rounds:
+        n = ex.n
+        chunk = ex.x.numel() // n
+        # (1) all-to-all: chunk i of every rank, encoded, to rank i, which sums them (fp32). Each
+        # rank rounds with its own stream (independent errors average out), reproducibly.
+        total = torch.empty(chunk, dtype=ex.x.dtype, device=ex.x.device)
+        yield quantized_reduce_scatter(self, list(ex.x.view(n, chunk).unbind(0)), [[chunk]] * n, total, ex.rank,
+                                       ex.groups[0], residual=None,
+                                       seed=derive_seed(ex.seed, self.name, "worker", ex.salt), step=ex.step,
+                                       stochastic=True, timeout=ex.timeout)
+        # (2) all-gather: every rank's summed chunk, encoded again, to every rank.
+        rows = [ex.out[i * chunk: (i + 1) * chunk] for i in range(n)]
+        yield quantized_all_gather(self, total, [[chunk]] * n, rows, ex.rank, ex.groups[1], residual=None,
+                                   seed=derive_seed(ex.seed, self.name, "server", ex.rank, ex.salt), step=ex.step,
+                                   stochastic=True, timeout=ex.timeout)
+        return Result(ex.out)
 
     def roundtrip(self, x: torch.Tensor, *, step: int = 0, seed: int = 0, salt: int = 0) -> torch.Tensor:
         flat = x.reshape(-1)

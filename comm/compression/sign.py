@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from ... import kernels
 from ..engine import wait_work
-from .base import Compressor, Job, Round, all_gather_single, as_bytes
+from .base import Compressor, Exchange, Result, Rounds, all_gather_single, as_bytes
 
 __all__ = ["SignCompressor", "OneBitCompressor"]
 
@@ -70,23 +70,21 @@ class SignCompressor(_SignBase):
     """
 
     name = "sign"
-    n_rounds = 1
+    rounds = ("all_gather",)
 
-    def rounds(self) -> list[Round]:
-        return [Round("all_gather", self._exchange)]
-
-    def _exchange(self, job: Job) -> int:
-        x, d = job.x, job.x.numel()
+    def exchange(self, ex: Exchange) -> Rounds:
+        x, d = ex.x, ex.x.numel()
         payload = _encode(x, self.block)
-        if job.sent is not None:
-            job.sent.copy_(_decode(payload, d, self.block, x.dtype))
-        gathered = payload.new_empty(job.n * payload.numel())
-        wait_work(all_gather_single(gathered, payload, group=job.group, async_op=True), job.timeout)
-        rows = gathered.view(job.n, -1)
-        job.out.zero_()
-        for i in range(job.n):
-            job.out.add_(_decode(rows[i], d, self.block, x.dtype))
-        return (job.n - 1) * payload.numel()
+        if ex.sent is not None:
+            ex.sent.copy_(_decode(payload, d, self.block, x.dtype))
+        gathered = payload.new_empty(ex.n * payload.numel())
+        wait_work(all_gather_single(gathered, payload, group=ex.groups[0], async_op=True), ex.timeout)
+        rows = gathered.view(ex.n, -1)
+        ex.out.zero_()
+        for i in range(ex.n):
+            ex.out.add_(_decode(rows[i], d, self.block, x.dtype))
+        yield (ex.n - 1) * payload.numel()
+        return Result(ex.out)
 
     def payload_bytes(self, numel: int, n: int) -> int:
         return (n - 1) * _payload_size(numel, self.block)
@@ -100,44 +98,38 @@ class OneBitCompressor(_SignBase):
     """
 
     name = "onebit"
-    n_rounds = 2
+    rounds = ("all_to_all", "all_gather")
     chunked = True
     uses_server_residual = True
 
-    def rounds(self) -> list[Round]:
-        return [Round("all_to_all", self._scatter), Round("all_gather", self._gather)]
-
-    def _scatter(self, job: Job) -> int:
-        x, n = job.x, job.n
+    def exchange(self, ex: Exchange) -> Rounds:
+        x, n = ex.x, ex.n
         chunk = x.numel() // n
+        # (1) all-to-all: chunk i of every rank's signs goes to rank i (worker error feedback).
         payloads = [_encode(c, self.block) for c in x.view(n, chunk)]
-        if job.sent is not None:
+        if ex.sent is not None:
             for i, p in enumerate(payloads):
-                job.sent[i * chunk: (i + 1) * chunk] = _decode(p, chunk, self.block, x.dtype)
+                ex.sent[i * chunk: (i + 1) * chunk] = _decode(p, chunk, self.block, x.dtype)
         send = torch.cat(payloads)
-        recv = torch.empty_like(send)
-        wait_work(dist.all_to_all_single(recv, send, group=job.group, async_op=True), job.timeout)
-        job.scratch["recv"] = recv.view(n, -1)
-        return (n - 1) * payloads[0].numel()
-
-    def _gather(self, job: Job) -> int:
-        x, n = job.x, job.n
-        chunk = x.numel() // n
-        recv = job.scratch.pop("recv")
+        recv = torch.empty_like(send).view(n, -1)
+        wait_work(dist.all_to_all_single(recv.view(-1), send, group=ex.groups[0], async_op=True), ex.timeout)
+        yield (n - 1) * payloads[0].numel()
+        # (2) all-gather: this rank's chunk summed, re-compressed (server error feedback), to every rank.
         total = torch.zeros(chunk, dtype=x.dtype, device=x.device)
         for i in range(n):
             total.add_(_decode(recv[i], chunk, self.block, x.dtype))
-        if job.server is not None:
-            total.add_(job.server)
+        if ex.server is not None:
+            total.add_(ex.server)
         payload = _encode(total, self.block)
-        if job.server is not None:
-            job.server.copy_(total - _decode(payload, chunk, self.block, x.dtype))
+        if ex.server is not None:
+            ex.server.copy_(total - _decode(payload, chunk, self.block, x.dtype))
         gathered = payload.new_empty(n * payload.numel())
-        wait_work(all_gather_single(gathered, payload, group=job.group, async_op=True), job.timeout)
+        wait_work(all_gather_single(gathered, payload, group=ex.groups[1], async_op=True), ex.timeout)
         rows = gathered.view(n, -1)
         for i in range(n):
-            job.out[i * chunk: (i + 1) * chunk] = _decode(rows[i], chunk, self.block, x.dtype)
-        return (n - 1) * payload.numel()
+            ex.out[i * chunk: (i + 1) * chunk] = _decode(rows[i], chunk, self.block, x.dtype)
+        yield (n - 1) * payload.numel()
+        return Result(ex.out)
 
     def payload_bytes(self, numel: int, n: int) -> int:
         return 2 * (n - 1) * _payload_size(-(-numel // n), self.block)

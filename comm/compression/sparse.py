@@ -19,7 +19,7 @@ from torch.distributed import ReduceOp
 
 from ... import kernels
 from ..engine import wait_work
-from .base import Compressor, Job, Round, all_gather_single, derive_seed
+from .base import Compressor, Exchange, Result, Rounds, all_gather_single, derive_seed
 
 __all__ = ["RandomKCompressor", "TopKCompressor"]
 
@@ -41,7 +41,6 @@ class RandomKCompressor(Compressor):
     name = "randomk"
     summable = True
     biased = False
-    n_rounds = 1
 
     def __init__(self, ratio: float = 0.01) -> None:
         super().__init__()
@@ -57,20 +56,18 @@ class RandomKCompressor(Compressor):
         gen = torch.Generator().manual_seed(derive_seed(seed, self.name, step, salt))
         return torch.randperm(d, generator=gen)[: _k(self.ratio, d, True)]
 
-    def rounds(self) -> list[Round]:
-        return [Round("all_reduce", self._exchange)]
-
-    def _exchange(self, job: Job) -> int:
-        x, d = job.x, job.x.numel()
-        idx = self.indices(d, step=job.step, seed=job.seed, salt=job.salt).to(x.device)
+    def exchange(self, ex: Exchange) -> Rounds:
+        x, d = ex.x, ex.x.numel()
+        idx = self.indices(d, step=ex.step, seed=ex.seed, salt=ex.salt).to(x.device)
         values = x[idx] * (d / max(1, idx.numel()))
-        if job.sent is not None:
-            job.sent.zero_()
-            job.sent[idx] = values
-        wait_work(dist.all_reduce(values, op=ReduceOp.SUM, group=job.group, async_op=True), job.timeout)
-        job.out.zero_()
-        job.out[idx] = values
-        return int(2 * (job.n - 1) / job.n * values.numel() * values.element_size())
+        if ex.sent is not None:
+            ex.sent.zero_()
+            ex.sent[idx] = values
+        wait_work(dist.all_reduce(values, op=ReduceOp.SUM, group=ex.groups[0], async_op=True), ex.timeout)
+        ex.out.zero_()
+        ex.out[idx] = values
+        yield int(2 * (ex.n - 1) / ex.n * values.numel() * values.element_size())
+        return Result(ex.out)
 
     def roundtrip(self, x: torch.Tensor, *, step: int = 0, seed: int = 0, salt: int = 0) -> torch.Tensor:
         flat = x.reshape(-1)
@@ -94,7 +91,6 @@ class TopKCompressor(Compressor):
     name = "topk"
     summable = False
     biased = True
-    n_rounds = 1
 
     def __init__(self, ratio: float = 0.01) -> None:
         super().__init__()
@@ -105,18 +101,18 @@ class TopKCompressor(Compressor):
     def config(self) -> dict:
         return {"name": self.name, "ratio": self.ratio}
 
-    def rounds(self) -> list[Round]:
-        return [Round("all_gather", self._exchange)]
+    rounds = ("all_gather",)
 
-    def _exchange(self, job: Job) -> int:
-        x, d = job.x, job.x.numel()
+    def exchange(self, ex: Exchange) -> Rounds:
+        x, d = ex.x, ex.x.numel()
         payload = kernels.topk_pack(x, _k(self.ratio, d, False))
-        if job.sent is not None:
-            job.sent.copy_(kernels.scatter_add_unpack([payload], d, dtype=x.dtype))
-        gathered = payload.new_empty(job.n * payload.numel())
-        wait_work(all_gather_single(gathered, payload, group=job.group, async_op=True), job.timeout)
-        job.out.copy_(kernels.scatter_add_unpack(gathered.view(job.n, -1), d, dtype=x.dtype))
-        return (job.n - 1) * payload.numel()
+        if ex.sent is not None:
+            ex.sent.copy_(kernels.scatter_add_unpack([payload], d, dtype=x.dtype))
+        gathered = payload.new_empty(ex.n * payload.numel())
+        wait_work(all_gather_single(gathered, payload, group=ex.groups[0], async_op=True), ex.timeout)
+        ex.out.copy_(kernels.scatter_add_unpack(gathered.view(ex.n, -1), d, dtype=x.dtype))
+        yield (ex.n - 1) * payload.numel()
+        return Result(ex.out)
 
     def roundtrip(self, x: torch.Tensor, *, step: int = 0, seed: int = 0, salt: int = 0) -> torch.Tensor:
         flat = x.reshape(-1)

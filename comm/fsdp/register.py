@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import time
 import warnings
 from dataclasses import dataclass
 
@@ -400,7 +399,8 @@ def _choose_recipe(model: nn.Module, blocks, topo: Topology, algorithm: str, wei
                                      timeout=timeout).bind(Bound(layout))
             candidates[("gradients", label)] = (codec, False,
                                                 lambda c=comm: c(part_out, full, group, dist.ReduceOp.AVG))
-    seconds = torch.tensor([_median_seconds(c[2], group) for c in candidates.values()], dtype=torch.float64)
+    seconds = torch.tensor([cost.median_seconds(c[2], group=group, reps=3) for c in candidates.values()],
+                           dtype=torch.float64)
     dist.all_reduce(seconds, op=dist.ReduceOp.MAX, group=group)  # the slowest rank's: the same on every rank
     times = dict(zip(candidates, seconds.tolist()))
     recipe: dict = {"seconds": {f"{p}/{label}": t for (p, label), t in times.items()}}
@@ -417,18 +417,6 @@ def _choose_recipe(model: nn.Module, blocks, topo: Topology, algorithm: str, wei
               f"parameters), compressed where it took at most {AUTO_MARGIN:.0%} of the faster exact one",
               flush=True)
     return recipe
-
-
-def _median_seconds(fn, group, reps: int = 3) -> float:
-    """The median seconds of ``fn`` over ``reps`` calls after one warm-up, the ranks started together."""
-    fn()
-    times = []
-    for _ in range(reps):
-        dist.barrier(group=group)
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
 
 
 def _fully_shard(model: nn.Module, blocks, mp_policy: MixedPrecisionPolicy | None, **kwargs) -> list[nn.Module]:
