@@ -43,6 +43,17 @@ matmul: a column-parallel Linear fed a sequence-sharded input all-gathers it in
 :func:`all_gather_matmul`, a row-parallel Linear reduces in :func:`matmul_reduce_scatter` (sharded
 output) or :func:`matmul_all_reduce` (replicated output). Every other case runs torch's own code.
 
+Under ``torch.compile`` (a block parallelized then compiled, or compiled in place with
+``block.compile()`` then parallelized) each fused Linear's forward -- the agreement check, the ring
+and the DTensor wrapping -- runs eagerly outside dynamo's graphs, one graph break at each such
+module; the norms, activations and torch's own paths between them compile, and the rings' backward
+runs in eager autograd between the compiled backward graphs. The results equal the eager run's and
+those of torch's styles compiled the same way, to fp32 rounding (tests/test_compile.py). The gate
+is ``torch.compiler.is_compiling()`` with a lazy ``torch._dynamo.disable`` (importing this module
+does not import ``torch._dynamo``); without it dynamo traced into the comm engine and cut a block
+into dozens of graphs, rebuilt on the second step. ``fullgraph=True`` cannot hold a ring: dynamo
+raises ``Unsupported`` at the first fused Linear, before anything runs.
+
 Checks (docs/faults.md row 39): wrong arguments are ``TypeError`` / ``ValueError`` at the call, on
 the calling rank, before anything is sent; then one agreement check on the group
 (``commopt.comm.checks.agree``: the shape and dtype of what the ring exchanges) raises
@@ -55,7 +66,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from functools import partial
+from functools import partial, wraps
 from types import MethodType
 
 import torch
@@ -395,6 +406,23 @@ def _as_dtensor(local: torch.Tensor, mesh: DeviceMesh, placement, shape: list[in
                               stride=_contiguous_stride(shape))
 
 
+def _outside_graphs(fn: Callable) -> Callable:
+    """``fn`` run as it is, and under torch.compile outside dynamo's graphs (module docstring): one
+    graph break where it is called, its body and everything it calls eager. The gate is
+    ``torch.compiler.is_compiling()`` (a constant to dynamo; eagerly ``fn`` is called directly) and
+    ``torch._disable_dynamo`` (torch's ``torch._dynamo.disable`` that imports ``torch._dynamo`` at its
+    first call, not here: that import costs seconds)."""
+    disabled = torch._disable_dynamo(fn)
+
+    @wraps(fn)
+    def call(*args, **kwargs):
+        if torch.compiler.is_compiling():
+            return disabled(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return call
+
+
 def _colwise_forward(style: ColwiseParallel, mesh: DeviceMesh, module: nn.Linear, x: torch.Tensor):
     """The forward of a Linear under :class:`ColwiseParallel` (installed as the module's ``forward``)."""
     size = mesh.size()
@@ -407,7 +435,14 @@ def _colwise_forward(style: ColwiseParallel, mesh: DeviceMesh, module: nn.Linear
         out = F.linear(xt, module.weight, module.bias)
         return _torch_tp.ColwiseParallel._prepare_output_fn(style.output_layouts, style.use_local_output, module,
                                                             out, mesh)
-    local = x.to_local() if is_dt else x
+    return _colwise_fused(style, mesh, module, x, d)
+
+
+@_outside_graphs
+def _colwise_fused(style: ColwiseParallel, mesh: DeviceMesh, module: nn.Linear, x: torch.Tensor, d: int):
+    """:func:`_colwise_forward` for an input sharded on the leading dimension ``d``: the ring."""
+    size = mesh.size()
+    local = x.to_local() if isinstance(x, DTensor) else x
     y = _shared_gather_matmul(x, local, d, module.weight.to_local().t(), mesh.get_group())
     if module.bias is not None:
         y = y + module.bias.to_local()  # this rank's columns
@@ -440,7 +475,7 @@ def _shared_gather_matmul(x: torch.Tensor, local: torch.Tensor, d: int, b: torch
 
 def _rowwise_forward(style: RowwiseParallel, mesh: DeviceMesh, module: nn.Linear, x: torch.Tensor):
     """The forward of a Linear under :class:`RowwiseParallel` (installed as the module's ``forward``)."""
-    size, group = mesh.size(), mesh.get_group()
+    size = mesh.size()
     is_dt = isinstance(x, DTensor)
     nd = x.dim()
     out_layout = style.output_layouts[0]
@@ -455,7 +490,15 @@ def _rowwise_forward(style: RowwiseParallel, mesh: DeviceMesh, module: nn.Linear
         out = F.linear(xt, module.weight, module.bias)
         return _torch_tp.RowwiseParallel._prepare_output_fn(style.output_layouts, style.use_local_output, module,
                                                             out, mesh)
-    local = x.to_local() if is_dt else x
+    return _rowwise_fused(style, mesh, module, x, d)
+
+
+@_outside_graphs
+def _rowwise_fused(style: RowwiseParallel, mesh: DeviceMesh, module: nn.Linear, x: torch.Tensor, d: int | None):
+    """:func:`_rowwise_forward` for an input sharded on its last dimension: the ring."""
+    size, group = mesh.size(), mesh.get_group()
+    out_layout = style.output_layouts[0]
+    local = x.to_local() if isinstance(x, DTensor) else x
     w = module.weight.to_local().t()
     bias = module.bias.to_local() if module.bias is not None else None
     if isinstance(out_layout, Replicate):

@@ -6,6 +6,8 @@ run and torch's own DDP / FSDP2 (bit for bit on CPU): the DDP comm hook on ``tor
 ``fully_shard`` (torchtitan's pattern) and with the whole model compiled, and ``OverlapDataParallel``
 around a compiled module. Compiled autograd cannot run a DDP bucket hook: it is a clear error on
 every rank (at ``register``, or at the first backward), never a hook that silently does not run.
+commopt's tensor-parallel styles in a compiled block are checked against torch's own styles compiled
+the same way (their rings run eagerly between the graphs).
 
 All cases share one 2-rank pool of their own, closed after the file: the compiled-autograd case
 changes process-wide dynamo and Inductor settings (DDP's Python reducer adds a trace rule for good),
@@ -276,6 +278,132 @@ def _compiled_autograd_case(rank: int) -> dict:
     return out
 
 
+_TP_DIM, _TP_HIDDEN, _TP_STEPS = 8, 16, 2
+_RINGS = ("all_gather_matmul", "all_gather_matmul/backward", "matmul_reduce_scatter", "matmul_reduce_scatter/backward",
+          "matmul_all_reduce")
+
+
+def _tp_block():
+    """A tiny block whose plan meets every ring of commopt's styles: a sequence-parallel norm, two
+    fused Colwise modules sharing one gathered input, a reduce-scattering Rowwise, then a fused
+    Colwise and a Rowwise with a replicated output (``matmul_all_reduce``)."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = nn.LayerNorm(_TP_DIM)
+            self.w1, self.w3 = nn.Linear(_TP_DIM, _TP_HIDDEN, bias=False), nn.Linear(_TP_DIM, _TP_HIDDEN)
+            self.w2 = nn.Linear(_TP_HIDDEN, _TP_DIM)
+            self.out1, self.out2 = nn.Linear(_TP_DIM, _TP_HIDDEN), nn.Linear(_TP_HIDDEN, _TP_DIM)
+
+        def forward(self, x):
+            n = self.norm(x)
+            h = x + self.w2(F.silu(self.w1(n)) * self.w3(n))
+            return self.out2(torch.relu(self.out1(h)))
+
+    torch.manual_seed(0)
+    return Block()
+
+
+def _tp_plan(col, row, seq) -> dict:
+    from torch.distributed.tensor import Shard
+
+    return {"norm": seq(), "w1": col(input_layouts=Shard(1)), "w3": col(input_layouts=Shard(1)),
+            "w2": row(output_layouts=Shard(1)), "out1": col(input_layouts=Shard(1)), "out2": row()}
+
+
+def _tp_case(rank: int) -> dict:
+    """torch's styles and commopt's in one plan, each parallelized then compiled ("after") and
+    compiled in place (``block.compile()``) then parallelized ("before"); commopt's also eagerly and
+    with ``fullgraph=True``. Every comparison runs here (``close_to``); the failures come back as text."""
+    import torch
+    import torch.distributed.tensor.parallel as torch_tp
+    from _oracle import close_to
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from commopt.comm import context
+    from commopt.schedules import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+    _setup()
+    mesh = init_device_mesh("cpu", (2,))
+    engine = context().engine()
+    styles = {"torch": (torch_tp.ColwiseParallel, torch_tp.RowwiseParallel, torch_tp.SequenceParallel),
+              "commopt": (ColwiseParallel, RowwiseParallel, SequenceParallel)}
+    inputs = [torch.randn(2, 4, _TP_DIM, generator=torch.Generator().manual_seed(200 + s)).chunk(2, dim=1)[rank]
+              for s in range(_TP_STEPS)]
+
+    def run(name: str, how: str) -> dict:
+        block = _tp_block()
+        if how == "before":  # torch's in-place compile (a torch.compile wrapper hides the plan's names)
+            block.compile()
+        parallelize_module(block, mesh, _tp_plan(*styles[name]))
+        model = torch.compile(block) if how == "after" else block
+        engine.reset_stats()
+        _fresh()
+        outs, x_grads, graphs = [], [], []
+        for x in inputs:  # the gradients accumulate over the steps
+            x = x.clone().requires_grad_()
+            out = model(x)
+            out.square().sum().backward()
+            outs.append(out.detach().clone())
+            x_grads.append(x.grad)
+            graphs.append(_graphs())
+        sent = engine.bytes_sent()
+        params = {k: (p.placements, p.grad.placements, p.grad.to_local()) for k, p in block.named_parameters()}
+        return {"outs": outs, "x_grads": x_grads, "graphs": graphs, "sent": {op: sent.get(op, 0) for op in _RINGS},
+                "params": params}
+
+    runs = {(name, how): run(name, how) for name, how in (("commopt", "eager"), ("torch", "after"),
+                                                          ("commopt", "after"), ("torch", "before"),
+                                                          ("commopt", "before"))}
+
+    def differences(got: dict, ref: dict, what: str) -> list[str]:
+        bad = []
+
+        def check(g, r, item):
+            try:
+                close_to(g, r, torch.float32, 2, f"{what}: {item}")
+            except AssertionError as exc:
+                bad.append(str(exc))
+
+        for step in range(_TP_STEPS):
+            check(got["outs"][step], ref["outs"][step], f"output, step {step}")
+            check(got["x_grads"][step], ref["x_grads"][step], f"input grad, step {step}")
+        if got["params"].keys() != ref["params"].keys():
+            return bad + [f"{what}: parameters {sorted(got['params'])} vs {sorted(ref['params'])}"]
+        for k, (placements, grad_placements, grad) in got["params"].items():
+            if (placements, grad_placements) != ref["params"][k][:2]:
+                bad.append(f"{what}: {k} placed {placements, grad_placements} vs {ref['params'][k][:2]}")
+            check(grad, ref["params"][k][2], f"{k}.grad")
+        return bad
+
+    out: dict = {"shard_bytes": inputs[0].numel() * inputs[0].element_size()}
+    for how in ("after", "before"):
+        mine = runs["commopt", how]
+        out[how] = {"vs_torch": differences(mine, runs["torch", how], f"{how}, vs torch's styles"),
+                    "vs_eager": differences(mine, runs["commopt", "eager"], f"{how}, vs commopt eager"),
+                    "graphs": mine["graphs"], "torch_graphs": runs["torch", how]["graphs"], "sent": mine["sent"],
+                    "torch_sent": sum(runs["torch", how]["sent"].values())}
+    out["eager_sent"] = runs["commopt", "eager"]["sent"]
+
+    # fullgraph=True cannot hold a ring (it runs eagerly, outside the graphs): dynamo refuses it at the
+    # first fused Linear, before anything runs.
+    block = parallelize_module(_tp_block(), mesh, _tp_plan(*styles["commopt"]))
+    engine.reset_stats()
+    _fresh()
+    try:
+        torch.compile(block, fullgraph=True)(inputs[0])
+        out["fullgraph"] = ("ok", "")
+    except Exception as exc:  # noqa: BLE001 - the case reports what was raised
+        out["fullgraph"] = (type(exc).__name__, str(exc))
+    out["fullgraph/bytes"] = sum(engine.bytes_sent().values())
+    return out
+
+
 # ------------------------------------------------------------------------------------ tests
 def _all(flags: list[bool]) -> bool:
     return bool(flags) and all(flags)
@@ -328,6 +456,36 @@ def test_overlap_data_parallel_around_compiled_module_matches_eager(world):
             assert res[how]["graphs"] >= 1, (how, res[how])
 
 
+def test_tensor_parallel_styles_under_torch_compile_match_torch_styles(world):
+    """Row 41, tensor parallelism: a block parallelized with commopt's ColwiseParallel /
+    RowwiseParallel / SequenceParallel and then compiled, or compiled in place (``block.compile()``)
+    and then parallelized, 2 forward + backward steps. Oracle: the same block with torch's own styles
+    compiled the same way, and commopt's eager run: outputs, input gradients, parameter and gradient
+    placements and every parameter gradient equal (``close_to``, fp32). Every ring ran, compiled,
+    with the eager run's bytes (the shared gather too), and torch's plan sent nothing through commopt;
+    the rings are graph breaks, so the block compiles a few graphs, the same on the second step (no
+    recompile). ``fullgraph=True`` is dynamo's ``Unsupported`` at the first fused Linear, nothing sent."""
+    for r, res in enumerate(world.run(_tp_case, per_rank=[(0,), (1,)], timeout=300)):
+        eager = res["eager_sent"]
+        assert all(eager[op] > 0 for op in _RINGS), eager
+        # Two gathers a step (w1 and w3 share one), each ring moves the other rank's shard.
+        assert eager["all_gather_matmul"] == 2 * _TP_STEPS * res["shard_bytes"], eager
+        for how in ("after", "before"):
+            case = res[how]
+            assert case["vs_torch"] == [], (r, how, case["vs_torch"])
+            assert case["vs_eager"] == [], (r, how, case["vs_eager"])
+            assert case["sent"] == eager, (r, how, case["sent"], eager)
+            assert case["torch_sent"] == 0, (r, how, case["torch_sent"])
+            assert case["torch_graphs"][0] >= 1, (how, case)  # torch's styles ran compiled
+            # It ran compiled, one graph at most per stretch between the five rings (the comm engine
+            # is not traced into pieces), and the second step reused them.
+            graphs = case["graphs"]
+            assert 1 <= graphs[0] <= 6 and graphs == [graphs[0]] * _TP_STEPS, (r, how, graphs)
+        kind, msg = res["fullgraph"]
+        assert kind == "Unsupported" and "_colwise_fused" in msg, (r, res["fullgraph"])
+        assert res["fullgraph/bytes"] == 0, (r, res["fullgraph/bytes"])
+
+
 def test_compiled_autograd_is_a_clear_error_on_every_rank(world):
     """Row 41, compiled autograd: DDP's C++ reducer refuses it (torch's error, at the first backward);
     a DDP model built for it (``optimize_ddp="python_reducer"``, which would call the hook per
@@ -347,3 +505,4 @@ def test_compiled_autograd_is_a_clear_error_on_every_rank(world):
                 (r, name, res[name])
             assert res[name + "/bytes"] == 0, (r, name, res)
         assert _all(res["direct/unchanged"]), (r, res)
+
