@@ -9,6 +9,13 @@ comms; each with a 2-layer Llama 3 and 4 steps on the same documents. The oracle
 the exact comms must give its losses to every digit, the ZeRO++ comms (int4 gradients, int8 weights)
 must stay close without being identical, and the comms' byte counters prove that commopt ran.
 
+Tensor parallelism (``parallelize(..., tensor_parallel=True)``): two more fresh ranks train with
+``tensor_parallel_degree=2`` (``data_parallel_shard_degree=1``: the two ranks are the TP group) and
+the ``partial_dtensor`` backend, with and without sequence parallelism, each once with torchtitan's
+own TP plan (the oracle) and once with its Linears on commopt's styles; the losses must agree to
+1e-4, and the comm engine's byte counters must show commopt's rings (all-gather-matmul and
+matmul-reduce-scatter, or matmul-all-reduce) carried exactly the activations the plan implies.
+
 What torchtitan 0.3.0 needs on a CPU-only machine, all done in the ranks and nowhere else: a device
 type and device module (torchtitan assumes ``cuda`` without an accelerator), ``set_timeout`` (torch
 2.13 has none), CUDA graphs off, ``spmd_backend="partial_dtensor"`` (the default ``spmd_types``
@@ -86,10 +93,10 @@ def _rank_entry(body, rank: int, ports: list[int], workdir: str, results) -> Non
         results.put((rank, "err", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
 
 
-def _launch(body, workdir, timeout: float) -> list:
+def _launch(body, workdir, timeout: float, runs: int = 3) -> list:
     """``body(rank)`` in ``_WORLD`` fresh spawned processes (``_spawn.run_spawned``: a hang fails naming
     the ranks that did not finish, a rank's exception is re-raised with its traceback)."""
-    ports = _free_ports(3)  # one rendezvous per run
+    ports = _free_ports(runs)  # one rendezvous per run
     return run_spawned(_rank_entry, lambda r: (body, r, ports, str(workdir)), _WORLD, timeout, body.__name__)
 
 
@@ -223,9 +230,10 @@ def _on_cpu(config):
     return config
 
 
-def _train(config, native: bool) -> list[float]:
+def _train(config, native: bool, sent: dict | None = None) -> list[float]:
     """torchtitan's own run (``train.py`` without its CLI): build the Trainer, train, close; the
-    losses it logs (averaged over the ranks)."""
+    losses it logs (averaged over the ranks). ``sent`` receives the bytes this rank's comm engine
+    counted per operation (before ``commopt.comm.destroy`` drops the engine)."""
     import torch.distributed as dist
 
     import commopt.comm
@@ -247,6 +255,8 @@ def _train(config, native: bool) -> list[float]:
         trainer.train()
     finally:
         trainer.close()
+        if sent is not None:
+            sent.update(commopt.comm.context().engine().bytes_sent())
         commopt.comm.destroy()  # its groups belong to this process group
         dist.destroy_process_group()
     return losses
@@ -279,6 +289,39 @@ def _torchtitan_body(rank: int) -> dict:
             "nodes": [list(n) for n in topo.nodes], "algorithm": readme_fn.algorithm}
 
 
+_TP_SEQ, _TP_BATCH, _TP_DIM, _TP_LAYERS = 32, 2, 64, 2  # _on_cpu's and _tiny_llama's sizes
+
+
+def _tp_body(rank: int) -> dict:
+    """torchtitan's TP plan (the oracle) and the same plan on commopt's styles, with and without
+    sequence parallelism: four runs, TP degree 2 over both ranks."""
+    _cpu_shims()
+    from torchtitan.models.llama3.config_registry import llama3_debugmodel
+
+    from commopt.comm.integrations.torchtitan import parallelize
+
+    ports = os.environ["COMMOPT_TEST_PORTS"].split(",")
+    out: dict = {}
+    for i, (sp, commopt) in enumerate([(True, False), (True, True), (False, False), (False, True)]):
+        config = _on_cpu(llama3_debugmodel())
+        parallelism = config.parallelism
+        parallelism.tensor_parallel_degree, parallelism.data_parallel_shard_degree = 2, 1
+        parallelism.enable_sequence_parallel = sp
+        assert (config.training.seq_len, config.training.local_batch_size) == (_TP_SEQ, _TP_BATCH)
+        if commopt:
+            fn = config.model_spec.parallelize_fn = parallelize(config.model_spec.parallelize_fn,
+                                                                tensor_parallel=True)
+        os.environ["MASTER_PORT"] = ports[i]
+        sent: dict = {}
+        key = f"{'sp' if sp else 'nosp'}/{'commopt' if commopt else 'native'}"
+        out[key] = _train(config, native=not commopt, sent=sent)
+        out[key + "/sent"] = {k: v for k, v in sent.items() if not k.endswith("/agree")}
+        if commopt:
+            out[key + "/plan"] = fn.tp_plans
+            out[key + "/fsdp_bytes"] = fn.link_bytes()
+    return out
+
+
 # ------------------------------------------------------------------------------------ the test
 @pytest.mark.frameworks
 @pytest.mark.skipif(not _HAVE_TORCHTITAN, reason="needs torchtitan (see docs/frameworks.md, 'With torchtitan')")
@@ -300,6 +343,87 @@ def test_torchtitan_parallelize_fn_registers_commopt_comms(tmp_path):
     # Every step all-gathers and reduce-scatters every parameter over the node link; ZeRO++ sends
     # int8/int4 codes (and scales) instead of fp32.
     assert r0["exact_bytes"] > 0 and 0 < r0["zero_bytes"] < r0["exact_bytes"] / 2, r0
+
+
+@pytest.mark.frameworks
+@pytest.mark.skipif(not _HAVE_TORCHTITAN, reason="needs torchtitan (see docs/frameworks.md, 'With torchtitan')")
+def test_torchtitan_tensor_parallel_runs_on_commopt_styles(tmp_path):
+    """``tensor_parallel=True`` puts torchtitan's column- and row-parallel Linears on commopt's
+    styles: the losses of torchtitan's own TP plan, through commopt's rings."""
+    _assets(tmp_path)
+    ranks = _launch(_tp_body, tmp_path, timeout=300, runs=4)
+    r0 = ranks[0]
+    for r in ranks[1:]:
+        assert all(r[k] == r0[k] for k in ("sp/native", "sp/commopt", "nosp/native", "nosp/commopt")), ranks
+    for sp in ("sp", "nosp"):
+        native, ours = r0[f"{sp}/native"], r0[f"{sp}/commopt"]
+        assert len(native) == _STEPS and len(set(native)) == _STEPS, native  # every step updated the weights
+        # The same math, its fp32 sums in another order (the rings multiply per block; with two ranks
+        # each reduction is one commutative addition): equal to 1e-4 absolute over four Adam steps,
+        # room for another BLAS's blocking (measured: identical with sequence parallelism, 5e-7
+        # without). Scaling the row-parallel outputs by 1 + 1e-3 moved the losses by 1.4e-3; a lost
+        # reduction or a block in the wrong place moves them by far more.
+        diffs = [abs(a - b) for a, b in zip(ours, native)]
+        assert len(ours) == _STEPS and max(diffs) <= 1e-4, (sp, ours, native, diffs)
+        assert r0[f"{sp}/native/sent"] == {}, r0  # the oracle ran torch's collectives only
+        (plan,) = r0[f"{sp}/commopt/plan"]  # one call: no pipeline parallelism
+        for layer in range(_TP_LAYERS):
+            p = f"layers.{layer}."
+            assert {k: v for k, v in plan.items() if k.startswith(p)} == {
+                p + "attention.qkv_linear.wqkv": "colwise", p + "feed_forward.w1": "colwise",
+                p + "feed_forward.w3": "colwise", p + "attention.wo": "rowwise", p + "feed_forward.w2": "rowwise",
+                **({p + "attention": "sequence-sharded input", p + "feed_forward": "sequence-sharded input"}
+                   if sp == "sp" else {})}, plan
+        assert r0[f"{sp}/commopt/fsdp_bytes"] == 0  # FSDP over one rank: nothing crosses a link
+    # What the rings sent, per rank: half of a [batch, seq, dim] fp32 activation per ring step,
+    # one ring step (two ranks). With sequence parallelism each block all-gathers its input once for
+    # the attention (wqkv) and once for the feed-forward (w1 and w3 share the ring), and reduce-
+    # scatters after wo and w2; the backward runs the opposite rings. Without it, wo and w2 all-reduce
+    # (a reduce-scatter ring, then an all-gather ring) and the backward is local.
+    half = _TP_BATCH * _TP_SEQ * _TP_DIM * 4 // 2
+    per_run = _STEPS * _TP_LAYERS * 2 * half
+    assert r0["sp/commopt/sent"] == {"all_gather_matmul": per_run, "all_gather_matmul/backward": per_run,
+                                     "matmul_reduce_scatter": per_run,
+                                     "matmul_reduce_scatter/backward": per_run}, r0["sp/commopt/sent"]
+    assert r0["nosp/commopt/sent"] == {"matmul_all_reduce": 2 * per_run}, r0["nosp/commopt/sent"]
+
+
+@pytest.mark.skipif(not _HAVE_TORCHTITAN, reason="needs torchtitan (see docs/frameworks.md, 'With torchtitan')")
+def test_tensor_parallel_option_checks_what_it_cannot_serve():
+    """``tensor_parallel=True``: nothing at TP degree 1; at TP degree > 1 a clear error, on every
+    rank before torchtitan's function runs, for a backend without DTensor activations on the TP mesh
+    or async TP; ``comms=None`` only with it."""
+    import types
+
+    from commopt.comm.integrations.torchtitan import parallelize
+
+    calls = []
+
+    def parallelize_llama(model, **kwargs):
+        calls.append(kwargs)
+        return model
+
+    def dims(tp, backend="partial_dtensor", async_tp=False):
+        return {"parallel_dims": types.SimpleNamespace(tp=tp),
+                "parallelism": types.SimpleNamespace(spmd_backend=backend),
+                "compile_config": types.SimpleNamespace(enable_async_tensor_parallel=async_tp)}
+
+    fn = parallelize(parallelize_llama, comms=None, tensor_parallel=True)
+    model = torch.nn.Linear(4, 4)
+    assert fn(model, **dims(1, backend="spmd_types")) is model and fn.tp_plans == [{}] and fn.comms == []
+    assert len(calls) == 1 and "tensor_parallel=True" in repr(fn)
+    with pytest.raises(ValueError, match="spmd_backend partial_dtensor"):
+        fn(model, **dims(2, backend="spmd_types"))
+    with pytest.raises(ValueError, match="enable_async_tensor_parallel"):
+        fn(model, **dims(2, async_tp=True))
+    with pytest.raises(TypeError, match="parallel_dims"):
+        fn(model)
+    assert len(calls) == 1  # refused before torchtitan's function ran
+    assert parallelize(parallelize_llama).tensor_parallel is False  # off unless asked for
+    with pytest.raises(ValueError, match="leaves nothing for commopt to do"):
+        parallelize(parallelize_llama, comms=None)
+    with pytest.raises(TypeError, match="tensor_parallel must be True or False"):
+        parallelize(parallelize_llama, tensor_parallel="yes")
 
 
 @pytest.mark.skipif(not _HAVE_TORCHTITAN, reason="needs torchtitan (see docs/frameworks.md, 'With torchtitan')")
