@@ -166,7 +166,17 @@ def _cache_path(topo: Topology, cache_dir: str | os.PathLike | None) -> Path:
 
 def median_seconds(fn: Callable[[], object], *, group=None, reps: int = 5) -> float:
     """The median seconds of ``fn()`` over ``reps`` calls after one untimed call (warm-up), every
-    rank of ``group`` (None: WORLD) starting each call together (a barrier before each)."""
+    rank of ``group`` (None: WORLD) starting each call together (a barrier before each). Collective:
+    every rank of ``group`` calls it with the same ``reps``.
+
+    Raises:
+        TypeError: ``fn`` is not callable.
+        ValueError: ``reps`` is not an int >= 1.
+    """
+    if not callable(fn):
+        raise TypeError(f"median_seconds: fn must be a callable taking no arguments, got {type(fn).__name__}")
+    if isinstance(reps, bool) or not isinstance(reps, int) or reps < 1:
+        raise ValueError(f"median_seconds: reps must be an int >= 1 (the timed calls), got {reps!r}")
     fn()
     times = []
     for _ in range(reps):

@@ -470,6 +470,60 @@ def test_auto_follows_the_cost_model(ranks):
     assert all(r == res[0] for r in res), res
 
 
+class _DoubledSum(C.Compressor):
+    """A codec of one's own, as docs/architecture.md section 8 says to write one: two rounds (a
+    MAX all-reduce of |x|, then the all-reduce of x sent doubled), its result a wire tensor with a
+    decoding scale; exact, so the oracle is the plain sum."""
+
+    name = "doubled"
+    rounds = ("amax", "all_reduce")
+    align = 1
+
+    def exchange(self, ex):
+        amax = ex.x.abs().max().reshape(1)
+        dist.all_reduce(amax, op=ReduceOp.MAX, group=ex.groups[0])
+        yield 8
+        wire = ex.x * 2
+        if ex.sent is not None:
+            ex.sent.copy_(ex.x)
+        dist.all_reduce(wire, group=ex.groups[1])
+        yield wire.numel() * 4
+        return C.Result(wire, 0.5)
+
+    def payload_bytes(self, numel: int, n: int) -> int:
+        return int(2 * (n - 1) / n * numel * 4)
+
+
+class _NotAGenerator(_DoubledSum):
+    name = "not-a-generator"
+
+    def exchange(self, ex):
+        return C.Result(ex.out)
+
+
+def _body_codec_of_ones_own() -> dict:
+    """A codec written outside the package runs through all_reduce flat and hierarchical (the sum),
+    and one whose exchange is not a generator is a TypeError on every rank, the tensor unchanged."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    topo = Topology.from_spec("2x2")
+    for algorithm in ("flat", "hierarchical"):
+        t = torch.arange(10, dtype=torch.float32) * (rank + 1)
+        _DoubledSum().all_reduce(t, topology=topo, algorithm=algorithm, timeout=60)
+        assert torch.equal(t, torch.arange(10, dtype=torch.float32) * world * (world + 1) / 2), (algorithm, t)
+    t = torch.ones(10)
+    with pytest.raises(TypeError, match="must be a generator"):
+        _NotAGenerator().all_reduce(t, timeout=60)
+    assert torch.equal(t, torch.ones(10))
+    return {"ok": True}
+
+
+def test_a_codec_of_ones_own_runs_through_the_pipeline(ranks):
+    """docs/architecture.md section 8: a compressor defined in a test module (two named rounds, a
+    result with a decoding scale) reduces exactly, flat and hierarchical on a logical 2x2; an
+    exchange that is not a generator is a clear TypeError on every rank."""
+    assert ranks(4, _body_codec_of_ones_own, timeout=120) == [{"ok": True}] * 4
+
+
 def test_unbiased_monte_carlo():
     """docs/faults.md row 16: random-k (scaled d/k) and stochastic int8/int4 quantization are unbiased: the
     mean of 10^4 seeds is within 5 standard errors of the input, element by element."""

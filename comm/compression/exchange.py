@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import numbers
 from typing import Callable
 
@@ -463,6 +464,10 @@ class CompressedReduction:
                 return self._exact_round(group)
             self.ex = self._exchange_inputs()
             self.running = self.compressor.exchange(self.ex)
+            if not inspect.isgenerator(self.running):
+                raise TypeError(f"{type(self.compressor).__name__}.exchange() must be a generator: yield the bytes "
+                                f"each of its rounds {self.round_names} sent, then return a Result "
+                                f"(docs/architecture.md section 8)")
         nbytes = self._resume()
         if i == len(self.round_names) - 1:
             self._resume()  # the return after the last round's yield: the Result
