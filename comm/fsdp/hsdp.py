@@ -44,8 +44,10 @@ from torch.distributed import ReduceOp
 
 from .. import algorithms
 from ..algorithms._transport import deadline_of, remaining, wait_work
+from ..algorithms.rail import RAIL
 from ..algorithms.roles import FSDP_HSDP, FSDP_HSDP_AG, FSDP_HSDP_RS
 from ..compression import Compressor, QuantizeCompressor, reduce_tensors
+from ..compression.auto import Encoding
 from ..compression.base import derive_seed
 from ..compression.quantize import quantized_all_gather, quantized_reduce_scatter
 from ..engine import Phase, wait
@@ -168,8 +170,8 @@ class AllReduceHook(CommBase):
             return int(algorithms.ALGORITHM_FACTORS["allreduce"](topo.num_nodes) * flat.numel() * flat.element_size())
 
         self.run([Phase("all_reduce_rail", all_reduce, rail)], "fsdp/hsdp/exact/inter", flat.device, deadline)
-        sent = algorithms.ALGORITHM_FACTORS["allreduce"](topo.num_nodes) * flat.numel() * flat.element_size()
-        self.add_link_bytes(("exact", sent), lambda: self._rail_traffic(sent))
+        nbytes = flat.numel() * flat.element_size()
+        self.add_link_bytes(("exact", nbytes), lambda: RAIL.traffic("allreduce", nbytes, topo))
 
     def _compressed(self, flat: torch.Tensor, bound: Bound | None, average: bool, deadline: float | None) -> None:
         """Any other compressor: ``reduce_tensors`` along the rail on every parameter's shard."""
@@ -200,16 +202,10 @@ class AllReduceHook(CommBase):
         wait(fut, self.timeout, op=f"fsdp/hsdp/{self.name}/inter", deadline=deadline)
         shapes = [tuple(t.shape) for t in tensors]
         active = self.compressor.active(step) and self.compressor.worth(sum(t.numel() for t in tensors), shapes)
+        numels = [t.numel() for t in tensors]
         self.add_link_bytes(("cmp", active, tuple(shapes)),
-                            lambda: self._rail_traffic(
-                                self.compressor.exchange_bytes(size, shapes, topo.num_nodes) if active
-                                else algorithms.ALGORITHM_FACTORS["allreduce"](topo.num_nodes) * size * 4))
-
-    def _rail_traffic(self, sent: float) -> algorithms.Traffic:
-        """Every rank sending ``sent`` bytes around its rail (a ring over the nodes)."""
-        t = algorithms.Traffic(self.resolve())
-        t.rail_rings(sent)
-        return t
+                            lambda: RAIL.compressed_traffic(Encoding(self.compressor, numels, shapes, 4), topo)
+                            if active else RAIL.traffic("allreduce", size * 4, topo))
 
     def _quantized(self, flat: torch.Tensor, bound: Bound | None, average: bool, deadline: float | None) -> None:
         topo = self.resolve()
