@@ -10,11 +10,13 @@ import hashlib
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
+from commopt.comm import checks
 from commopt.comm.algorithms import pairwise, remaining
 from commopt.comm.engine import Engine, Phase, wait
 
-__all__ = ["step", "wait_step", "group_size", "signature", "check_float_tensor", "FLOATS"]
+__all__ = ["step", "wait_step", "check_group", "group_size", "signature", "check_float_tensor", "FLOATS"]
 
 FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
@@ -51,6 +53,20 @@ def wait_step(fut: torch.futures.Future, op: str, timeout: float | None, deadlin
         fut.wait()
     else:
         wait(fut, timeout, op=op, deadline=deadline)
+
+
+def check_group(name: str, group) -> None:
+    """``group`` is a ProcessGroup of which this rank is a member, or None (WORLD); else ``ValueError``
+    for what ``dist.new_group`` hands a rank outside the group, ``TypeError`` for anything else (a
+    DeviceMesh: its ``get_group()``)."""
+    if group is dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError(f"{name}: this rank (global rank {dist.get_rank()}) is not a member of the group "
+                         f"(dist.new_group returned GroupMember.NON_GROUP_MEMBER here); call it only on the "
+                         f"group's ranks")
+    if isinstance(group, DeviceMesh):
+        raise TypeError(f"{name}: group must be a torch.distributed ProcessGroup or None (WORLD), got a DeviceMesh; "
+                        f"pass its process group, mesh.get_group() (a 1-D mesh, or mesh['name'] first)")
+    checks.check_group(name, group)
 
 
 def group_size(name: str, group) -> int:

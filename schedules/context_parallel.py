@@ -63,7 +63,7 @@ from torch.distributed import ProcessGroup
 
 from commopt.comm.algorithms import deadline_of
 from commopt.comm.alltoall import all_to_all_autograd
-from commopt.comm.checks import agree, check_group, check_timeout
+from commopt.comm.checks import agree, check_timeout
 from commopt.comm.errors import CommError
 from commopt.comm.runtime import context
 from commopt.comm.topology import Topology
@@ -119,7 +119,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
         raise ValueError(f"{name}: layout='zigzag' needs an even local sequence length (two chunks per rank), "
                          f"got q of shape {list(q.shape)}; cut the sequence into 2 * group size equal chunks "
                          f"(zigzag_shard)")
-    check_group(name, group)
+    _ring.check_group(name, group)
     timeout = check_timeout(name, timeout)
     size = _ring.group_size(name, group)
     if size == 1:
@@ -151,13 +151,14 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grou
 
     Raises:
         TypeError, ValueError: a bad argument, H not divisible by P, at the call (docs/faults.md row 39).
-        CollectiveMismatchError: the ranks' shapes, dtypes, ``is_causal`` or ``scale`` differ (every rank).
+        CollectiveMismatchError: the ranks' shapes, dtypes, ``is_causal``, ``scale``, ``requires_grad`` or
+            ``topology`` (two levels or not) differ (every rank, before any payload moves).
         CommTimeoutError: a rank did not enter the call, or an all-to-all did not finish, within ``timeout``.
     """
     name = "ulysses_attention"
     _check_qkv(name, q, k, v, min_ndim=3)
     _check_flags(name, is_causal, scale)
-    check_group(name, group)
+    _ring.check_group(name, group)
     if topology is not None and not isinstance(topology, Topology):
         raise TypeError(f"{name}: topology must be a commopt.comm.Topology or None (detected), got "
                         f"{type(topology).__name__}")
@@ -173,8 +174,8 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grou
     if topology is not None and topology.world_size != size:
         raise ValueError(f"{name}: topology has world_size={topology.world_size} but the group has {size} ranks; "
                          f"pass the topology of the group (Topology.from_spec(spec, group=group))")
-    _agree(name, "all_to_all", "ulysses", q, k, v, (bool(is_causal), scale), group, timeout)
     algorithm = "2d" if topology is not None and topology.two_levels else "auto"
+    _agree(name, "all_to_all", "ulysses", q, k, v, (bool(is_causal), scale, algorithm), group, timeout)
     dq, dk = q.shape[-1], k.shape[-1]
     # q, k and v travel together: one all-to-all each way instead of three.
     qkv = _seq_to_heads(torch.cat([q, k, v], dim=-1), size, group, topology, algorithm, timeout)
@@ -209,9 +210,10 @@ def zigzag_unshard(x: torch.Tensor, dim: int = -2, *, group: ProcessGroup | None
         ValueError: ``x.shape[dim]`` is not divisible by 2P.
     """
     d, size, _rank = _zigzag_args("zigzag_unshard", x, dim, group)
-    chunks = x.split(x.shape[d] // (2 * size), dim=d)
-    # Rank r's shard holds chunk r (its first half) and chunk 2P - 1 - r (its second half).
-    ordered = [chunks[2 * g] if g < size else chunks[2 * (2 * size - 1 - g) + 1] for g in range(2 * size)]
+    c = x.shape[d] // (2 * size)
+    # Rank r's shard holds chunk r (its first half) and chunk 2P - 1 - r (its second half): chunk g is
+    # piece 2g of x for g < P, piece 2(2P - 1 - g) + 1 otherwise (narrow, not split: c may be 0).
+    ordered = [x.narrow(d, (2 * g if g < size else 2 * (2 * size - 1 - g) + 1) * c, c) for g in range(2 * size)]
     return torch.cat(ordered, dim=d)
 
 
@@ -401,7 +403,10 @@ def _scores(q, k, causal: bool, scale: float | None, acc: torch.dtype) -> torch.
 
 
 def _scale(scale: float | None, q: torch.Tensor) -> float:
-    return 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    # D = 0: every score is an empty sum, 0 at any scale (scaled_dot_product_attention's uniform weights).
+    if scale is None:
+        return 1.0 / math.sqrt(q.shape[-1]) if q.shape[-1] else 1.0
+    return scale
 
 
 def _merge(out: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, o_lse: torch.Tensor) -> None:
@@ -472,7 +477,7 @@ def _zigzag_args(name: str, x, dim, group) -> tuple[int, int, int]:
         raise TypeError(f"{name}: dim must be an int, got {type(dim).__name__} {dim!r}")
     if not -x.dim() <= dim < x.dim():
         raise ValueError(f"{name}: dim={dim} is out of range for shape {list(x.shape)}")
-    check_group(name, group)
+    _ring.check_group(name, group)
     size = _ring.group_size(name, group)
     rank = dist.get_rank(group) if size > 1 else 0
     d = dim % x.dim()
@@ -495,7 +500,7 @@ def _agree(name: str, kind: str, algorithm: str, q, k, v, key: tuple, group, tim
     except CommError as exc:
         # agree() speaks of the collective it checks and of its validate=True, which these calls do not have.
         text = exc.message.replace("; pass validate=True to name the ranks that differ", "")
+        which = "layout" if kind == "all_gather" else "topology (one or two levels)"
         raise type(exc)(f"{name}: before any payload moved: {text}. The shapes of q, k and v, their dtype, "
-                        f"is_causal, scale{', layout' if kind == 'all_gather' else ''} and which of them require "
-                        f"gradients must be the same on every rank of the group", op=name, seq=exc.seq,
-                        ranks=exc.ranks) from exc
+                        f"is_causal, scale, {which} and which of them require gradients must be the same on every "
+                        f"rank of the group", op=name, seq=exc.seq, ranks=exc.ranks) from exc

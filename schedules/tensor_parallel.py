@@ -56,8 +56,9 @@ raises ``Unsupported`` at the first fused Linear, before anything runs.
 
 Checks (docs/faults.md row 39): wrong arguments are ``TypeError`` / ``ValueError`` at the call, on
 the calling rank, before anything is sent; then one agreement check on the group
-(``commopt.comm.checks.agree``: the shape and dtype of what the ring exchanges) raises
-``CollectiveMismatchError`` on every rank before any payload moves when the ranks' shapes differ, or
+(``commopt.comm.checks.agree``: the shape and dtype of what the ring exchanges, and whether the
+backward's ring will run, i.e. whether the inputs it serves require gradients) raises
+``CollectiveMismatchError`` on every rank before any payload moves when the ranks differ, or
 ``CommTimeoutError`` when a rank never enters within ``timeout``. A world or group of one is a plain
 matmul.
 """
@@ -80,7 +81,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 
 from commopt.comm.algorithms import deadline_of
-from commopt.comm.checks import agree, check_group, check_timeout
+from commopt.comm.checks import agree, check_timeout
 from commopt.comm.errors import CommError
 from commopt.comm.runtime import context
 
@@ -120,7 +121,8 @@ def all_gather_matmul(a_shard: torch.Tensor, bs: Sequence[torch.Tensor], *, gath
 
     Raises:
         TypeError, ValueError: a bad argument, at the call (docs/faults.md row 39).
-        CollectiveMismatchError: the ranks' ``a_shard`` shapes, dtypes or ``gather_dim`` differ (on
+        CollectiveMismatchError: the ranks' ``a_shard`` shapes, dtypes, ``gather_dim`` or
+            ``a_shard.requires_grad`` (under grad mode: whether the backward's ring runs) differ (on
             every rank, before any payload moves).
         CommTimeoutError: a rank did not enter the call, or a step did not finish, within ``timeout``.
     """
@@ -133,14 +135,17 @@ def all_gather_matmul(a_shard: torch.Tensor, bs: Sequence[torch.Tensor], *, gath
     for i, b in enumerate(bs):
         _check_b(name, f"bs[{i}]", a_shard, "a_shard", b)
     d = _leading_dim(name, "gather_dim", gather_dim, a_shard)
-    check_group(name, group)
+    _ring.check_group(name, group)
     timeout = check_timeout(name, timeout)
     size = _ring.group_size(name, group)
     if size == 1:
         outs = [torch.matmul(a_shard, b) for b in bs]
         return (a_shard, outs) if return_a else outs
     deadline = deadline_of(timeout)
-    _agree(name, "all_gather", a_shard, (tuple(a_shard.shape), d), group, timeout)
+    # Whether the backward's ring runs (a_shard needs a gradient) is part of the call: a rank without it
+    # would leave the others in that ring until the timeout.
+    grad = torch.is_grad_enabled() and a_shard.requires_grad
+    _agree(name, "all_gather", a_shard, (tuple(a_shard.shape), d, grad), group, timeout)
     gathered, *outs = _AllGatherMatmul.apply(a_shard, d, group, timeout, deadline, bool(return_a), *bs)
     return (gathered, list(outs)) if return_a else list(outs)
 
@@ -170,7 +175,9 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, *, scatter_dim: int 
 
     Raises:
         TypeError, ValueError: a bad argument, at the call (docs/faults.md row 39).
-        CollectiveMismatchError: the products' shapes or dtypes differ across ranks (every rank).
+        CollectiveMismatchError: the products' shapes or dtypes, ``scatter_dim``, ``op`` or whether a
+            gradient flows back (``a`` or ``b`` requires one, under grad mode) differ across ranks
+            (every rank, before any payload moves).
         CommTimeoutError: a rank did not enter the call, or a step did not finish, within ``timeout``.
     """
     return _matmul_reduce_scatter("matmul_reduce_scatter", a, b, None, scatter_dim, group, op, timeout)
@@ -192,7 +199,7 @@ def _matmul_reduce_scatter(name: str, a: torch.Tensor, b: torch.Tensor, bias: to
     d = _leading_dim(name, "scatter_dim", scatter_dim, a)
     if op not in (ReduceOp.SUM, ReduceOp.AVG):
         raise ValueError(f"{name}: op must be ReduceOp.SUM or ReduceOp.AVG (a sum of partial products), got {op}")
-    check_group(name, group)
+    _ring.check_group(name, group)
     timeout = check_timeout(name, timeout)
     size = _ring.group_size(name, group)
     if a.shape[d] % size:
@@ -203,7 +210,8 @@ def _matmul_reduce_scatter(name: str, a: torch.Tensor, b: torch.Tensor, bias: to
         return torch.matmul(a, b) if bias is None else torch.matmul(a, b) + bias
     deadline = deadline_of(timeout)
     shape = tuple(a.shape[:-1]) + (b.shape[1],)
-    _agree(name, "reduce_scatter", a, (shape, d, "avg" if op == ReduceOp.AVG else "sum"), group, timeout,
+    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (a, b, bias))
+    _agree(name, "reduce_scatter", a, (shape, d, "avg" if op == ReduceOp.AVG else "sum", grad), group, timeout,
            numel=math.prod(shape), op="avg" if op == ReduceOp.AVG else "sum")
     return _MatmulReduceScatter.apply(a, b, d, group, timeout, deadline, op == ReduceOp.AVG, bias)
 
@@ -234,7 +242,7 @@ def matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, *, group: ProcessGroup |
     name = "matmul_all_reduce"
     _check_matrix(name, "a", a, min_ndim=1)
     _check_b(name, "b", a, "a", b)
-    check_group(name, group)
+    _ring.check_group(name, group)
     timeout = check_timeout(name, timeout)
     size = _ring.group_size(name, group)
     if size == 1:
@@ -767,8 +775,10 @@ def _agree(name: str, kind: str, t: torch.Tensor, key: tuple, group, timeout: fl
         agree(kind, numel=t.numel() if numel is None else numel, dtype=t.dtype, op=op, algorithm=_RING, group=group,
               device=t.device, timeout=timeout, signature=_ring.signature((name, *key)))
     except CommError as exc:
-        what = ("a_shard's shape and dtype and gather_dim" if kind == "all_gather"
-                else "the product's shape (a's leading dimensions, b's columns), dtype and dimension")
+        what = ("a_shard's shape and dtype, gather_dim and whether a_shard requires a gradient" if kind == "all_gather"
+                else "the product's shape (a's leading dimensions, b's columns), dtype and dimension, and whether "
+                     "any of a, b requires a gradient (the backward's ring)" if kind == "reduce_scatter"
+                else "the product's shape (a's leading dimensions, b's columns) and dtype")
         # agree() speaks of the collective it checks and of its validate=True, which these calls do not have.
         text = exc.message.replace("; pass validate=True to name the ranks that differ", "")
         raise type(exc)(f"{name}: before the ring started: {text}. {what} must be the same on every rank of the "

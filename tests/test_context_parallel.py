@@ -115,6 +115,8 @@ def _matrix() -> int:
     parts = [torch.empty(2, 4, 3) for _ in range(world)]
     dist.all_gather(parts, zigzag_shard(whole, -2))
     assert torch.equal(zigzag_unshard(torch.cat(parts, dim=1), 1), whole)
+    empty = torch.empty(2, 0, 3)  # an empty sequence: empty shards, and back
+    assert zigzag_shard(empty, 1).shape == (2, 0, 3) and zigzag_unshard(empty, 1).shape == (2, 0, 3)
     checked += 1
     # ring: [B, H, s, D] fp32 with and without causal, scale default and given, both layouts.
     for causal in (False, True):
@@ -138,8 +140,10 @@ def _matrix() -> int:
         seed += 1
         _case("ring", seed, torch.bfloat16, (2, 2, 4, 8), 8, True, None, layout, None)
         checked += 1
-    # Empty blocks: no tokens, no batch (nothing moves; shapes and empty gradients as torch's).
-    for shape, kind in (((2, 2, 0, 8), "ring"), ((0, 4, 8), "ring"), ((2, 2 * world, 0, 8), "ulysses")):
+    # Empty blocks: no tokens, no batch (nothing moves; shapes and empty gradients as torch's); a head
+    # size of 0 (every score 0: uniform weights, as scaled_dot_product_attention's default scale gives).
+    for shape, kind in (((2, 2, 0, 8), "ring"), ((0, 4, 8), "ring"), ((2, 2 * world, 0, 8), "ulysses"),
+                        ((2, 4, 0), "ring")):
         seed += 1
         _case(kind, seed, torch.float32, shape, 8, True, None, "contiguous", None)
         checked += 1
@@ -166,9 +170,19 @@ def _matrix() -> int:
             # Two all-to-alls forward, two backward: through the 2-D algorithm exactly when it has two levels.
             assert (sent_bytes("all_to_all/2d") > before) == two_d, spec
             checked += 1
+        # Topologies that differ across the group (the 2-D all-to-all on some ranks only): every rank raises.
+        x = _rand((1, 4, 2, 8), torch.float32, 95)
+        with pytest.raises(CollectiveMismatchError, match="ulysses_attention: .*topology"):
+            ulysses_attention(x, x, x, topology=Topology.from_spec("2x2") if dist.get_rank() < 2 else None, timeout=T)
         cp = [dist.new_group(members, timeout=timedelta(seconds=T)) for members in ([0, 2], [1, 3])]
         mine = cp[dist.get_rank() % 2]
+        other = cp[1 - dist.get_rank() % 2]  # dist.new_group's NON_GROUP_MEMBER on this rank
         try:
+            for fn in (ring_attention, ulysses_attention):
+                with pytest.raises(ValueError, match=f"{fn.__name__}: this rank .* is not a member of the group"):
+                    fn(x, x, x, group=other, timeout=T)
+            with pytest.raises(ValueError, match="zigzag_shard: this rank .* is not a member of the group"):
+                zigzag_shard(x, group=other)
             _case("ring", 90, torch.float32, (2, 2, 4, 8), 8, True, None, "zigzag", mine)
             _case("ulysses", 91, torch.float32, (2, 2, 4, 8), 8, True, None, "contiguous", mine)
             checked += 2
@@ -183,10 +197,12 @@ def test_ring_and_ulysses_match_attention_over_the_whole_sequence(ranks, world):
     """CP 2, 3 and 4: ring attention (contiguous and zig-zag layouts) and Ulysses attention (topology
     detected, 1x4 and 2x2 at 4 ranks) give this rank's block of scaled_dot_product_attention over the
     whole sequence, output and q/k/v gradients, causal and not, scale default and given, fp32, fp64
-    and bf16, 2-D to 4-D, transposed (non-contiguous) and empty inputs; on subgroups too; the ring sends
+    and bf16, 2-D to 4-D, transposed (non-contiguous) and empty inputs (a head size of 0 too); on
+    subgroups too, a group this rank is not in a ValueError, topologies that differ across the group
+    (at 4 ranks) a CollectiveMismatchError on every rank; the ring sends
     exactly (P - 1) K/V blocks forward and (P - 1) K/V blocks plus P gradient sums backward."""
     counts = ranks(world, _matrix, timeout=120)
-    assert counts == [counts[0]] * world and counts[0] == 25 + 4 * (world == 4)
+    assert counts == [counts[0]] * world and counts[0] == 26 + 4 * (world == 4)
 
 
 # --------------------------------------------------------------------------------- faults (row 39)
@@ -352,3 +368,5 @@ def test_bad_arguments_are_errors_at_the_call():
                 assert got.shape == want.shape and torch.allclose(got, want, rtol=1.3e-6, atol=1e-5)
     seq = torch.arange(12.0).reshape(1, 12, 1)
     assert torch.equal(zigzag_shard(seq, 1), seq) and torch.equal(zigzag_unshard(seq, 1), seq)
+    empty = torch.empty(1, 0, 3)
+    assert zigzag_shard(empty, 1).shape == (1, 0, 3) and zigzag_unshard(empty, 1).shape == (1, 0, 3)

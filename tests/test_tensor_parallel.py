@@ -209,7 +209,10 @@ def _matrix(groups: bool) -> int:
     if groups:
         tp = [dist.new_group(members, timeout=timedelta(seconds=T)) for members in ([0, 1], [2, 3])]
         mine = tp[dist.get_rank() // 2]
+        other = tp[1 - dist.get_rank() // 2]  # dist.new_group's NON_GROUP_MEMBER on this rank
         try:
+            with pytest.raises(ValueError, match="all_gather_matmul: this rank .* is not a member of the group"):
+                all_gather_matmul(torch.randn(2, 4), [torch.randn(4, 3)], group=other, timeout=T)
             _case_all_gather_matmul(90, torch.float32, (2, 3, 8), 1, [6, 5], True, False, mine, T)
             _case_matmul_reduce_scatter(91, torch.float32, (2, 4), 6, 5, 1, ReduceOp.SUM, mine, T)
             _case_matmul_all_reduce(92, torch.float32, (2, 3), 6, 5, mine, T)
@@ -300,6 +303,11 @@ def _mismatches() -> list:
     expect("matmul_reduce_scatter: scatter_dim", lambda: matmul_reduce_scatter(
         torch.randn(2, 2, 3), torch.randn(3, 2), scatter_dim=rank, timeout=T))
     expect("matmul_all_reduce: rows", lambda: matmul_all_reduce(torch.randn(3 + rank, 4), torch.randn(4, 2), timeout=T))
+    # Whether the backward's ring will run: a rank without it would leave the other in that ring.
+    expect("all_gather_matmul: requires_grad", lambda: all_gather_matmul(
+        torch.randn(2, 5, requires_grad=bool(rank)), [b5], timeout=T))
+    expect("matmul_reduce_scatter: requires_grad", lambda: matmul_reduce_scatter(
+        torch.randn(4, 3), torch.randn(3, 2, requires_grad=bool(rank)), timeout=T))
     # Wrong in itself on every rank: a ValueError at the call, naming the dim and the group size.
     try:
         matmul_reduce_scatter(torch.randn(3, 4, 5), torch.randn(5, 2), scatter_dim=0, timeout=T)
@@ -310,11 +318,13 @@ def _mismatches() -> list:
 
 
 def test_shapes_that_differ_across_the_group_fail_on_every_rank(ranks):
-    """docs/faults.md row 39: shapes (or dtype, or the gather/scatter dim) that differ across the TP
-    group raise CollectiveMismatchError on every rank, naming the function, before any result; the
-    group stays usable; a scatter dim not divisible by the group size is a ValueError at the call."""
+    """docs/faults.md row 39: shapes (or dtype, or the gather/scatter dim, or whether the backward's
+    ring runs: requires_grad) that differ across the TP group raise CollectiveMismatchError on every
+    rank, naming the function, before any result; the group stays usable; a scatter dim not
+    divisible by the group size is a ValueError at the call."""
     for seen in ranks(2, _mismatches, timeout=60):
         *cases, (_, kind, msg) = seen
+        assert len(cases) == 9, cases
         for case, error, named in cases:
             assert error == "CollectiveMismatchError" and named, (case, error)
         assert kind == "ValueError", kind
@@ -788,6 +798,12 @@ def _bad_arguments() -> list[str]:
             seen.append(f"no error: {texts[0]}")
         except ValueError as exc:
             seen.append("ok" if all(t in str(exc) for t in texts) else f"wrong message for {texts}: {exc}")
+    # A mesh where the functions take a group: a TypeError that names its process group.
+    try:
+        all_gather_matmul(torch.randn(2, 4), [torch.randn(4, 3)], group=mesh)
+        seen.append("no error: a DeviceMesh as group")
+    except TypeError as exc:
+        seen.append("ok" if "all_gather_matmul" in str(exc) and "mesh.get_group()" in str(exc) else f"{exc}")
     assert _ring_bytes() == before
     context().engine().release(mesh.get_group())
     return seen
@@ -796,6 +812,7 @@ def _bad_arguments() -> list[str]:
 def test_bad_style_arguments_are_value_errors(ranks):
     """docs/faults.md row 39: a 2-D mesh handed to a style (directly or through parallelize_module),
     no mesh, a module that is neither Linear nor Embedding -> ValueError at parallelize_module,
-    naming the style and what to pass, before any parameter is distributed."""
+    naming the style and what to pass, before any parameter is distributed; a DeviceMesh passed to a
+    function as its group -> TypeError naming mesh.get_group()."""
     for seen in ranks(4, _bad_arguments, timeout=60):
-        assert seen == ["ok"] * 6, seen
+        assert seen == ["ok"] * 7, seen
