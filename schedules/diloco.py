@@ -34,6 +34,7 @@ a callback.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import math
 import numbers
 from collections.abc import Callable, Iterable
@@ -56,6 +57,8 @@ from commopt.comm.topology import Topology
 __all__ = ["DiLoCo", "worker_group", "worker_topology"]
 
 OptimizerFactory = Callable[[list], torch.optim.Optimizer]
+# What load_state_dict needs of a state_dict (compressor_state is optional: None without a compressor).
+_STATE_KEYS = ("meta", "steps", "reductions", "backups", "outer_optimizers", "error_feedback", "pending")
 _NAME = "DiLoCo"
 
 
@@ -173,12 +176,14 @@ class DiLoCo:
 
     Args:
         model: the module being trained (plain, DDP-wrapped, or FSDP2-sharded over the worker group).
-            Parameters with ``requires_grad=False`` or no elements are not synchronised.
+            Parameters with ``requires_grad=False`` or no elements are not synchronised, nor are buffers
+            (e.g. BatchNorm statistics); the synchronised ones must be real floating point.
         inner_optimizer: the optimizer of the inner steps, stepped by the user; it must optimise the
             model's parameters (built after wrapping). DiLoCo never steps it or keeps its state.
         outer_optimizer: ``params -> torch.optim.Optimizer``, called once per fragment with the backup
             pieces of that fragment (None: Nesterov SGD, lr 0.7, momentum 0.9). Elementwise optimizers
-            only (SGD, Adam...): each rank steps 1/L of every parameter.
+            only (SGD, Adam...): each rank steps 1/L of every parameter; one whose step needs a closure
+            (LBFGS) is a TypeError.
         sync_every: inner steps between two outer steps of a fragment (H), >= 1.
         fragments: the number of fragments (contiguous groups of parameters in ``named_parameters()``
             order, of about equal size), or explicit fragments: lists of parameter names that cover every
@@ -219,11 +224,17 @@ class DiLoCo:
                             f"lambda ps: torch.optim.SGD(ps, lr=0.7, momentum=0.9, nesterov=True)) or None, got "
                             f"{type(outer_optimizer).__name__}")
         self.sync_every = _positive_int("sync_every", sync_every, "e.g. sync_every=32")
-        if isinstance(delay, bool) or not isinstance(delay, numbers.Integral) or not 0 <= delay < self.sync_every:
+        if isinstance(delay, bool) or not isinstance(delay, numbers.Integral):
+            raise TypeError(f"{_NAME}: delay must be an int with 0 <= delay < sync_every ({self.sync_every}), got "
+                            f"{type(delay).__name__} {delay!r}; e.g. delay=0 (apply at the sync) or delay=2")
+        if not 0 <= delay < self.sync_every:
             raise ValueError(f"{_NAME}: delay must be an int with 0 <= delay < sync_every ({self.sync_every}): a "
                              f"fragment's outer step must land before its next sync; got {delay!r}")
         self.delay = int(delay)
-        if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real) or not 0.0 <= float(alpha) < 1.0:
+        if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real):
+            raise TypeError(f"{_NAME}: alpha must be a number in [0, 1) (the local weights' share when the global "
+                            f"ones are adopted; 0 replaces them), got {type(alpha).__name__} {alpha!r}")
+        if not 0.0 <= float(alpha) < 1.0:
             raise ValueError(f"{_NAME}: alpha must be a number in [0, 1) (the local weights' share when the "
                              f"global ones are adopted; 0 replaces them), got {alpha!r}")
         self.alpha = float(alpha)
@@ -244,7 +255,12 @@ class DiLoCo:
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad and p.numel() > 0]
         if not named:
             raise ValueError(f"{_NAME}: the model has no trainable parameters with elements to synchronise")
-        ids = {id(p) for _, p in named}
+        odd = [f"{n} ({p.dtype})" for n, p in named if not p.is_floating_point()]
+        if odd:
+            raise TypeError(f"{_NAME}: trainable parameters must be real floating point (the pseudo-gradients are "
+                            f"reduced as floats), got {odd[:5]}; keep them real (e.g. torch.view_as_real) or freeze "
+                            f"them (requires_grad_(False): not synchronised)")
+        ids = {id(p) for p in model.parameters() if p.requires_grad}  # empty ones too: unsynchronised, not strangers
         inner = [p for g in inner_optimizer.param_groups for p in g["params"]]
         strangers = [i for i, p in enumerate(inner) if id(p) not in ids and p.requires_grad]
         if strangers:
@@ -284,6 +300,10 @@ class DiLoCo:
             opt = factory(params)
             if not isinstance(opt, torch.optim.Optimizer):
                 raise TypeError(f"{_NAME}: outer_optimizer returned {type(opt).__name__}, not a torch.optim.Optimizer")
+            if _needs_closure(opt):
+                raise TypeError(f"{_NAME}: outer_optimizer returned {type(opt).__name__}, whose step() needs a "
+                                f"closure (it re-evaluates a loss); the outer step has only the averaged "
+                                f"pseudo-gradient: use an elementwise optimizer such as SGD or Adam")
             got = {id(p) for g in opt.param_groups for p in g["params"]}
             if got != {id(p) for p in params}:
                 raise ValueError(f"{_NAME}: outer_optimizer must optimise exactly the params it is given (fragment "
@@ -517,10 +537,16 @@ class DiLoCo:
 
         Raises:
             ValueError: the checkpoint was taken with another world size, worker layout, rank, fragments,
-                sync_every, delay or compressor, or holds other parameters.
+                sync_every, delay or compressor, or holds other parameters, or outer optimizer states that do
+                not load into this DiLoCo's outer optimizers (another type; nothing is loaded), or is not a
+                whole :meth:`state_dict`.
         """
         if not isinstance(state, dict) or "meta" not in state:
             raise ValueError(f"{_NAME}: not a DiLoCo state_dict (no 'meta')")
+        missing = [k for k in _STATE_KEYS if k not in state]
+        if missing:
+            raise ValueError(f"{_NAME}: not a whole DiLoCo state_dict (missing {missing}); pass what "
+                             f"DiLoCo.state_dict() returned")
         saved, now = state["meta"], self._meta()
         if saved != now:
             diff = {k: (saved.get(k), now.get(k)) for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)}
@@ -535,11 +561,20 @@ class DiLoCo:
             if tuple(b.shape) != tuple(self.backups[n].shape):
                 raise ValueError(f"{_NAME}: backup {n!r} has shape {tuple(b.shape)}, expected "
                                  f"{tuple(self.backups[n].shape)}")
+        # The outer optimizers first: one that does not take its state (another type) leaves every one as it was.
+        before = [opt.state_dict() for opt in self.outer_optimizers]
+        for f, (opt, sd) in enumerate(zip(self.outer_optimizers, state["outer_optimizers"])):
+            try:
+                opt.load_state_dict(sd)
+            except (KeyError, ValueError, TypeError, RuntimeError) as exc:
+                for o, old in zip(self.outer_optimizers, before):
+                    o.load_state_dict(old)
+                raise ValueError(f"{_NAME}: the checkpoint's outer optimizer state of fragment {f} does not load into "
+                                 f"this {type(opt).__name__} ({type(exc).__name__}: {exc}); build DiLoCo with the "
+                                 f"outer_optimizer the checkpoint was taken with") from None
         with torch.no_grad():
             for n, b in backups.items():
                 self.backups[n].copy_(b)
-        for opt, sd in zip(self.outer_optimizers, state["outer_optimizers"]):
-            opt.load_state_dict(sd)
         self.error_feedback.load_state_dict(state["error_feedback"])
         if self.compressor_state is not None and state.get("compressor_state") is not None:
             self.compressor_state.load_state_dict(state["compressor_state"])
@@ -557,6 +592,15 @@ def _positive_int(name: str, value: object, hint: str) -> int:
     if value < 1:
         raise ValueError(f"{_NAME}: {name} must be >= 1 ({hint}), got {value!r}")
     return int(value)
+
+
+def _needs_closure(opt: torch.optim.Optimizer) -> bool:
+    """Whether ``opt.step()`` cannot run without a closure (LBFGS)."""
+    try:
+        closure = inspect.signature(opt.step).parameters.get("closure")
+    except (TypeError, ValueError):
+        return False
+    return closure is not None and closure.default is inspect.Parameter.empty
 
 
 def _backup_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -353,6 +353,17 @@ def _checkpoint_body() -> None:
                    compressor=C.TopKCompressor(ratio=0.4), workers=[[0, 1]])
     with pytest.raises(ValueError, match="workers"):
         other.load_state_dict(state)
+    # Outer state of another optimizer type (a KeyError inside torch) or a partial dict: a ValueError, nothing loaded.
+    m = _model()
+    adam = DiLoCo(m, torch.optim.SGD(m.parameters(), lr=0.1), outer_optimizer=lambda ps: torch.optim.Adam(ps),
+                  sync_every=2, fragments=2, delay=1, compressor=C.TopKCompressor(ratio=0.4), workers=[[0], [1]])
+    backups = {n: b.clone() for n, b in adam.backups.items()}
+    with pytest.raises(ValueError, match="outer_optimizer"):
+        adam.load_state_dict(state)
+    assert all(not o.state and isinstance(o, torch.optim.Adam) for o in adam.outer_optimizers)
+    assert all(torch.equal(b, backups[n]) for n, b in adam.backups.items()) and adam.steps == 0
+    with pytest.raises(ValueError, match="missing"):
+        adam.load_state_dict({"meta": state["meta"]})
 
 
 def _nonfinite_body() -> None:
@@ -399,6 +410,7 @@ def _bad_arguments_body() -> None:
     m = _model()
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
     w = {"workers": [[0], [1]]}
+    c = nn.Linear(2, 2).to(torch.complex64)
     cases = [
         (TypeError, "model", lambda: DiLoCo("model", opt)),
         (TypeError, "inner_optimizer", lambda: DiLoCo(m, None)),
@@ -408,7 +420,11 @@ def _bad_arguments_body() -> None:
         (TypeError, "sync_every", lambda: DiLoCo(m, opt, sync_every=2.0)),
         (ValueError, "delay", lambda: DiLoCo(m, opt, sync_every=4, delay=4)),
         (ValueError, "delay", lambda: DiLoCo(m, opt, delay=-1)),
+        (TypeError, "delay", lambda: DiLoCo(m, opt, sync_every=4, delay=1.0)),
         (ValueError, "alpha", lambda: DiLoCo(m, opt, alpha=1.0)),
+        (TypeError, "alpha", lambda: DiLoCo(m, opt, alpha="0.5")),
+        (TypeError, "complex", lambda: DiLoCo(c, torch.optim.SGD(c.parameters(), lr=0.1), **w)),
+        (TypeError, "closure", lambda: DiLoCo(m, opt, outer_optimizer=torch.optim.LBFGS, **w)),
         (ValueError, "fragments", lambda: DiLoCo(m, opt, fragments=0)),
         (ValueError, "fragments", lambda: DiLoCo(m, opt, fragments=99)),
         (ValueError, "exactly once", lambda: DiLoCo(m, opt, fragments=[["fc1.weight"]])),
@@ -428,6 +444,12 @@ def _bad_arguments_body() -> None:
     for exc, words, make in cases:
         with pytest.raises(exc, match=words):
             make()
+    # An empty trainable parameter is not synchronised, and an inner optimizer over model.parameters() holding it
+    # is no stranger.
+    m.empty = nn.Parameter(torch.zeros(0))
+    d = DiLoCo(m, torch.optim.SGD(m.parameters(), lr=0.1), sync_every=1, **w)
+    assert "empty" not in d.backups and len(d.backups) == 5
+    d.step()
 
 
 def _body_world2() -> None:
