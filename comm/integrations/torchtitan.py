@@ -79,7 +79,9 @@ from typing import Callable
 
 from torch import nn
 from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.parallel import parallelize_module
 
+from ...schedules.tensor_parallel import ColwiseParallel, RowwiseParallel
 from ..compression import QuantizeCompressor
 from ..fsdp import AllGatherComm, Comms, ReduceScatterComm, register
 from ..topology import Topology
@@ -236,10 +238,7 @@ def _substitute_tp(model: nn.Module, kwargs: dict) -> dict[str, str]:
     if getattr(kwargs.get("compile_config"), "enable_async_tensor_parallel", False):
         raise ValueError(f"{_WHERE}: --compile.enable_async_tensor_parallel pipelines the same TP collectives with "
                          f"the matmuls inside the compiled graph; commopt's rings replace them: use one of the two")
-    from torch.distributed.tensor.parallel import parallelize_module
     from torchtitan.protocols.sharding import resolve_placements
-
-    from ...schedules.tensor_parallel import ColwiseParallel, RowwiseParallel
 
     mesh = dims.get_mesh("tp")
 
