@@ -1,7 +1,7 @@
 """``commopt-bench diloco``: the bench GPT trained side by side on the same tokens with DDP over every
 rank (the synchronous baseline) and with DiLoCo (``schedules.DiLoCo``: each node a worker training
 with DDP inside it, the pseudo-gradient reduced along the rails every H inner steps), H in {8, 32},
-outer gradients fp32 / int8 / int4, streaming off and on (docs/guide.md, "DiLoCo").
+outer gradients fp32 / int8 / int4, streaming off and on (fp32 and int4; docs/guide.md, "DiLoCo").
 
 Every run trains from the same initial weights on the same tokens (rank r's batch of step t is the
 same for every run), one step of each in turn, rotated every step. Printed per run: the mean step
@@ -42,6 +42,7 @@ RUNS: dict[str, tuple | None] = {
     "ddp": None,
     "diloco-8": (8, None, 1, 0),
     "diloco-32": (32, None, 1, 0),
+    "diloco-32-stream": (32, None, 4, 2),
     "diloco-32-int8": (32, 8, 1, 0),
     "diloco-32-int4": (32, 4, 1, 0),
     "diloco-32-int4-stream": (32, 4, 4, 2),
@@ -194,8 +195,22 @@ def _report(results: list[dict], args, topo) -> None:
     for r in results:
         ratio = base["bytes_per_step"] / r["bytes_per_step"] if r["bytes_per_step"] else float("inf")
         print(f"{r['run']:<24}{r['step_ms']:>9.1f}{base['step_ms'] / r['step_ms']:>7.2f}x{r['inner_ms']:>10.1f}"
-              f"{r['exposed_ms']:>9.1f}{r['bytes_per_step'] / 2**20:>9.2f}{ratio:>7.1f}x{r['final_loss']:>8.4f}"
+              f"{r['exposed_ms']:>9.1f}{r['bytes_per_step'] / 2**20:>9.2f} {ratio:>7.1f}x{r['final_loss']:>8.4f}"
               f"{r['held_out_loss']:>10.4f}")
+    by_name = {r["run"]: r for r in results}
+    for name, r in by_name.items():  # what streaming hides of the same setting's unstreamed sync
+        plain = by_name.get(name.removesuffix("-stream")) if name.endswith("-stream") else None
+        if plain is not None and plain["exposed_ms"] > 0:
+            print(f"# {name}: exposed {r['exposed_ms']:.1f} ms/step against {plain['exposed_ms']:.1f} unstreamed: "
+                  f"hides {100 * (1 - r['exposed_ms'] / plain['exposed_ms']):.0f} % of the outer sync (target >= 90 %)")
+    if base["run"] == "ddp":
+        for r in results:
+            if r is base or r["bytes_per_step"] * 100 > base["bytes_per_step"]:
+                continue
+            fewer = base["bytes_per_step"] / r["bytes_per_step"] if r["bytes_per_step"] else float("inf")
+            print(f"# {r['run']}: {base['step_ms'] / r['step_ms']:.2f}x DDP's step (target >= 4x), "
+                  f"{fewer:.0f}x fewer bytes (target >= 100x), training loss "
+                  f"{100 * (r['final_loss'] / base['final_loss'] - 1):+.1f} % of DDP's (target within 3 %)")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"kind": "diloco", "args": vars(args), "layout": topo.layout, "world_size": dist.get_world_size(),
