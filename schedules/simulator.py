@@ -584,10 +584,11 @@ class TPResult:
 
 
 def simulate_tensor_parallel(config: TransformerConfig | str, *, tp: int, tokens: int, flops: float,
-                             link: cost.LinkModel, decomposed: bool, activation_bytes: int = 2) -> TPResult:
+                             link: cost.LinkModel, decomposed: bool, activation_bytes: int = 2,
+                             ffn: int | None = None) -> TPResult:
     """One block of ``config`` under tensor + sequence parallelism over ``tp`` ranks joined by ``link``
     (Megatron's layout, docs/guide.md "Tensor parallelism"): all-gather the sequence-sharded
-    activations into QKV (3 d^2) and FC1 (4 d^2), reduce-scatter out of OUT (d^2) and FC2 (4 d^2);
+    activations into QKV (3 d^2) and FC1 (d ffn), reduce-scatter out of OUT (d^2) and FC2 (d ffn);
     backward the mirror image (the gradient all-gathered into FC2's and OUT's input gradients,
     reduce-scattered out of FC1's and QKV's), each weight gradient a local matmul.
 
@@ -606,14 +607,18 @@ def simulate_tensor_parallel(config: TransformerConfig | str, *, tp: int, tokens
         link: the TP group's link (inside a node: ``CostModel.intra``).
         decomposed: commopt's decomposed rings instead of the unfused collectives.
         activation_bytes: bytes per activation element (2: bf16).
+        ffn: the MLP's hidden units (None: 4 d_model).
     """
     cfg = TRANSFORMERS[config] if isinstance(config, str) else config
     if not isinstance(tp, int) or tp < 1:
         raise ValueError(f"simulate_tensor_parallel: tp must be an int >= 1, got {tp!r}")
     d = cfg.d_model
+    hidden = 4 * d if ffn is None else ffn
+    if isinstance(hidden, bool) or not isinstance(hidden, int) or hidden < 1:
+        raise ValueError(f"simulate_tensor_parallel: ffn must be an int >= 1 or None (4 d_model), got {ffn!r}")
     # Per rank, forward: each matmul's 1/tp; backward: the input gradient (the one beside a
     # collective) and the weight gradient, each as long as the forward matmul.
-    mats = [2 * tokens * c * d * d / tp / flops for c in (3, 1, 4, 4)]  # QKV, OUT, FC1, FC2
+    mats = [2 * tokens * d * n / tp / flops for n in (3 * d, d, hidden, hidden)]  # QKV, OUT, FC1, FC2
     attention = 4 * tokens * cfg.seq * d / tp / flops  # scores and the weighted sum, this rank's heads
     compute = 3 * (sum(mats) + attention)
     act = tokens * d * activation_bytes  # the block's whole activation

@@ -167,6 +167,12 @@ def test_bench_tp_quick_and_its_plot(tmp_path):
         assert r["step_over_max"] == pytest.approx(r["step_s"] / max(r["compute_s"], r["comm_s"]))
         assert r["exposed_s"] == pytest.approx(max(r["step_s"] - r["compute_s"], 0.0))
     assert rows["torch plan"]["speedup"] == 1.0 and rows["attention gathered"]["speedup"] == 1.0
+    # The simulator's step for the block's two plans, fitted to this run's compute and communication
+    # alone: unfused is their sum, decomposed no more than that and no less than the larger.
+    torch_plan, styles = rows["torch plan"], rows["commopt styles"]
+    assert torch_plan["sim_s"] == pytest.approx(torch_plan["compute_s"] + torch_plan["comm_s"], rel=1e-6)
+    assert max(styles["compute_s"], styles["comm_s"]) * (1 - 1e-6) <= styles["sim_s"] <= torch_plan["sim_s"]
+    assert all(rows[v]["sim_s"] is None for v in ("attention gathered", "ring attention", "ulysses attention"))
     assert "commopt styles" in res.stdout and "ring attention" in res.stdout
     drawn = plot.plot(data, str(tmp_path / "tp.png"))
     _png_size(tmp_path / "tp.png")

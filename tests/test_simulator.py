@@ -427,6 +427,14 @@ def test_tensor_parallel_block_limits():
     assert one.communication == 0 and one.compute == pytest.approx(tp * unfused.compute)
     with pytest.raises(ValueError, match="tp must be"):
         simulate_tensor_parallel(cfg, tp=0, tokens=tokens, flops=1e9, link=link, decomposed=True)
+    # ffn: the MLP's two matmuls scale with it and nothing else does (the default is 4 d_model).
+    wide = simulate_tensor_parallel(cfg, tp=tp, tokens=tokens, flops=1e9, link=free, decomposed=False, ffn=512)
+    default = simulate_tensor_parallel(cfg, tp=tp, tokens=tokens, flops=1e9, link=free, decomposed=False, ffn=256)
+    assert default.compute == pytest.approx(unfused.compute)
+    assert wide.compute - default.compute == pytest.approx(3 * 2 * 2 * tokens * 64 * 256 / tp / 1e9)
+    for bad in (0, 2.5, True):
+        with pytest.raises(ValueError, match="ffn must be"):
+            simulate_tensor_parallel(cfg, tp=tp, tokens=tokens, flops=1e9, link=link, decomposed=True, ffn=bad)
 
 
 def test_sharded_simulator_takes_measured_lines():
