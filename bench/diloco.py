@@ -6,10 +6,14 @@ outer gradients fp32 / int8 / int4, streaming off and on (fp32 and int4; docs/gu
 Every run trains from the same initial weights on the same tokens (rank r's batch of step t is the
 same for every run), one step of each in turn, rotated every step. Printed per run: the mean step
 time (inner steps and outer syncs together), the mean step without a sync (the inner step), the
-exposed outer sync per step (the difference), the bytes per step this node put on its link (the
-interface counters inside the emulated cluster; elsewhere the engine's count of what this rank sent),
-the final training loss (mean of the last 5 steps over the ranks) and the held-out loss of the final
-weights on batches no run trained on. The setting these methods were made for::
+exposed outer sync per step (the difference), the bytes per step the busiest node put on its link as
+measured (the interface counters inside the emulated cluster; elsewhere the engine's count of what this
+rank sent) and as the algorithms' traffic model counts them (DDP: a ring over every rank; DiLoCo:
+``DiLoCo.outer_bytes``, the rail reduction's encoded bytes). The targets are read on the model's
+bytes: the counters see a streamed reduction's bytes in whichever run's step they cross the link
+during, the model charges them to the run that sent them. Also printed: the final training loss (mean
+of the last 5 steps over the ranks) and the held-out loss of the final weights on batches no run
+trained on. The setting these methods were made for::
 
     commopt-bench cluster --nodes 2 --ranks-per-node 2 --link-rate 200mbit -- commopt-bench diloco
 
@@ -28,6 +32,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+
+from commopt.comm import algorithms
 
 from ._launch import launch, topology_of
 from ._progress import interleaved
@@ -160,14 +166,29 @@ def _held_out(run: dict, args) -> float:
     return float(mean) / dist.get_world_size()
 
 
-def _summary(run: dict, args) -> dict:
+def _model_bytes(run: dict, topo) -> float:
+    """The busiest node link's bytes per step by the algorithms' traffic model: DDP's gradients in a
+    ring over every rank each step; DiLoCo's outer reductions as ``DiLoCo.outer_bytes`` counted them,
+    summed over each node's ranks."""
+    steps = len(run["times"])
+    if "diloco" not in run:
+        nbytes = sum(p.numel() * p.element_size() for p in run["model"].parameters() if p.requires_grad)
+        return algorithms.get("flat").traffic("allreduce", nbytes, topo).link_bytes()
+    sent = torch.zeros(topo.world_size, dtype=torch.float64)
+    sent[topo.rank] = run["diloco"].outer_bytes
+    dist.all_reduce(sent)
+    return max(sum(float(sent[r]) for r in node) for node in topo.nodes) / steps
+
+
+def _summary(run: dict, args, topo) -> dict:
     times, synced = run["times"], run["synced"]
     inner = [t for t, s in zip(times, synced) if not s] or times
     nbytes = torch.tensor([statistics.mean(run["bytes"])], dtype=torch.float64)
     dist.all_reduce(nbytes, op=dist.ReduceOp.MAX)  # the busiest node's link
     return {"run": run["name"], "step_ms": 1e3 * statistics.mean(times), "inner_ms": 1e3 * statistics.median(inner),
             "exposed_ms": 1e3 * max(statistics.mean(times) - statistics.median(inner), 0.0),
-            "bytes_per_step": float(nbytes), "final_loss": statistics.mean(run["losses"][-5:]),
+            "bytes_per_step": float(nbytes), "model_bytes_per_step": _model_bytes(run, topo),
+            "final_loss": statistics.mean(run["losses"][-5:]),
             "held_out_loss": _held_out(run, args), "losses": run["losses"],
             "sync_every": None if RUNS[run["name"]] is None else _sync_every(args, run["name"])}
 
@@ -176,7 +197,7 @@ def _rank_body(args) -> int:
     topo = topology_of(args)
     runs = [_setup(name, args, topo) for name in args.runs.split(",")]
     interleaved(runs, args.steps, lambda run, step: _step(run, step, args, topo), "runs", rank=dist.get_rank())
-    results = [_summary(run, args) for run in runs]
+    results = [_summary(run, args, topo) for run in runs]
     if dist.get_rank() == 0:
         _report(results, args, topo)
     return 0
@@ -185,18 +206,20 @@ def _rank_body(args) -> int:
 def _report(results: list[dict], args, topo) -> None:
     base = next((r for r in results if r["run"] == "ddp"), results[0])
     link = f", link {topo.link_rate_bps / 1e6:.0f} Mbit/s" if topo.link_rate_bps else ""
-    where = "this node's link (interface counters)" if topo.link_rate_bps else "this rank's sends (engine count)"
+    where = "the node's link (interface counters)" if topo.link_rate_bps else "the rank's sends (engine count)"
     print(f"# commopt-bench diloco: GPT d={args.d_model} L={args.layers} seq={args.seq_len} batch={args.batch}/rank, "
           f"{args.steps} steps, world {dist.get_world_size()} ({topo.layout}{link}); one worker per node")
     print(f"# step: mean over every step (inner steps and syncs); inner: median step without a sync; exposed: the "
-          f"difference; MB/step: {where}, the busiest; losses: training (last 5 steps) and held-out (final weights)")
-    print(f"{'run':<24}{'step ms':>9}{'vs ddp':>8}{'inner ms':>10}{'exposed':>9}{'MB/step':>9}{'vs ddp':>8}"
-          f"{'train':>8}{'held-out':>10}")
+          f"difference; MB/step: {where}, the busiest; model MB/step: the traffic model's, the busiest node link; "
+          f"losses: training (last 5 steps) and held-out (final weights)")
+    print(f"{'run':<24}{'step ms':>9}{'vs ddp':>8}{'inner ms':>10}{'exposed':>9}{'MB/step':>9}{'model MB':>10}"
+          f"{'vs ddp':>9}{'train':>8}{'held-out':>10}")
     for r in results:
-        ratio = base["bytes_per_step"] / r["bytes_per_step"] if r["bytes_per_step"] else float("inf")
+        model = r["model_bytes_per_step"]
+        ratio = base["model_bytes_per_step"] / model if model else float("inf")
         print(f"{r['run']:<24}{r['step_ms']:>9.1f}{base['step_ms'] / r['step_ms']:>7.2f}x{r['inner_ms']:>10.1f}"
-              f"{r['exposed_ms']:>9.1f}{r['bytes_per_step'] / 2**20:>9.2f} {ratio:>7.1f}x{r['final_loss']:>8.4f}"
-              f"{r['held_out_loss']:>10.4f}")
+              f"{r['exposed_ms']:>9.1f}{r['bytes_per_step'] / 2**20:>9.2f}{model / 2**20:>10.3f} {ratio:>7.0f}x"
+              f"{r['final_loss']:>8.4f}{r['held_out_loss']:>10.4f}")
     by_name = {r["run"]: r for r in results}
     for name, r in by_name.items():  # what streaming hides of the same setting's unstreamed sync
         plain = by_name.get(name.removesuffix("-stream")) if name.endswith("-stream") else None
@@ -205,9 +228,10 @@ def _report(results: list[dict], args, topo) -> None:
                   f"hides {100 * (1 - r['exposed_ms'] / plain['exposed_ms']):.0f} % of the outer sync (target >= 90 %)")
     if base["run"] == "ddp":
         for r in results:
-            if r is base or r["bytes_per_step"] * 100 > base["bytes_per_step"]:
+            if r is base or r["model_bytes_per_step"] * 100 > base["model_bytes_per_step"]:
                 continue
-            fewer = base["bytes_per_step"] / r["bytes_per_step"] if r["bytes_per_step"] else float("inf")
+            model = r["model_bytes_per_step"]
+            fewer = base["model_bytes_per_step"] / model if model else float("inf")
             print(f"# {r['run']}: {base['step_ms'] / r['step_ms']:.2f}x DDP's step (target >= 4x), "
                   f"{fewer:.0f}x fewer bytes (target >= 100x), training loss "
                   f"{100 * (r['final_loss'] / base['final_loss'] - 1):+.1f} % of DDP's (target within 3 %)")

@@ -46,9 +46,11 @@ from torch import nn
 from torch.distributed import ReduceOp
 
 from commopt.comm import all_gather, all_reduce
+from commopt.comm.algorithms.rail import RAIL
 from commopt.comm.algorithms.roles import DILOCO
 from commopt.comm.checks import check_timeout
 from commopt.comm.compression import Codec, ErrorFeedback, reduce_tensors
+from commopt.comm.compression.auto import Encoding
 from commopt.comm.engine import wait, wait_work
 from commopt.comm.errors import NonFiniteError, TopologyError
 from commopt.comm.runtime import context
@@ -205,6 +207,10 @@ class DiLoCo:
         outer_optimizers: one per fragment.
         error_feedback: the residuals of the compressed pseudo-gradients, by parameter name.
         steps: inner steps counted so far.
+        outer_bytes: the bytes this rank's outer reductions have sent to other workers so far, as the
+            rail algorithm's traffic model counts them (the encoded bytes where a codec ran): a
+            streamed reduction's bytes, which cross the link while later inner steps run, are counted
+            when it is issued. A worker's link carries the sum over its ranks.
     """
 
     def __init__(self, model: nn.Module, inner_optimizer: torch.optim.Optimizer, *,
@@ -314,6 +320,7 @@ class DiLoCo:
         self._use_ef = error_feedback and compressor is not None
         self.steps = 0
         self._reductions = 0
+        self.outer_bytes = 0.0
         self._pending: list[_Pending] = []
 
     # ------------------------------------------------------------------------------- set-up
@@ -416,6 +423,7 @@ class DiLoCo:
             deltas.append(backup.to(self.device) - self._read_piece(pc, backup.dtype))
         step = self._reductions
         self._reductions += 1
+        self.outer_bytes += self._traffic(deltas, step).sent(self.topology.rank)
         if self.num_workers == 1:
             fut, kind = None, "local"
         elif self.compressor is not None:
@@ -435,6 +443,18 @@ class DiLoCo:
         pending = _Pending(f, due, deltas, fut, kind)
         self._pending.append(pending)
         return pending
+
+    def _traffic(self, deltas: list[torch.Tensor], step: int):
+        """What reduction ``step`` of ``deltas`` moves along the rails (``algorithms.Traffic``): the
+        codec's encoded bytes where it is active at this step and worth it for these shapes, else the
+        exact all-reduce's."""
+        shapes = [tuple(d.shape) for d in deltas]
+        numels = [d.numel() for d in deltas]
+        itemsize = deltas[0].element_size()
+        codec = self.compressor
+        if codec is not None and codec.active(step) and codec.worth(sum(numels), shapes):
+            return RAIL.compressed_traffic(Encoding(codec, numels, shapes, itemsize), self.topology)
+        return RAIL.traffic("allreduce", sum(numels) * itemsize, self.topology)
 
     def _averaged(self, pending: _Pending) -> list[torch.Tensor]:
         """The averaged pieces of ``pending`` (waiting for its reduction)."""

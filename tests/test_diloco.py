@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from commopt.bench.models import GPT
 from commopt.comm import Topology
 from commopt.comm import compression as C
 from commopt.comm.errors import CommTimeoutError, NonFiniteError
@@ -486,3 +487,12 @@ def test_bench_diloco_quick(tmp_path):
         assert math.isfinite(r["held_out_loss"]) and r["step_ms"] > 0 and r["inner_ms"] > 0
         assert r["exposed_ms"] == pytest.approx(max(r["step_ms"] - r["inner_ms"], 0.0))
     assert "diloco-32-int4-stream" in res.stdout
+    # The traffic model's bytes per step on the busiest node link, against rank arithmetic (N: the
+    # model's fp32 bytes): DDP rings every gradient over 4 ranks each step, node 0's link carrying
+    # 2(p-1)/p N = 1.5 N; DiLoCo H=2 exact reduces each rank's 1/2 along a rail of 2 nodes every other
+    # step (2(n-1)/n = 1 of its piece: N per node per sync, N/2 per step, up to the pieces' padding);
+    # int4 with H=8 over 4 fragments: N/8 per step, encoded in 4 bits plus block scales.
+    n = 4 * sum(p.numel() for p in GPT(256, 32, 1, 4, 16, seed=0).parameters())
+    assert rows["ddp"]["model_bytes_per_step"] == pytest.approx(1.5 * n)
+    assert rows["diloco-8"]["model_bytes_per_step"] == pytest.approx(n / 2, rel=0.02)
+    assert n / 8 / 8 < rows["diloco-32-int4-stream"]["model_bytes_per_step"] < n / 8 / 4
