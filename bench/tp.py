@@ -10,9 +10,11 @@ communication (step minus compute), and for the block's two plans the step
 ``schedules.simulator.simulate_tensor_parallel`` predicts (torch's plan unfused, commopt's styles
 decomposed) with its FLOP rate and link fitted to this run's compute alone and communication alone,
 so that ``sim/meas`` checks the model's overlap and nothing else. Where the communication is
-link-bound it has something to hide behind; the issue's setting is two nodes of one rank each in the emulated cluster::
+link-bound it has something to hide behind; the setting that shows the most is two nodes of one rank
+each in the emulated cluster, with the link rate chosen so that communication alone is about equal
+to compute alone (1 Gbit/s for the default block on the development machine, docs/results.md 22)::
 
-    commopt-bench cluster --nodes 2 --ranks-per-node 1 --link-rate 200mbit -- commopt-bench tp
+    commopt-bench cluster --nodes 2 --ranks-per-node 1 --link-rate 1gbit -- commopt-bench tp
 
 or ``--spawn 2`` on loopback (CPU-bound there: both "links" are the same two cores).
 """
