@@ -45,7 +45,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ReduceOp
 
-from commopt.comm import all_gather, all_reduce
+from commopt.comm import all_reduce
 from commopt.comm.algorithms.rail import RAIL
 from commopt.comm.algorithms.roles import DILOCO
 from commopt.comm.checks import check_timeout
@@ -515,7 +515,11 @@ class DiLoCo:
         """The worker's new pieces of its replicated parameters, all-gathered into every rank's copy."""
         mine = torch.cat([new.reshape(-1) for _, new in pieces])
         out = mine.new_empty(self.local_size * mine.numel())
-        all_gather(out, mine, group=self.worker_group, algorithm="flat", timeout=self.timeout)
+        # The backend's own all-gather, as the start's broadcast: the pieces match inside the worker by
+        # construction (_agree_settings), so commopt's agreement check and engine hop would only add a
+        # round trip and a thread hand-off to a call the inner loop waits for.
+        wait_work(dist.all_gather_into_tensor(out, mine, group=self.worker_group, async_op=True), self.timeout,
+                  f"{_NAME}/gather")
         rows = out.view(self.local_size, mine.numel())
         pos = 0
         for pc, new in pieces:
