@@ -17,8 +17,9 @@ block of ``torch.nn.functional.scaled_dot_product_attention`` over the whole seq
   the same way, as in the standard ring-attention backward: a ``torch.autograd.Function`` whose
   backward rotates K/V around the ring again together with the partial sums of their gradients
   (dK, dV, accumulated in fp32), each block's gradient computed from the whole sequence's output
-  and log-sum-exp while the next rotation runs; after P steps one last rotation brings every
-  block's gradient sum home. dQ stays local.
+  and log-sum-exp while the next rotation runs; a block's sum starts on the rank after its owner,
+  and after P steps one last rotation brings every block's sum home, where the owner adds its own
+  part. dQ stays local.
 - ``layout="zigzag"`` (causal load balancing): with the contiguous layout and ``is_causal`` rank
   P - 1 attends to P blocks and rank 0 to one. With the zig-zag layout the sequence is cut into 2P
   chunks and rank r holds chunks r and 2P - 1 - r (:func:`zigzag_shard` cuts a whole sequence so,
@@ -293,13 +294,16 @@ def _ring_forward(q, k, v, causal, scale, layout, group, timeout, deadline) -> t
 def _ring_backward(g, q, k, v, out, lse, causal, scale, layout, group, timeout, deadline):
     """The backward ring: ``(dq, dk, dv)`` of this rank's blocks.
 
-    At step k this rank holds the K/V block of rank ``j = me - k`` and, from step 1, the partial sum of
-    the gradient of block ``j + 1`` (every rank's contribution from j + 1 to itself). The step's phase
-    sends both on and receives block ``j - 1`` with its partial sum while this rank computes block j's
-    contribution; once it has completed, that contribution is added to the partial sum of block j just
-    received, which the next step sends on. Step 0 sends K/V only, step P - 1 the sum only, and a last
-    phase brings every block's sum home. Buffers are bytes: the sums (fp32; fp64 for fp64) first,
-    then K and V in their dtype, so that one phase moves both.
+    At step k this rank holds the K/V block of rank ``j = me - k`` and computes its contribution to
+    block j's gradient. Its own block's (step 0) stays here. Block j's partial sum starts on the rank
+    after j (its step 1: that rank's contribution alone) and travels on one rank per step with the
+    next K/V block: from step 2 each step's phase sends the partial sum of the block held at the step
+    before and receives block j's from the previous rank, to which this rank's contribution is added
+    once both are done. Steps 0 and 1 send K/V only (at P = 2, step 1 nothing), steps 2 .. P - 2 both,
+    step P - 1 the sum only; a last phase brings every block's sum home, where the owner adds its own
+    part. Per rank: P - 1 K/V blocks and P - 1 partial sums (a reduce-scatter's share). Buffers are
+    bytes: the sums (fp32; fp64 for fp64) first, then K and V in their dtype, so that one phase
+    moves both.
     """
     op = "ring_attention/backward"
     size, me = dist.get_world_size(group), dist.get_rank(group)
@@ -309,13 +313,14 @@ def _ring_backward(g, q, k, v, out, lse, causal, scale, layout, group, timeout, 
     held.k.copy_(k)
     held.v.copy_(v)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    own_dk = torch.zeros(k.shape, dtype=acc, device=k.device)
+    own_dv = torch.zeros(v.shape, dtype=acc, device=v.device)
     for step in range(size):
-        if step == 0:
-            fut = _ring.step(engine, op, group, held.kv, spare.kv, deadline)
-        elif step + 1 < size:
-            fut = _ring.step(engine, op, group, held.raw, spare.raw, deadline)
-        else:
-            fut = _ring.step(engine, op, group, held.sums, spare.sums, deadline)
+        kv, sums = step + 1 < size, step >= 2
+        fut = None
+        if kv or sums:
+            region = "raw" if kv and sums else "kv" if kv else "sums"
+            fut = _ring.step(engine, op, group, getattr(held, region), getattr(spare, region), deadline)
         plan = _block(layout, causal, me, (me - step) % size, s)
         grads = None
         if plan is not None:
@@ -326,17 +331,21 @@ def _ring_backward(g, q, k, v, out, lse, causal, scale, layout, group, timeout, 
         if fut is not None:  # None: nothing to move (empty blocks)
             _ring.wait_step(fut, op, timeout, deadline)
         if step == 0:
-            spare.dk.zero_()
-            spare.dv.zero_()
+            dk, dv = own_dk, own_dv
+        else:
+            dk, dv = spare.dk, spare.dv
+            if step == 1:  # block me - 1's partial sum starts here
+                dk.zero_()
+                dv.zero_()
         if grads is not None:
-            spare.dk[..., cols, :] += grads[1]
-            spare.dv[..., cols, :] += grads[2]
+            dk[..., cols, :] += grads[1]
+            dv[..., cols, :] += grads[2]
         held, spare = spare, held
-    # ``held`` has the complete sum of block me + 1: send it home, receive ours.
+    # ``held`` has the sum of block me + 1 but for its owner's part: send it home, receive ours.
     fut = _ring.step(engine, op, group, held.sums, spare.sums, deadline)
     if fut is not None:
         _ring.wait_step(fut, op, timeout, deadline)
-    return dq.to(q.dtype), spare.dk.to(k.dtype), spare.dv.to(v.dtype)
+    return dq.to(q.dtype), (spare.dk + own_dk).to(k.dtype), (spare.dv + own_dv).to(v.dtype)
 
 
 class _Slab:

@@ -92,7 +92,7 @@ def _case(kind: str, seed: int, dtype: torch.dtype, shape: tuple, dv: int, causa
         kv = (k.numel() + v.numel()) * k.element_size()
         sums = (k.numel() + v.numel()) * (8 if dtype == torch.float64 else 4)
         assert sent_bytes("ring_attention") - fwd == (world - 1) * kv, what
-        assert sent_bytes("ring_attention/backward") - bwd == (world - 1) * kv + world * sums, what
+        assert sent_bytes("ring_attention/backward") - bwd == (world - 1) * (kv + sums), what
 
     odt = torch.float32 if dtype == torch.float32 else torch.float64
     full_q, full_k, full_v = (_whole(t.detach(), layout, group).to(odt).requires_grad_() for t in (q, k, v))
