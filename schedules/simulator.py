@@ -39,6 +39,7 @@ from commopt.comm.topology import Topology
 
 from .plan import BucketPlan, build_buckets, partition
 from .priority import fifo_plan, priority_plan, shape_priority, simulate_issue
+from .tensor_parallel import CHUNK_BYTES, MAX_CHUNKS
 
 __all__ = ["Layer", "Schedule", "SimResult", "simulate", "transformer_layers", "layers_from_model",
            "TRANSFORMERS", "traffic_matrix", "iteration_traffic", "SCHEDULES", "link_service", "ShardedPlan",
@@ -585,7 +586,7 @@ class TPResult:
 
 def simulate_tensor_parallel(config: TransformerConfig | str, *, tp: int, tokens: int, flops: float,
                              link: cost.LinkModel, decomposed: bool, activation_bytes: int = 2,
-                             ffn: int | None = None) -> TPResult:
+                             ffn: int | None = None, chunks: int | None = None) -> TPResult:
     """One block of ``config`` under tensor + sequence parallelism over ``tp`` ranks joined by ``link``
     (Megatron's layout, docs/guide.md "Tensor parallelism"): all-gather the sequence-sharded
     activations into QKV (3 d^2) and FC1 (d ffn), reduce-scatter out of OUT (d^2) and FC2 (d ffn);
@@ -594,9 +595,11 @@ def simulate_tensor_parallel(config: TransformerConfig | str, *, tp: int, tokens
 
     Unfused (torch's plan): every collective runs alone, then its matmul: ``compute + 8 collectives``.
     ``decomposed`` (commopt's styles): each collective is a ring of ``tp - 1`` point-to-point steps of
-    one block of ``tokens / tp`` rows, each running while the previous block's slice of the matmul
-    is multiplied (``schedules.tensor_parallel``): the pair takes one slice plus ``tp - 1`` times the
-    longer of a slice and a step. The attention core, the norms and the weight gradients hide nothing.
+    one block of ``tokens / tp`` rows, each block cut into ``chunks`` (``schedules.tensor_parallel``):
+    the chunks cross the link back to back, and each chunk's slice of the matmul runs once the chunk
+    is in and the slice before it is done (the reduce-scatter ring modelled as its mirror image).
+    With one chunk the pair takes one slice plus ``tp - 1`` times the longer of a slice and a step.
+    The attention core, the norms and the weight gradients hide nothing.
 
     Args:
         config: a :class:`TransformerConfig` or a name in :data:`TRANSFORMERS`.
@@ -608,6 +611,8 @@ def simulate_tensor_parallel(config: TransformerConfig | str, *, tp: int, tokens
         decomposed: commopt's decomposed rings instead of the unfused collectives.
         activation_bytes: bytes per activation element (2: bf16).
         ffn: the MLP's hidden units (None: 4 d_model).
+        chunks: chunks per block (None: as the styles cut it, blocks of at least
+            ``tensor_parallel.CHUNK_BYTES`` up to ``MAX_CHUNKS``).
     """
     cfg = TRANSFORMERS[config] if isinstance(config, str) else config
     if not isinstance(tp, int) or tp < 1:
@@ -616,6 +621,8 @@ def simulate_tensor_parallel(config: TransformerConfig | str, *, tp: int, tokens
     hidden = 4 * d if ffn is None else ffn
     if isinstance(hidden, bool) or not isinstance(hidden, int) or hidden < 1:
         raise ValueError(f"simulate_tensor_parallel: ffn must be an int >= 1 or None (4 d_model), got {ffn!r}")
+    if chunks is not None and (isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1):
+        raise ValueError(f"simulate_tensor_parallel: chunks must be an int >= 1 or None, got {chunks!r}")
     # Per rank, forward: each matmul's 1/tp; backward: the input gradient (the one beside a
     # collective) and the weight gradient, each as long as the forward matmul.
     mats = [2 * tokens * d * n / tp / flops for n in (3 * d, d, hidden, hidden)]  # QKV, OUT, FC1, FC2
@@ -628,9 +635,22 @@ def simulate_tensor_parallel(config: TransformerConfig | str, *, tp: int, tokens
     if not decomposed or tp == 1:
         step = compute + communication
     else:
+        n = chunks or max(1, min(MAX_CHUNKS, tokens // tp, int(act / tp) // CHUNK_BYTES))
+        hop = link.time(act / tp / n)  # one chunk across the link
+
         def ring(matmul: float) -> float:
-            piece = matmul / tp
-            return piece + (tp - 1) * max(piece, step_time)
+            piece = matmul / tp / n
+            arrived: dict[tuple[int, int], float] = {}
+            free = 0.0
+            for k in range(tp - 1):  # step k forwards block me - k, chunk by chunk, back to back
+                for j in range(n):
+                    free = max(free, arrived.get((k - 1, j), 0.0)) + hop
+                    arrived[k, j] = free
+            t = 0.0
+            for k in range(tp):
+                for j in range(n):
+                    t = max(t, arrived.get((k - 1, j), 0.0)) + piece
+            return t
 
         paired = 2 * sum(ring(m) for m in mats)  # forward and the input gradients of backward
         step = paired + sum(mats) + 3 * attention  # + the weight gradients and the attention core

@@ -19,13 +19,18 @@ while piece k is multiplied ("decomposition-based" overlap: Wang et al., ASPLOS 
   sequence parallelism: the reduce-scatter ring above over the rows of the product (the
   multiplication overlapped with it), then an all-gather ring of the reduced rows.
 
-Every step is one engine phase (:class:`commopt.comm.engine.Phase`) on the group, submitted from the
-calling thread in ring order once the step before it has completed: the step's point-to-point
-exchange (``pairwise``) runs on the group's engine worker while the caller's thread multiplies, at
-most one step of a call is in flight, and every rank submits the same steps in the same order, so
-the ordering invariant of docs/architecture.md section 3 holds beside data-parallel traffic on other
-groups. The step count is the plain ring's (P - 1 exchanges of a block each, the bandwidth-optimal
-(P - 1)/P of the data per rank); no step is cut further.
+Every step is cut into chunks of at least :data:`CHUNK_BYTES` (at most :data:`MAX_CHUNKS` per
+block), and every chunk's step is one engine phase (:class:`commopt.comm.engine.Phase`) on the group:
+the point-to-point exchange (``pairwise``) runs on the group's engine worker while the caller's
+thread multiplies. The all-gather ring submits all its chunk steps at once (the worker runs them in
+order, so a chunk is forwarded by the step after the one that received it) and multiplies each chunk
+as soon as it is in; the reduce-scatter ring submits a chunk's step as soon as the chunk's partial sum
+is computed and the previous rank's is added, and computes the next chunk meanwhile. So the first
+slices of a matmul run while the later chunks of the same block travel, where a whole-block ring
+could only hide one block's slice behind the next block's transfer. Every rank submits the same steps
+in the same order, so the ordering invariant of docs/architecture.md section 3 holds beside
+data-parallel traffic on other groups. The bytes are the plain ring's (P - 1 blocks per rank, the
+bandwidth-optimal (P - 1)/P of the data).
 
 Autograd is decomposed the same way: the backward of ``all_gather_matmul`` with respect to
 ``a_shard`` is a matmul-reduce-scatter ring of the gradient (``grad_out @ B.T`` reduce-scattered
@@ -91,6 +96,10 @@ __all__ = ["all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "C
            "SequenceParallel"]
 
 _RING = "ring"  # the algorithm name the agreement check carries
+#: The rings cut each block into chunks of at least this many bytes (at most MAX_CHUNKS): an engine
+#: phase costs about 0.1-0.3 ms of hand-off, under a tenth of a 256 KiB transfer at 10 Gbit/s.
+CHUNK_BYTES = 256 << 10
+MAX_CHUNKS = 8
 _GATHERED = "_commopt_gathered"  # the attribute of an input tensor that keeps its gathered form (ColwiseParallel)
 
 
@@ -546,21 +555,23 @@ class _AllGatherMatmul(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             # Every rank joins the ring whenever a_shard needs a gradient, with zeros for outputs that
             # got none: whether a gradient arrived is local, and the ring must run on every rank.
-            def partial(c: int) -> torch.Tensor:
+            def partial(c: int, lo: int, hi: int) -> torch.Tensor:
                 part = None
                 for g, b in zip(g_outs, bs):
                     if g is not None:
-                        piece = torch.matmul(g.narrow(d, c * s, s), b.t())
+                        piece = torch.matmul(g.narrow(d, c * s + lo, hi - lo), b.t())
                         part = piece if part is None else part.add_(piece)
                 if g_gathered is not None:
-                    block = g_gathered.narrow(d, c * s, s)
+                    block = g_gathered.narrow(d, c * s + lo, hi - lo)
                     part = block.clone() if part is None else part.add_(block)
                 if part is None:
-                    part = gathered.new_zeros(shard_shape)
+                    part = gathered.new_zeros(_resized(shard_shape, d, hi - lo))
                 return part.contiguous()
 
-            grad_a = _ring_reduce_scatter("all_gather_matmul/backward", partial, lambda _c: shard_shape,
-                                          ctx.group, ctx.timeout, deadline_of(ctx.timeout), gathered)
+            grad_a = _ring_reduce_scatter("all_gather_matmul/backward", partial,
+                                          lambda _c, lo, hi: _resized(shard_shape, d, hi - lo), ctx.group,
+                                          ctx.timeout, deadline_of(ctx.timeout), gathered, dim=d,
+                                          extent=lambda _c: s)
         grad_bs = []
         flat_a = _flat(gathered)
         for i, g in enumerate(g_outs):
@@ -577,13 +588,12 @@ class _MatmulReduceScatter(torch.autograd.Function):
         size = dist.get_world_size(group)
         s = a.shape[d] // size
 
-        def partial(c: int) -> torch.Tensor:
-            return torch.matmul(a.narrow(d, c * s, s), b).contiguous()
+        def partial(c: int, lo: int, hi: int) -> torch.Tensor:
+            return torch.matmul(a.narrow(d, c * s + lo, hi - lo), b).contiguous()
 
-        block = list(a.shape[:-1]) + [b.shape[1]]
-        block[d] = s
-        out = _ring_reduce_scatter("matmul_reduce_scatter", partial, lambda _c: tuple(block), group, timeout,
-                                   deadline, a)
+        block = tuple(a.shape[:-1]) + (b.shape[1],)
+        out = _ring_reduce_scatter("matmul_reduce_scatter", partial, lambda _c, lo, hi: _resized(block, d, hi - lo),
+                                   group, timeout, deadline, a, dim=d, extent=lambda _c: s)
         if avg:
             out.div_(size)
         if bias is not None:
@@ -624,12 +634,13 @@ class _MatmulAllReduce(torch.autograd.Function):
         rows, n = flat.shape[0], b.shape[1]
         bounds = [rows * r // size for r in range(size + 1)]
 
-        def partial(c: int) -> torch.Tensor:
-            return (flat[bounds[c]:bounds[c + 1]] @ b).contiguous()
+        def partial(c: int, lo: int, hi: int) -> torch.Tensor:
+            return (flat[bounds[c] + lo:bounds[c] + hi] @ b).contiguous()
 
         out = a.new_empty((rows, n))
         out[bounds[me]:bounds[me + 1]] = _ring_reduce_scatter(
-            "matmul_all_reduce", partial, lambda c: (bounds[c + 1] - bounds[c], n), group, timeout, deadline, a)
+            "matmul_all_reduce", partial, lambda _c, lo, hi: (hi - lo, n), group, timeout, deadline, a, dim=0,
+            extent=lambda c: bounds[c + 1] - bounds[c])
         _ring_all_gather_rows("matmul_all_reduce", out, bounds, group, timeout, deadline)
         ctx.save_for_backward(a, b)
         return out.reshape(tuple(a.shape[:-1]) + (n,))
@@ -647,56 +658,102 @@ class _MatmulAllReduce(torch.autograd.Function):
 # --------------------------------------------------------------------------------- rings
 def _gather_matmul(op: str, shard: torch.Tensor, bs: list[torch.Tensor], d: int, group, timeout: float | None,
                    deadline: float | None, keep_gathered: bool) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
-    """The all-gather ring with a matmul per arriving block: ``(cat(blocks, d) or None, [cat(blocks, d) @ b])``.
+    """The all-gather ring with a matmul per arriving chunk: ``(cat(blocks, d) or None, [cat(blocks, d) @ b])``.
 
-    Blocks arrive in a ``[P, *shard.shape]`` buffer (each block contiguous, so it is sent and
-    received as it is); the products of block r go to slot r of a ``[P, ..., N]`` buffer. Moving the
-    slot dimension to ``d`` is a view for ``d == 0`` and one copy otherwise.
+    Blocks arrive in a ``[P, *shard.shape]`` buffer (each block contiguous), cut into ``chunks`` row
+    ranges (:func:`_chunk_bounds`); the products of block r go to slot r of a ``[P, ..., N]`` buffer.
+    Every step of every chunk is submitted at once: the group's engine worker runs them in order (a
+    chunk is forwarded by the step after the one that received it), and the caller multiplies each
+    chunk as soon as it is in, while the later chunks are still on the wire. Moving the slot
+    dimension to ``d`` is a view for ``d == 0`` and one copy otherwise.
     """
     size, me = dist.get_world_size(group), dist.get_rank(group)
     engine = context().engine()
     blocks = shard.new_empty((size,) + tuple(shard.shape))
     blocks[me].copy_(shard)
     outs = [shard.new_empty((size,) + tuple(shard.shape[:-1]) + (b.shape[1],)) for b in bs]
-    for k in range(size):
-        src = (me - k) % size
-        fut = None
-        if k + 1 < size:
-            # Forward the block that arrived last (or our own) while multiplying it.
-            fut = _ring.step(engine, op, group, blocks[src], blocks[(me - k - 1) % size], deadline)
-        for b, out in zip(bs, outs):
-            torch.matmul(blocks[src], b, out=out[src])
-        if fut is not None:
-            _ring.wait_step(fut, op, timeout, deadline)
+    rows, k = math.prod(shard.shape[:-1]), shard.shape[-1]
+    rowed = blocks.view(size, rows, k)
+    products = [out.view(size, rows, b.shape[1]) for b, out in zip(bs, outs)]
+    bounds = _chunk_bounds(rows, k * shard.element_size())
+    cuts = list(zip(bounds[:-1], bounds[1:]))
+    steps = {}
+    for step in range(size - 1):  # step s forwards the block of rank me - s, chunk by chunk
+        send, recv = rowed[(me - step) % size], rowed[(me - step - 1) % size]
+        for c, (lo, hi) in enumerate(cuts):
+            steps[step, c] = _ring.step(engine, op, group, send[lo:hi], recv[lo:hi], deadline)
+    for step in range(size):
+        src = (me - step) % size
+        for c, (lo, hi) in enumerate(cuts):
+            fut = steps.get((step - 1, c))
+            if fut is not None:  # the chunk arrived (None: nothing to move, or this rank's own block)
+                _ring.wait_step(fut, op, timeout, deadline)
+            for b, product in zip(bs, products):
+                torch.matmul(rowed[src, lo:hi], b, out=product[src, lo:hi])
     gathered = _merge(blocks, d) if keep_gathered else None
     return gathered, [_merge(out, d) for out in outs]
 
 
-def _ring_reduce_scatter(op: str, partial: Callable[[int], torch.Tensor], shape_of: Callable[[int], tuple],
-                         group, timeout: float | None, deadline: float | None, like: torch.Tensor) -> torch.Tensor:
-    """The reduce-scatter ring: returns the sum over the group of every rank's ``partial(me)``.
+def _chunk_bounds(rows: int, row_bytes: int) -> list[int]:
+    """Row bounds cutting a block of ``rows`` rows of ``row_bytes`` each into chunks of at least
+    :data:`CHUNK_BYTES` (at most :data:`MAX_CHUNKS`), so that the matmul of the first chunks runs while
+    the later ones travel; one chunk for a small block."""
+    chunks = max(1, min(MAX_CHUNKS, rows, rows * row_bytes // max(1, CHUNK_BYTES)))
+    return [rows * i // chunks for i in range(chunks + 1)]
 
-    At step k this rank computes ``partial(c)`` for block ``c = me - k - 1`` (while step k - 1's
-    partial sum is on the wire), adds the partial sum of block c received from the previous rank, and
-    sends the total to the next rank; at the last step c is ``me`` and the total is the result.
-    ``partial`` returns a fresh contiguous tensor of ``shape_of(c)`` (it is added to in place).
+
+def _ring_reduce_scatter(op: str, partial: Callable[[int, int, int], torch.Tensor], shape_of: Callable[..., tuple],
+                         group, timeout: float | None, deadline: float | None, like: torch.Tensor, *, dim: int,
+                         extent: Callable[[int], int]) -> torch.Tensor:
+    """The reduce-scatter ring: returns the sum over the group of every rank's block ``me``.
+
+    Block c is ``extent(c)`` long along ``dim`` and cut into the same number of chunks on every rank
+    (:func:`_chunk_bounds` of the longest block); ``partial(c, lo, hi)`` returns a fresh contiguous
+    tensor of ``shape_of(c, lo, hi)``: this rank's contribution to positions ``lo:hi`` of block c (it
+    is added to in place). At step k this rank computes block ``c = me - k - 1`` chunk by chunk; each
+    chunk, once the partial sum of that chunk from the previous rank is in, gets it added and goes on
+    to the next rank while the next chunk is multiplied. At the last step c is ``me`` and the chunks,
+    joined along ``dim``, are the result.
     """
     size, me = dist.get_world_size(group), dist.get_rank(group)
     engine = context().engine()
-    fut, incoming = None, None
+    longest = max(extent(c) for c in range(size))
+    per_position = math.prod(shape_of(0, 0, 1)) * like.element_size()
+    chunks = len(_chunk_bounds(longest, per_position)) - 1
+
+    def cuts(c: int) -> list[tuple[int, int]]:
+        e = extent(c)
+        return [(e * j // chunks, e * (j + 1) // chunks) for j in range(chunks)]
+
+    futs: list = [None] * chunks
+    incoming: list = [None] * chunks
     for k in range(size):
         c = (me - k - 1) % size
-        part = partial(c)
-        if fut is not None:
-            _ring.wait_step(fut, op, timeout, deadline)
-            fut = None
-            part.add_(incoming)
-        if k + 1 < size:
-            incoming = like.new_empty(shape_of((me - k - 2) % size))
-            fut = _ring.step(engine, op, group, part, incoming, deadline)
-        else:
-            return part
+        last = k + 1 == size
+        after = cuts((me - k - 2) % size)
+        done = []
+        for j, (lo, hi) in enumerate(cuts(c)):
+            part = partial(c, lo, hi)
+            if futs[j] is not None:
+                _ring.wait_step(futs[j], op, timeout, deadline)
+                futs[j] = None
+            if incoming[j] is not None:
+                part.add_(incoming[j])
+            if last:
+                done.append(part)
+            else:
+                incoming[j] = like.new_empty(shape_of((me - k - 2) % size, *after[j]))
+                futs[j] = _ring.step(engine, op, group, part, incoming[j], deadline)
+        if last:
+            return done[0] if chunks == 1 else torch.cat(done, dim)
     raise AssertionError("unreachable: the ring's last step returns")
+
+
+def _resized(shape: tuple, dim: int, length: int) -> tuple:
+    """``shape`` with ``length`` along ``dim``."""
+    out = list(shape)
+    out[dim] = length
+    return tuple(out)
 
 
 def _ring_all_gather_rows(op: str, out: torch.Tensor, bounds: list[int], group, timeout: float | None,

@@ -436,6 +436,22 @@ def test_tensor_parallel_block_limits():
         with pytest.raises(ValueError, match="ffn must be"):
             simulate_tensor_parallel(cfg, tp=tp, tokens=tokens, flops=1e9, link=link, decomposed=True, ffn=bad)
 
+    # Chunks at TP 2, a link without latency: the chunks of the other block arrive at (j + 1) M / n
+    # (M: a block's transfer), its slices of P / n each (P: a block's matmul) follow them, after this
+    # rank's own block: a ring takes max(2 P, P + M / n, M + P / n) -- 3 P at M = 2 P unchunked.
+    bw = LinkModel(0.0, 2e-8)
+    two = simulate_tensor_parallel(cfg, tp=2, tokens=tokens, flops=1e9, link=bw, decomposed=False)
+    mats = [2 * tokens * 64 * w / 2 / 1e9 for w in (3 * 64, 64, 256, 256)]
+    others = two.compute - 2 * sum(mats)  # the weight gradients and the attention core, which hide nothing
+    m = bw.time(tokens * 64 * 2 / 2)
+    for n in (1, 2, 4):
+        want = 2 * sum(max(2 * (x / 2), x / 2 + m / n, m + x / 2 / n) for x in mats) + others
+        got = simulate_tensor_parallel(cfg, tp=2, tokens=tokens, flops=1e9, link=bw, decomposed=True, chunks=n)
+        assert got.step == pytest.approx(want) and got.communication == pytest.approx(two.communication)
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="chunks must be"):
+            simulate_tensor_parallel(cfg, tp=2, tokens=tokens, flops=1e9, link=bw, decomposed=True, chunks=bad)
+
 
 def test_sharded_simulator_takes_measured_lines():
     """simulate_sharded(lines=): where the plan's algorithm has a measured line for a collective, the

@@ -44,6 +44,7 @@ from commopt.schedules import (
     matmul_all_reduce,
     matmul_reduce_scatter,
 )
+from commopt.schedules import tensor_parallel as tp_module
 
 T = 60.0  # the calls' timeout where nothing is meant to time out
 ABSENT = 2.0  # the timeout of a call a peer never enters (row 39)
@@ -206,6 +207,17 @@ def _matrix(groups: bool) -> int:
             seed += 1
             _case_matmul_all_reduce(seed, dtype, lead, 6, 5, None, T)
             checked += 1
+    # The rings cut into chunks (one per row or position, up to MAX_CHUNKS; matmul_all_reduce's row
+    # blocks of unequal lengths at 4 ranks), both directions of each, against the same oracle.
+    saved = tp_module.CHUNK_BYTES
+    tp_module.CHUNK_BYTES = 1
+    try:
+        _case_all_gather_matmul(80, torch.float32, (2, 3, 8), 1, [6, 4 + dist.get_rank()], True, False, None, T)
+        _case_matmul_reduce_scatter(81, torch.float32, (world, 2 * world), 6, 5, 1, ReduceOp.AVG, None, T)
+        _case_matmul_all_reduce(82, torch.float32, (2, 3), 6, 5, None, T)
+        checked += 3
+    finally:
+        tp_module.CHUNK_BYTES = saved
     if groups:
         tp = [dist.new_group(members, timeout=timedelta(seconds=T)) for members in ([0, 1], [2, 3])]
         mine = tp[dist.get_rank() // 2]
@@ -227,9 +239,10 @@ def _matrix(groups: bool) -> int:
 def test_matches_torch_distributed_composition(ranks, world):
     """TP 2, 3 and 4: outputs, a.grad and every b.grad of the three decomposed matmuls equal the
     unfused torch.distributed composition (fp32 to rounding, bf16 within its tolerance), gather and
-    scatter dims 0 and 1, several Bs, return_a, uneven weight shards; at 4 ranks also on TP subgroups."""
+    scatter dims 0 and 1, several Bs, return_a, uneven weight shards, the all-gather ring in chunks;
+    at 4 ranks also on TP subgroups."""
     counts = ranks(world, _matrix, world == 4, timeout=120)
-    assert counts == [counts[0]] * world and counts[0] == 16 + 3 * (world == 4)
+    assert counts == [counts[0]] * world and counts[0] == 19 + 3 * (world == 4)
 
 
 def _edges() -> int:
