@@ -33,6 +33,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from commopt.schedules.tensor_parallel import chunks_for
+
 from ._launch import launch
 from ._progress import progress
 
@@ -236,19 +238,22 @@ def _body(args) -> int:
                 times[name].append(t)
         bar.update()
     bar.close()
+    # The chunks the styles cut the block's activations into (collective: every rank asks).
+    chunks = chunks_for(args.seq_len * args.batch * args.d_model * 4 // world, args.seq_len * args.batch // world,
+                        None, torch.device("cpu"))
     if rank == 0:
         _report(args, world, {n: statistics.median(v) for n, v in times.items()},
-                {n: c[1] for n, c in cases.items()})
+                {n: c[1] for n, c in cases.items()}, chunks)
     return 0
 
 
-def _simulated(args, world: int, compute: float, comm: float) -> dict[str, float]:
+def _simulated(args, world: int, compute: float, comm: float, chunks: int) -> dict[str, float]:
     """``simulate_tensor_parallel``'s step for the block's two plans (torch's: unfused; commopt's
-    styles: decomposed), with its FLOP rate and link fitted to this run's compute alone and
-    communication alone: what is left to the model is how the plan overlaps them."""
+    styles: decomposed, in the ``chunks`` per block they cut), with its FLOP rate and link fitted to
+    this run's compute alone and communication alone: what is left to the model is how the plan
+    overlaps them."""
     from commopt.comm.links import LinkModel
     from commopt.schedules.simulator import TransformerConfig, simulate_tensor_parallel
-
     if world < 2 or compute <= 0 or comm <= 0:
         return {}
     cfg = TransformerConfig(1, args.d_model, seq=args.seq_len)
@@ -260,19 +265,20 @@ def _simulated(args, world: int, compute: float, comm: float) -> dict[str, float
 
     def step(decomposed: bool) -> float:
         return simulate_tensor_parallel(cfg, tp=world, tokens=tokens, flops=unit.compute / compute, link=link,
-                                        decomposed=decomposed, activation_bytes=4, ffn=args.ffn).step
+                                        decomposed=decomposed, activation_bytes=4, ffn=args.ffn,
+                                        chunks=chunks).step
 
     return {"torch plan": step(False), "commopt styles": step(True)}
 
 
-def _report(args, world: int, med: dict[str, float], groups: dict[str, str]) -> None:
+def _report(args, world: int, med: dict[str, float], groups: dict[str, str], chunks: int) -> None:
     rows = []
     print(f"# commopt-bench tp: block d={args.d_model} heads={args.heads} ffn={args.ffn} seq={args.seq_len} "
           f"batch={args.batch}, TP {world} (forward + backward, the slowest rank, median of {args.iters}, "
           f"interleaved)")
     print(f"{'variant':<22}{'step ms':>10}{'compute ms':>12}{'comm ms':>10}{'step/max':>10}{'exposed ms':>12}"
           f"{'vs first':>10}{'sim ms':>9}{'sim/meas':>9}")
-    sim = _simulated(args, world, med["compute alone"], med["communication alone"])
+    sim = _simulated(args, world, med["compute alone"], med["communication alone"], chunks)
     for group, compute, comm in (("block", "compute alone", "communication alone"),
                                  ("attention", "attention compute alone", "attention communication alone")):
         variants = [n for n, g in groups.items() if g == group and n not in (compute, comm)]

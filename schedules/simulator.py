@@ -39,7 +39,7 @@ from commopt.comm.topology import Topology
 
 from .plan import BucketPlan, build_buckets, partition
 from .priority import fifo_plan, priority_plan, shape_priority, simulate_issue
-from .tensor_parallel import CHUNK_BYTES, MAX_CHUNKS
+from .tensor_parallel import MAX_CHUNKS, MIN_CHUNK_SECONDS
 
 __all__ = ["Layer", "Schedule", "SimResult", "simulate", "transformer_layers", "layers_from_model",
            "TRANSFORMERS", "traffic_matrix", "iteration_traffic", "SCHEDULES", "link_service", "ShardedPlan",
@@ -611,8 +611,9 @@ def simulate_tensor_parallel(config: TransformerConfig | str, *, tp: int, tokens
         decomposed: commopt's decomposed rings instead of the unfused collectives.
         activation_bytes: bytes per activation element (2: bf16).
         ffn: the MLP's hidden units (None: 4 d_model).
-        chunks: chunks per block (None: as the styles cut it, blocks of at least
-            ``tensor_parallel.CHUNK_BYTES`` up to ``MAX_CHUNKS``).
+        chunks: chunks per block (None: as the styles cut it beside a GPU, each chunk's transfer at
+            least ``tensor_parallel.MIN_CHUNK_SECONDS["cuda"]`` long, at most ``MAX_CHUNKS``; on a CPU
+            group ``tensor_parallel.chunks_for`` says what the styles do).
     """
     cfg = TRANSFORMERS[config] if isinstance(config, str) else config
     if not isinstance(tp, int) or tp < 1:
@@ -635,7 +636,7 @@ def simulate_tensor_parallel(config: TransformerConfig | str, *, tp: int, tokens
     if not decomposed or tp == 1:
         step = compute + communication
     else:
-        n = chunks or max(1, min(MAX_CHUNKS, tokens // tp, int(act / tp) // CHUNK_BYTES))
+        n = chunks or max(1, min(MAX_CHUNKS, tokens // tp, int(link.time(act / tp) / MIN_CHUNK_SECONDS["cuda"])))
         hop = link.time(act / tp / n)  # one chunk across the link
 
         def ring(matmul: float) -> float:

@@ -19,8 +19,9 @@ while piece k is multiplied ("decomposition-based" overlap: Wang et al., ASPLOS 
   sequence parallelism: the reduce-scatter ring above over the rows of the product (the
   multiplication overlapped with it), then an all-gather ring of the reduced rows.
 
-Every step is cut into chunks of at least :data:`CHUNK_BYTES` (at most :data:`MAX_CHUNKS` per
-block), and every chunk's step is one engine phase (:class:`commopt.comm.engine.Phase`) on the group:
+Every step is cut into chunks whose transfer lasts at least :data:`MIN_CHUNK_SECONDS` by the cost
+model of the group's link (:func:`chunks_for`, at most :data:`MAX_CHUNKS` per block; one where the
+link is fast), and every chunk's step is one engine phase (:class:`commopt.comm.engine.Phase`) on the group:
 the point-to-point exchange (``pairwise``) runs on the group's engine worker while the caller's
 thread multiplies. The all-gather ring submits all its chunk steps at once (the worker runs them in
 order, so a chunk is forwarded by the step after the one that received it) and multiplies each chunk
@@ -85,6 +86,7 @@ from torch.distributed import ProcessGroup, ReduceOp
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 
+from commopt.comm import cost
 from commopt.comm.algorithms import deadline_of
 from commopt.comm.checks import agree, check_timeout
 from commopt.comm.errors import CommError
@@ -96,9 +98,12 @@ __all__ = ["all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "C
            "SequenceParallel"]
 
 _RING = "ring"  # the algorithm name the agreement check carries
-#: The rings cut each block into chunks of at least this many bytes (at most MAX_CHUNKS): an engine
-#: phase costs about 0.1-0.3 ms of hand-off, under a tenth of a 256 KiB transfer at 10 Gbit/s.
-CHUNK_BYTES = 256 << 10
+#: The rings cut a block into chunks whose transfer, by the cost model of the group's link, lasts at
+#: least this long (seconds, by the tensors' device type; others as "cpu"), at most MAX_CHUNKS: each
+#: chunk is one more engine phase, about 1 ms of thread hand-offs beside compute on a busy CPU (the
+#: chunked styles ran 0.83-0.86x the unchunked ones where a block crossed in under 6 ms) and tens of
+#: microseconds beside a GPU. A block that crosses faster than its matmul slice gains nothing by it.
+MIN_CHUNK_SECONDS = {"cpu": 5e-3, "cuda": 2e-4}
 MAX_CHUNKS = 8
 _GATHERED = "_commopt_gathered"  # the attribute of an input tensor that keeps its gathered form (ColwiseParallel)
 
@@ -660,8 +665,8 @@ def _gather_matmul(op: str, shard: torch.Tensor, bs: list[torch.Tensor], d: int,
                    deadline: float | None, keep_gathered: bool) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
     """The all-gather ring with a matmul per arriving chunk: ``(cat(blocks, d) or None, [cat(blocks, d) @ b])``.
 
-    Blocks arrive in a ``[P, *shard.shape]`` buffer (each block contiguous), cut into ``chunks`` row
-    ranges (:func:`_chunk_bounds`); the products of block r go to slot r of a ``[P, ..., N]`` buffer.
+    Blocks arrive in a ``[P, *shard.shape]`` buffer (each block contiguous), cut into row ranges
+    (:func:`chunks_for`); the products of block r go to slot r of a ``[P, ..., N]`` buffer.
     Every step of every chunk is submitted at once: the group's engine worker runs them in order (a
     chunk is forwarded by the step after the one that received it), and the caller multiplies each
     chunk as soon as it is in, while the later chunks are still on the wire. Moving the slot
@@ -675,8 +680,8 @@ def _gather_matmul(op: str, shard: torch.Tensor, bs: list[torch.Tensor], d: int,
     rows, k = math.prod(shard.shape[:-1]), shard.shape[-1]
     rowed = blocks.view(size, rows, k)
     products = [out.view(size, rows, b.shape[1]) for b, out in zip(bs, outs)]
-    bounds = _chunk_bounds(rows, k * shard.element_size())
-    cuts = list(zip(bounds[:-1], bounds[1:]))
+    chunks = chunks_for(rows * k * shard.element_size(), rows, group, shard.device)
+    cuts = [(rows * j // chunks, rows * (j + 1) // chunks) for j in range(chunks)]
     steps = {}
     for step in range(size - 1):  # step s forwards the block of rank me - s, chunk by chunk
         send, recv = rowed[(me - step) % size], rowed[(me - step - 1) % size]
@@ -694,12 +699,17 @@ def _gather_matmul(op: str, shard: torch.Tensor, bs: list[torch.Tensor], d: int,
     return gathered, [_merge(out, d) for out in outs]
 
 
-def _chunk_bounds(rows: int, row_bytes: int) -> list[int]:
-    """Row bounds cutting a block of ``rows`` rows of ``row_bytes`` each into chunks of at least
-    :data:`CHUNK_BYTES` (at most :data:`MAX_CHUNKS`), so that the matmul of the first chunks runs while
-    the later ones travel; one chunk for a small block."""
-    chunks = max(1, min(MAX_CHUNKS, rows, rows * row_bytes // max(1, CHUNK_BYTES)))
-    return [rows * i // chunks for i in range(chunks + 1)]
+def chunks_for(block_bytes: int, rows: int, group, device: torch.device) -> int:
+    """How many chunks the rings cut a block of ``block_bytes`` (``rows`` rows) into on ``group``: as
+    many as keep each chunk's transfer, by ``cost.model_for`` the group's topology (the inter-node
+    link where the group spans nodes), at least :data:`MIN_CHUNK_SECONDS` of ``device``'s type long,
+    between 1 and :data:`MAX_CHUNKS` (and ``rows``). The same on every rank of the group (the model is
+    agreed); the first call on a group detects its topology, a collective."""
+    topo = context().topology(None, group)
+    model = cost.model_for(topo)
+    link = model.inter if topo.num_nodes > 1 else model.intra
+    floor = MIN_CHUNK_SECONDS.get(device.type, MIN_CHUNK_SECONDS["cpu"])
+    return max(1, min(MAX_CHUNKS, rows, int(link.time(block_bytes) / floor)))
 
 
 def _ring_reduce_scatter(op: str, partial: Callable[[int, int, int], torch.Tensor], shape_of: Callable[..., tuple],
@@ -708,7 +718,7 @@ def _ring_reduce_scatter(op: str, partial: Callable[[int, int, int], torch.Tenso
     """The reduce-scatter ring: returns the sum over the group of every rank's block ``me``.
 
     Block c is ``extent(c)`` long along ``dim`` and cut into the same number of chunks on every rank
-    (:func:`_chunk_bounds` of the longest block); ``partial(c, lo, hi)`` returns a fresh contiguous
+    (:func:`chunks_for` the longest block); ``partial(c, lo, hi)`` returns a fresh contiguous
     tensor of ``shape_of(c, lo, hi)``: this rank's contribution to positions ``lo:hi`` of block c (it
     is added to in place). At step k this rank computes block ``c = me - k - 1`` chunk by chunk; each
     chunk, once the partial sum of that chunk from the previous rank is in, gets it added and goes on
@@ -718,8 +728,7 @@ def _ring_reduce_scatter(op: str, partial: Callable[[int, int, int], torch.Tenso
     size, me = dist.get_world_size(group), dist.get_rank(group)
     engine = context().engine()
     longest = max(extent(c) for c in range(size))
-    per_position = math.prod(shape_of(0, 0, 1)) * like.element_size()
-    chunks = len(_chunk_bounds(longest, per_position)) - 1
+    chunks = chunks_for(longest * math.prod(shape_of(0, 0, 1)) * like.element_size(), longest, group, like.device)
 
     def cuts(c: int) -> list[tuple[int, int]]:
         e = extent(c)

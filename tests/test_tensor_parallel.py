@@ -209,15 +209,15 @@ def _matrix(groups: bool) -> int:
             checked += 1
     # The rings cut into chunks (one per row or position, up to MAX_CHUNKS; matmul_all_reduce's row
     # blocks of unequal lengths at 4 ranks), both directions of each, against the same oracle.
-    saved = tp_module.CHUNK_BYTES
-    tp_module.CHUNK_BYTES = 1
+    saved = tp_module.MIN_CHUNK_SECONDS
+    tp_module.MIN_CHUNK_SECONDS = {"cpu": 1e-12}
     try:
         _case_all_gather_matmul(80, torch.float32, (2, 3, 8), 1, [6, 4 + dist.get_rank()], True, False, None, T)
         _case_matmul_reduce_scatter(81, torch.float32, (world, 2 * world), 6, 5, 1, ReduceOp.AVG, None, T)
         _case_matmul_all_reduce(82, torch.float32, (2, 3), 6, 5, None, T)
         checked += 3
     finally:
-        tp_module.CHUNK_BYTES = saved
+        tp_module.MIN_CHUNK_SECONDS = saved
     if groups:
         tp = [dist.new_group(members, timeout=timedelta(seconds=T)) for members in ([0, 1], [2, 3])]
         mine = tp[dist.get_rank() // 2]
