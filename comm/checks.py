@@ -11,6 +11,7 @@ below all of them, so that none imports another for its checks.
 from __future__ import annotations
 
 import math
+import threading
 from typing import Callable
 
 import torch
@@ -176,9 +177,14 @@ _HEADER = ("collective", "element count", "dtype", "reduce op", "algorithm", "ro
 
 def agree(kind: str, *, numel: int, dtype: torch.dtype, op: str, algorithm: str, group: ProcessGroup | None,
           device: torch.device, timeout: float | None, row_bytes: int = 0, chunks: int = 0, signature: int = 0,
-          problem: str | None = None) -> None:
+          problem: str | None = None, wait: bool = True) -> Callable[[], None] | None:
     """The agreement check of a call that is not validated: returns once every rank of ``group`` is
     known to have called the same collective, before any payload byte moves.
+
+    ``wait=False`` issues the check and returns its completion instead: a callable that waits for it
+    and raises what ``agree`` would; thread-safe, its outcome kept, so that the caller's thread and an
+    engine phase that must not move payload before it can both call it (the tensor-parallel rings run
+    their first slice of the matmul meanwhile).
 
     One MAX all-reduce of eight (value, -value) pairs (collective, element count, dtype, reduce op,
     algorithm, row width, pipelining depth, and a caller's ``signature``: a compressed reduction's hash
@@ -203,11 +209,44 @@ def agree(kind: str, *, numel: int, dtype: torch.dtype, op: str, algorithm: str,
                           device=device if device.type == "cuda" else "cpu")
     context().engine().count(f"{kind}/agree", algorithms.ALGORITHM_FACTORS["allreduce"](dist.get_world_size(group))
                              * header.numel() * 8)
-    try:
-        wait_work(dist.all_reduce(header, op=ReduceOp.MAX, group=group, async_op=True), timeout)
-    except RuntimeError as exc:
-        raise _unagreed(kind, group, timeout, exc) from exc
-    got = header.cpu().tolist()
+    work = dist.all_reduce(header, op=ReduceOp.MAX, group=group, async_op=True)
+
+    def finish() -> None:
+        try:
+            wait_work(work, timeout)
+        except RuntimeError as exc:
+            raise _unagreed(kind, group, timeout, exc) from exc
+        _compare(kind, header.cpu().tolist(), numel, dtype, op, algorithm, problem)
+
+    if wait:
+        finish()
+        return None
+    return once(finish)
+
+
+def once(fn: Callable[[], None]) -> Callable[[], None]:
+    """``fn`` run at most once, from any thread: later calls (concurrent ones wait for the first)
+    return or raise as the first did."""
+    lock = threading.Lock()
+    outcome: list = []
+
+    def call() -> None:
+        with lock:
+            if not outcome:
+                try:
+                    fn()
+                    outcome.append(None)
+                except BaseException as exc:
+                    outcome.append(exc)
+        if outcome[0] is not None:
+            raise outcome[0]
+
+    return call
+
+
+def _compare(kind: str, got: list[int], numel: int, dtype: torch.dtype, op: str, algorithm: str,
+             problem: str | None) -> None:
+    """Raise ``CollectiveMismatchError`` unless the agreed header says every rank called the same."""
     diffs = []
     for i, field in enumerate(_HEADER):
         hi, lo = got[2 * i], -got[2 * i + 1]

@@ -7,6 +7,7 @@ modules make at the call."""
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -22,10 +23,11 @@ FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
 def step(engine: Engine, op: str, group, send: torch.Tensor, recv: torch.Tensor,
-          deadline: float | None) -> torch.futures.Future | None:
+          deadline: float | None, gate: Callable[[], None] | None = None) -> torch.futures.Future | None:
     """Submit one ring step as an engine phase on ``group``: ``send`` to the next rank, ``recv`` from
     the previous one (empty blocks are skipped on both sides: both know the sizes). None: nothing to
-    move."""
+    move. ``gate``: the call's agreement check (``checks.agree(wait=False)``), which the phase waits
+    for, and raises with, before it moves anything."""
     size, me = dist.get_world_size(group), dist.get_rank(group)
     nxt, prv = (me + 1) % size, (me - 1) % size
     sends: list = [None] * size
@@ -39,6 +41,8 @@ def step(engine: Engine, op: str, group, send: torch.Tensor, recv: torch.Tensor,
     pg = group if group is not None else dist.group.WORLD
 
     def run() -> int:
+        if gate is not None:
+            gate()
         sent = pairwise(pg, remaining(deadline), sends, recvs)
         if recv.is_cuda:
             # The caller's stream reads the block once the future completes: the transfer must be done.

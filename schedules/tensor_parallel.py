@@ -65,8 +65,12 @@ the calling rank, before anything is sent; then one agreement check on the group
 (``commopt.comm.checks.agree``: the shape and dtype of what the ring exchanges, and whether the
 backward's ring will run, i.e. whether the inputs it serves require gradients) raises
 ``CollectiveMismatchError`` on every rank before any payload moves when the ranks differ, or
-``CommTimeoutError`` when a rank never enters within ``timeout``. A world or group of one is a plain
-matmul.
+``CommTimeoutError`` when a rank never enters within ``timeout``. The check is issued before the ring
+and waited for by every step's phase before it moves anything (``agree(wait=False)``), so this
+rank's own first slice of the matmul runs while it is on the wire: waited for on the calling thread
+first, it cost the block 0.02-0.06x of its step at 1 Gbit/s (docs/results.md 22). The first call on
+a group also resolves the group's topology and cost model (:func:`chunks_for`), bounded by the same
+timeout. A world or group of one is a plain matmul.
 """
 
 from __future__ import annotations
@@ -88,7 +92,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_modul
 
 from commopt.comm import cost
 from commopt.comm.algorithms import deadline_of
-from commopt.comm.checks import agree, check_timeout
+from commopt.comm.checks import agree, check_timeout, once
 from commopt.comm.errors import CommError
 from commopt.comm.runtime import context
 
@@ -159,8 +163,9 @@ def all_gather_matmul(a_shard: torch.Tensor, bs: Sequence[torch.Tensor], *, gath
     # Whether the backward's ring runs (a_shard needs a gradient) is part of the call: a rank without it
     # would leave the others in that ring until the timeout.
     grad = torch.is_grad_enabled() and a_shard.requires_grad
-    _agree(name, "all_gather", a_shard, (tuple(a_shard.shape), d, grad), group, timeout)
-    gathered, *outs = _AllGatherMatmul.apply(a_shard, d, group, timeout, deadline, bool(return_a), *bs)
+    _resolve_link(name, group, timeout)
+    gate = _agree(name, "all_gather", a_shard, (tuple(a_shard.shape), d, grad), group, timeout)
+    gathered, *outs = _AllGatherMatmul.apply(a_shard, d, group, timeout, deadline, bool(return_a), gate, *bs)
     return (gathered, list(outs)) if return_a else list(outs)
 
 
@@ -225,9 +230,10 @@ def _matmul_reduce_scatter(name: str, a: torch.Tensor, b: torch.Tensor, bias: to
     deadline = deadline_of(timeout)
     shape = tuple(a.shape[:-1]) + (b.shape[1],)
     grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (a, b, bias))
-    _agree(name, "reduce_scatter", a, (shape, d, "avg" if op == ReduceOp.AVG else "sum", grad), group, timeout,
-           numel=math.prod(shape), op="avg" if op == ReduceOp.AVG else "sum")
-    return _MatmulReduceScatter.apply(a, b, d, group, timeout, deadline, op == ReduceOp.AVG, bias)
+    _resolve_link(name, group, timeout)
+    gate = _agree(name, "reduce_scatter", a, (shape, d, "avg" if op == ReduceOp.AVG else "sum", grad), group,
+                  timeout, numel=math.prod(shape), op="avg" if op == ReduceOp.AVG else "sum")
+    return _MatmulReduceScatter.apply(a, b, d, group, timeout, deadline, op == ReduceOp.AVG, gate, bias)
 
 
 def matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, *, group: ProcessGroup | None = None,
@@ -263,8 +269,9 @@ def matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, *, group: ProcessGroup |
         return torch.matmul(a, b)
     deadline = deadline_of(timeout)
     shape = tuple(a.shape[:-1]) + (b.shape[1],)
-    _agree(name, "all_reduce", a, (shape,), group, timeout, numel=math.prod(shape))
-    return _MatmulAllReduce.apply(a, b, group, timeout, deadline)
+    _resolve_link(name, group, timeout)
+    gate = _agree(name, "all_reduce", a, (shape,), group, timeout, numel=math.prod(shape))
+    return _MatmulAllReduce.apply(a, b, group, timeout, deadline, gate)
 
 
 # --------------------------------------------------------------------------------- drop-in styles
@@ -538,9 +545,9 @@ def _rowwise_fused(style: RowwiseParallel, mesh: DeviceMesh, module: nn.Linear, 
 # --------------------------------------------------------------------------------- autograd
 class _AllGatherMatmul(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, a_shard, d, group, timeout, deadline, return_a, *bs):
+    def forward(ctx, a_shard, d, group, timeout, deadline, return_a, gate, *bs):
         gathered, outs = _gather_matmul("all_gather_matmul", a_shard, list(bs), d, group, timeout, deadline,
-                                        keep_gathered=True)
+                                        keep_gathered=True, gate=gate)
         ctx.d, ctx.group, ctx.timeout = d, group, timeout
         ctx.shard_shape = tuple(a_shard.shape)
         ctx.save_for_backward(gathered, *bs)
@@ -580,16 +587,16 @@ class _AllGatherMatmul(torch.autograd.Function):
         grad_bs = []
         flat_a = _flat(gathered)
         for i, g in enumerate(g_outs):
-            if ctx.needs_input_grad[6 + i] and g is not None:
+            if ctx.needs_input_grad[7 + i] and g is not None:
                 grad_bs.append(flat_a.t() @ _flat(g))
             else:
                 grad_bs.append(None)
-        return (grad_a, None, None, None, None, None, *grad_bs)
+        return (grad_a, None, None, None, None, None, None, *grad_bs)
 
 
 class _MatmulReduceScatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, a, b, d, group, timeout, deadline, avg, bias=None):
+    def forward(ctx, a, b, d, group, timeout, deadline, avg, gate, bias=None):
         size = dist.get_world_size(group)
         s = a.shape[d] // size
 
@@ -598,7 +605,7 @@ class _MatmulReduceScatter(torch.autograd.Function):
 
         block = tuple(a.shape[:-1]) + (b.shape[1],)
         out = _ring_reduce_scatter("matmul_reduce_scatter", partial, lambda _c, lo, hi: _resized(block, d, hi - lo),
-                                   group, timeout, deadline, a, dim=d, extent=lambda _c: s)
+                                   group, timeout, deadline, a, dim=d, extent=lambda _c: s, gate=gate)
         if avg:
             out.div_(size)
         if bias is not None:
@@ -612,9 +619,9 @@ class _MatmulReduceScatter(torch.autograd.Function):
     def backward(ctx, g):
         a, b = ctx.saved_tensors
         need_a, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        need_bias = ctx.needs_input_grad[7]
+        need_bias = ctx.needs_input_grad[8]
         if not (need_a or need_b or need_bias):
-            return (None,) * 8
+            return (None,) * 9
         if ctx.avg:
             g = g / dist.get_world_size(ctx.group)
         gathered, outs = _gather_matmul("matmul_reduce_scatter/backward", g, [b.t()] if need_a else [], ctx.d,
@@ -628,12 +635,12 @@ class _MatmulReduceScatter(torch.autograd.Function):
             # Added after the (SUM) reduction: the sum of the whole gradient, which the ring has just
             # gathered, bit for bit the same on every rank (a replicated gradient, no collective).
             grad_bias = _flat(gathered).sum(0)
-        return grad_a, grad_b, None, None, None, None, None, grad_bias
+        return grad_a, grad_b, None, None, None, None, None, None, grad_bias
 
 
 class _MatmulAllReduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, a, b, group, timeout, deadline):
+    def forward(ctx, a, b, group, timeout, deadline, gate):
         size, me = dist.get_world_size(group), dist.get_rank(group)
         flat = _flat(a)
         rows, n = flat.shape[0], b.shape[1]
@@ -645,7 +652,7 @@ class _MatmulAllReduce(torch.autograd.Function):
         out = a.new_empty((rows, n))
         out[bounds[me]:bounds[me + 1]] = _ring_reduce_scatter(
             "matmul_all_reduce", partial, lambda _c, lo, hi: (hi - lo, n), group, timeout, deadline, a, dim=0,
-            extent=lambda c: bounds[c + 1] - bounds[c])
+            extent=lambda c: bounds[c + 1] - bounds[c], gate=gate)
         _ring_all_gather_rows("matmul_all_reduce", out, bounds, group, timeout, deadline)
         ctx.save_for_backward(a, b)
         return out.reshape(tuple(a.shape[:-1]) + (n,))
@@ -657,12 +664,13 @@ class _MatmulAllReduce(torch.autograd.Function):
         grad_b = None
         if ctx.needs_input_grad[1]:
             grad_b = _flat(a).t() @ _flat(g)
-        return grad_a, grad_b, None, None, None
+        return grad_a, grad_b, None, None, None, None
 
 
 # --------------------------------------------------------------------------------- rings
 def _gather_matmul(op: str, shard: torch.Tensor, bs: list[torch.Tensor], d: int, group, timeout: float | None,
-                   deadline: float | None, keep_gathered: bool) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+                   deadline: float | None, keep_gathered: bool,
+                   gate: Callable[[], None] | None = None) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
     """The all-gather ring with a matmul per arriving chunk: ``(cat(blocks, d) or None, [cat(blocks, d) @ b])``.
 
     Blocks arrive in a ``[P, *shard.shape]`` buffer (each block contiguous), cut into row ranges
@@ -686,9 +694,11 @@ def _gather_matmul(op: str, shard: torch.Tensor, bs: list[torch.Tensor], d: int,
     for step in range(size - 1):  # step s forwards the block of rank me - s, chunk by chunk
         send, recv = rowed[(me - step) % size], rowed[(me - step - 1) % size]
         for c, (lo, hi) in enumerate(cuts):
-            steps[step, c] = _ring.step(engine, op, group, send[lo:hi], recv[lo:hi], deadline)
+            steps[step, c] = _ring.step(engine, op, group, send[lo:hi], recv[lo:hi], deadline, gate)
     for step in range(size):
         src = (me - step) % size
+        if step == 1 and gate is not None:
+            gate()  # the agreement check, on this thread: its error rather than a phase's
         for c, (lo, hi) in enumerate(cuts):
             fut = steps.get((step - 1, c))
             if fut is not None:  # the chunk arrived (None: nothing to move, or this rank's own block)
@@ -697,6 +707,17 @@ def _gather_matmul(op: str, shard: torch.Tensor, bs: list[torch.Tensor], d: int,
                 torch.matmul(rowed[src, lo:hi], b, out=product[src, lo:hi])
     gathered = _merge(blocks, d) if keep_gathered else None
     return gathered, [_merge(out, d) for out in outs]
+
+
+def _resolve_link(name: str, group, timeout: float | None) -> None:
+    """The group's topology and cost model, which :func:`chunks_for` reads, resolved before the ring:
+    the first call on a group detects them with collectives of their own, bounded by the call's
+    ``timeout`` and named after the call (later calls find them cached)."""
+    try:
+        cost.model_for(context().topology(None, group, timeout), timeout=timeout)
+    except CommError as exc:
+        raise type(exc)(f"{name}: before the ring started, resolving the group's topology and link: {exc.message}",
+                        op=name, seq=exc.seq, ranks=exc.ranks) from exc
 
 
 def chunks_for(block_bytes: int, rows: int, group, device: torch.device) -> int:
@@ -714,7 +735,7 @@ def chunks_for(block_bytes: int, rows: int, group, device: torch.device) -> int:
 
 def _ring_reduce_scatter(op: str, partial: Callable[[int, int, int], torch.Tensor], shape_of: Callable[..., tuple],
                          group, timeout: float | None, deadline: float | None, like: torch.Tensor, *, dim: int,
-                         extent: Callable[[int], int]) -> torch.Tensor:
+                         extent: Callable[[int], int], gate: Callable[[], None] | None = None) -> torch.Tensor:
     """The reduce-scatter ring: returns the sum over the group of every rank's block ``me``.
 
     Block c is ``extent(c)`` long along ``dim`` and cut into the same number of chunks on every rank
@@ -723,7 +744,8 @@ def _ring_reduce_scatter(op: str, partial: Callable[[int, int, int], torch.Tenso
     is added to in place). At step k this rank computes block ``c = me - k - 1`` chunk by chunk; each
     chunk, once the partial sum of that chunk from the previous rank is in, gets it added and goes on
     to the next rank while the next chunk is multiplied. At the last step c is ``me`` and the chunks,
-    joined along ``dim``, are the result.
+    joined along ``dim``, are the result. ``gate``: the call's agreement check, waited for by every
+    step's phase before it moves anything and by this thread before it waits for the first step.
     """
     size, me = dist.get_world_size(group), dist.get_rank(group)
     engine = context().engine()
@@ -743,6 +765,8 @@ def _ring_reduce_scatter(op: str, partial: Callable[[int, int, int], torch.Tenso
         done = []
         for j, (lo, hi) in enumerate(cuts(c)):
             part = partial(c, lo, hi)
+            if k == 1 and j == 0 and gate is not None:
+                gate()  # the agreement check, on this thread: its error rather than a phase's
             if futs[j] is not None:
                 _ring.wait_step(futs[j], op, timeout, deadline)
                 futs[j] = None
@@ -752,7 +776,7 @@ def _ring_reduce_scatter(op: str, partial: Callable[[int, int, int], torch.Tenso
                 done.append(part)
             else:
                 incoming[j] = like.new_empty(shape_of((me - k - 2) % size, *after[j]))
-                futs[j] = _ring.step(engine, op, group, part, incoming[j], deadline)
+                futs[j] = _ring.step(engine, op, group, part, incoming[j], deadline, gate)
         if last:
             return done[0] if chunks == 1 else torch.cat(done, dim)
     raise AssertionError("unreachable: the ring's last step returns")
@@ -834,18 +858,27 @@ def _leading_dim(name: str, what: str, dim, a: torch.Tensor) -> int:
 
 
 def _agree(name: str, kind: str, t: torch.Tensor, key: tuple, group, timeout: float | None, *,
-           numel: int | None = None, op: str = "sum") -> None:
-    """The agreement check before the ring (docs/architecture.md section 4): what the ring exchanges
-    (its shape, dtype and dimension) must be the same on every rank, or every rank raises."""
-    try:
-        agree(kind, numel=t.numel() if numel is None else numel, dtype=t.dtype, op=op, algorithm=_RING, group=group,
-              device=t.device, timeout=timeout, signature=_ring.signature((name, *key)))
-    except CommError as exc:
-        what = ("a_shard's shape and dtype, gather_dim and whether a_shard requires a gradient" if kind == "all_gather"
-                else "the product's shape (a's leading dimensions, b's columns), dtype and dimension, and whether "
-                     "any of a, b requires a gradient (the backward's ring)" if kind == "reduce_scatter"
-                else "the product's shape (a's leading dimensions, b's columns) and dtype")
-        # agree() speaks of the collective it checks and of its validate=True, which these calls do not have.
-        text = exc.message.replace("; pass validate=True to name the ranks that differ", "")
-        raise type(exc)(f"{name}: before the ring started: {text}. {what} must be the same on every rank of the "
-                        f"group", op=name, seq=exc.seq, ranks=exc.ranks) from exc
+           numel: int | None = None, op: str = "sum") -> Callable[[], None]:
+    """Issue the agreement check before the ring (docs/architecture.md section 4) and return its
+    completion, the ring's gate: what the ring exchanges (its shape, dtype and dimension) must be the
+    same on every rank, or every rank raises from the gate. The ring's phases call the gate before
+    they move anything, the caller before it waits for the ring: this rank's first slice of the
+    matmul, which needs nothing from the others, runs while the check is on the wire."""
+    finish = agree(kind, numel=t.numel() if numel is None else numel, dtype=t.dtype, op=op, algorithm=_RING,
+                   group=group, device=t.device, timeout=timeout, signature=_ring.signature((name, *key)),
+                   wait=False)
+    what = ("a_shard's shape and dtype, gather_dim and whether a_shard requires a gradient" if kind == "all_gather"
+            else "the product's shape (a's leading dimensions, b's columns), dtype and dimension, and whether "
+                 "any of a, b requires a gradient (the backward's ring)" if kind == "reduce_scatter"
+            else "the product's shape (a's leading dimensions, b's columns) and dtype")
+
+    def gate() -> None:
+        try:
+            finish()
+        except CommError as exc:
+            # agree() speaks of the collective it checks and of its validate=True, which these calls do not have.
+            text = exc.message.replace("; pass validate=True to name the ranks that differ", "")
+            raise type(exc)(f"{name}: before the ring started: {text}. {what} must be the same on every rank of "
+                            f"the group", op=name, seq=exc.seq, ranks=exc.ranks) from exc
+
+    return once(gate)
