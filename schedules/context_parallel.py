@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -64,7 +65,7 @@ from torch.distributed import ProcessGroup
 
 from commopt.comm.algorithms import deadline_of
 from commopt.comm.alltoall import all_to_all_autograd
-from commopt.comm.checks import agree, check_timeout
+from commopt.comm.checks import agree, check_timeout, once
 from commopt.comm.errors import CommError
 from commopt.comm.runtime import context
 from commopt.comm.topology import Topology
@@ -126,8 +127,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
     if size == 1:
         return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale)
     deadline = deadline_of(timeout)
-    _agree(name, "all_gather", "ring", q, k, v, (layout, bool(is_causal), scale), group, timeout)
-    return _RingAttention.apply(q, k, v, bool(is_causal), scale, layout, group, timeout, deadline)
+    gate = _agree(name, "all_gather", "ring", q, k, v, (layout, bool(is_causal), scale), group, timeout, wait=False)
+    return _RingAttention.apply(q, k, v, bool(is_causal), scale, layout, group, timeout, deadline, gate)
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: ProcessGroup | None = None,
@@ -221,9 +222,9 @@ def zigzag_unshard(x: torch.Tensor, dim: int = -2, *, group: ProcessGroup | None
 # --------------------------------------------------------------------------------- ring attention
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, layout, group, timeout, deadline):
+    def forward(ctx, q, k, v, causal, scale, layout, group, timeout, deadline, gate):
         q4, k4, v4 = _as4(q), _as4(k), _as4(v)
-        out, lse = _ring_forward(q4, k4, v4, causal, scale, layout, group, timeout, deadline)
+        out, lse = _ring_forward(q4, k4, v4, causal, scale, layout, group, timeout, deadline, gate)
         ctx.save_for_backward(q4, k4, v4, out, lse)
         ctx.args = (causal, scale, layout, group, timeout)
         ctx.shapes = (q.shape, k.shape, v.shape)
@@ -239,7 +240,7 @@ class _RingAttention(torch.autograd.Function):
         qs, ks, vs = ctx.shapes
         need = ctx.needs_input_grad
         return (dq.reshape(qs) if need[0] else None, dk.reshape(ks) if need[1] else None,
-                dv.reshape(vs) if need[2] else None, None, None, None, None, None, None)
+                dv.reshape(vs) if need[2] else None, None, None, None, None, None, None, None)
 
 
 def _block(layout: str, causal: bool, me: int, j: int, s: int) -> tuple[slice, slice, bool] | None:
@@ -265,8 +266,11 @@ def _block(layout: str, causal: bool, me: int, j: int, s: int) -> tuple[slice, s
     return (every, slice(0, c), False) if j < me else (slice(c, None), every, False)
 
 
-def _ring_forward(q, k, v, causal, scale, layout, group, timeout, deadline) -> tuple[torch.Tensor, torch.Tensor]:
-    """The forward ring on ``[1, N, s, D]`` blocks: ``(output in q's dtype, log-sum-exp in fp32/fp64)``."""
+def _ring_forward(q, k, v, causal, scale, layout, group, timeout, deadline,
+                  gate: Callable[[], None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward ring on ``[1, N, s, D]`` blocks: ``(output in q's dtype, log-sum-exp in fp32/fp64)``.
+    ``gate``: the call's agreement check, which every step waits for before it moves anything and
+    this thread before it waits for the first step (the local block is attended meanwhile)."""
     op = "ring_attention"
     size, me = dist.get_world_size(group), dist.get_rank(group)
     engine = context().engine()
@@ -278,13 +282,16 @@ def _ring_forward(q, k, v, causal, scale, layout, group, timeout, deadline) -> t
     out = q.new_zeros(tuple(q.shape[:-1]) + (v.shape[-1],), dtype=acc)
     lse = q.new_full(tuple(q.shape[:-1]), -math.inf, dtype=acc)
     for step in range(size):
-        fut = _ring.step(engine, op, group, held, spare, deadline) if step + 1 < size else None
+        fut = _ring.step(engine, op, group, held, spare, deadline, gate) if step + 1 < size else None
         plan = _block(layout, causal, me, (me - step) % size, s)
         if plan is not None:
             rows, cols, diag = plan
             kj, vj = held[:nk].view(k.shape), held[nk:].view(v.shape)
             o, block_lse = _attend(q[..., rows, :], kj[..., cols, :], vj[..., cols, :], diag, scale)
             _merge(out[..., rows, :], lse[..., rows], o, block_lse)
+        if gate is not None:
+            gate()  # the agreement check, on this thread: its error rather than a phase's
+            gate = None
         if fut is not None:
             _ring.wait_step(fut, op, timeout, deadline)
             held, spare = spare, held
@@ -497,19 +504,30 @@ def _zigzag_args(name: str, x, dim, group) -> tuple[int, int, int]:
     return d, size, rank
 
 
-def _agree(name: str, kind: str, algorithm: str, q, k, v, key: tuple, group, timeout: float | None) -> None:
+def _agree(name: str, kind: str, algorithm: str, q, k, v, key: tuple, group, timeout: float | None, *,
+           wait: bool = True) -> Callable[[], None]:
     """The agreement check before any payload (docs/architecture.md section 4): shapes, dtype, flags and
-    whether gradients flow must be the same on every rank, or every rank raises."""
+    whether gradients flow must be the same on every rank, or every rank raises. ``wait=False``: issued
+    only; the returned gate (thread-safe, run once) waits for it and raises, and ring steps given it
+    wait for it before they move anything."""
     grads = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     shapes = (tuple(q.shape), tuple(k.shape), tuple(v.shape), str(q.dtype), grads,
               tuple(t.requires_grad for t in (q, k, v)) if grads else ())
-    try:
-        agree(kind, numel=k.numel() + v.numel(), dtype=q.dtype, op="none", algorithm=algorithm, group=group,
-              device=q.device, timeout=timeout, signature=_ring.signature((name, *shapes, *key)))
-    except CommError as exc:
-        # agree() speaks of the collective it checks and of its validate=True, which these calls do not have.
-        text = exc.message.replace("; pass validate=True to name the ranks that differ", "")
-        which = "layout" if kind == "all_gather" else "topology (one or two levels)"
-        raise type(exc)(f"{name}: before any payload moved: {text}. The shapes of q, k and v, their dtype, "
-                        f"is_causal, scale, {which} and which of them require gradients must be the same on every "
-                        f"rank of the group", op=name, seq=exc.seq, ranks=exc.ranks) from exc
+    finish = agree(kind, numel=k.numel() + v.numel(), dtype=q.dtype, op="none", algorithm=algorithm, group=group,
+                   device=q.device, timeout=timeout, signature=_ring.signature((name, *shapes, *key)), wait=False)
+
+    def gate() -> None:
+        try:
+            finish()
+        except CommError as exc:
+            # agree() speaks of the collective it checks and of its validate=True, which these calls do not have.
+            text = exc.message.replace("; pass validate=True to name the ranks that differ", "")
+            which = "layout" if kind == "all_gather" else "topology (one or two levels)"
+            raise type(exc)(f"{name}: before any payload moved: {text}. The shapes of q, k and v, their dtype, "
+                            f"is_causal, scale, {which} and which of them require gradients must be the same on "
+                            f"every rank of the group", op=name, seq=exc.seq, ranks=exc.ranks) from exc
+
+    gate = once(gate)
+    if wait:
+        gate()
+    return gate
