@@ -599,7 +599,9 @@ def simulate_tensor_parallel(config: TransformerConfig | str, *, tp: int, tokens
     the chunks cross the link back to back, and each chunk's slice of the matmul runs once the chunk
     is in and the slice before it is done (the reduce-scatter ring modelled as its mirror image).
     With one chunk the pair takes one slice plus ``tp - 1`` times the longer of a slice and a step.
-    The attention core, the norms and the weight gradients hide nothing.
+    The backward rings of QKV and FC1 compute their weight gradients as their last step begins,
+    behind the transfers still in flight; the attention core, the norms and the other weight
+    gradients hide nothing.
 
     Args:
         config: a :class:`TransformerConfig` or a name in :data:`TRANSFORMERS`.
@@ -639,7 +641,7 @@ def simulate_tensor_parallel(config: TransformerConfig | str, *, tp: int, tokens
         n = chunks or max(1, min(MAX_CHUNKS, tokens // tp, int(link.time(act / tp) / MIN_CHUNK_SECONDS["cuda"])))
         hop = link.time(act / tp / n)  # one chunk across the link
 
-        def ring(matmul: float) -> float:
+        def ring(matmul: float, meanwhile: float = 0.0) -> float:
             piece = matmul / tp / n
             arrived: dict[tuple[int, int], float] = {}
             free = 0.0
@@ -649,12 +651,18 @@ def simulate_tensor_parallel(config: TransformerConfig | str, *, tp: int, tokens
                     arrived[k, j] = free
             t = 0.0
             for k in range(tp):
+                if k == tp - 1:
+                    t += meanwhile  # local work run as the last step begins (the weight gradient)
                 for j in range(n):
                     t = max(t, arrived.get((k - 1, j), 0.0)) + piece
             return t
 
-        paired = 2 * sum(ring(m) for m in mats)  # forward and the input gradients of backward
-        step = paired + sum(mats) + 3 * attention  # + the weight gradients and the attention core
+        # Forward, then backward: the input gradients of QKV and FC1 are reduce-scatter rings that
+        # compute their weight gradients behind their last transfers; OUT's and FC2's weight
+        # gradients and the attention core hide nothing.
+        qkv, out, fc1, fc2 = mats
+        paired = sum(ring(m) for m in mats) + ring(qkv, qkv) + ring(out) + ring(fc1, fc1) + ring(fc2)
+        step = paired + out + fc2 + 3 * attention
     return TPResult(step, compute, communication, step - compute)
 
 

@@ -563,6 +563,13 @@ class _AllGatherMatmul(torch.autograd.Function):
         gathered, *bs = ctx.saved_tensors
         d, shard_shape = ctx.d, ctx.shard_shape
         s = shard_shape[d]
+        grad_bs: list = []
+
+        def weight_grads() -> None:  # no communication: run while the ring's last transfers travel
+            flat_a = _flat(gathered)
+            for i, g in enumerate(g_outs):
+                grad_bs.append(flat_a.t() @ _flat(g) if ctx.needs_input_grad[7 + i] and g is not None else None)
+
         grad_a = None
         if ctx.needs_input_grad[0]:
             # Every rank joins the ring whenever a_shard needs a gradient, with zeros for outputs that
@@ -583,14 +590,9 @@ class _AllGatherMatmul(torch.autograd.Function):
             grad_a = _ring_reduce_scatter("all_gather_matmul/backward", partial,
                                           lambda _c, lo, hi: _resized(shard_shape, d, hi - lo), ctx.group,
                                           ctx.timeout, deadline_of(ctx.timeout), gathered, dim=d,
-                                          extent=lambda _c: s)
-        grad_bs = []
-        flat_a = _flat(gathered)
-        for i, g in enumerate(g_outs):
-            if ctx.needs_input_grad[7 + i] and g is not None:
-                grad_bs.append(flat_a.t() @ _flat(g))
-            else:
-                grad_bs.append(None)
+                                          extent=lambda _c: s, meanwhile=weight_grads)
+        else:
+            weight_grads()
         return (grad_a, None, None, None, None, None, None, *grad_bs)
 
 
@@ -735,7 +737,8 @@ def chunks_for(block_bytes: int, rows: int, group, device: torch.device) -> int:
 
 def _ring_reduce_scatter(op: str, partial: Callable[[int, int, int], torch.Tensor], shape_of: Callable[..., tuple],
                          group, timeout: float | None, deadline: float | None, like: torch.Tensor, *, dim: int,
-                         extent: Callable[[int], int], gate: Callable[[], None] | None = None) -> torch.Tensor:
+                         extent: Callable[[int], int], gate: Callable[[], None] | None = None,
+                         meanwhile: Callable[[], None] | None = None) -> torch.Tensor:
     """The reduce-scatter ring: returns the sum over the group of every rank's block ``me``.
 
     Block c is ``extent(c)`` long along ``dim`` and cut into the same number of chunks on every rank
@@ -746,6 +749,7 @@ def _ring_reduce_scatter(op: str, partial: Callable[[int, int, int], torch.Tenso
     to the next rank while the next chunk is multiplied. At the last step c is ``me`` and the chunks,
     joined along ``dim``, are the result. ``gate``: the call's agreement check, waited for by every
     step's phase before it moves anything and by this thread before it waits for the first step.
+    ``meanwhile``: local work run once the last step begins, behind the transfers still in flight.
     """
     size, me = dist.get_world_size(group), dist.get_rank(group)
     engine = context().engine()
@@ -761,6 +765,8 @@ def _ring_reduce_scatter(op: str, partial: Callable[[int, int, int], torch.Tenso
     for k in range(size):
         c = (me - k - 1) % size
         last = k + 1 == size
+        if last and meanwhile is not None:
+            meanwhile()
         after = cuts((me - k - 2) % size)
         done = []
         for j, (lo, hi) in enumerate(cuts(c)):
