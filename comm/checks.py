@@ -221,10 +221,27 @@ def agree(kind: str, *, numel: int, dtype: torch.dtype, op: str, algorithm: str,
     if wait:
         finish()
         return None
-    return once(finish)
+    return _once(finish)
 
 
-def once(fn: Callable[[], None]) -> Callable[[], None]:
+_VALIDATE_HINT = "; pass validate=True to name the ranks that differ"
+
+
+def renamed(finish: Callable[[], None], name: str, when: str, what: str) -> Callable[[], None]:
+    """An ``agree(wait=False)`` completion whose errors speak of the call ``name`` rather than of the
+    collective it checks: ``"{name}: {when}: {message}. {what}"`` with the same type, sequence and
+    ranks, and without agree's hint at ``validate=True``, which such calls do not have."""
+    def gate() -> None:
+        try:
+            finish()
+        except CommError as exc:
+            raise type(exc)(f"{name}: {when}: {exc.message.replace(_VALIDATE_HINT, '')}. {what}", op=name,
+                            seq=exc.seq, ranks=exc.ranks) from exc
+
+    return gate
+
+
+def _once(fn: Callable[[], None]) -> Callable[[], None]:
     """``fn`` run at most once, from any thread: later calls (concurrent ones wait for the first)
     return or raise as the first did."""
     lock = threading.Lock()
@@ -261,7 +278,7 @@ def _compare(kind: str, got: list[int], numel: int, dtype: torch.dtype, op: str,
             f"{kind}: the ranks' calls differ in {', '.join(diffs)}; this rank called it with "
             f"{_count_text(kind, numel)} of {dtype} (op {op}, algorithm {algorithm}). No payload byte moved and "
             f"the process group is still usable. Every rank must issue the same collective with the same "
-            f"shape and dtype; pass validate=True to name the ranks that differ", op=kind)
+            f"shape and dtype{_VALIDATE_HINT}", op=kind)
 
 
 #: The element count an all-to-all agrees on: its rows with even splits, else one of these codes,

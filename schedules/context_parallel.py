@@ -65,8 +65,7 @@ from torch.distributed import ProcessGroup
 
 from commopt.comm.algorithms import deadline_of
 from commopt.comm.alltoall import all_to_all_autograd
-from commopt.comm.checks import agree, check_timeout, once
-from commopt.comm.errors import CommError
+from commopt.comm.checks import agree, check_timeout, renamed
 from commopt.comm.runtime import context
 from commopt.comm.topology import Topology
 
@@ -516,18 +515,10 @@ def _agree(name: str, kind: str, algorithm: str, q, k, v, key: tuple, group, tim
     finish = agree(kind, numel=k.numel() + v.numel(), dtype=q.dtype, op="none", algorithm=algorithm, group=group,
                    device=q.device, timeout=timeout, signature=_ring.signature((name, *shapes, *key)), wait=False)
 
-    def gate() -> None:
-        try:
-            finish()
-        except CommError as exc:
-            # agree() speaks of the collective it checks and of its validate=True, which these calls do not have.
-            text = exc.message.replace("; pass validate=True to name the ranks that differ", "")
-            which = "layout" if kind == "all_gather" else "topology (one or two levels)"
-            raise type(exc)(f"{name}: before any payload moved: {text}. The shapes of q, k and v, their dtype, "
-                            f"is_causal, scale, {which} and which of them require gradients must be the same on "
-                            f"every rank of the group", op=name, seq=exc.seq, ranks=exc.ranks) from exc
-
-    gate = once(gate)
+    which = "layout" if kind == "all_gather" else "topology (one or two levels)"
+    gate = renamed(finish, name, "before any payload moved",
+                   f"The shapes of q, k and v, their dtype, is_causal, scale, {which} and which of them require "
+                   f"gradients must be the same on every rank of the group")
     if wait:
         gate()
     return gate

@@ -46,11 +46,9 @@ from torch import nn
 from torch.distributed import ReduceOp
 
 from commopt.comm import all_reduce
-from commopt.comm.algorithms.rail import RAIL
 from commopt.comm.algorithms.roles import DILOCO
 from commopt.comm.checks import check_timeout
-from commopt.comm.compression import Codec, ErrorFeedback, reduce_tensors
-from commopt.comm.compression.auto import Encoding
+from commopt.comm.compression import Codec, ErrorFeedback, auto, reduce_tensors
 from commopt.comm.engine import wait, wait_work
 from commopt.comm.errors import NonFiniteError, TopologyError
 from commopt.comm.runtime import context
@@ -423,7 +421,9 @@ class DiLoCo:
             deltas.append(backup.to(self.device) - self._read_piece(pc, backup.dtype))
         step = self._reductions
         self._reductions += 1
-        self.outer_bytes += self._traffic(deltas, step).sent(self.topology.rank)
+        traffic = auto.traffic("rail", self.compressor, [d.numel() for d in deltas], [tuple(d.shape) for d in deltas],
+                               deltas[0].element_size(), self.topology, step=step)
+        self.outer_bytes += traffic.sent(self.topology.rank)
         if self.num_workers == 1:
             fut, kind = None, "local"
         elif self.compressor is not None:
@@ -443,18 +443,6 @@ class DiLoCo:
         pending = _Pending(f, due, deltas, fut, kind)
         self._pending.append(pending)
         return pending
-
-    def _traffic(self, deltas: list[torch.Tensor], step: int):
-        """What reduction ``step`` of ``deltas`` moves along the rails (``algorithms.Traffic``): the
-        codec's encoded bytes where it is active at this step and worth it for these shapes, else the
-        exact all-reduce's."""
-        shapes = [tuple(d.shape) for d in deltas]
-        numels = [d.numel() for d in deltas]
-        itemsize = deltas[0].element_size()
-        codec = self.compressor
-        if codec is not None and codec.active(step) and codec.worth(sum(numels), shapes):
-            return RAIL.compressed_traffic(Encoding(codec, numels, shapes, itemsize), self.topology)
-        return RAIL.traffic("allreduce", sum(numels) * itemsize, self.topology)
 
     def _averaged(self, pending: _Pending) -> list[torch.Tensor]:
         """The averaged pieces of ``pending`` (waiting for its reduction)."""

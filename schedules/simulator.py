@@ -39,7 +39,7 @@ from commopt.comm.topology import Topology
 
 from .plan import BucketPlan, build_buckets, partition
 from .priority import fifo_plan, priority_plan, shape_priority, simulate_issue
-from .tensor_parallel import MAX_CHUNKS, MIN_CHUNK_SECONDS
+from .tensor_parallel import chunk_count
 
 __all__ = ["Layer", "Schedule", "SimResult", "simulate", "transformer_layers", "layers_from_model",
            "TRANSFORMERS", "traffic_matrix", "iteration_traffic", "SCHEDULES", "link_service", "ShardedPlan",
@@ -613,9 +613,9 @@ def simulate_tensor_parallel(config: TransformerConfig | str, *, tp: int, tokens
         decomposed: commopt's decomposed rings instead of the unfused collectives.
         activation_bytes: bytes per activation element (2: bf16).
         ffn: the MLP's hidden units (None: 4 d_model).
-        chunks: chunks per block (None: as the styles cut it beside a GPU, each chunk's transfer at
-            least ``tensor_parallel.MIN_CHUNK_SECONDS["cuda"]`` long, at most ``MAX_CHUNKS``; on a CPU
-            group ``tensor_parallel.chunks_for`` says what the styles do).
+        chunks: chunks per block (None: as the styles cut it beside a GPU,
+            ``tensor_parallel.chunk_count(..., "cuda")``; on a CPU group ``tensor_parallel.chunks_for``
+            says what the styles do).
     """
     cfg = TRANSFORMERS[config] if isinstance(config, str) else config
     if not isinstance(tp, int) or tp < 1:
@@ -638,7 +638,7 @@ def simulate_tensor_parallel(config: TransformerConfig | str, *, tp: int, tokens
     if not decomposed or tp == 1:
         step = compute + communication
     else:
-        n = chunks or max(1, min(MAX_CHUNKS, tokens // tp, int(link.time(act / tp) / MIN_CHUNK_SECONDS["cuda"])))
+        n = chunks or chunk_count(link.time(act / tp), tokens // tp, "cuda")
         hop = link.time(act / tp / n)  # one chunk across the link
 
         def ring(matmul: float, meanwhile: float = 0.0) -> float:

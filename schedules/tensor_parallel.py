@@ -92,7 +92,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_modul
 
 from commopt.comm import cost
 from commopt.comm.algorithms import deadline_of
-from commopt.comm.checks import agree, check_timeout, once
+from commopt.comm.checks import agree, check_timeout, renamed
 from commopt.comm.errors import CommError
 from commopt.comm.runtime import context
 
@@ -731,8 +731,15 @@ def chunks_for(block_bytes: int, rows: int, group, device: torch.device) -> int:
     topo = context().topology(None, group)
     model = cost.model_for(topo)
     link = model.inter if topo.num_nodes > 1 else model.intra
-    floor = MIN_CHUNK_SECONDS.get(device.type, MIN_CHUNK_SECONDS["cpu"])
-    return max(1, min(MAX_CHUNKS, rows, int(link.time(block_bytes) / floor)))
+    return chunk_count(link.time(block_bytes), rows, device.type)
+
+
+def chunk_count(seconds: float, rows: int, device_type: str) -> int:
+    """The chunks of a block of ``rows`` rows whose transfer takes ``seconds``: each chunk's at least
+    :data:`MIN_CHUNK_SECONDS` of ``device_type`` ("cpu" for any other) long, between 1 and
+    :data:`MAX_CHUNKS` and ``rows`` (the rule of :func:`chunks_for`, and of the simulator's rings)."""
+    floor = MIN_CHUNK_SECONDS.get(device_type, MIN_CHUNK_SECONDS["cpu"])
+    return max(1, min(MAX_CHUNKS, rows, int(seconds / floor)))
 
 
 def _ring_reduce_scatter(op: str, partial: Callable[[int, int, int], torch.Tensor], shape_of: Callable[..., tuple],
@@ -877,14 +884,4 @@ def _agree(name: str, kind: str, t: torch.Tensor, key: tuple, group, timeout: fl
             else "the product's shape (a's leading dimensions, b's columns), dtype and dimension, and whether "
                  "any of a, b requires a gradient (the backward's ring)" if kind == "reduce_scatter"
             else "the product's shape (a's leading dimensions, b's columns) and dtype")
-
-    def gate() -> None:
-        try:
-            finish()
-        except CommError as exc:
-            # agree() speaks of the collective it checks and of its validate=True, which these calls do not have.
-            text = exc.message.replace("; pass validate=True to name the ranks that differ", "")
-            raise type(exc)(f"{name}: before the ring started: {text}. {what} must be the same on every rank of "
-                            f"the group", op=name, seq=exc.seq, ranks=exc.ranks) from exc
-
-    return once(gate)
+    return renamed(finish, name, "before the ring started", f"{what} must be the same on every rank of the group")

@@ -67,6 +67,18 @@ def predict(algorithm: str, compressor: Codec, numels: list[int], shapes: list[t
     return algo.compressed_cost(model, Encoding(compressor, numels, shapes, itemsize), topology)
 
 
+def traffic(algorithm: str, compressor: Codec | None, numels: list[int], shapes: list[tuple[int, ...]], itemsize: int,
+            topology: Topology, *, step: int) -> algorithms.Traffic:
+    """What one reduction of tensors of ``numels`` / ``shapes`` elements (``itemsize``-byte floats)
+    with ``algorithm`` moves at ``step``: the codec's encoded bytes where it is active at that step
+    and worth it for these shapes, as the reduction decides, else (or with no codec) the exact
+    all-reduce's."""
+    algo = algorithms.get(algorithm)
+    if compressor is not None and compressor.active(step) and compressor.worth(sum(numels), shapes):
+        return algo.compressed_traffic(Encoding(compressor, numels, shapes, itemsize), topology)
+    return algo.traffic("allreduce", sum(numels) * itemsize, topology)
+
+
 class Encoding:
     """What ``compressor`` sends for tensors of ``numels`` / ``shapes`` elements computed in
     ``itemsize``-byte floats: an :class:`commopt.comm.algorithms.Encoded` for the algorithms'

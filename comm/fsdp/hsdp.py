@@ -46,8 +46,7 @@ from .. import algorithms
 from ..algorithms._transport import deadline_of, remaining, wait_work
 from ..algorithms.rail import RAIL
 from ..algorithms.roles import FSDP_HSDP, FSDP_HSDP_AG, FSDP_HSDP_RS
-from ..compression import Compressor, QuantizeCompressor, reduce_tensors
-from ..compression.auto import Encoding
+from ..compression import Compressor, QuantizeCompressor, auto, reduce_tensors
 from ..compression.base import derive_seed
 from ..compression.quantize import quantized_all_gather, quantized_reduce_scatter
 from ..engine import Phase, wait
@@ -201,11 +200,9 @@ class AllReduceHook(CommBase):
                              state=self.compressor_state, timeout=remaining(deadline))
         wait(fut, self.timeout, op=f"fsdp/hsdp/{self.name}/inter", deadline=deadline)
         shapes = [tuple(t.shape) for t in tensors]
-        active = self.compressor.active(step) and self.compressor.worth(sum(t.numel() for t in tensors), shapes)
         numels = [t.numel() for t in tensors]
-        self.add_link_bytes(("cmp", active, tuple(shapes)),
-                            lambda: RAIL.compressed_traffic(Encoding(self.compressor, numels, shapes, 4), topo)
-                            if active else RAIL.traffic("allreduce", size * 4, topo))
+        self.add_link_bytes(("cmp", self.compressor.active(step), tuple(shapes)),  # worth(): by the shapes
+                            lambda: auto.traffic("rail", self.compressor, numels, shapes, 4, topo, step=step))
 
     def _quantized(self, flat: torch.Tensor, bound: Bound | None, average: bool, deadline: float | None) -> None:
         topo = self.resolve()
