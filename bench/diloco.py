@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import time
 
@@ -39,27 +40,37 @@ from ._launch import launch, topology_of
 from ._progress import interleaved
 from .cluster.host import wire_bytes
 
-__all__ = ["main", "RUNS"]
+__all__ = ["main", "RUNS", "spec"]
 
 _VOCAB = 256
 
-#: name -> (sync_every, compressor bits or None, fragments, delay); "ddp": the synchronous baseline.
-RUNS: dict[str, tuple | None] = {
-    "ddp": None,
-    "diloco-8": (8, None, 1, 0),
-    "diloco-32": (32, None, 1, 0),
-    "diloco-32-stream": (32, None, 4, 2),
-    "diloco-32-int8": (32, 8, 1, 0),
-    "diloco-32-int4": (32, 4, 1, 0),
-    "diloco-32-int4-stream": (32, 4, 4, 2),
-}
+#: The runs by default; any "diloco-H[-int8|-int4][-stream]" is accepted (see ``spec``).
+RUNS = ("ddp", "diloco-8", "diloco-32", "diloco-32-stream", "diloco-32-int8", "diloco-32-int4",
+        "diloco-32-int4-stream")
+
+_NAME = re.compile(r"diloco-([1-9][0-9]*)(?:-int(4|8))?(-stream)?")
+
+
+def spec(name: str) -> tuple[int, int | None, int, int] | None:
+    """A run's (sync_every, codec bits or None, fragments, delay); None for "ddp", the synchronous baseline.
+    "diloco-H" syncs every H inner steps in fp32, "-int8"/"-int4" sends the outer gradients through that
+    block codec with error feedback, "-stream" syncs 4 fragments at staggered steps, each reduction
+    overlapping 2 inner steps. Raises ValueError for any other name."""
+    if name == "ddp":
+        return None
+    m = _NAME.fullmatch(name)
+    if m is None:
+        raise ValueError(f"commopt-bench diloco: unknown run {name!r}; a run is 'ddp' or "
+                         f"'diloco-H[-int8|-int4][-stream]' with H >= 1, for example diloco-16-int4-stream")
+    return int(m.group(1)), int(m.group(2)) if m.group(2) else None, 4 if m.group(3) else 1, 2 if m.group(3) else 0
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="commopt-bench diloco", description=__doc__.split("\n\n")[0])
     p.add_argument("--spawn", type=int, default=0, metavar="N", help="spawn N local ranks")
     p.add_argument("--topology", default=None, help="layout such as 2x2 (default: COMMOPT_NODES or detected)")
-    p.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated subset of {','.join(RUNS)}")
+    p.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated runs (default {','.join(RUNS)}; "
+                                                          "any diloco-H[-int8|-int4][-stream])")
     p.add_argument("--steps", type=int, default=64, help="training steps per run (a multiple of 32 ends on a sync)")
     p.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
     p.add_argument("--seq-len", type=int, default=64)
@@ -76,9 +87,11 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    unknown = [r for r in args.runs.split(",") if r not in RUNS]
-    if unknown:
-        print(f"commopt-bench diloco: unknown runs {unknown}; choose from {','.join(RUNS)}")
+    try:
+        for name in args.runs.split(","):
+            spec(name)
+    except ValueError as e:
+        print(e)
         return 2
     if args.quick:
         args.d_model, args.layers, args.seq_len, args.batch, args.steps = 32, 1, 16, 2, 16
@@ -86,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _sync_every(args, name: str) -> int:
-    h = RUNS[name][0]
+    h = spec(name)[0]
     return max(1, h // 4) if args.quick else h  # --quick: 2 and 8 instead of 8 and 32
 
 
@@ -97,11 +110,11 @@ def _setup(name: str, args, topo) -> dict:
 
     model = GPT(_VOCAB, args.d_model, args.layers, 4, args.seq_len, seed=0)
     run = {"name": name, "model": model, "times": [], "synced": [], "bytes": [], "losses": []}
-    if RUNS[name] is None:
+    if spec(name) is None:
         run["wrapped"] = DDP(model)
         run["opt"] = torch.optim.AdamW(model.parameters(), lr=args.lr)
         return run
-    _, bits, fragments, delay = RUNS[name]
+    _, bits, fragments, delay = spec(name)
     group = worker_group(topo, timeout=args.timeout)
     run["wrapped"] = DDP(model, process_group=group) if group is not None else model
     run["opt"] = torch.optim.AdamW(model.parameters(), lr=args.lr)
@@ -190,7 +203,7 @@ def _summary(run: dict, args, topo) -> dict:
             "bytes_per_step": float(nbytes), "model_bytes_per_step": _model_bytes(run, topo),
             "final_loss": statistics.mean(run["losses"][-5:]),
             "held_out_loss": _held_out(run, args), "losses": run["losses"],
-            "sync_every": None if RUNS[run["name"]] is None else _sync_every(args, run["name"])}
+            "sync_every": None if spec(run["name"]) is None else _sync_every(args, run["name"])}
 
 
 def _rank_body(args) -> int:

@@ -22,6 +22,7 @@ or ``--spawn 2`` on loopback (CPU-bound there: both "links" are the same two cor
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -173,16 +174,16 @@ def _attention_cases(args, rank: int, world: int) -> dict[str, tuple[Callable[[]
         dist.all_gather_into_tensor(kv_full_buf, kv_shard)
         dist.reduce_scatter_tensor(kv_shard, kv_full_buf)
 
-    ref = gathered(q, k, v)  # every variant computes the same attention: checked once, before timing
-    variants = [cp.ring_attention] + ([cp.ulysses_attention] if h % world == 0 else [])
-    for fn in variants:
-        torch.testing.assert_close(fn(q, k, v, is_causal=causal), ref, rtol=1e-4, atol=1e-4,
-                                   msg=lambda m, f=fn: f"{f.__name__} differs from all-gathered attention: {m}")
-    cases = {"attention gathered": (run(gathered, q, k, v), "attention"),
-             "ring attention": (run(lambda *t: cp.ring_attention(*t, is_causal=causal), q, k, v), "attention")}
+    variants = {"ring attention": functools.partial(cp.ring_attention, is_causal=causal),
+                "ring attention keep_kv": functools.partial(cp.ring_attention, is_causal=causal, keep_kv=True)}
     if h % world == 0:
-        cases["ulysses attention"] = (run(lambda *t: cp.ulysses_attention(*t, is_causal=causal), q, k, v),
-                                      "attention")
+        variants["ulysses attention"] = functools.partial(cp.ulysses_attention, is_causal=causal)
+    ref = gathered(q, k, v)  # every variant computes the same attention: checked once, before timing
+    for name, fn in variants.items():
+        torch.testing.assert_close(fn(q, k, v), ref, rtol=1e-4, atol=1e-4,
+                                   msg=lambda m, n=name: f"{n} differs from all-gathered attention: {m}")
+    cases = {"attention gathered": (run(gathered, q, k, v), "attention")}
+    cases.update({name: (run(fn, q, k, v), "attention") for name, fn in variants.items()})
     cases["attention compute alone"] = (
         run(lambda q_, k_, v_: _local_attention(q_, k_, v_, causal, rank, s // world), q, kv_full, kv_full),
         "attention")

@@ -19,7 +19,9 @@ block of ``torch.nn.functional.scaled_dot_product_attention`` over the whole seq
   (dK, dV, accumulated in fp32), each block's gradient computed from the whole sequence's output
   and log-sum-exp while the next rotation runs; a block's sum starts on the rank after its owner,
   and after P steps one last rotation brings every block's sum home, where the owner adds its own
-  part. dQ stays local.
+  part. dQ stays local. With ``keep_kv=True`` the forward keeps every block that arrives, and the
+  backward moves the partial sums only: a reduce-scatter ring whose step k sends block me - k's sum
+  on while block me - k - 1's gradient is computed, the own block last, behind the sums coming home.
 - ``layout="zigzag"`` (causal load balancing): with the contiguous layout and ``is_causal`` rank
   P - 1 attends to P blocks and rank 0 to one. With the zig-zag layout the sequence is cut into 2P
   chunks and rank r holds chunks r and 2P - 1 - r (:func:`zigzag_shard` cuts a whole sequence so,
@@ -83,7 +85,7 @@ _FLASH_CPU_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attenti
 # --------------------------------------------------------------------------------- public functions
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: ProcessGroup | None = None,
                    is_causal: bool = False, scale: float | None = None, layout: str = "contiguous",
-                   timeout: float | None = None) -> torch.Tensor:
+                   keep_kv: bool = False, timeout: float | None = None) -> torch.Tensor:
     """This rank's block of ``scaled_dot_product_attention(Q, K, V, is_causal=, scale=)`` over the whole
     sequence, K/V blocks rotating around the group while the block held is attended (module docstring).
 
@@ -97,18 +99,24 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
         scale: as ``scaled_dot_product_attention``'s (None: ``1 / sqrt(D)``).
         layout: ``"contiguous"`` or ``"zigzag"`` (causal load balancing; the local sequence length
             must then be even).
+        keep_kv: keep the K/V blocks that arrive in the forward ring for the backward, which then
+            moves only the partial sums of dK and dV (P - 1 per rank, as the all-gathered form's
+            reduce-scatter) instead of rotating K/V around the ring again; the memory is then the
+            all-gathered form's (every rank's K and V held from forward to backward) rather than two
+            blocks. Must be the same on every rank.
         timeout: seconds the call may take, the agreement check and every rotation together, before
             ``CommTimeoutError`` (None: the group's own timeout); the backward pass gets as long.
 
     Returns:
         ``[..., S/P, Dv]``: this rank's block of the attention output, in the layout of ``q``.
-        Differentiable: the backward rotates K/V and the partial sums of their gradients around the
-        ring again; every rank must run it (with the same ``requires_grad`` on q, k and v).
+        Differentiable: the backward rotates K/V (unless ``keep_kv``) and the partial sums of their
+        gradients around the ring again; every rank must run it (with the same ``requires_grad`` on
+        q, k and v).
 
     Raises:
         TypeError, ValueError: a bad argument, at the call (docs/faults.md row 39).
-        CollectiveMismatchError: the ranks' shapes, dtypes, ``is_causal``, ``scale``, ``layout`` or
-            ``requires_grad`` differ (on every rank, before any payload moves).
+        CollectiveMismatchError: the ranks' shapes, dtypes, ``is_causal``, ``scale``, ``layout``,
+            ``keep_kv`` or ``requires_grad`` differ (on every rank, before any payload moves).
         CommTimeoutError: a rank did not enter the call, or a rotation did not finish, within ``timeout``.
     """
     name = "ring_attention"
@@ -116,6 +124,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
     _check_flags(name, is_causal, scale)
     if layout not in _LAYOUTS:
         raise ValueError(f"{name}: layout must be one of {list(_LAYOUTS)}, got {layout!r}")
+    if not isinstance(keep_kv, bool):
+        raise TypeError(f"{name}: keep_kv must be True or False, got {type(keep_kv).__name__}")
     if layout == "zigzag" and q.shape[-2] % 2:
         raise ValueError(f"{name}: layout='zigzag' needs an even local sequence length (two chunks per rank), "
                          f"got q of shape {list(q.shape)}; cut the sequence into 2 * group size equal chunks "
@@ -126,8 +136,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
     if size == 1:
         return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale)
     deadline = deadline_of(timeout)
-    gate = _agree(name, "all_gather", "ring", q, k, v, (layout, bool(is_causal), scale), group, timeout, wait=False)
-    return _RingAttention.apply(q, k, v, bool(is_causal), scale, layout, group, timeout, deadline, gate)
+    gate = _agree(name, "all_gather", "ring", q, k, v, (layout, bool(is_causal), scale, keep_kv), group, timeout,
+                  wait=False)
+    return _RingAttention.apply(q, k, v, bool(is_causal), scale, layout, group, timeout, deadline, gate, keep_kv)
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: ProcessGroup | None = None,
@@ -221,10 +232,12 @@ def zigzag_unshard(x: torch.Tensor, dim: int = -2, *, group: ProcessGroup | None
 # --------------------------------------------------------------------------------- ring attention
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, layout, group, timeout, deadline, gate):
+    def forward(ctx, q, k, v, causal, scale, layout, group, timeout, deadline, gate, keep_kv):
         q4, k4, v4 = _as4(q), _as4(k), _as4(v)
-        out, lse = _ring_forward(q4, k4, v4, causal, scale, layout, group, timeout, deadline, gate)
+        kept = [None] * dist.get_world_size(group) if keep_kv else None
+        out, lse = _ring_forward(q4, k4, v4, causal, scale, layout, group, timeout, deadline, gate, kept)
         ctx.save_for_backward(q4, k4, v4, out, lse)
+        ctx.kept = kept  # the other ranks' K/V blocks (intermediates of this call, freed with the graph)
         ctx.args = (causal, scale, layout, group, timeout)
         ctx.shapes = (q.shape, k.shape, v.shape)
         return out.reshape(tuple(q.shape[:-1]) + (v.shape[-1],))
@@ -234,12 +247,18 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, g):
         q4, k4, v4, out, lse = ctx.saved_tensors
         causal, scale, layout, group, timeout = ctx.args
-        dq, dk, dv = _ring_backward(g.reshape(out.shape), q4, k4, v4, out, lse, causal, scale, layout, group,
-                                    timeout, deadline_of(timeout))
+        g4 = g.reshape(out.shape)
+        if ctx.kept is not None:
+            dq, dk, dv = _ring_backward_kept(g4, q4, ctx.kept, k4, v4, out, lse, causal, scale, layout, group,
+                                             timeout, deadline_of(timeout))
+            ctx.kept = None
+        else:
+            dq, dk, dv = _ring_backward(g4, q4, k4, v4, out, lse, causal, scale, layout, group, timeout,
+                                        deadline_of(timeout))
         qs, ks, vs = ctx.shapes
         need = ctx.needs_input_grad
         return (dq.reshape(qs) if need[0] else None, dk.reshape(ks) if need[1] else None,
-                dv.reshape(vs) if need[2] else None, None, None, None, None, None, None, None)
+                dv.reshape(vs) if need[2] else None, None, None, None, None, None, None, None, None)
 
 
 def _block(layout: str, causal: bool, me: int, j: int, s: int) -> tuple[slice, slice, bool] | None:
@@ -266,10 +285,13 @@ def _block(layout: str, causal: bool, me: int, j: int, s: int) -> tuple[slice, s
 
 
 def _ring_forward(q, k, v, causal, scale, layout, group, timeout, deadline,
-                  gate: Callable[[], None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  gate: Callable[[], None] | None = None,
+                  kept: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward ring on ``[1, N, s, D]`` blocks: ``(output in q's dtype, log-sum-exp in fp32/fp64)``.
     ``gate``: the call's agreement check, which every step waits for before it moves anything and
-    this thread before it waits for the first step (the local block is attended meanwhile)."""
+    this thread before it waits for the first step (the local block is attended meanwhile).
+    ``kept``: a list of the group's size to fill with every rank's K/V block (``[k | v]`` flat, rank
+    j's at index j; each step then receives into a new buffer), or None (two buffers alternate)."""
     op = "ring_attention"
     size, me = dist.get_world_size(group), dist.get_rank(group)
     engine = context().engine()
@@ -281,6 +303,9 @@ def _ring_forward(q, k, v, causal, scale, layout, group, timeout, deadline,
     out = q.new_zeros(tuple(q.shape[:-1]) + (v.shape[-1],), dtype=acc)
     lse = q.new_full(tuple(q.shape[:-1]), -math.inf, dtype=acc)
     for step in range(size):
+        if kept is not None:
+            kept[(me - step) % size] = held
+            spare = torch.empty_like(held) if step + 1 < size else None
         fut = _ring.step(engine, op, group, held, spare, deadline, gate) if step + 1 < size else None
         plan = _block(layout, causal, me, (me - step) % size, s)
         if plan is not None:
@@ -352,6 +377,46 @@ def _ring_backward(g, q, k, v, out, lse, causal, scale, layout, group, timeout, 
     if fut is not None:
         _ring.wait_step(fut, op, timeout, deadline)
     return dq.to(q.dtype), (spare.dk + own_dk).to(k.dtype), (spare.dv + own_dv).to(v.dtype)
+
+
+def _ring_backward_kept(g, q, kept, k, v, out, lse, causal, scale, layout, group, timeout, deadline):
+    """The backward ring when the forward kept every rank's K/V block (``kept[j]``, ``[k | v]`` flat):
+    ``(dq, dk, dv)`` of this rank's blocks, with only the partial sums of dK and dV moving (a
+    reduce-scatter ring: P - 1 sums per rank, the all-gathered form's bytes).
+
+    At step k = 1 .. P - 1 this rank computes its contribution to block ``j = me - k``'s gradient,
+    adds the partial sum of that block the previous rank sent at its step k - 1 (from k = 2) and sends
+    the sum on while the next step's block is computed; at step P - 1 the sum goes home to its owner.
+    Its own block (j = me) comes last: its contribution is computed while the other ranks' parts of its
+    sum arrive, and is added to them."""
+    op = "ring_attention/backward"
+    size, me = dist.get_world_size(group), dist.get_rank(group)
+    engine = context().engine()
+    s, acc, nk = q.shape[-2], _acc(q.dtype), k.numel()
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    fut = incoming = None
+    for step in [*range(1, size), 0]:
+        j = (me - step) % size
+        sums = torch.zeros(k.numel() + v.numel(), dtype=acc, device=k.device)
+        dk, dv = sums[:nk].view(k.shape), sums[nk:].view(v.shape)
+        plan = _block(layout, causal, me, j, s)
+        if plan is not None:
+            rows, cols, diag = plan
+            kj, vj = kept[j][:nk].view(k.shape), kept[j][nk:].view(v.shape)
+            grads = _attend_backward(g[..., rows, :], q[..., rows, :], kj[..., cols, :], vj[..., cols, :],
+                                     out[..., rows, :], lse[..., rows], diag, scale)
+            dq[..., rows, :] += grads[0]
+            dk[..., cols, :] += grads[1]
+            dv[..., cols, :] += grads[2]
+        if fut is not None:  # None: nothing to move (empty blocks)
+            _ring.wait_step(fut, op, timeout, deadline)
+        if incoming is not None:
+            sums += incoming
+        if step == 0:
+            return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+        incoming = torch.empty_like(sums)
+        fut = _ring.step(engine, op, group, sums, incoming, deadline)
+    raise AssertionError("unreachable: the ring's own block comes last and returns")
 
 
 class _Slab:
@@ -515,7 +580,7 @@ def _agree(name: str, kind: str, algorithm: str, q, k, v, key: tuple, group, tim
     finish = agree(kind, numel=k.numel() + v.numel(), dtype=q.dtype, op="none", algorithm=algorithm, group=group,
                    device=q.device, timeout=timeout, signature=_ring.signature((name, *shapes, *key)), wait=False)
 
-    which = "layout" if kind == "all_gather" else "topology (one or two levels)"
+    which = "layout, keep_kv" if kind == "all_gather" else "topology (one or two levels)"
     gate = renamed(finish, name, "before any payload moved",
                    f"The shapes of q, k and v, their dtype, is_causal, scale, {which} and which of them require "
                    f"gradients must be the same on every rank of the group")

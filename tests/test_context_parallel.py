@@ -82,7 +82,7 @@ def _case(kind: str, seed: int, dtype: torch.dtype, shape: tuple, dv: int, causa
     assert q.is_contiguous() != transposed
     fwd, bwd = sent_bytes("ring_attention"), sent_bytes("ring_attention/backward")
     if kind == "ring":
-        out = ring_attention(q, k, v, group=group, is_causal=causal, scale=scale, layout=layout, timeout=T)
+        out = ring_attention(q, k, v, group=group, is_causal=causal, scale=scale, layout=layout, timeout=T, **kw)
     else:
         out = ulysses_attention(q, k, v, group=group, is_causal=causal, scale=scale, timeout=T, **kw)
     assert out.shape == shape[:-1] + (dv,), what
@@ -92,7 +92,8 @@ def _case(kind: str, seed: int, dtype: torch.dtype, shape: tuple, dv: int, causa
         kv = (k.numel() + v.numel()) * k.element_size()
         sums = (k.numel() + v.numel()) * (8 if dtype == torch.float64 else 4)
         assert sent_bytes("ring_attention") - fwd == (world - 1) * kv, what
-        assert sent_bytes("ring_attention/backward") - bwd == (world - 1) * (kv + sums), what
+        # keep_kv: the backward moves the gradient sums only (the all-gathered form's reduce-scatter).
+        assert sent_bytes("ring_attention/backward") - bwd == (world - 1) * (sums + (0 if kw else kv)), what
 
     odt = torch.float32 if dtype == torch.float32 else torch.float64
     full_q, full_k, full_v = (_whole(t.detach(), layout, group).to(odt).requires_grad_() for t in (q, k, v))
@@ -139,6 +140,18 @@ def _matrix() -> int:
     for layout in ("contiguous", "zigzag"):
         seed += 1
         _case("ring", seed, torch.bfloat16, (2, 2, 4, 8), 8, True, None, layout, None)
+        checked += 1
+    # keep_kv (the backward from the kept K/V blocks, sums only): causal in both layouts, not causal with
+    # a scale, fp64 with v's head size other than q's (the explicit block path), bf16, an empty block.
+    for dtype, shape, dv, causal, scale, layout in (
+            (torch.float32, (2, 2, 4, 8), 8, True, None, "contiguous"),
+            (torch.float32, (2, 2, 4, 8), 8, True, None, "zigzag"),
+            (torch.float32, (2, 2, 4, 8), 8, False, 0.3, "contiguous"),
+            (torch.float64, (2, 4, 8), 5, True, None, "zigzag"),
+            (torch.bfloat16, (2, 2, 4, 8), 8, True, None, "zigzag"),
+            (torch.float32, (2, 2, 0, 8), 8, True, None, "contiguous")):
+        seed += 1
+        _case("ring", seed, dtype, shape, dv, causal, scale, layout, None, keep_kv=True)
         checked += 1
     # Empty blocks: no tokens, no batch (nothing moves; shapes and empty gradients as torch's); a head
     # size of 0 (every score 0: uniform weights, as scaled_dot_product_attention's default scale gives).
@@ -200,9 +213,10 @@ def test_ring_and_ulysses_match_attention_over_the_whole_sequence(ranks, world):
     and bf16, 2-D to 4-D, transposed (non-contiguous) and empty inputs (a head size of 0 too); on
     subgroups too, a group this rank is not in a ValueError, topologies that differ across the group
     (at 4 ranks) a CollectiveMismatchError on every rank; the ring sends
-    exactly (P - 1) K/V blocks forward and (P - 1) K/V blocks plus P gradient sums backward."""
+    exactly (P - 1) K/V blocks forward and (P - 1) K/V blocks plus P - 1 gradient sums backward, the
+    sums only with keep_kv."""
     counts = ranks(world, _matrix, timeout=120)
-    assert counts == [counts[0]] * world and counts[0] == 26 + 4 * (world == 4)
+    assert counts == [counts[0]] * world and counts[0] == 32 + 4 * (world == 4)
 
 
 # --------------------------------------------------------------------------------- faults (row 39)
@@ -240,6 +254,7 @@ def _mismatches() -> list:
     expect("ring_attention: scale", lambda: ring_attention(*qkv((2, 4, 8)), scale=0.5 if rank else None, timeout=T))
     expect("ring_attention: layout", lambda: ring_attention(*qkv((2, 4, 8)), is_causal=True,
                                                             layout="zigzag" if rank else "contiguous", timeout=T))
+    expect("ring_attention: keep_kv", lambda: ring_attention(*qkv((2, 4, 8)), keep_kv=bool(rank), timeout=T))
     expect("ring_attention: requires_grad", lambda: ring_attention(*qkv((2, 4, 8), grad=bool(rank)), timeout=T))
     expect("ulysses_attention: heads, same numel",
            lambda: ulysses_attention(*qkv((1, 4, 2, 8) if rank else (1, 2, 4, 8)), timeout=T))
@@ -256,12 +271,12 @@ def _mismatches() -> list:
 
 def test_shapes_that_differ_across_the_group_fail_on_every_rank(ranks):
     """docs/faults.md row 39: shapes (sequence length, head size, heads, the same numel in another
-    shape), dtype, is_causal, scale, layout or requires_grad that differ across the context-parallel
+    shape), dtype, is_causal, scale, layout, keep_kv or requires_grad that differ across the context-parallel
     group raise CollectiveMismatchError on every rank, naming the function, before any result; the
     group stays usable; heads not divisible by the group size are a ValueError at the call."""
     for seen in ranks(2, _mismatches, timeout=60):
         *cases, (_, kind, msg) = seen
-        assert len(cases) == 10
+        assert len(cases) == 11
         for case, error, named in cases:
             assert error == "CollectiveMismatchError" and named, (case, error)
         assert kind == "ValueError", kind
@@ -337,6 +352,7 @@ def test_bad_arguments_are_errors_at_the_call():
         (ValueError, "layout='zigzag' needs an even local sequence length",
          lambda: ring_attention(q[..., :5, :], q[..., :5, :], q[..., :5, :], layout="zigzag")),
         (ValueError, "timeout must be a positive number", lambda: ring_attention(q, q, q, timeout=0)),
+        (TypeError, "ring_attention: keep_kv must be True or False", lambda: ring_attention(q, q, q, keep_kv=1)),
         (TypeError, "group must be a torch.distributed ProcessGroup", lambda: ring_attention(q, q, q, group="cp")),
         (ValueError, "ulysses_attention: q has shape [6, 8]; it must be [..., H, S/P, D]",
          lambda: ulysses_attention(q[0, 0], q[0, 0], q[0, 0])),

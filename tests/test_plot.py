@@ -161,7 +161,8 @@ def test_bench_tp_quick_and_its_plot(tmp_path):
     data = json.loads(path.read_text())
     assert data["kind"] == "tp" and data["world"] == 2
     rows = {r["variant"]: r for r in data["results"]}
-    assert list(rows) == ["torch plan", "commopt styles", "attention gathered", "ring attention", "ulysses attention"]
+    assert list(rows) == ["torch plan", "commopt styles", "attention gathered", "ring attention",
+                          "ring attention keep_kv", "ulysses attention"]
     for r in rows.values():
         assert r["step_s"] > 0 and r["compute_s"] > 0 and r["comm_s"] > 0
         assert r["step_over_max"] == pytest.approx(r["step_s"] / max(r["compute_s"], r["comm_s"]))
@@ -172,7 +173,8 @@ def test_bench_tp_quick_and_its_plot(tmp_path):
     torch_plan, styles = rows["torch plan"], rows["commopt styles"]
     assert torch_plan["sim_s"] == pytest.approx(torch_plan["compute_s"] + torch_plan["comm_s"], rel=1e-6)
     assert max(styles["compute_s"], styles["comm_s"]) * (1 - 1e-6) <= styles["sim_s"] <= torch_plan["sim_s"]
-    assert all(rows[v]["sim_s"] is None for v in ("attention gathered", "ring attention", "ulysses attention"))
+    assert all(rows[v]["sim_s"] is None for v in ("attention gathered", "ring attention", "ring attention keep_kv",
+                                                  "ulysses attention"))
     assert "commopt styles" in res.stdout and "ring attention" in res.stdout
     drawn = plot.plot(data, str(tmp_path / "tp.png"))
     _png_size(tmp_path / "tp.png")
