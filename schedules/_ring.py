@@ -1,23 +1,28 @@
-"""The ring step the decomposed tensor-parallel matmuls and ring attention share (docs/architecture.md
-sections 3 and 5.8): one point-to-point exchange with the ring's neighbours as one engine phase on
-the group, submitted from the caller's thread in ring order, so that the transfer runs on the group's
-engine worker while the caller computes; and the checks of the group and of a floating tensor both
+"""The rings the decomposed tensor-parallel matmuls and ring attention share (docs/architecture.md
+sections 3 and 5.8): the ring step, one point-to-point exchange with the ring's neighbours as one
+engine phase on the group, submitted from the caller's thread in ring order, so that the transfer runs
+on the group's engine worker while the caller computes; the chunked all-gather ring (:func:`all_gather`,
+the caller computing on each chunk as it lands) and reduce-scatter ring (:func:`reduce_scatter`, each
+chunk's partial sum sent on as soon as it is computed) built of such steps; and the checks both
 modules make at the call."""
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from commopt.comm import checks
+from commopt.comm import checks, cost
 from commopt.comm.algorithms import pairwise, remaining
 from commopt.comm.engine import Engine, Phase, wait
+from commopt.comm.errors import CommError
+from commopt.comm.runtime import context
 
-__all__ = ["step", "wait_step", "check_group", "group_size", "signature", "check_float_tensor", "FLOATS"]
+__all__ = ["step", "wait_step", "all_gather", "reduce_scatter", "resolve_link", "check_group", "group_size",
+           "signature", "check_float_tensor", "FLOATS"]
 
 FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
@@ -57,6 +62,97 @@ def wait_step(fut: torch.futures.Future, op: str, timeout: float | None, deadlin
         fut.wait()
     else:
         wait(fut, timeout, op=op, deadline=deadline)
+
+
+def all_gather(op: str, rowed: torch.Tensor, chunks: int, group, timeout: float | None, deadline: float | None,
+               gate: Callable[[], None] | None = None) -> Iterator[tuple[int, int, int]]:
+    """The all-gather ring of ``rowed``, ``[P, rows, ...]`` with this rank's block in slot ``me``, each
+    block cut into ``chunks`` row ranges: yields ``(src, lo, hi)`` for every chunk of every block in
+    ring order (this rank's own block first), each once it has arrived, so that the caller computes on
+    it while the later chunks are on the wire. Every step of every chunk is submitted at once: the
+    group's engine worker runs them in order, so a chunk is forwarded by the step after the one that
+    received it. ``gate``: the call's agreement check, waited for by every step's phase before it moves
+    anything and by this thread before it waits for the first step."""
+    size, me = dist.get_world_size(group), dist.get_rank(group)
+    engine = context().engine()
+    rows = rowed.shape[1]
+    cuts = [(rows * j // chunks, rows * (j + 1) // chunks) for j in range(chunks)]
+    steps = {}
+    for k in range(size - 1):  # step k forwards the block of rank me - k, chunk by chunk
+        send, recv = rowed[(me - k) % size], rowed[(me - k - 1) % size]
+        for c, (lo, hi) in enumerate(cuts):
+            steps[k, c] = step(engine, op, group, send[lo:hi], recv[lo:hi], deadline, gate)
+    for k in range(size):
+        if k == 1 and gate is not None:
+            gate()  # the agreement check, on this thread: its error rather than a phase's
+        for c, (lo, hi) in enumerate(cuts):
+            fut = steps.get((k - 1, c))
+            if fut is not None:  # the chunk arrived (None: nothing to move, or this rank's own block)
+                wait_step(fut, op, timeout, deadline)
+            yield (me - k) % size, lo, hi
+
+
+def reduce_scatter(op: str, partial: Callable[[int, int, int], torch.Tensor], shape_of: Callable[..., tuple],
+                   group, timeout: float | None, deadline: float | None, like: torch.Tensor, *, dim: int,
+                   extent: Callable[[int], int], chunks: int, gate: Callable[[], None] | None = None,
+                   meanwhile: Callable[[], None] | None = None) -> torch.Tensor:
+    """The reduce-scatter ring: returns the sum over the group of every rank's block ``me``.
+
+    Block c is ``extent(c)`` long along ``dim`` and cut into ``chunks`` chunks (the same number on
+    every rank); ``partial(c, lo, hi)`` returns a fresh contiguous tensor of ``shape_of(c, lo, hi)``
+    (of ``like``'s dtype and device): this rank's contribution to positions ``lo:hi`` of block c (it is
+    added to in place). At step k this rank computes block ``c = me - k - 1`` chunk by chunk; each
+    chunk, once the partial sum of that chunk from the previous rank is in, gets it added and goes on
+    to the next rank while the next chunk is computed. At the last step c is ``me`` and the chunks,
+    joined along ``dim``, are the result. ``gate``: the call's agreement check, waited for by every
+    step's phase before it moves anything and by this thread before it waits for the first step.
+    ``meanwhile``: local work run once the last step begins, behind the transfers still in flight.
+    """
+    size, me = dist.get_world_size(group), dist.get_rank(group)
+    engine = context().engine()
+
+    def cuts(c: int) -> list[tuple[int, int]]:
+        e = extent(c)
+        return [(e * j // chunks, e * (j + 1) // chunks) for j in range(chunks)]
+
+    futs: list = [None] * chunks
+    incoming: list = [None] * chunks
+    for k in range(size):
+        c = (me - k - 1) % size
+        last = k + 1 == size
+        if last and meanwhile is not None:
+            meanwhile()
+        after = cuts((me - k - 2) % size)
+        done = []
+        for j, (lo, hi) in enumerate(cuts(c)):
+            part = partial(c, lo, hi)
+            if k == 1 and j == 0 and gate is not None:
+                gate()  # the agreement check, on this thread: its error rather than a phase's
+            if futs[j] is not None:
+                wait_step(futs[j], op, timeout, deadline)
+                futs[j] = None
+            if incoming[j] is not None:
+                part.add_(incoming[j])
+            if last:
+                done.append(part)
+            else:
+                incoming[j] = like.new_empty(shape_of((me - k - 2) % size, *after[j]))
+                futs[j] = step(engine, op, group, part, incoming[j], deadline, gate)
+        if last:
+            return done[0] if chunks == 1 else torch.cat(done, dim)
+    raise AssertionError("unreachable: the ring's last step returns")
+
+
+def resolve_link(name: str, group, timeout: float | None) -> None:
+    """The group's topology and cost model, which the rings' chunk count reads
+    (``tensor_parallel.chunks_for``), resolved before the ring: the first call on a group detects them
+    with collectives of their own, bounded by the call's ``timeout`` and named after the call (later
+    calls find them cached)."""
+    try:
+        cost.model_for(context().topology(None, group, timeout), timeout=timeout)
+    except CommError as exc:
+        raise type(exc)(f"{name}: before the ring started, resolving the group's topology and link: {exc.message}",
+                        op=name, seq=exc.seq, ranks=exc.ranks) from exc
 
 
 def check_group(name: str, group) -> None:

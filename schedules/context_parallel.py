@@ -72,6 +72,7 @@ from commopt.comm.runtime import context
 from commopt.comm.topology import Topology
 
 from . import _ring
+from .tensor_parallel import chunks_for
 
 __all__ = ["ring_attention", "ulysses_attention", "zigzag_shard", "zigzag_unshard"]
 
@@ -136,6 +137,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
     if size == 1:
         return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale)
     deadline = deadline_of(timeout)
+    _ring.resolve_link(name, group, timeout)  # the chunk count of keep_kv's rings reads the group's link
     gate = _agree(name, "all_gather", "ring", q, k, v, (layout, bool(is_causal), scale, keep_kv), group, timeout,
                   wait=False)
     return _RingAttention.apply(q, k, v, bool(is_causal), scale, layout, group, timeout, deadline, gate, keep_kv)
@@ -234,10 +236,13 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, causal, scale, layout, group, timeout, deadline, gate, keep_kv):
         q4, k4, v4 = _as4(q), _as4(k), _as4(v)
-        kept = [None] * dist.get_world_size(group) if keep_kv else None
-        out, lse = _ring_forward(q4, k4, v4, causal, scale, layout, group, timeout, deadline, gate, kept)
+        kept = None
+        if keep_kv:
+            out, lse, kept = _gather_forward(q4, k4, v4, causal, scale, layout, group, timeout, deadline, gate)
+        else:
+            out, lse = _ring_forward(q4, k4, v4, causal, scale, layout, group, timeout, deadline, gate)
         ctx.save_for_backward(q4, k4, v4, out, lse)
-        ctx.kept = kept  # the other ranks' K/V blocks (intermediates of this call, freed with the graph)
+        ctx.kept = kept  # every rank's K/V block (an intermediate of this call, freed with the graph)
         ctx.args = (causal, scale, layout, group, timeout)
         ctx.shapes = (q.shape, k.shape, v.shape)
         return out.reshape(tuple(q.shape[:-1]) + (v.shape[-1],))
@@ -285,13 +290,10 @@ def _block(layout: str, causal: bool, me: int, j: int, s: int) -> tuple[slice, s
 
 
 def _ring_forward(q, k, v, causal, scale, layout, group, timeout, deadline,
-                  gate: Callable[[], None] | None = None,
-                  kept: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  gate: Callable[[], None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward ring on ``[1, N, s, D]`` blocks: ``(output in q's dtype, log-sum-exp in fp32/fp64)``.
     ``gate``: the call's agreement check, which every step waits for before it moves anything and
-    this thread before it waits for the first step (the local block is attended meanwhile).
-    ``kept``: a list of the group's size to fill with every rank's K/V block (``[k | v]`` flat, rank
-    j's at index j; each step then receives into a new buffer), or None (two buffers alternate)."""
+    this thread before it waits for the first step (the local block is attended meanwhile)."""
     op = "ring_attention"
     size, me = dist.get_world_size(group), dist.get_rank(group)
     engine = context().engine()
@@ -303,9 +305,6 @@ def _ring_forward(q, k, v, causal, scale, layout, group, timeout, deadline,
     out = q.new_zeros(tuple(q.shape[:-1]) + (v.shape[-1],), dtype=acc)
     lse = q.new_full(tuple(q.shape[:-1]), -math.inf, dtype=acc)
     for step in range(size):
-        if kept is not None:
-            kept[(me - step) % size] = held
-            spare = torch.empty_like(held) if step + 1 < size else None
         fut = _ring.step(engine, op, group, held, spare, deadline, gate) if step + 1 < size else None
         plan = _block(layout, causal, me, (me - step) % size, s)
         if plan is not None:
@@ -379,44 +378,92 @@ def _ring_backward(g, q, k, v, out, lse, causal, scale, layout, group, timeout, 
     return dq.to(q.dtype), (spare.dk + own_dk).to(k.dtype), (spare.dv + own_dv).to(v.dtype)
 
 
-def _ring_backward_kept(g, q, kept, k, v, out, lse, causal, scale, layout, group, timeout, deadline):
-    """The backward ring when the forward kept every rank's K/V block (``kept[j]``, ``[k | v]`` flat):
-    ``(dq, dk, dv)`` of this rank's blocks, with only the partial sums of dK and dV moving (a
-    reduce-scatter ring: P - 1 sums per rank, the all-gathered form's bytes).
-
-    At step k = 1 .. P - 1 this rank computes its contribution to block ``j = me - k``'s gradient,
-    adds the partial sum of that block the previous rank sent at its step k - 1 (from k = 2) and sends
-    the sum on while the next step's block is computed; at step P - 1 the sum goes home to its owner.
-    Its own block (j = me) comes last: its contribution is computed while the other ranks' parts of its
-    sum arrive, and is added to them."""
-    op = "ring_attention/backward"
+def _gather_forward(q, k, v, causal, scale, layout, group, timeout, deadline,
+                    gate: Callable[[], None] | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The forward ring of ``keep_kv`` on ``[1, N, s, D]`` blocks: ``(output, log-sum-exp, blocks)``,
+    ``blocks`` every rank's K/V as ``[P, s, N, D + Dv]`` (rank j's in slot j, sequence first, so that
+    a chunk of key rows is contiguous). The chunked all-gather ring (``_ring.all_gather``, chunks by
+    ``tensor_parallel.chunks_for``) moves them while this rank attends to its own block, then to each
+    chunk of key rows as it lands, merged by the online softmax."""
+    op = "ring_attention"
     size, me = dist.get_world_size(group), dist.get_rank(group)
-    engine = context().engine()
-    s, acc, nk = q.shape[-2], _acc(q.dtype), k.numel()
+    s, n, d, acc = q.shape[-2], q.shape[1], k.shape[-1], _acc(q.dtype)
+    blocks = k.new_empty((size, s, n, d + v.shape[-1]))
+    blocks[me, ..., :d] = k[0].transpose(0, 1)
+    blocks[me, ..., d:] = v[0].transpose(0, 1)
+    out = q.new_zeros(tuple(q.shape[:-1]) + (v.shape[-1],), dtype=acc)
+    lse = q.new_full(tuple(q.shape[:-1]), -math.inf, dtype=acc)
+    chunks = chunks_for(blocks[0].numel() * blocks.element_size(), s, group, q.device)
+    for src, lo, hi in _ring.all_gather(op, blocks, chunks, group, timeout, deadline, gate):
+        plan = _block(layout, causal, me, src, s)
+        if plan is None or (src == me and lo > 0):
+            continue
+        rows, cols, diag = plan
+        if src == me:  # the own block whole (the diagonal is causal): it moves nowhere
+            kj, vj, (a, b) = k, v, (0, s)
+        else:
+            a, b = _within(cols, lo, hi, s)
+            kj, vj = _kv(blocks[src], a, b, d)
+        if a < b:
+            o, block_lse = _attend(q[..., rows, :], kj, vj, diag, scale)
+            _merge(out[..., rows, :], lse[..., rows], o, block_lse)
+    return out.to(q.dtype), lse, blocks
+
+
+def _ring_backward_kept(g, q, blocks, k, v, out, lse, causal, scale, layout, group, timeout, deadline):
+    """The backward of ``keep_kv`` from the forward's ``blocks``: ``(dq, dk, dv)`` of this rank's blocks,
+    with only the partial sums of dK and dV moving: the chunked reduce-scatter ring
+    (``_ring.reduce_scatter``, P - 1 blocks of sums per rank, the all-gathered form's bytes). At step
+    k this rank computes its contribution to block ``me - k - 1``'s gradient chunk of key rows by
+    chunk, each sent on (with the previous rank's partial sum of it added) while the next is computed;
+    its own block comes last, computed whole while the other ranks' parts of its sum arrive."""
+    op = "ring_attention/backward"
+    me = dist.get_rank(group)
+    s, n, d, dv_size, acc = q.shape[-2], q.shape[1], k.shape[-1], v.shape[-1], _acc(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-    fut = incoming = None
-    for step in [*range(1, size), 0]:
-        j = (me - step) % size
-        sums = torch.zeros(k.numel() + v.numel(), dtype=acc, device=k.device)
-        dk, dv = sums[:nk].view(k.shape), sums[nk:].view(v.shape)
-        plan = _block(layout, causal, me, j, s)
+    own: list = []
+
+    def attended(c: int, rows: slice, a: int, b: int, kj, vj, diag: bool) -> torch.Tensor:
+        """Block c's key rows a:b attended by this rank's query ``rows``: dq added here, ``[b - a, N,
+        D + Dv]`` sums of dk and dv returned."""
+        dq_c, dk_c, dv_c = _attend_backward(g[..., rows, :], q[..., rows, :], kj, vj, out[..., rows, :],
+                                            lse[..., rows], diag, scale)
+        dq[..., rows, :] += dq_c
+        return torch.cat([dk_c[0], dv_c[0]], dim=-1).transpose(0, 1).to(acc)
+
+    def partial(c: int, lo: int, hi: int) -> torch.Tensor:
+        part = torch.zeros((hi - lo, n, d + dv_size), dtype=acc, device=q.device)
+        plan = _block(layout, causal, me, c, s)
+        if c == me:  # the own block whole, once (the diagonal is causal); its chunks are views of it
+            if not own:
+                own.append(attended(c, plan[0], 0, s, k, v, plan[2]) if plan is not None else part)
+            return own[0][lo:hi]
         if plan is not None:
-            rows, cols, diag = plan
-            kj, vj = kept[j][:nk].view(k.shape), kept[j][nk:].view(v.shape)
-            grads = _attend_backward(g[..., rows, :], q[..., rows, :], kj[..., cols, :], vj[..., cols, :],
-                                     out[..., rows, :], lse[..., rows], diag, scale)
-            dq[..., rows, :] += grads[0]
-            dk[..., cols, :] += grads[1]
-            dv[..., cols, :] += grads[2]
-        if fut is not None:  # None: nothing to move (empty blocks)
-            _ring.wait_step(fut, op, timeout, deadline)
-        if incoming is not None:
-            sums += incoming
-        if step == 0:
-            return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
-        incoming = torch.empty_like(sums)
-        fut = _ring.step(engine, op, group, sums, incoming, deadline)
-    raise AssertionError("unreachable: the ring's own block comes last and returns")
+            rows, cols, _ = plan
+            a, b = _within(cols, lo, hi, s)
+            if a < b:
+                part[a - lo:b - lo] = attended(c, rows, a, b, *_kv(blocks[c], a, b, d), False)
+        return part
+
+    chunks = chunks_for(s * n * (d + dv_size) * dq.element_size(), s, group, q.device)
+    sums = _ring.reduce_scatter(op, partial, lambda _c, lo, hi: (hi - lo, n, d + dv_size), group, timeout, deadline,
+                                dq, dim=0, extent=lambda _c: s, chunks=chunks)
+    dk = sums[..., :d].transpose(0, 1).unsqueeze(0)
+    dv = sums[..., d:].transpose(0, 1).unsqueeze(0)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _within(cols: slice, lo: int, hi: int, s: int) -> tuple[int, int]:
+    """The key rows of the chunk ``lo:hi`` that ``cols`` (a slice of a block of ``s`` rows) attends to."""
+    start, stop, _ = cols.indices(s)
+    return max(lo, start), min(hi, stop)
+
+
+def _kv(block: torch.Tensor, a: int, b: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Key rows ``a:b`` of a kept ``[s, N, D + Dv]`` block as ``[1, N, b - a, D]`` k and ``[1, N, b - a, Dv]`` v."""
+    rows = block[a:b]
+    return (rows[..., :d].transpose(0, 1).unsqueeze(0).contiguous(),
+            rows[..., d:].transpose(0, 1).unsqueeze(0).contiguous())
 
 
 class _Slab:

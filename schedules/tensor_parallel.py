@@ -93,7 +93,6 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_modul
 from commopt.comm import cost
 from commopt.comm.algorithms import deadline_of
 from commopt.comm.checks import agree, check_timeout, renamed
-from commopt.comm.errors import CommError
 from commopt.comm.runtime import context
 
 from . import _ring
@@ -163,7 +162,7 @@ def all_gather_matmul(a_shard: torch.Tensor, bs: Sequence[torch.Tensor], *, gath
     # Whether the backward's ring runs (a_shard needs a gradient) is part of the call: a rank without it
     # would leave the others in that ring until the timeout.
     grad = torch.is_grad_enabled() and a_shard.requires_grad
-    _resolve_link(name, group, timeout)
+    _ring.resolve_link(name, group, timeout)
     gate = _agree(name, "all_gather", a_shard, (tuple(a_shard.shape), d, grad), group, timeout)
     gathered, *outs = _AllGatherMatmul.apply(a_shard, d, group, timeout, deadline, bool(return_a), gate, *bs)
     return (gathered, list(outs)) if return_a else list(outs)
@@ -230,7 +229,7 @@ def _matmul_reduce_scatter(name: str, a: torch.Tensor, b: torch.Tensor, bias: to
     deadline = deadline_of(timeout)
     shape = tuple(a.shape[:-1]) + (b.shape[1],)
     grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (a, b, bias))
-    _resolve_link(name, group, timeout)
+    _ring.resolve_link(name, group, timeout)
     gate = _agree(name, "reduce_scatter", a, (shape, d, "avg" if op == ReduceOp.AVG else "sum", grad), group,
                   timeout, numel=math.prod(shape), op="avg" if op == ReduceOp.AVG else "sum")
     return _MatmulReduceScatter.apply(a, b, d, group, timeout, deadline, op == ReduceOp.AVG, gate, bias)
@@ -269,7 +268,7 @@ def matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, *, group: ProcessGroup |
         return torch.matmul(a, b)
     deadline = deadline_of(timeout)
     shape = tuple(a.shape[:-1]) + (b.shape[1],)
-    _resolve_link(name, group, timeout)
+    _ring.resolve_link(name, group, timeout)
     gate = _agree(name, "all_reduce", a, (shape,), group, timeout, numel=math.prod(shape))
     return _MatmulAllReduce.apply(a, b, group, timeout, deadline, gate)
 
@@ -683,7 +682,6 @@ def _gather_matmul(op: str, shard: torch.Tensor, bs: list[torch.Tensor], d: int,
     dimension to ``d`` is a view for ``d == 0`` and one copy otherwise.
     """
     size, me = dist.get_world_size(group), dist.get_rank(group)
-    engine = context().engine()
     blocks = shard.new_empty((size,) + tuple(shard.shape))
     blocks[me].copy_(shard)
     outs = [shard.new_empty((size,) + tuple(shard.shape[:-1]) + (b.shape[1],)) for b in bs]
@@ -691,35 +689,11 @@ def _gather_matmul(op: str, shard: torch.Tensor, bs: list[torch.Tensor], d: int,
     rowed = blocks.view(size, rows, k)
     products = [out.view(size, rows, b.shape[1]) for b, out in zip(bs, outs)]
     chunks = chunks_for(rows * k * shard.element_size(), rows, group, shard.device)
-    cuts = [(rows * j // chunks, rows * (j + 1) // chunks) for j in range(chunks)]
-    steps = {}
-    for step in range(size - 1):  # step s forwards the block of rank me - s, chunk by chunk
-        send, recv = rowed[(me - step) % size], rowed[(me - step - 1) % size]
-        for c, (lo, hi) in enumerate(cuts):
-            steps[step, c] = _ring.step(engine, op, group, send[lo:hi], recv[lo:hi], deadline, gate)
-    for step in range(size):
-        src = (me - step) % size
-        if step == 1 and gate is not None:
-            gate()  # the agreement check, on this thread: its error rather than a phase's
-        for c, (lo, hi) in enumerate(cuts):
-            fut = steps.get((step - 1, c))
-            if fut is not None:  # the chunk arrived (None: nothing to move, or this rank's own block)
-                _ring.wait_step(fut, op, timeout, deadline)
-            for b, product in zip(bs, products):
-                torch.matmul(rowed[src, lo:hi], b, out=product[src, lo:hi])
+    for src, lo, hi in _ring.all_gather(op, rowed, chunks, group, timeout, deadline, gate):
+        for b, product in zip(bs, products):
+            torch.matmul(rowed[src, lo:hi], b, out=product[src, lo:hi])
     gathered = _merge(blocks, d) if keep_gathered else None
     return gathered, [_merge(out, d) for out in outs]
-
-
-def _resolve_link(name: str, group, timeout: float | None) -> None:
-    """The group's topology and cost model, which :func:`chunks_for` reads, resolved before the ring:
-    the first call on a group detects them with collectives of their own, bounded by the call's
-    ``timeout`` and named after the call (later calls find them cached)."""
-    try:
-        cost.model_for(context().topology(None, group, timeout), timeout=timeout)
-    except CommError as exc:
-        raise type(exc)(f"{name}: before the ring started, resolving the group's topology and link: {exc.message}",
-                        op=name, seq=exc.seq, ranks=exc.ranks) from exc
 
 
 def chunks_for(block_bytes: int, rows: int, group, device: torch.device) -> int:
@@ -746,53 +720,11 @@ def _ring_reduce_scatter(op: str, partial: Callable[[int, int, int], torch.Tenso
                          group, timeout: float | None, deadline: float | None, like: torch.Tensor, *, dim: int,
                          extent: Callable[[int], int], gate: Callable[[], None] | None = None,
                          meanwhile: Callable[[], None] | None = None) -> torch.Tensor:
-    """The reduce-scatter ring: returns the sum over the group of every rank's block ``me``.
-
-    Block c is ``extent(c)`` long along ``dim`` and cut into the same number of chunks on every rank
-    (:func:`chunks_for` the longest block); ``partial(c, lo, hi)`` returns a fresh contiguous
-    tensor of ``shape_of(c, lo, hi)``: this rank's contribution to positions ``lo:hi`` of block c (it
-    is added to in place). At step k this rank computes block ``c = me - k - 1`` chunk by chunk; each
-    chunk, once the partial sum of that chunk from the previous rank is in, gets it added and goes on
-    to the next rank while the next chunk is multiplied. At the last step c is ``me`` and the chunks,
-    joined along ``dim``, are the result. ``gate``: the call's agreement check, waited for by every
-    step's phase before it moves anything and by this thread before it waits for the first step.
-    ``meanwhile``: local work run once the last step begins, behind the transfers still in flight.
-    """
-    size, me = dist.get_world_size(group), dist.get_rank(group)
-    engine = context().engine()
-    longest = max(extent(c) for c in range(size))
+    """``_ring.reduce_scatter`` with every block cut into :func:`chunks_for` the longest block's chunks."""
+    longest = max(extent(c) for c in range(dist.get_world_size(group)))
     chunks = chunks_for(longest * math.prod(shape_of(0, 0, 1)) * like.element_size(), longest, group, like.device)
-
-    def cuts(c: int) -> list[tuple[int, int]]:
-        e = extent(c)
-        return [(e * j // chunks, e * (j + 1) // chunks) for j in range(chunks)]
-
-    futs: list = [None] * chunks
-    incoming: list = [None] * chunks
-    for k in range(size):
-        c = (me - k - 1) % size
-        last = k + 1 == size
-        if last and meanwhile is not None:
-            meanwhile()
-        after = cuts((me - k - 2) % size)
-        done = []
-        for j, (lo, hi) in enumerate(cuts(c)):
-            part = partial(c, lo, hi)
-            if k == 1 and j == 0 and gate is not None:
-                gate()  # the agreement check, on this thread: its error rather than a phase's
-            if futs[j] is not None:
-                _ring.wait_step(futs[j], op, timeout, deadline)
-                futs[j] = None
-            if incoming[j] is not None:
-                part.add_(incoming[j])
-            if last:
-                done.append(part)
-            else:
-                incoming[j] = like.new_empty(shape_of((me - k - 2) % size, *after[j]))
-                futs[j] = _ring.step(engine, op, group, part, incoming[j], deadline, gate)
-        if last:
-            return done[0] if chunks == 1 else torch.cat(done, dim)
-    raise AssertionError("unreachable: the ring's last step returns")
+    return _ring.reduce_scatter(op, partial, shape_of, group, timeout, deadline, like, dim=dim, extent=extent,
+                                chunks=chunks, gate=gate, meanwhile=meanwhile)
 
 
 def _resized(shape: tuple, dim: int, length: int) -> tuple:

@@ -26,6 +26,7 @@ from _pool import RankPool
 from commopt.comm import Topology, context
 from commopt.comm.errors import CollectiveMismatchError, CommTimeoutError
 from commopt.schedules import ring_attention, ulysses_attention, zigzag_shard, zigzag_unshard
+from commopt.schedules import tensor_parallel as tp_module
 
 T = 60.0  # the calls' timeout where nothing is meant to time out
 ABSENT = 2.0  # the timeout of a call a peer never enters (row 39)
@@ -153,6 +154,18 @@ def _matrix() -> int:
         seed += 1
         _case("ring", seed, dtype, shape, dv, causal, scale, layout, None, keep_kv=True)
         checked += 1
+    # keep_kv's rings cut into chunks of key rows (one per row: the zig-zag halves and the causal
+    # diagonal fall across chunk boundaries), against the same oracle.
+    saved = tp_module.MIN_CHUNK_SECONDS
+    tp_module.MIN_CHUNK_SECONDS = {"cpu": 1e-12}
+    try:
+        assert tp_module.chunks_for(2 * 6 * 16 * 4, 6, None, torch.device("cpu")) == 6  # one chunk per key row
+        for causal, layout, dv in ((True, "zigzag", 8), (True, "contiguous", 5), (False, "contiguous", 8)):
+            seed += 1
+            _case("ring", seed, torch.float32, (2, 2, 6, 8), dv, causal, None, layout, None, keep_kv=True)
+            checked += 1
+    finally:
+        tp_module.MIN_CHUNK_SECONDS = saved
     # Empty blocks: no tokens, no batch (nothing moves; shapes and empty gradients as torch's); a head
     # size of 0 (every score 0: uniform weights, as scaled_dot_product_attention's default scale gives).
     for shape, kind in (((2, 2, 0, 8), "ring"), ((0, 4, 8), "ring"), ((2, 2 * world, 0, 8), "ulysses"),
@@ -214,9 +227,9 @@ def test_ring_and_ulysses_match_attention_over_the_whole_sequence(ranks, world):
     subgroups too, a group this rank is not in a ValueError, topologies that differ across the group
     (at 4 ranks) a CollectiveMismatchError on every rank; the ring sends
     exactly (P - 1) K/V blocks forward and (P - 1) K/V blocks plus P - 1 gradient sums backward, the
-    sums only with keep_kv."""
+    sums only with keep_kv (whose rings cut into chunks of key rows give the same results)."""
     counts = ranks(world, _matrix, timeout=120)
-    assert counts == [counts[0]] * world and counts[0] == 32 + 4 * (world == 4)
+    assert counts == [counts[0]] * world and counts[0] == 35 + 4 * (world == 4)
 
 
 # --------------------------------------------------------------------------------- faults (row 39)
