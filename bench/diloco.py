@@ -246,8 +246,9 @@ def _report(results: list[dict], args, topo) -> None:
             model = r["model_bytes_per_step"]
             fewer = base["model_bytes_per_step"] / model if model else float("inf")
             print(f"# {r['run']}: {base['step_ms'] / r['step_ms']:.2f}x DDP's step (target >= 4x), "
-                  f"{fewer:.0f}x fewer bytes (target >= 100x), training loss "
-                  f"{100 * (r['final_loss'] / base['final_loss'] - 1):+.1f} % of DDP's (target within 3 %)")
+                  f"{fewer:.0f}x fewer bytes (target >= 100x), loss against DDP's (target within 3 %): training "
+                  f"{100 * (r['final_loss'] / base['final_loss'] - 1):+.1f} % (the workers' local weights), "
+                  f"held-out {100 * (r['held_out_loss'] / base['held_out_loss'] - 1):+.1f} % (the global weights)")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"kind": "diloco", "args": vars(args), "layout": topo.layout, "world_size": dist.get_world_size(),

@@ -496,3 +496,21 @@ def test_bench_diloco_quick(tmp_path):
     assert rows["ddp"]["model_bytes_per_step"] == pytest.approx(1.5 * n)
     assert rows["diloco-8"]["model_bytes_per_step"] == pytest.approx(n / 2, rel=0.02)
     assert n / 8 / 8 < rows["diloco-32-int4-stream"]["model_bytes_per_step"] < n / 8 / 4
+
+
+def test_bench_diloco_run_names(capsys):
+    """The bench's runs are "ddp" or "diloco-H[-int8|-int4][-stream]": what each name trains, and a clear
+    refusal (exit code 2, before any rank starts) of any other name."""
+    from commopt.bench import diloco as bench
+
+    assert bench.spec("ddp") is None
+    assert bench.spec("diloco-8") == (8, None, 1, 0)
+    assert bench.spec("diloco-16-int4-stream") == (16, 4, 4, 2)
+    assert bench.spec("diloco-32-int8") == (32, 8, 1, 0)
+    assert bench.spec("diloco-13-stream") == (13, None, 4, 2)
+    assert all(bench.spec(name) is not None for name in bench.RUNS if name != "ddp")
+    for bad in ("diloco-0", "diloco-16-int2", "diloco-16-stream-int4", "diloco", "DDP", "diloco-08x"):
+        with pytest.raises(ValueError, match="a run is 'ddp' or 'diloco-H"):
+            bench.spec(bad)
+    assert bench.main(["--runs", "ddp,diloco-16-int2"]) == 2
+    assert "unknown run 'diloco-16-int2'" in capsys.readouterr().out
