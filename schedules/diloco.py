@@ -13,7 +13,9 @@ Every ``sync_every`` inner steps each fragment of the model runs one outer step:
     worker, the outer optimizer's step on the backups with the averaged pseudo-gradient as ``.grad``;
     (4) the workers adopt the new global weights, mixed as ``(1 - alpha) * global + alpha * local``:
     a DTensor (FSDP2) parameter's local shard directly, a replicated parameter through an all-gather
-    of the pieces inside the worker.
+    of the pieces inside the worker. With ``delay >= 2`` and workers of several ranks, (3) runs one
+    inner step before (4) and the all-gather is issued then, so that it overlaps that inner step
+    (the adoption's step and values are the same).
 
 A rank's piece is the part it owns: a DTensor parameter's local shard; for a replicated parameter
 (one rank per worker, or DDP) a block of ``ceil(rows / L)`` rows of dim 0 (zero-padded), by local
@@ -159,10 +161,14 @@ def _local(p: torch.Tensor) -> torch.Tensor:
 
 
 class _Pending:
-    """One fragment's reduction in flight: the averaged pseudo-gradient pieces and when to apply them."""
+    """One fragment's reduction in flight: the averaged pseudo-gradient pieces and when to apply them;
+    once its outer step ran (``stepped``), the worker's all-gather of the new global pieces in flight
+    (``gather``: the work, its output and this rank's input), or None (gathered when it lands)."""
 
     def __init__(self, fragment: int, due: int, deltas: list[torch.Tensor], future, kind: str) -> None:
         self.fragment, self.due, self.deltas, self.future, self.kind = fragment, due, deltas, future, kind
+        self.stepped = False
+        self.gather: tuple | None = None
 
 
 # --------------------------------------------------------------------------------- DiLoCo
@@ -188,8 +194,9 @@ class DiLoCo:
         fragments: the number of fragments (contiguous groups of parameters in ``named_parameters()``
             order, of about equal size), or explicit fragments: lists of parameter names that cover every
             synchronised parameter exactly once.
-        delay: inner steps between a fragment's reduction being issued and its outer step (0 <= delay <
-            sync_every): the reduction overlaps that many inner steps.
+        delay: inner steps between a fragment's reduction being issued and its adoption (0 <= delay <
+            sync_every): the reduction overlaps that many inner steps (with ``delay >= 2`` and workers
+            of several ranks, ``delay - 1``, and the worker's all-gather of the new weights the last).
         alpha: the local weights' share when the global ones are adopted, in [0, 1) (0: replace).
         compressor: a ``commopt.comm.compression`` codec for the pseudo-gradients (None: exact).
         error_feedback: keep what a biased codec drops (per parameter name) for the next outer step.
@@ -390,7 +397,8 @@ class DiLoCo:
         reductions of the fragments whose turn it is (applied now when ``delay`` is 0).
 
         Raises:
-            NonFiniteError: an averaged pseudo-gradient holds NaN/Inf, on every rank; nothing is applied
+            NonFiniteError: an averaged pseudo-gradient holds NaN/Inf, on every rank, at its outer step
+                (the adoption's step, or the step before it: module docstring); nothing is applied
                 (the backups, the outer state and the residuals are unchanged; the local weights stay).
             CommTimeoutError: a worker did not reach the sync within ``timeout``.
         """
@@ -398,6 +406,11 @@ class DiLoCo:
         t = self.steps
         for pending in [p for p in self._pending if p.due <= t]:
             self._apply(pending)
+        if self.delay >= 2 and self.worker_group is not None:
+            # The outer step of a fragment due at the next step now, so that the worker's all-gather of
+            # its new pieces overlaps that inner step instead of waiting in front of it.
+            for pending in [p for p in self._pending if p.due == t + 1 and not p.stepped]:
+                self._outer_step(pending, gather_async=True)
         for f, off in enumerate(self.offsets):
             if t % self.sync_every == off % self.sync_every:
                 pending = self._issue(f, t + self.delay)
@@ -461,6 +474,16 @@ class DiLoCo:
 
     @torch.no_grad()
     def _apply(self, pending: _Pending) -> None:
+        """Fragment ``pending``'s outer step (unless it ran a step before) and the adoption of the new
+        global weights."""
+        if not pending.stepped:
+            self._outer_step(pending, gather_async=False)
+        self._adopt(pending)
+
+    @torch.no_grad()
+    def _outer_step(self, pending: _Pending, gather_async: bool) -> None:
+        """Wait for the reduction, agree inside the worker that it is finite, step the outer optimizer on
+        the backups; with ``gather_async``, issue the worker's all-gather of the new global pieces."""
         deltas = self._averaged(pending)
         f = pending.fragment
         names = self.fragments[f]
@@ -470,8 +493,8 @@ class DiLoCo:
         if self.worker_group is not None:
             wait_work(dist.all_reduce(bad, op=ReduceOp.MAX, group=self.worker_group, async_op=True), self.timeout,
                       f"{_NAME}/finite")
-        self._pending.remove(pending)
         if float(bad) > 0:
+            self._pending.remove(pending)
             raise NonFiniteError(f"{_NAME}: the averaged pseudo-gradient of fragment {f} holds NaN/Inf (a worker's "
                                  f"weights diverged); nothing was applied: the global weights, the outer optimizer "
                                  f"and the residuals are unchanged and the workers keep their local weights. Lower "
@@ -482,41 +505,61 @@ class DiLoCo:
             backup.grad = d.to(self.backup_device, backup.dtype)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        gather = []
-        for n in names:
-            pc = self._pieces[n]
-            new = self.backups[n].to(self.device, pc.param.dtype)
-            if self.alpha:
-                new = (1.0 - self.alpha) * new + self.alpha * self._read_piece(pc, pc.param.dtype)
-            if pc.sharded:
-                local = pc.param.to_local()
-                if local.numel():
-                    local.copy_(new.view_as(local))
-            elif self.worker_group is None:
-                pc.param.detach().copy_(new.reshape(pc.param.shape) if pc.param.dim() else new.reshape(()))
-            else:
-                gather.append((pc, new))
-        if gather:
-            self._gather(gather)
+        pending.stepped, pending.deltas = True, []
+        if gather_async:
+            pending.gather = self._gather_issue(f)
 
-    def _gather(self, pieces: list[tuple[_Piece, torch.Tensor]]) -> None:
-        """The worker's new pieces of its replicated parameters, all-gathered into every rank's copy."""
-        mine = torch.cat([new.reshape(-1) for _, new in pieces])
+    def _replicated(self, f: int) -> list[_Piece]:
+        """Fragment ``f``'s pieces of replicated parameters in a worker of several ranks (gathered)."""
+        if self.worker_group is None:
+            return []
+        return [self._pieces[n] for n in self.fragments[f] if not self._pieces[n].sharded]
+
+    def _gather_issue(self, f: int) -> tuple | None:
+        """The worker's all-gather of fragment ``f``'s new global pieces of replicated parameters, issued:
+        ``(work, output, this rank's input)``, or None when there are none."""
+        pieces = self._replicated(f)
+        if not pieces:
+            return None
+        mine = torch.cat([self.backups[pc.name].to(self.device, pc.param.dtype).reshape(-1) for pc in pieces])
         out = mine.new_empty(self.local_size * mine.numel())
         # The backend's own all-gather, as the start's broadcast: the pieces match inside the worker by
         # construction (_agree_settings), so commopt's agreement check and engine hop would only add a
-        # round trip and a thread hand-off to a call the inner loop waits for.
-        wait_work(dist.all_gather_into_tensor(out, mine, group=self.worker_group, async_op=True), self.timeout,
-                  f"{_NAME}/gather")
-        rows = out.view(self.local_size, mine.numel())
+        # round trip and a thread hand-off.
+        return dist.all_gather_into_tensor(out, mine, group=self.worker_group, async_op=True), out, mine
+
+    @torch.no_grad()
+    def _adopt(self, pending: _Pending) -> None:
+        """The workers adopt fragment ``pending``'s new global weights, mixed with their local ones."""
+        f = pending.fragment
+        gather = pending.gather if pending.gather is not None else self._gather_issue(f)
+        pending.gather = None
+        self._pending.remove(pending)
+        rows = None
+        if gather is not None:
+            work, out, mine = gather
+            wait_work(work, self.timeout, f"{_NAME}/gather")
+            rows = out.view(self.local_size, mine.numel())
         pos = 0
-        for pc, new in pieces:
-            k = new.numel()
-            full = rows[:, pos: pos + k].reshape(self.local_size * pc.rows, *pc.shape[1:])
+        for n in self.fragments[f]:
+            pc = self._pieces[n]
             p = pc.param.detach()
-            n0 = p.shape[0] if p.dim() else 1
-            p.copy_(full[:n0].reshape(p.shape))
-            pos += k
+            if pc.sharded:
+                local = pc.param.to_local()
+                if local.numel():
+                    local.copy_(self._mixed(self.backups[n].to(self.device, p.dtype).view_as(local), local))
+            elif rows is None:  # one rank per worker: the piece is the whole parameter
+                p.copy_(self._mixed(self.backups[n].to(self.device, p.dtype).reshape(p.shape), p))
+            else:
+                k = math.prod(pc.shape)
+                full = rows[:, pos: pos + k].reshape(self.local_size * pc.rows, *pc.shape[1:])
+                n0 = p.shape[0] if p.dim() else 1
+                p.copy_(self._mixed(full[:n0].reshape(p.shape), p))
+                pos += k
+
+    def _mixed(self, new: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+        """``(1 - alpha) * new + alpha * local`` (``new`` itself for alpha 0)."""
+        return (1.0 - self.alpha) * new + self.alpha * local if self.alpha else new
 
     # ------------------------------------------------------------------------------- state
     def _meta(self) -> dict:
@@ -532,8 +575,10 @@ class DiLoCo:
         (``torch.load(weights_only=True)`` reads it); one per rank, like a sharded checkpoint."""
         pending = []
         for p in self._pending:
-            deltas = self._averaged(p)
-            pending.append({"fragment": p.fragment, "due": p.due,
+            # A fragment whose outer step ran (due at the next step) keeps no deltas: its new weights are
+            # in the backups, gathered again when it lands after a restart.
+            deltas = [] if p.stepped else self._averaged(p)
+            pending.append({"fragment": p.fragment, "due": p.due, "stepped": p.stepped,
                             "deltas": [d.detach().clone() for d in deltas]})
         return {"meta": self._meta(), "steps": self.steps, "reductions": self._reductions,
                 "offsets": list(self.offsets),
@@ -591,10 +636,15 @@ class DiLoCo:
         if self.compressor_state is not None and state.get("compressor_state") is not None:
             self.compressor_state.load_state_dict(state["compressor_state"])
         self.steps, self._reductions = int(state["steps"]), int(state["reductions"])
+        for p in self._pending:  # a gather still in flight here (every rank of the worker issued it)
+            if p.gather is not None:
+                wait_work(p.gather[0], self.timeout, f"{_NAME}/gather")
         self._pending = []
         for p in state["pending"]:
             deltas = [d.to(self.device) for d in p["deltas"]]
-            self._pending.append(_Pending(int(p["fragment"]), int(p["due"]), deltas, None, "done"))
+            pending = _Pending(int(p["fragment"]), int(p["due"]), deltas, None, "done")
+            pending.stepped = bool(p.get("stepped", False))
+            self._pending.append(pending)
 
 
 # --------------------------------------------------------------------------------- helpers

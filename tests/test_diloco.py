@@ -138,6 +138,11 @@ def _body_world4() -> None:
                    compressor=C.TopKCompressor(ratio=0.4), topology=Topology.from_spec("4x1"))
     with pytest.raises(ValueError, match="workers"):
         other.load_state_dict(torch.load(io.BytesIO(saved), weights_only=True)["diloco"])
+    # DDP inside the workers with delay 2: streaming's oracle, a checkpoint taken between a fragment's
+    # outer step and its adoption, and NaN raised at the early outer step on every rank.
+    _streaming_body("2x2")
+    _checkpoint_round_trip("2x2-ddp")
+    _nonfinite_early()
     # Unequal workers cannot pair up along rails: a clear error on every rank, before any group.
     m = _model()
     with pytest.raises(ValueError, match="unequal"):
@@ -148,7 +153,9 @@ def _body_world4() -> None:
 
 def test_four_ranks_data_parallel_oracle_int8_and_sharded_checkpoint(ranks):
     """Oracle 1 on 2x2 (DDP inside each worker), 1x4, 4x1 and 2x2 with FSDP2 inside; int8 on 2x2 with DDP;
-    a checkpoint round trip with FSDP2 inside (sharded pieces) and a 4x1 world refusing it; unequal workers."""
+    a checkpoint round trip with FSDP2 inside (sharded pieces) and a 4x1 world refusing it; streaming with
+    DDP inside and delay 2 (the outer step a step early): its oracle, a checkpoint between outer step and
+    adoption, NaN at the early outer step; unequal workers."""
     ranks(4, _body_world4, timeout=120)
 
 
@@ -178,21 +185,31 @@ def _same_data_body() -> None:
     _close(_params(model), _params(alone), f"same data, rank {rank}")
 
 
-def _streaming_body() -> None:
+def _streaming_body(layout: str = "2x1") -> None:
     """Each fragment, ``delay`` steps after its turn, adopts (1-alpha) * mean of the workers' local
-    weights at its turn + alpha * its current local weights; the others are untouched."""
+    weights at its turn + alpha * its current local weights; the others are untouched at every step.
+    ``layout``: two one-rank workers, delay 1; or 2x2 with DDP inside each worker, delay 2 (the outer
+    step runs a step early and the worker's all-gather of the new pieces overlaps the last inner step)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
     rank, world = dist.get_rank(), dist.get_world_size()
-    H, F, delay, alpha = 2, 2, 1, 0.3
     model = _model()
+    if layout == "2x1":
+        H, F, delay, alpha, where = 2, 2, 1, 0.3, {"workers": [[0], [1]]}
+        net = model
+    else:
+        H, F, delay, alpha, where = 4, 2, 2, 0.3, {"topology": Topology.from_spec(layout)}
+        net = DDP(model, process_group=worker_group(**where))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    d = DiLoCo(model, opt, outer_optimizer=lambda ps: torch.optim.SGD(ps, lr=1.0), sync_every=H, fragments=F,
-               delay=delay, alpha=alpha, workers=[[0], [1]])
+    d = DiLoCo(net, opt, outer_optimizer=lambda ps: torch.optim.SGD(ps, lr=1.0), sync_every=H, fragments=F,
+               delay=delay, alpha=alpha, **where)
     names = [n for n, _ in model.named_parameters()]
-    assert sorted(n for f in d.fragments for n in f) == sorted(names) and len(d.fragments) == F
-    frag_of = {n: f for f, frag in enumerate(d.fragments) for n in frag}
+    assert sorted(n.removeprefix("module.") for f in d.fragments for n in f) == sorted(names)
+    assert len(d.fragments) == F
+    frag_of = {n.removeprefix("module."): f for f, frag in enumerate(d.fragments) for n in frag}
     means = {}
     for t in range(1, 4 * H + 1):
-        _inner_step(model, opt, rank, t)
+        _inner_step(net, opt, rank, t)
         before = _params(model)
         gathered = {}
         for n, p in before.items():
@@ -210,6 +227,8 @@ def _streaming_body() -> None:
                 assert torch.allclose(after[n], want, rtol=1e-5, atol=1e-6), (t, n)
             else:
                 assert torch.equal(after[n], before[n]), (t, n)
+    if layout != "2x1":
+        return
     # One fragment and no delay is plain DiLoCo: the explicit one-fragment schedule gives the same bits.
     runs = []
     for fragments in (1, [names]):
@@ -295,21 +314,26 @@ def _local(p: torch.Tensor) -> torch.Tensor:
 def _run_for_checkpoint(layout: str, stop: int | None, total: int, saved: bytes | None):
     """Train ``total`` steps; with ``stop``: return the checkpoint taken after that step (a reduction in
     flight); with ``saved``: a fresh model, optimizer and DiLoCo resume from it. ``layout``: two one-rank
-    workers with inner Adam, or 2x2 with FSDP2 inside each worker (sharded pieces)."""
+    workers with inner Adam, 2x2 with FSDP2 inside each worker (sharded pieces), or 2x2 with DDP inside
+    and delay 2 (gathered pieces; the outer step a step before the adoption)."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
 
     rank = dist.get_rank()
-    fsdp = layout == "2x2-fsdp"
+    fsdp, ddp = layout == "2x2-fsdp", layout == "2x2-ddp"
     model = _model(scalar=not fsdp, seed=0 if saved is None else 7)  # a fresh model unlike the saved one
-    where = {"topology": Topology.from_spec("2x2")} if fsdp else {"workers": [[0], [1]]}
+    where = {"topology": Topology.from_spec("2x2")} if fsdp or ddp else {"workers": [[0], [1]]}
     if fsdp:
         fully_shard(model, mesh=DeviceMesh.from_group(worker_group(**where), "cpu"))
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
     else:
         opt = torch.optim.Adam(model.parameters(), lr=0.05)
-    d = DiLoCo(model, opt, sync_every=2, fragments=2, delay=1, alpha=0.25, compressor=C.TopKCompressor(ratio=0.4),
-               **where)
+    # 2x2-ddp: delay 2, so that the checkpoint after step 5 holds fragment 0 stepped but not yet adopted.
+    sync_every, delay = (4, 2) if ddp else (2, 1)
+    net = DDP(model, process_group=worker_group(**where)) if ddp else model
+    d = DiLoCo(net, opt, sync_every=sync_every, fragments=2, delay=delay, alpha=0.25,
+               compressor=C.TopKCompressor(ratio=0.4), **where)
     start = 0
     if saved is not None:
         state = torch.load(io.BytesIO(saved), weights_only=True)
@@ -320,10 +344,11 @@ def _run_for_checkpoint(layout: str, stop: int | None, total: int, saved: bytes 
         d.load_state_dict(state["diloco"])
         start = d.steps
     for t in range(start, total):
-        _inner_step(model, opt, rank, t)
+        _inner_step(net, opt, rank, t)
         d.step()
         if stop is not None and t + 1 == stop:
             assert d._pending, "the checkpoint is meant to hold a reduction in flight"
+            assert any(p.stepped for p in d._pending) == ddp, "2x2-ddp: an outer step taken, its adoption due"
             buf = io.BytesIO()
             local = {n: _local(p).detach().clone() for n, p in model.named_parameters()}
             torch.save({"model": local, "inner": opt.state_dict(), "diloco": d.state_dict()}, buf)
@@ -334,7 +359,7 @@ def _run_for_checkpoint(layout: str, stop: int | None, total: int, saved: bytes 
 
 def _checkpoint_round_trip(layout: str) -> bytes:
     """A checkpoint mid-run continues bit for bit; returns the checkpoint."""
-    total = 8
+    total = 12 if layout == "2x2-ddp" else 8
     want, want_backups = _run_for_checkpoint(layout, None, total, None)
     saved = _run_for_checkpoint(layout, 5, total, None)
     got, got_backups = _run_for_checkpoint(layout, None, total, saved)
@@ -382,6 +407,31 @@ def _nonfinite_body() -> None:
     backups = {n: b.clone() for n, b in d.backups.items()}
     with pytest.raises(NonFiniteError):
         d.step()
+    for n, b in d.backups.items():
+        assert torch.equal(b, backups[n]), n
+    assert not d.outer_optimizers[0].state  # the outer optimizer never stepped
+
+
+def _nonfinite_early() -> None:
+    """2x2 with DDP inside, delay 2: the outer step runs one inner step before the adoption, and NaN in
+    one worker's weights raises NonFiniteError there, on every rank, with nothing applied."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    rank, topo = dist.get_rank(), Topology.from_spec("2x2")
+    model = DDP(_model(), process_group=worker_group(topo))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    d = DiLoCo(model, opt, sync_every=4, delay=2, topology=topo)
+    for t in range(4):  # issued after step 4, due at step 6: the outer step at step 5
+        if t == 3 and rank >= 2:
+            with torch.no_grad():
+                model.module.fc1.weight[0, 0] = float("nan")
+        _inner_step(model, opt, rank, t)
+        d.step()
+    _inner_step(model, opt, rank, 4)
+    backups = {n: b.clone() for n, b in d.backups.items()}
+    with pytest.raises(NonFiniteError, match="fragment 0"):
+        d.step()
+    assert d.steps == 5 and not d._pending
     for n, b in d.backups.items():
         assert torch.equal(b, backups[n]), n
     assert not d.outer_optimizers[0].state  # the outer optimizer never stepped
