@@ -206,9 +206,25 @@ def _summary(run: dict, args, topo) -> dict:
             "sync_every": None if spec(run["name"]) is None else _sync_every(args, run["name"])}
 
 
+def _warm_codecs(names: list[str], args, topo) -> None:
+    """One reduction along the rail through each codec the runs use, before anything is timed: the
+    codecs' CPU kernels compile on their first call (about 0.6 s here), which would otherwise land in
+    whichever run syncs first."""
+    from commopt.comm.compression import QuantizeCompressor, reduce_tensors
+    from commopt.comm.engine import wait
+
+    if topo.num_nodes < 2:
+        return
+    for bits in sorted({spec(n)[1] for n in names if spec(n) is not None and spec(n)[1]}):
+        t = torch.randn(4096, generator=torch.Generator().manual_seed(0))
+        wait(reduce_tensors(QuantizeCompressor(bits), [t], ["warm-up"], topology=topo, algorithm="rail",
+                            timeout=args.timeout), args.timeout, op="commopt-bench diloco/warm-up")
+
+
 def _rank_body(args) -> int:
     topo = topology_of(args)
     runs = [_setup(name, args, topo) for name in args.runs.split(",")]
+    _warm_codecs(args.runs.split(","), args, topo)
     interleaved(runs, args.steps, lambda run, step: _step(run, step, args, topo), "runs", rank=dist.get_rank())
     results = [_summary(run, args, topo) for run in runs]
     if dist.get_rank() == 0:
