@@ -19,9 +19,11 @@ block of ``torch.nn.functional.scaled_dot_product_attention`` over the whole seq
   (dK, dV, accumulated in fp32), each block's gradient computed from the whole sequence's output
   and log-sum-exp while the next rotation runs; a block's sum starts on the rank after its owner,
   and after P steps one last rotation brings every block's sum home, where the owner adds its own
-  part. dQ stays local. With ``keep_kv=True`` the forward keeps every block that arrives, and the
-  backward moves the partial sums only: a reduce-scatter ring whose step k sends block me - k's sum
-  on while block me - k - 1's gradient is computed, the own block last, behind the sums coming home.
+  part. dQ stays local. With ``keep_kv=True`` the forward is the chunked all-gather ring of
+  ``_ring`` (every chunk of key rows attended as it lands) and keeps every block, and the backward
+  moves the partial sums only: the chunked reduce-scatter ring, each chunk's sum sent on while the
+  next one's gradient is computed, the own block last, behind the sums coming home. The chunk count
+  is the tensor-parallel rings' (``tensor_parallel.chunks_for``, from the group's link).
 - ``layout="zigzag"`` (causal load balancing): with the contiguous layout and ``is_causal`` rank
   P - 1 attends to P blocks and rank 0 to one. With the zig-zag layout the sequence is cut into 2P
   chunks and rank r holds chunks r and 2P - 1 - r (:func:`zigzag_shard` cuts a whole sequence so,

@@ -13,9 +13,9 @@ Every ``sync_every`` inner steps each fragment of the model runs one outer step:
     worker, the outer optimizer's step on the backups with the averaged pseudo-gradient as ``.grad``;
     (4) the workers adopt the new global weights, mixed as ``(1 - alpha) * global + alpha * local``:
     a DTensor (FSDP2) parameter's local shard directly, a replicated parameter through an all-gather
-    of the pieces inside the worker. With ``delay >= 2`` and workers of several ranks, (3) runs one
-    inner step before (4) and the all-gather is issued then, so that it overlaps that inner step
-    (the adoption's step and values are the same).
+    of the pieces inside the worker. With ``delay >= 2``, for a fragment with replicated parameters
+    in workers of several ranks (DDP inside), (3) runs one inner step before (4) and the all-gather is
+    issued then, so that it overlaps that inner step (the adoption's step and values are the same).
 
 A rank's piece is the part it owns: a DTensor parameter's local shard; for a replicated parameter
 (one rank per worker, or DDP) a block of ``ceil(rows / L)`` rows of dim 0 (zero-padded), by local
@@ -195,8 +195,8 @@ class DiLoCo:
             order, of about equal size), or explicit fragments: lists of parameter names that cover every
             synchronised parameter exactly once.
         delay: inner steps between a fragment's reduction being issued and its adoption (0 <= delay <
-            sync_every): the reduction overlaps that many inner steps (with ``delay >= 2`` and workers
-            of several ranks, ``delay - 1``, and the worker's all-gather of the new weights the last).
+            sync_every): the reduction overlaps that many inner steps (``delay - 1``, and the worker's
+            all-gather of the new weights the last, where the module docstring says).
         alpha: the local weights' share when the global ones are adopted, in [0, 1) (0: replace).
         compressor: a ``commopt.comm.compression`` codec for the pseudo-gradients (None: exact).
         error_feedback: keep what a biased codec drops (per parameter name) for the next outer step.
@@ -409,7 +409,8 @@ class DiLoCo:
         if self.delay >= 2 and self.worker_group is not None:
             # The outer step of a fragment due at the next step now, so that the worker's all-gather of
             # its new pieces overlaps that inner step instead of waiting in front of it.
-            for pending in [p for p in self._pending if p.due == t + 1 and not p.stepped]:
+            for pending in [p for p in self._pending
+                            if p.due == t + 1 and not p.stepped and self._replicated(p.fragment)]:
                 self._outer_step(pending, gather_async=True)
         for f, off in enumerate(self.offsets):
             if t % self.sync_every == off % self.sync_every:
