@@ -17,17 +17,27 @@ trained on. The setting these methods were made for::
 
     commopt-bench cluster --nodes 2 --ranks-per-node 2 --link-rate 200mbit -- commopt-bench diloco
 
-torchft's ``DiLoCo`` is not run beside it: it needs torchft's Lighthouse and Manager processes and, for
-its quantized outer gradients, Triton on CUDA (docs/results.md says what was tried).
+``--runs`` takes any ``diloco-H[-int8|-int4][-stream]`` and, where torchft is installed (``pip install
+torchft``), ``torchft-H[-stream]``: torchft's own ``DiLoCo`` on the same model and tokens, one torchft
+``Manager`` per rank and a Lighthouse per run started by rank 0, its gloo process group between the
+nodes; fp32 only (its quantized outer gradients need Triton on CUDA) and one rank per worker
+(torchft#171), so on ``--nodes N --ranks-per-node 1``::
+
+    commopt-bench cluster --nodes 4 --ranks-per-node 1 --link-rate 200mbit -- commopt-bench diloco \
+        --runs ddp,diloco-32,diloco-32-stream,torchft-32,torchft-32-stream
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
+import socket
 import statistics
+import sys
 import time
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -40,29 +50,49 @@ from ._launch import launch, topology_of
 from ._progress import interleaved
 from .cluster.host import wire_bytes
 
-__all__ = ["main", "RUNS", "spec"]
+__all__ = ["main", "RUNS", "Spec", "spec"]
 
 _VOCAB = 256
 
-#: The runs by default; any "diloco-H[-int8|-int4][-stream]" is accepted (see ``spec``).
+#: The runs by default; any "diloco-H[-int8|-int4][-stream]" or "torchft-H[-stream]" is accepted (``spec``).
 RUNS = ("ddp", "diloco-8", "diloco-32", "diloco-32-stream", "diloco-32-int8", "diloco-32-int4",
         "diloco-32-int4-stream")
 
-_NAME = re.compile(r"diloco-([1-9][0-9]*)(?:-int(4|8))?(-stream)?")
+_NAME = re.compile(r"(diloco|torchft)-([1-9][0-9]*)(?:-int(4|8))?(-stream)?")
 
 
-def spec(name: str) -> tuple[int, int | None, int, int] | None:
-    """A run's (sync_every, codec bits or None, fragments, delay); None for "ddp", the synchronous baseline.
-    "diloco-H" syncs every H inner steps in fp32, "-int8"/"-int4" sends the outer gradients through that
-    block codec with error feedback, "-stream" syncs 4 fragments at staggered steps, each reduction
-    overlapping 2 inner steps. Raises ValueError for any other name."""
+class Spec(NamedTuple):
+    """What a run trains: ``impl`` "commopt" (``schedules.DiLoCo``) or "torchft" (torchft's
+    ``local_sgd.DiLoCo``), syncing every ``sync_every`` inner steps, the outer gradients through the
+    ``bits``-bit block codec (None: fp32), in ``fragments`` fragments each applied ``delay`` steps late."""
+
+    impl: str
+    sync_every: int
+    bits: int | None
+    fragments: int
+    delay: int
+
+
+def spec(name: str) -> Spec | None:
+    """A run's :class:`Spec`; None for "ddp", the synchronous baseline. "diloco-H" syncs every H inner
+    steps in fp32, "-int8"/"-int4" sends the outer gradients through that block codec with error
+    feedback, "-stream" syncs 4 fragments at staggered steps, each reduction overlapping 2 inner steps;
+    "torchft-H[-stream]" is the same with torchft's DiLoCo (fp32 only: its quantization needs Triton on
+    CUDA; one rank per worker). Raises ValueError for any other name."""
     if name == "ddp":
         return None
     m = _NAME.fullmatch(name)
     if m is None:
-        raise ValueError(f"commopt-bench diloco: unknown run {name!r}; a run is 'ddp' or "
-                         f"'diloco-H[-int8|-int4][-stream]' with H >= 1, for example diloco-16-int4-stream")
-    return int(m.group(1)), int(m.group(2)) if m.group(2) else None, 4 if m.group(3) else 1, 2 if m.group(3) else 0
+        raise ValueError(f"commopt-bench diloco: unknown run {name!r}; a run is 'ddp', "
+                         f"'diloco-H[-int8|-int4][-stream]' or 'torchft-H[-stream]' with H >= 1, for example "
+                         f"diloco-16-int4-stream")
+    impl = "commopt" if m.group(1) == "diloco" else "torchft"
+    if impl == "torchft" and m.group(3):
+        raise ValueError(f"commopt-bench diloco: {name!r}: torchft's quantized outer gradients need Triton on "
+                         f"CUDA; its runs are fp32 ('torchft-H[-stream]')")
+    stream = bool(m.group(4))
+    return Spec(impl, int(m.group(2)), int(m.group(3)) if m.group(3) else None, 4 if stream else 1,
+                2 if stream else 0)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -99,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _sync_every(args, name: str) -> int:
-    h = spec(name)[0]
+    h = spec(name).sync_every
     return max(1, h // 4) if args.quick else h  # --quick: 2 and 8 instead of 8 and 32
 
 
@@ -114,7 +144,9 @@ def _setup(name: str, args, topo) -> dict:
         run["wrapped"] = DDP(model)
         run["opt"] = torch.optim.AdamW(model.parameters(), lr=args.lr)
         return run
-    _, bits, fragments, delay = spec(name)
+    _, _, bits, fragments, delay = spec(name)
+    if spec(name).impl == "torchft":
+        return _setup_torchft(run, args, topo)
     group = worker_group(topo, timeout=args.timeout)
     run["wrapped"] = DDP(model, process_group=group) if group is not None else model
     run["opt"] = torch.optim.AdamW(model.parameters(), lr=args.lr)
@@ -123,6 +155,72 @@ def _setup(name: str, args, topo) -> dict:
                            compressor=QuantizeCompressor(bits) if bits else None, topology=topo,
                            timeout=args.timeout)
     return run
+
+
+def _setup_torchft(run: dict, args, topo) -> dict:
+    """torchft's DiLoCo (``torchft.local_sgd.DiLoCo``) on ``run``'s model: a torchft ``Manager`` per rank
+    (one replica group per node, of one rank), a Lighthouse started by rank 0 for this run, its
+    gloo process group over the nodes' addresses, bucketized fp32 all-reduces of the pseudo-gradients,
+    the paper's outer optimizer (Nesterov SGD, lr 0.7, momentum 0.9) per fragment; "-stream": the model
+    in 4 fragments of whole modules, ``fragment_sync_delay=2``."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+    from torchft import Manager, ProcessGroupGloo
+    from torchft._torchft import LighthouseServer
+    from torchft.local_sgd import DiLoCo as TorchftDiLoCo
+
+    model, s = run["model"], spec(run["name"])
+    host = _node_address()
+    address = [None]
+    if dist.get_rank() == 0:
+        run["lighthouse"] = LighthouseServer(bind="[::]:0", min_replicas=topo.num_nodes)
+        address[0] = f"http://{host}:{run['lighthouse'].address().rsplit(':', 1)[1]}"
+    dist.broadcast_object_list(address, src=0)
+    run["store"] = TCPStore(host, 0, 1, is_master=True, wait_for_workers=False)
+    run["opt"] = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    timeout = timedelta(seconds=args.timeout)
+    run["manager"] = Manager(
+        pg=ProcessGroupGloo(timeout=timeout), min_replica_size=topo.num_nodes,
+        load_state_dict=lambda state: (model.load_state_dict(state["model"]), run["opt"].load_state_dict(state["opt"])),
+        state_dict=lambda: {"model": model.state_dict(), "opt": run["opt"].state_dict()},
+        replica_id=f"{run['name']}-node{topo.node_of(topo.rank)}", store_addr=host, store_port=run["store"].port,
+        rank=0, world_size=1, lighthouse_addr=address[0], port=0, hostname=host, use_async_quorum=False,
+        timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout,
+        init_sync=False)  # every rank builds the same weights (seed 0): torchft's documented setting for it
+    if s.fragments == 1:
+        fragments = [model]
+    else:  # whole modules, in order: the embeddings with the first block, the norm and head with the last
+        mods = [model.tok, model.pos, *model.blocks, model.ln, model.head]
+        cuts = [len(mods) * i // s.fragments for i in range(s.fragments + 1)]
+        fragments = [nn.ModuleList(mods[a:b]) for a, b in zip(cuts, cuts[1:])]
+    outers = [torch.optim.SGD(f.parameters(), lr=0.7, momentum=0.9, nesterov=True) for f in fragments]
+    h = _sync_every(args, run["name"])
+    run["torchft"] = TorchftDiLoCo(run["manager"], fragments, run["opt"], outers, sync_every=h,
+                                   backup_device=torch.device("cpu"), pin_memory=False, use_bucketization=True,
+                                   fragment_sync_delay=min(s.delay, h // s.fragments - 1))
+    run["torchft"].__enter__()  # its optimizer hooks, until _close
+    run["wrapped"] = model
+    return run
+
+
+def _node_address() -> str:
+    """This rank's address on the interface its peers reach it by (the node's address inside the emulated
+    cluster; the loopback address otherwise)."""
+    master = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.connect((master, 1))  # no packet: it only picks the route, and so the source address
+        return sock.getsockname()[0]
+
+
+def _close(run: dict) -> None:
+    """torchft's run: its hooks removed, its Manager and (rank 0) Lighthouse shut down."""
+    if "torchft" in run:
+        run["torchft"].__exit__(None, None, None)
+        run["manager"].shutdown(wait=False)
+        dist.barrier()
+        if "lighthouse" in run:
+            run["lighthouse"].shutdown()
 
 
 def _bytes(topo) -> int:
@@ -148,6 +246,9 @@ def _step(run: dict, step: int, args, topo) -> None:
     run["opt"].step()
     diloco = run.get("diloco")
     synced = False
+    if "torchft" in run:  # its optimizer hook synced a fragment at this step (every H / fragments steps)
+        s = spec(run["name"])
+        synced = (step + 1) % max(1, _sync_every(args, run["name"]) // s.fragments) == 0
     if diloco is not None:
         t, h = diloco.steps + 1, diloco.sync_every  # the step DiLoCo is about to count
         synced = any(t % h == o % h or t % h == (o + diloco.delay) % h for o in diloco.offsets)
@@ -179,14 +280,16 @@ def _held_out(run: dict, args) -> float:
     return float(mean) / dist.get_world_size()
 
 
-def _model_bytes(run: dict, topo) -> float:
+def _model_bytes(run: dict, args, topo) -> float:
     """The busiest node link's bytes per step by the algorithms' traffic model: DDP's gradients in a
-    ring over every rank each step; DiLoCo's outer reductions as ``DiLoCo.outer_bytes`` counted them,
-    summed over each node's ranks."""
+    ring over every rank each step; torchft's pseudo-gradients in gloo's ring over the workers every
+    H steps; DiLoCo's outer reductions as ``DiLoCo.outer_bytes`` counted them, summed over each node's
+    ranks."""
     steps = len(run["times"])
     if "diloco" not in run:
         nbytes = sum(p.numel() * p.element_size() for p in run["model"].parameters() if p.requires_grad)
-        return algorithms.get("flat").traffic("allreduce", nbytes, topo).link_bytes()
+        ring = algorithms.get("flat").traffic("allreduce", nbytes, topo).link_bytes()
+        return ring / _sync_every(args, run["name"]) if "torchft" in run else ring
     sent = torch.zeros(topo.world_size, dtype=torch.float64)
     sent[topo.rank] = run["diloco"].outer_bytes
     dist.all_reduce(sent)
@@ -200,7 +303,7 @@ def _summary(run: dict, args, topo) -> dict:
     dist.all_reduce(nbytes, op=dist.ReduceOp.MAX)  # the busiest node's link
     return {"run": run["name"], "step_ms": 1e3 * statistics.mean(times), "inner_ms": 1e3 * statistics.median(inner),
             "exposed_ms": 1e3 * max(statistics.mean(times) - statistics.median(inner), 0.0),
-            "bytes_per_step": float(nbytes), "model_bytes_per_step": _model_bytes(run, topo),
+            "bytes_per_step": float(nbytes), "model_bytes_per_step": _model_bytes(run, args, topo),
             "final_loss": statistics.mean(run["losses"][-5:]),
             "held_out_loss": _held_out(run, args), "losses": run["losses"],
             "sync_every": None if spec(run["name"]) is None else _sync_every(args, run["name"])}
@@ -215,7 +318,7 @@ def _warm_codecs(names: list[str], args, topo) -> None:
 
     if topo.num_nodes < 2:
         return
-    for bits in sorted({spec(n)[1] for n in names if spec(n) is not None and spec(n)[1]}):
+    for bits in sorted({spec(n).bits for n in names if spec(n) is not None and spec(n).bits}):
         t = torch.randn(4096, generator=torch.Generator().manual_seed(0))
         wait(reduce_tensors(QuantizeCompressor(bits), [t], ["warm-up"], topology=topo, algorithm="rail",
                             timeout=args.timeout), args.timeout, op="commopt-bench diloco/warm-up")
@@ -223,10 +326,27 @@ def _warm_codecs(names: list[str], args, topo) -> None:
 
 def _rank_body(args) -> int:
     topo = topology_of(args)
-    runs = [_setup(name, args, topo) for name in args.runs.split(",")]
-    _warm_codecs(args.runs.split(","), args, topo)
+    names = args.runs.split(",")
+    if any(spec(n) is not None and spec(n).impl == "torchft" for n in names):
+        problem = None
+        try:
+            import torchft  # noqa: F401
+        except ImportError as exc:
+            problem = (f"torchft is not importable ({exc}); pip install torchft (0.2.0 runs on CPU with gloo; "
+                       f"its dependencies include opentelemetry)")
+        if problem is None and topo.world_size != topo.num_nodes:
+            problem = (f"torchft's DiLoCo runs one rank per worker (torchft#171), and this world is {topo.layout}; "
+                       f"run it with --nodes N --ranks-per-node 1")
+        if problem is not None:
+            if dist.get_rank() == 0:
+                print(f"commopt-bench diloco: {problem}", file=sys.stderr)
+            return 2
+    runs = [_setup(name, args, topo) for name in names]
+    _warm_codecs(names, args, topo)
     interleaved(runs, args.steps, lambda run, step: _step(run, step, args, topo), "runs", rank=dist.get_rank())
     results = [_summary(run, args, topo) for run in runs]
+    for run in runs:
+        _close(run)
     if dist.get_rank() == 0:
         _report(results, args, topo)
     return 0

@@ -549,18 +549,46 @@ def test_bench_diloco_quick(tmp_path):
 
 
 def test_bench_diloco_run_names(capsys):
-    """The bench's runs are "ddp" or "diloco-H[-int8|-int4][-stream]": what each name trains, and a clear
-    refusal (exit code 2, before any rank starts) of any other name."""
+    """The bench's runs are "ddp", "diloco-H[-int8|-int4][-stream]" or "torchft-H[-stream]": what each
+    name trains, and a clear refusal (exit code 2, before any rank starts) of any other name."""
     from commopt.bench import diloco as bench
 
     assert bench.spec("ddp") is None
-    assert bench.spec("diloco-8") == (8, None, 1, 0)
-    assert bench.spec("diloco-16-int4-stream") == (16, 4, 4, 2)
-    assert bench.spec("diloco-32-int8") == (32, 8, 1, 0)
-    assert bench.spec("diloco-13-stream") == (13, None, 4, 2)
+    assert bench.spec("diloco-8") == ("commopt", 8, None, 1, 0)
+    assert bench.spec("diloco-16-int4-stream") == ("commopt", 16, 4, 4, 2)
+    assert bench.spec("diloco-32-int8") == ("commopt", 32, 8, 1, 0)
+    assert bench.spec("diloco-13-stream") == ("commopt", 13, None, 4, 2)
+    assert bench.spec("torchft-32-stream") == ("torchft", 32, None, 4, 2)
     assert all(bench.spec(name) is not None for name in bench.RUNS if name != "ddp")
-    for bad in ("diloco-0", "diloco-16-int2", "diloco-16-stream-int4", "diloco", "DDP", "diloco-08x"):
-        with pytest.raises(ValueError, match="a run is 'ddp' or 'diloco-H"):
+    for bad in ("diloco-0", "diloco-16-int2", "diloco-16-stream-int4", "diloco", "DDP", "diloco-08x", "torchft"):
+        with pytest.raises(ValueError, match="a run is 'ddp', 'diloco-H"):
             bench.spec(bad)
+    with pytest.raises(ValueError, match="torchft's quantized outer gradients need Triton"):
+        bench.spec("torchft-32-int4")
     assert bench.main(["--runs", "ddp,diloco-16-int2"]) == 2
     assert "unknown run 'diloco-16-int2'" in capsys.readouterr().out
+
+
+def test_bench_diloco_torchft_beside(tmp_path):
+    """Where torchft is installed: ``--runs torchft-H`` trains torchft's own DiLoCo beside commopt's on the
+    same model and tokens (4 spawned ranks as 4x1). torchft is an independent oracle here: plain DiLoCo
+    in fp32 (one fragment, no delay, the paper's outer optimizer) must train the same, so every step's
+    loss and the final held-out loss agree to rounding, and the traffic model's bytes per step are the
+    same; on 2x2 (several ranks per worker, which torchft's DiLoCo does not run) a clear refusal with
+    exit code 2."""
+    pytest.importorskip("torchft")
+    path = tmp_path / "diloco.json"
+    res = subprocess.run([sys.executable, "-m", "commopt.bench", "diloco", "--spawn", "4", "--topology", "4x1",
+                          "--quick", "--runs", "diloco-32,torchft-32", "--json", str(path)],
+                         capture_output=True, text=True, timeout=180)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    rows = {r["run"]: r for r in json.loads(path.read_text())["results"]}
+    assert list(rows) == ["diloco-32", "torchft-32"]
+    ours, theirs = rows["diloco-32"], rows["torchft-32"]
+    assert len(ours["losses"]) == 16 and all(math.isfinite(v) for v in ours["losses"])
+    assert theirs["losses"] == pytest.approx(ours["losses"], rel=1e-5)
+    assert theirs["held_out_loss"] == pytest.approx(ours["held_out_loss"], rel=1e-5)
+    assert rows["torchft-32"]["model_bytes_per_step"] == pytest.approx(rows["diloco-32"]["model_bytes_per_step"])
+    res = subprocess.run([sys.executable, "-m", "commopt.bench", "diloco", "--spawn", "4", "--topology", "2x2",
+                          "--quick", "--runs", "torchft-32"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and "one rank per worker" in res.stderr, res.stderr[-2000:]
