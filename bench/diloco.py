@@ -100,7 +100,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--spawn", type=int, default=0, metavar="N", help="spawn N local ranks")
     p.add_argument("--topology", default=None, help="layout such as 2x2 (default: COMMOPT_NODES or detected)")
     p.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated runs (default {','.join(RUNS)}; "
-                                                          "any diloco-H[-int8|-int4][-stream])")
+                                                          "any diloco-H[-int8|-int4][-stream], torchft-H[-stream])")
     p.add_argument("--steps", type=int, default=64, help="training steps per run (a multiple of 32 ends on a sync)")
     p.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
     p.add_argument("--seq-len", type=int, default=64)
@@ -324,23 +324,36 @@ def _warm_codecs(names: list[str], args, topo) -> None:
                             timeout=args.timeout), args.timeout, op="commopt-bench diloco/warm-up")
 
 
+def _torchft_problem(names: list[str], args, topo) -> str | None:
+    """Why the torchft runs among ``names`` cannot run here, or None."""
+    torchft_runs = [n for n in names if spec(n) is not None and spec(n).impl == "torchft"]
+    if not torchft_runs:
+        return None
+    try:
+        import torchft  # noqa: F401
+    except ImportError as exc:
+        return (f"torchft is not importable ({exc}); pip install torchft (0.2.0 runs on CPU with gloo; its "
+                f"dependencies include opentelemetry)")
+    if topo.world_size != topo.num_nodes:
+        return (f"torchft's DiLoCo runs one rank per worker (torchft#171), and this world is {topo.layout}; run it "
+                f"with --nodes N --ranks-per-node 1")
+    for n in torchft_runs:
+        h, fragments = _sync_every(args, n), spec(n).fragments
+        if fragments > 1 and (h % fragments or h < 2 * fragments):
+            return (f"{n}: torchft's streaming syncs one of its {fragments} fragments every sync_every / "
+                    f"{fragments} steps, so sync_every ({h}{' with --quick' if args.quick else ''}) must be a "
+                    f"multiple of {fragments}, at least {2 * fragments}; e.g. torchft-32-stream")
+    return None
+
+
 def _rank_body(args) -> int:
     topo = topology_of(args)
     names = args.runs.split(",")
-    if any(spec(n) is not None and spec(n).impl == "torchft" for n in names):
-        problem = None
-        try:
-            import torchft  # noqa: F401
-        except ImportError as exc:
-            problem = (f"torchft is not importable ({exc}); pip install torchft (0.2.0 runs on CPU with gloo; "
-                       f"its dependencies include opentelemetry)")
-        if problem is None and topo.world_size != topo.num_nodes:
-            problem = (f"torchft's DiLoCo runs one rank per worker (torchft#171), and this world is {topo.layout}; "
-                       f"run it with --nodes N --ranks-per-node 1")
-        if problem is not None:
-            if dist.get_rank() == 0:
-                print(f"commopt-bench diloco: {problem}", file=sys.stderr)
-            return 2
+    problem = _torchft_problem(names, args, topo)
+    if problem is not None:  # the same on every rank: every rank stops before any group is made
+        if dist.get_rank() == 0:
+            print(f"commopt-bench diloco: {problem}", file=sys.stderr)
+        return 2
     runs = [_setup(name, args, topo) for name in names]
     _warm_codecs(names, args, topo)
     interleaved(runs, args.steps, lambda run, step: _step(run, step, args, topo), "runs", rank=dist.get_rank())
