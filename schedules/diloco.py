@@ -51,6 +51,7 @@ from commopt.comm import all_reduce
 from commopt.comm.algorithms.roles import DILOCO
 from commopt.comm.checks import check_timeout
 from commopt.comm.compression import Codec, ErrorFeedback, auto, reduce_tensors
+from commopt.comm.compression.codec import all_finite
 from commopt.comm.engine import wait, wait_work
 from commopt.comm.errors import NonFiniteError, TopologyError
 from commopt.comm.runtime import context
@@ -490,7 +491,7 @@ class DiLoCo:
         names = self.fragments[f]
         # Rail j's average is the same on every worker; the worker's ranks agree on every rail's
         # flag, so every rank of the world takes the same branch.
-        bad = torch.tensor([0.0 if all(bool(torch.isfinite(d).all()) for d in deltas) else 1.0], device=self.device)
+        bad = torch.tensor([0.0 if all(all_finite(d) for d in deltas) else 1.0], device=self.device)
         if self.worker_group is not None:
             wait_work(dist.all_reduce(bad, op=ReduceOp.MAX, group=self.worker_group, async_op=True), self.timeout,
                       f"{_NAME}/finite")
