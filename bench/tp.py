@@ -1,6 +1,7 @@
 """``commopt-bench tp``: a transformer block under tensor + sequence parallelism, forward + backward,
-torch's plan against the same plan with commopt's styles, and ring / Ulysses attention against
-all-gathered attention, measured interleaved in one run (docs/guide.md, "Tensor parallelism").
+torch's plan against the same plan with commopt's styles, and ring attention (rotating, and with
+``keep_kv=True``) and Ulysses attention against all-gathered attention, measured interleaved in one run
+(docs/guide.md, "Tensor parallelism").
 
 The TP group is the whole world. Printed per variant: its step (the slowest rank's forward +
 backward, median over the iterations), the compute alone (the same rank-local shapes with no
