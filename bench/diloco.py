@@ -140,19 +140,19 @@ def _setup(name: str, args, topo) -> dict:
 
     model = GPT(_VOCAB, args.d_model, args.layers, 4, args.seq_len, seed=0)
     run = {"name": name, "model": model, "times": [], "synced": [], "bytes": [], "losses": []}
-    if spec(name) is None:
+    s = spec(name)
+    if s is None:
         run["wrapped"] = DDP(model)
         run["opt"] = torch.optim.AdamW(model.parameters(), lr=args.lr)
         return run
-    _, _, bits, fragments, delay = spec(name)
-    if spec(name).impl == "torchft":
+    if s.impl == "torchft":
         return _setup_torchft(run, args, topo)
     group = worker_group(topo, timeout=args.timeout)
     run["wrapped"] = DDP(model, process_group=group) if group is not None else model
     run["opt"] = torch.optim.AdamW(model.parameters(), lr=args.lr)
     h = _sync_every(args, name)
-    run["diloco"] = DiLoCo(model, run["opt"], sync_every=h, fragments=fragments, delay=min(delay, h - 1),
-                           compressor=QuantizeCompressor(bits) if bits else None, topology=topo,
+    run["diloco"] = DiLoCo(model, run["opt"], sync_every=h, fragments=s.fragments, delay=min(s.delay, h - 1),
+                           compressor=QuantizeCompressor(s.bits) if s.bits else None, topology=topo,
                            timeout=args.timeout)
     return run
 
@@ -318,7 +318,7 @@ def _warm_codecs(names: list[str], args, topo) -> None:
 
     if topo.num_nodes < 2:
         return
-    for bits in sorted({spec(n).bits for n in names if spec(n) is not None and spec(n).bits}):
+    for bits in sorted({s.bits for s in map(spec, names) if s is not None and s.bits}):
         t = torch.randn(4096, generator=torch.Generator().manual_seed(0))
         wait(reduce_tensors(QuantizeCompressor(bits), [t], ["warm-up"], topology=topo, algorithm="rail",
                             timeout=args.timeout), args.timeout, op="commopt-bench diloco/warm-up")
