@@ -122,10 +122,17 @@ def measure_lines(topology: Topology, names: list[str], make_call: Callable[[str
 
     The level model predicts message counts and bytes; what it cannot see is this machine's cost of
     each extra synchronising phase (thread hand-offs, copies, a CPU shared by many ranks), which
-    decides small calls. So: at each of ``sizes`` (bytes), each algorithm runs ``reps`` times after a
-    warm-up; each time is the slowest rank's best (an all-reduce MAX, so every rank fits the same
-    numbers); :func:`fit` gives each algorithm its line, and rank 0's lines are broadcast (lstsq may
-    differ in the last bit between processes). Collective over the topology's group.
+    decides small calls. So: at each of ``sizes`` (bytes), each algorithm runs once (warm-up), then
+    every rank starts together (a barrier) and runs ``reps`` calls back to back; a size's time is
+    the slowest rank's seconds per call (an all-reduce MAX, so every rank fits the same numbers);
+    :func:`fit` gives each algorithm its line, and rank 0's lines are broadcast (lstsq may differ in
+    the last bit between processes). Collective over the topology's group.
+
+    Back to back, the link stays busy as it is inside a training step. The best of single calls
+    fitted lines up to 40 % fast on the emulated 2x2 (the hierarchical reduce-scatter of an FSDP2
+    block at 37 ms where its link needs 66 ms): a rank that started a call late found its peers'
+    transfers done, and an idle shaped link lends a burst. With them the sharded simulator put
+    commopt's FSDP2 step at 0.64 of the measured one, with these at 0.83 (docs/results.md 24).
 
     Args:
         topology: the layout timed (its group runs the calls).
@@ -143,12 +150,11 @@ def measure_lines(topology: Topology, names: list[str], make_call: Callable[[str
         for size in sizes:
             call = make_call(name, size)
             call()  # warm-up
-            best = float("inf")
+            dist.barrier(group=group)
+            start = time.perf_counter()
             for _ in range(reps):
-                start = time.perf_counter()
                 call()
-                best = min(best, time.perf_counter() - start)
-            slowest = torch.tensor([best], dtype=torch.float64)
+            slowest = torch.tensor([(time.perf_counter() - start) / reps], dtype=torch.float64)
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
             times.append(float(slowest))
         fits[name] = fit([float(s) for s in sizes], times, relative=relative)

@@ -118,3 +118,39 @@ def test_traffic_is_what_every_consumer_reads():
         traffic_matrix("hierarchical", s, Topology(nodes=((0, 1), (2,)), rank=0, world_size=3))
     with pytest.raises(ValueError, match="unknown algorithm"):
         algorithms.get("ring")
+
+
+def _posting_order() -> tuple[list[tuple[str, int]], list[float]]:
+    from commopt.comm.algorithms._transport import exchange_all_gather
+
+    posted = []
+    real = dist.isend, dist.irecv
+
+    def recorded(kind, fn):
+        def post(tensor, peer, *args, **kwargs):
+            posted.append((kind, peer))
+            return fn(tensor, peer, *args, **kwargs)
+        return post
+
+    dist.isend, dist.irecv = recorded("send", real[0]), recorded("recv", real[1])
+    try:
+        world, rank = dist.get_world_size(), dist.get_rank()
+        out = torch.empty(world * 5)
+        exchange_all_gather(out, torch.full((5,), float(rank)), dist.group.WORLD, 30.0)
+    finally:
+        dist.isend, dist.irecv = real
+    return posted, out.tolist()
+
+
+def test_pairwise_posts_every_receive_before_any_send(ranks):
+    """gloo moves a point-to-point payload only once the receiver has said it is ready, and that
+    notice shares the TCP connection with the receiver's own payload to the same peer: a send posted
+    before the matching receive queued the notice behind it, and a two-way exchange between ranks that
+    arrived at different times ran one direction after the other (a block's all-gather in an FSDP2
+    step took 95-120 ms one way where the link needs 66 ms). Every receive is posted first
+    (docs/results.md 24)."""
+    for rank, (posted, out) in enumerate(ranks(3, _posting_order)):
+        assert out == [float(j) for j in range(3) for _ in range(5)], f"rank {rank}: wrong all-gather {out}"
+        kinds = [kind for kind, _ in posted]
+        assert sorted(peer for kind, peer in posted if kind == "recv") == [p for p in range(3) if p != rank]
+        assert kinds == ["recv", "recv", "send", "send"], f"rank {rank} posted {posted}"
