@@ -27,7 +27,8 @@ losses, the same batches in every run) against the exact run (``fsdp2``; ``hsdp`
 rows). Beside each measured step, what the simulator predicts for it (``simulate_sharded``, DDP:
 ``simulate``) from this cluster's own measurements, taken after training on every rank at once:
 ``cost.calibrate``, each FSDP unit's forward and backward scaled to the run's floor (FSDP2 with
-comms that move nothing, for the sharded runs), the optimizer's step and the codecs' cost per byte;
+comms that move nothing but wait for every rank of the group, for the sharded runs), the optimizer's
+step and the codecs' cost per byte;
 and again with each collective's time measured alone in place of the cost model's (``sim*``;
 ``--no-predict`` skips both). The issue's targets are printed as ratios at the end::
 
@@ -349,7 +350,7 @@ def _predict(args, topo, measured: dict[str, float]) -> tuple[dict[str, float], 
     (``cost.calibrate``: the node link as gloo drives it), each FSDP unit's share of forward and
     backward (``layers_from_model`` grouped by block, the root's layers as the first unit), scaled
     to the run's floor (DDP: the measured ``compute`` run; sharded runs: FSDP2 itself with comms
-    that move nothing, :func:`_sharded_floor`), the optimizer's step, and the block codec's encode +
+    that move nothing but synchronise, :func:`_sharded_floor`), the optimizer's step, and the block codec's encode +
     decode (PowerSGD: its three products) per byte. Collective; rank 0's numbers."""
     from commopt.bench.models import synthetic_tokens
     from commopt.comm import cost
@@ -397,8 +398,9 @@ def _predict(args, topo, measured: dict[str, float]) -> tuple[dict[str, float], 
         return [Layer(x.name, x.forward * k, x.backward * k, x.grad_bytes) for x in layers]
 
     # The floors: DDP's is the measured compute run; a sharded run's is FSDP2 itself without any
-    # communication (comms that only copy this rank's own data), which adds FSDP2's copies in and
-    # out of its flat buffers, DTensor dispatch and the optimizer on 1/world of the parameters.
+    # communication (comms that only copy this rank's own data, once every rank of the group has
+    # arrived), which adds FSDP2's copies in and out of its flat buffers, DTensor dispatch, the
+    # optimizer on 1/world of the parameters and the waits for the slowest rank.
     floors = {"ddp": (measured.get("compute", own + optimizer * nbytes), optimizer * nbytes)}
     if topo.world_size > 1:
         floors["fsdp"] = _sharded_floor(args, topo, dist.group.WORLD)
@@ -483,7 +485,12 @@ def _profile(active: list[dict], args, topo) -> None:
 
 class _OwnDataOnly:
     """An FSDP2 reduce-scatter / all-gather that moves nothing: this rank's own data in place of
-    every rank's (the timing floor of FSDP2 itself; its results are not the collective's)."""
+    every rank's (the timing floor of FSDP2 itself; its results are not the collective's), after a
+    barrier on the collective's group: every collective waits for the group's slowest rank, and on
+    a machine whose ranks share cores those waits add up over a step's 15 collectives (the floor of
+    the GPT on the emulated 2x2: 181-193 ms without them, 292 ms with). Without the waits the
+    simulator put the ZeRO++ recipe's step at 0.42-0.58 of the measured one, torch's FSDP2 at
+    0.82-0.91 (docs/results.md 24)."""
 
     def allocate(self, size, *, dtype, device):
         return torch.empty(*size, dtype=dtype, device=device)
@@ -492,6 +499,7 @@ class _OwnDataOnly:
         from commopt.comm.fsdp._common import done_work
 
         out, inp = output_tensor.detach().view(-1), input_tensor.detach().view(-1)
+        dist.barrier(group=group)
         if out.numel() >= inp.numel():  # all-gather: every row is this rank's shard (its own row
             out.view(-1, inp.numel()).copy_(inp.clone())  # is the input itself: FSDP2 gathers in place)
         else:  # reduce-scatter: this rank's row of the input
@@ -501,8 +509,8 @@ class _OwnDataOnly:
 
 def _sharded_floor(args, topo, group) -> tuple[float, float]:
     """(step, optimizer step) seconds of the GPT under FSDP2 per block and root, sharded over WORLD
-    or (``"node"``) over this rank's node, with comms that move nothing; medians of 5 steps, every
-    rank at once."""
+    or (``"node"``) over this rank's node, with comms that move nothing but wait for the group
+    (:class:`_OwnDataOnly`); medians of 5 steps, every rank at once."""
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
