@@ -519,11 +519,12 @@ def calibrate(topology: Topology, *, sizes: tuple[int, int] = (16 * 1024, 4 << 2
     """Time ``auto``'s all-to-all candidates (``flat`` and ``2d``) on this machine and let ``auto``
     choose from the measurements.
 
-    ``cost.measure_lines`` times each at two per-rank sizes (``reps`` times after a warm-up, the
-    slowest rank's best) and fits each an effective ``alpha + S * beta`` line, rank 0's broadcast:
-    what the level model cannot see is this machine's cost of each extra synchronising phase (thread
-    hand-offs, the copies, a CPU shared by many ranks), which decides small exchanges. Stored in
-    commopt's one cache per layout (released by ``destroy()``); collective over the topology's group.
+    ``cost.measure_lines`` times each at two per-rank sizes (``reps`` calls back to back after a
+    warm-up and a barrier, the slowest rank's seconds per call) and fits each an effective
+    ``alpha + S * beta`` line, rank 0's broadcast: what the level model cannot see is this machine's
+    cost of each extra synchronising phase (thread hand-offs, the copies, a CPU shared by many
+    ranks), which decides small exchanges. Stored in commopt's one cache per layout (released by
+    ``destroy()``); collective over the topology's group.
 
     Returns:
         ``{"flat": LinkModel, "2d": LinkModel}``, or ``{}`` where ``auto`` is always ``flat``.
