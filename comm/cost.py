@@ -129,7 +129,7 @@ def measure_lines(topology: Topology, names: list[str], make_call: Callable[[str
     the last bit between processes). Collective over the topology's group.
 
     Back to back, the link stays busy as it is inside a training step. The best of single calls
-    fitted lines up to 40 % fast on the emulated 2x2 (the hierarchical reduce-scatter of an FSDP2
+    fitted lines up to 44 % fast on the emulated 2x2 (the hierarchical reduce-scatter of an FSDP2
     block at 37 ms where its link needs 66 ms): a rank that started a call late found its peers'
     transfers done, and an idle shaped link lends a burst. With them the sharded simulator put
     commopt's FSDP2 step at 0.64 of the measured one, with these at 0.83 (docs/results.md 24).

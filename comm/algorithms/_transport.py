@@ -121,7 +121,7 @@ def pairwise(group, timeout: float | None, send: list, recv: list) -> int:
     it is ready, and that notice travels on the same TCP connection as the receiver's own payload
     to the sender: posted after a send, it waited behind that payload, and between ranks that arrive
     at different times the two directions of an exchange ran one after the other (a block's
-    all-gather across the emulated 200 Mbit/s link took 95-120 ms one way, 66 ms the other; FSDP2's
+    all-gather across the emulated 200 Mbit/s link took 95-120 ms one way, 51-64 ms the other; FSDP2's
     step with the hierarchical comms went from 1.30 s to 0.97 s: docs/results.md 24).
 
     Returns:
