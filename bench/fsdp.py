@@ -350,11 +350,13 @@ def _predict(args, topo, measured: dict[str, float]) -> tuple[dict[str, float], 
     (``cost.calibrate``: the node link as gloo drives it), each FSDP unit's share of forward and
     backward (``layers_from_model`` grouped by block, the root's layers as the first unit), scaled
     to the run's floor (DDP: the measured ``compute`` run; sharded runs: FSDP2 itself with comms
-    that move nothing but synchronise, :func:`_sharded_floor`), the optimizer's step, and the block codec's encode +
-    decode (PowerSGD: its three products) per byte. Collective; rank 0's numbers."""
+    that move nothing but synchronise, :func:`_sharded_floor`), the optimizer's step, and the block
+    codec's encode + decode per byte (the weights': int8; the gradients': the run's own bits, with
+    its error feedback; PowerSGD: its three products). Collective; rank 0's numbers."""
     from commopt.bench.models import synthetic_tokens
     from commopt.comm import cost
     from commopt.comm.compression import QuantizeCompressor
+    from commopt.comm.compression.quantize import encode_with_feedback
     from commopt.schedules.simulator import Layer, Schedule, layers_from_model, link_service, simulate, simulate_sharded
 
     # The levels, and the lines of commopt's own reduce-scatter and all-gather calls (their per-call
@@ -382,11 +384,28 @@ def _predict(args, topo, measured: dict[str, float]) -> tuple[dict[str, float], 
         p.grad = torch.randn_like(p)
     opt = torch.optim.AdamW(gpt.parameters(), lr=args.lr)
     optimizer = timed(opt.step) / nbytes
-    x = torch.randn(1 << 18)
-    codec = QuantizeCompressor(8, 256)
-    payload, out = torch.empty(codec.nbytes([x.numel()]), dtype=torch.uint8), torch.empty_like(x)
-    quantize = timed(lambda: (codec.encode(x, [x.numel()], payload), codec.decode(payload, [x.numel()], out))) / (
-        4 * x.numel())
+    # The codecs, timed on a block's own layout: blocks restart at every parameter, and each segment
+    # costs its own kernel calls (int4 with error feedback: 1.6x the cost per byte of one segment).
+    segments = [-(-p.shape[0] // topo.world_size) * math.prod(p.shape[1:]) for p in gpt.blocks[0].parameters()]
+    x = torch.randn(sum(segments))
+
+    def codec_cost(bits: int, feedback: bool, stochastic: bool, add: bool) -> float:
+        """Seconds per fp32 byte of an encode as the exchanges run it (``feedback``: the residual
+        added before and updated after) and a decode (``add``: into a running sum)."""
+        codec = QuantizeCompressor(bits, 256)
+        payload, sums = torch.empty(codec.nbytes(segments), dtype=torch.uint8), torch.zeros_like(x)
+        residual = torch.zeros_like(x) if feedback else None
+        return timed(lambda: (encode_with_feedback(codec, x, segments, payload, residual, 0, 0, stochastic),
+                              codec.decode(payload, segments, sums, add=add))) / (4 * x.numel())
+
+    quantize = codec_cost(8, False, False, False)  # the weights' (qwZ: nearest, nothing kept)
+    # The gradients' (error feedback rounds to nearest, no feedback stochastically): qgZ's two levels
+    # encode and decode (W - 1)/W of a layer on each rank, as a flat reduce-scatter would; compressed
+    # HSDP's rail all-reduce, its shard.
+    share = (topo.world_size - 1) / topo.world_size
+    grad_codecs = {"zero++": share * codec_cost(4, True, False, True),
+                   "zero++/no-ef": share * codec_cost(4, False, True, True),
+                   "hsdp-int8": codec_cost(8, True, False, True), "hsdp-int8/no-ef": codec_cost(8, False, True, True)}
     d = args.d_model
     m, qm = torch.randn(4 * d // topo.local_size, d), torch.randn(d, args.powersgd_rank)
     psgd = timed(lambda: (m @ qm, m.t() @ (m @ qm), (m @ qm) @ qm.t())) / (4 * m.numel())
@@ -409,7 +428,7 @@ def _predict(args, topo, measured: dict[str, float]) -> tuple[dict[str, float], 
     inputs = {"cost_model": model.to_dict(), "optimizer_s_per_byte": optimizer,
               "measured_lines": {c: {a: [line.alpha, line.beta] for a, line in v.items()} for c, v in lines.items()},
               "floors_ms": {k: [1e3 * v for v in f] for k, f in floors.items()},
-              "int8_codec_s_per_byte": quantize, "powersgd_s_per_byte": psgd,
+              "int8_codec_s_per_byte": quantize, "grad_codec_s_per_byte": grad_codecs, "powersgd_s_per_byte": psgd,
               "units": [{"name": x.name, "forward_ms": 1e3 * x.forward, "backward_ms": 1e3 * x.backward,
                          "bytes": x.grad_bytes} for x in layers]}
     shapes = [tuple(p.shape) for p in gpt.parameters()]
@@ -434,7 +453,7 @@ def _predict(args, topo, measured: dict[str, float]) -> tuple[dict[str, float], 
         shard_bytes = nbytes / (topo.local_size if plan.kind == "hsdp" else topo.world_size)
         per_byte = psgd if name == "hsdp-powersgd" else quantize
         plan = dataclasses.replace(plan, optimizer_seconds_per_byte=opt_seconds / shard_bytes,
-                                   codec_seconds_per_byte=per_byte)
+                                   codec_seconds_per_byte=per_byte, grad_codec_seconds_per_byte=grad_codecs.get(name))
         layers_k = scaled(step, opt_seconds)
         native = name in ("fsdp2", "hsdp")  # torch's own collectives: the levels model them
         out[name] = simulate_sharded(layers_k, topo, plan, model, lines=None if native else lines).iteration

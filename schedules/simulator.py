@@ -302,6 +302,8 @@ class ShardedPlan:
         codec_seconds_per_byte: the encode and decode of a compressed collective, per fp32 byte it
             compresses (weights of a quantized all-gather, gradients of a compressed reduction),
             charged to the collective (its worker encodes, sends and decodes in turn).
+        grad_codec_seconds_per_byte: the same for the gradient reduction where its codec differs
+            from the weights' (ZeRO++: int4 with error feedback beside int8); None: the one above.
         reduce_scatter_as: the collective the backend runs for a reduce-scatter: "allreduce" for
             torch's own on gloo (an all-reduce of the whole buffer, then a copy: twice the bytes).
         blocking_reduce: backward waits for each layer's gradient reduction before it goes on
@@ -318,6 +320,7 @@ class ShardedPlan:
     prefetch: bool = True
     optimizer_seconds_per_byte: float = 0.0
     codec_seconds_per_byte: float = 0.0
+    grad_codec_seconds_per_byte: float | None = None
     reduce_scatter_as: str = "reduce_scatter"
     blocking_reduce: bool = False
 
@@ -330,6 +333,10 @@ class ShardedPlan:
         for name in ("weight_ratio", "grad_ratio"):
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)}")
+        for name in ("codec_seconds_per_byte", "grad_codec_seconds_per_byte"):
+            value = getattr(self, name)
+            if value is not None and not value >= 0:
+                raise ValueError(f"{name} must be a cost >= 0 seconds per byte, got {value}")
 
 
 def quantized_ratio(bits: int, block: int = 256, element_bytes: float = 4) -> float:
@@ -349,7 +356,8 @@ def _sharded_times(plan: ShardedPlan, topology: Topology, model: cost.CostModel,
     flat = algorithms.get("flat")
     codec = plan.codec_seconds_per_byte
     weight_codec = codec if plan.weight_ratio < 1 else 0.0
-    grad_codec = codec if plan.grad_ratio < 1 else 0.0
+    grad = codec if plan.grad_codec_seconds_per_byte is None else plan.grad_codec_seconds_per_byte
+    grad_codec = grad if plan.grad_ratio < 1 else 0.0
     if plan.kind == "hsdp":
         def gather(n: float) -> float:
             return flat.cost(model, "all_gather", n, node)

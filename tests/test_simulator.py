@@ -389,9 +389,18 @@ def test_sharded_measured_collectives_codec_and_shared_rails():
     coded = simulate_sharded(layers, topo, ShardedPlan(grad_ratio=0.25, codec_seconds_per_byte=1e-9), model).iteration
     exact = simulate_sharded(layers, topo, ShardedPlan(codec_seconds_per_byte=1e-9), model).iteration
     assert coded > base and exact == simulate_sharded(layers, topo, ShardedPlan(), model).iteration
-    # HSDP: the rail level of one layer is the flat all-reduce of the node's bytes on a rail.
+    # A gradient codec of its own replaces the codec on the reduction only (bytes x the difference).
     from commopt.schedules.simulator import _sharded_times
 
+    both = dict(weight_ratio=0.25, grad_ratio=0.25, codec_seconds_per_byte=1e-9)
+    g1, b1, r1 = _sharded_times(ShardedPlan(**both), topo, model)
+    g2, b2, r2 = _sharded_times(ShardedPlan(**both, grad_codec_seconds_per_byte=3e-9), topo, model)
+    m = float(1 << 20)
+    assert g2(m) == g1(m) and b2(m) == b1(m) and r2(m) == pytest.approx(r1(m) + m * 2e-9)
+    for bad in (dict(codec_seconds_per_byte=-1e-9), dict(grad_codec_seconds_per_byte=float("nan"))):
+        with pytest.raises(ValueError, match="must be a cost >= 0 seconds per byte"):
+            ShardedPlan(**bad)
+    # HSDP: the rail level of one layer is the flat all-reduce of the node's bytes on a rail.
     _, _, reduce = _sharded_times(ShardedPlan("hsdp"), topo, model)
     node = Topology(nodes=((0, 1),), rank=0, world_size=2)
     rail = Topology(nodes=((0,), (1,)), rank=0, world_size=2)

@@ -38,7 +38,7 @@ from ... import kernels
 from ..algorithms._transport import pairwise
 from .base import Compressor, Exchange, Result, Rounds, all_finite, derive_seed
 
-__all__ = ["QuantizeCompressor", "quantized_reduce_scatter", "quantized_all_gather"]
+__all__ = ["QuantizeCompressor", "encode_with_feedback", "quantized_reduce_scatter", "quantized_all_gather"]
 
 
 class QuantizeCompressor(Compressor):
@@ -175,8 +175,8 @@ class QuantizeCompressor(Compressor):
         return 2 * (n - 1) * self.nbytes([-(-numel // n)])
 
 
-def _encode(codec: QuantizeCompressor, x: torch.Tensor, segments: list[int], out: torch.Tensor,
-            residual: torch.Tensor | None, seed: int, step: int, stochastic: bool) -> None:
+def encode_with_feedback(codec: QuantizeCompressor, x: torch.Tensor, segments: list[int], out: torch.Tensor,
+                         residual: torch.Tensor | None, seed: int, step: int, stochastic: bool) -> None:
     """Encode ``x`` (plus ``residual``, error feedback) into ``out`` and replace ``residual`` by what
     the rounding lost; a non-finite input leaves it as it was (a NaN would poison every later step,
     docs/faults.md row 35)."""
@@ -206,8 +206,8 @@ def quantized_reduce_scatter(codec: QuantizeCompressor, rows: list[torch.Tensor]
         if d == me:
             continue
         send[d] = torch.empty(codec.nbytes(segs[d]), dtype=torch.uint8, device=device)
-        _encode(codec, rows[d], segs[d], send[d], None if residual is None else residual[d],
-                derive_seed(seed, me, d), step, stochastic)
+        encode_with_feedback(codec, rows[d], segs[d], send[d], None if residual is None else residual[d],
+                             derive_seed(seed, me, d), step, stochastic)
         recv[d] = torch.empty(codec.nbytes(segs[me]), dtype=torch.uint8, device=device)
     sent = pairwise(group, timeout, send, recv)
     out.copy_(rows[me])
@@ -226,7 +226,7 @@ def quantized_all_gather(codec: QuantizeCompressor, x: torch.Tensor, segs: list[
     member holds identical values. Returns the bytes sent."""
     k = len(segs)
     payloads = [torch.empty(codec.nbytes(segs[d]), dtype=torch.uint8, device=x.device) for d in range(k)]
-    _encode(codec, x, segs[me], payloads[me], residual, seed, step, stochastic)
+    encode_with_feedback(codec, x, segs[me], payloads[me], residual, seed, step, stochastic)
     sent = pairwise(group, timeout, [None if d == me else payloads[me] for d in range(k)],
                     [None if d == me else payloads[d] for d in range(k)])
     for d in range(k):
