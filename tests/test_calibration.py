@@ -91,3 +91,22 @@ def test_auto_follows_measured_lines_over_the_model(ranks):
     for winner, choices in zip(names, out):
         assert choices == (winner,) * len(SIZES)
     assert partial == before
+
+
+def test_fit_holds_a_negative_estimate_at_zero_and_refits_the_other():
+    """The least-squares line under alpha >= 0 (beta > 0): where the free fit's intercept is negative
+    the slope is fitted again through the origin, not kept (flat's all-reduce times of a calibration
+    on the emulated 2x2, which grow faster than linearly: 64 KiB, 512 KiB, 4 MiB)."""
+    import pytest
+
+    from commopt.comm.links import fit
+
+    sizes, times = [65536.0, 524288.0, 4194304.0], [3.64e-3, 53.39e-3, 276.82e-3]
+    line = fit(sizes, times, relative=True)
+    # Oracle: minimise sum (1 - beta s / t)^2 over beta alone.
+    r = [s / t for s, t in zip(sizes, times)]
+    assert line.alpha == 0.0 and line.beta == pytest.approx(sum(r) / sum(x * x for x in r), rel=1e-9)
+    assert line.time(sizes[-1]) == pytest.approx(times[-1], rel=0.01)
+    # Absolute errors, and a falling time: beta held at its floor, alpha the mean.
+    flat = fit([1.0, 2.0], [1.0, 0.5])
+    assert flat.beta == 1e-15 and flat.alpha == pytest.approx(0.75)
