@@ -529,7 +529,7 @@ class _OwnDataOnly:
 def _sharded_floor(args, topo, group) -> tuple[float, float]:
     """(step, optimizer step) seconds of the GPT under FSDP2 per block and root, sharded over WORLD
     or (``"node"``) over this rank's node, with comms that move nothing but wait for the group
-    (:class:`_OwnDataOnly`); medians of 5 steps, every rank at once."""
+    (:class:`_OwnDataOnly`); medians of 10 steps (5 swung the floor by 10 % between runs), every rank at once."""
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
@@ -550,7 +550,7 @@ def _sharded_floor(args, topo, group) -> tuple[float, float]:
             m.set_custom_all_gather(_OwnDataOnly())
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     steps, opts = [], []
-    for i in range(6):
+    for i in range(11):
         data = synthetic_tokens(args.batch, args.seq_len, _VOCAB, seed=10_000 * i + dist.get_rank())
         dist.barrier()
         t0 = time.perf_counter()
