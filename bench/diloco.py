@@ -139,8 +139,9 @@ def _setup(name: str, args, topo) -> dict:
     from commopt.schedules import DiLoCo, worker_group
 
     model = GPT(_VOCAB, args.d_model, args.layers, 4, args.seq_len, seed=0)
-    run = {"name": name, "model": model, "times": [], "synced": [], "bytes": [], "losses": []}
     s = spec(name)
+    run = {"name": name, "spec": s, "sync_every": None if s is None else _sync_every(args, name), "model": model,
+           "times": [], "synced": [], "bytes": [], "losses": []}
     if s is None:
         run["wrapped"] = DDP(model)
         run["opt"] = torch.optim.AdamW(model.parameters(), lr=args.lr)
@@ -150,7 +151,7 @@ def _setup(name: str, args, topo) -> dict:
     group = worker_group(topo, timeout=args.timeout)
     run["wrapped"] = DDP(model, process_group=group) if group is not None else model
     run["opt"] = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    h = _sync_every(args, name)
+    h = run["sync_every"]
     run["diloco"] = DiLoCo(model, run["opt"], sync_every=h, fragments=s.fragments, delay=min(s.delay, h - 1),
                            compressor=QuantizeCompressor(s.bits) if s.bits else None, topology=topo,
                            timeout=args.timeout)
@@ -170,7 +171,7 @@ def _setup_torchft(run: dict, args, topo) -> dict:
     from torchft._torchft import LighthouseServer
     from torchft.local_sgd import DiLoCo as TorchftDiLoCo
 
-    model, s = run["model"], spec(run["name"])
+    model, s, h = run["model"], run["spec"], run["sync_every"]
     host = _node_address()
     address = [None]
     if dist.get_rank() == 0:
@@ -195,7 +196,6 @@ def _setup_torchft(run: dict, args, topo) -> dict:
         cuts = [len(mods) * i // s.fragments for i in range(s.fragments + 1)]
         fragments = [nn.ModuleList(mods[a:b]) for a, b in zip(cuts, cuts[1:])]
     outers = [torch.optim.SGD(f.parameters(), lr=0.7, momentum=0.9, nesterov=True) for f in fragments]
-    h = _sync_every(args, run["name"])
     run["torchft"] = TorchftDiLoCo(run["manager"], fragments, run["opt"], outers, sync_every=h,
                                    backup_device=torch.device("cpu"), pin_memory=False, use_bucketization=True,
                                    fragment_sync_delay=min(s.delay, h // s.fragments - 1))
@@ -247,8 +247,7 @@ def _step(run: dict, step: int, args, topo) -> None:
     diloco = run.get("diloco")
     synced = False
     if "torchft" in run:  # its optimizer hook synced a fragment at this step (every H / fragments steps)
-        s = spec(run["name"])
-        synced = (step + 1) % max(1, _sync_every(args, run["name"]) // s.fragments) == 0
+        synced = (step + 1) % max(1, run["sync_every"] // run["spec"].fragments) == 0
     if diloco is not None:
         t, h = diloco.steps + 1, diloco.sync_every  # the step DiLoCo is about to count
         synced = any(t % h == o % h or t % h == (o + diloco.delay) % h for o in diloco.offsets)
@@ -280,7 +279,7 @@ def _held_out(run: dict, args) -> float:
     return float(mean) / dist.get_world_size()
 
 
-def _model_bytes(run: dict, args, topo) -> float:
+def _model_bytes(run: dict, topo) -> float:
     """The busiest node link's bytes per step by the algorithms' traffic model: DDP's gradients in a
     ring over every rank each step; torchft's pseudo-gradients in gloo's ring over the workers every
     H steps; DiLoCo's outer reductions as ``DiLoCo.outer_bytes`` counted them, summed over each node's
@@ -289,7 +288,7 @@ def _model_bytes(run: dict, args, topo) -> float:
     if "diloco" not in run:
         nbytes = sum(p.numel() * p.element_size() for p in run["model"].parameters() if p.requires_grad)
         ring = algorithms.get("flat").traffic("allreduce", nbytes, topo).link_bytes()
-        return ring / _sync_every(args, run["name"]) if "torchft" in run else ring
+        return ring / run["sync_every"] if "torchft" in run else ring
     sent = torch.zeros(topo.world_size, dtype=torch.float64)
     sent[topo.rank] = run["diloco"].outer_bytes
     dist.all_reduce(sent)
@@ -303,10 +302,10 @@ def _summary(run: dict, args, topo) -> dict:
     dist.all_reduce(nbytes, op=dist.ReduceOp.MAX)  # the busiest node's link
     return {"run": run["name"], "step_ms": 1e3 * statistics.mean(times), "inner_ms": 1e3 * statistics.median(inner),
             "exposed_ms": 1e3 * max(statistics.mean(times) - statistics.median(inner), 0.0),
-            "bytes_per_step": float(nbytes), "model_bytes_per_step": _model_bytes(run, args, topo),
+            "bytes_per_step": float(nbytes), "model_bytes_per_step": _model_bytes(run, topo),
             "final_loss": statistics.mean(run["losses"][-5:]),
             "held_out_loss": _held_out(run, args), "losses": run["losses"],
-            "sync_every": None if spec(run["name"]) is None else _sync_every(args, run["name"])}
+            "sync_every": run["sync_every"]}
 
 
 def _warm_codecs(names: list[str], args, topo) -> None:
@@ -326,7 +325,7 @@ def _warm_codecs(names: list[str], args, topo) -> None:
 
 def _torchft_problem(names: list[str], args, topo) -> str | None:
     """Why the torchft runs among ``names`` cannot run here, or None."""
-    torchft_runs = [n for n in names if spec(n) is not None and spec(n).impl == "torchft"]
+    torchft_runs = [n for n in names if (s := spec(n)) is not None and s.impl == "torchft"]
     if not torchft_runs:
         return None
     try:

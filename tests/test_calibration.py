@@ -3,12 +3,13 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 
 from commopt.comm import Topology, algorithms, all_reduce, context, cost
 from commopt.comm.dispatch import select_algorithm
-from commopt.comm.links import LinkModel
+from commopt.comm.links import LinkModel, fit
 
 SIZES = (1 << 10, 64 << 10, 1 << 20, 16 << 20)
 
@@ -97,9 +98,6 @@ def test_fit_holds_a_negative_estimate_at_zero_and_refits_the_other():
     """The least-squares line under alpha >= 0 (beta > 0): where the free fit's intercept is negative
     the slope is fitted again through the origin, not kept (flat's all-reduce times of a calibration
     on the emulated 2x2, which grow faster than linearly: 64 KiB, 512 KiB, 4 MiB)."""
-    import pytest
-
-    from commopt.comm.links import fit
 
     sizes, times = [65536.0, 524288.0, 4194304.0], [3.64e-3, 53.39e-3, 276.82e-3]
     line = fit(sizes, times, relative=True)
