@@ -389,6 +389,19 @@ def _print_ratios(rows: list[dict], log=print) -> None:
     for (op, size), times in by.items():
         parts = [f"{a}{'+v' if v else ''}={times[ref] / t:.3f}x" for (a, v), t in times.items() if (a, v) != ref]
         log(f"#   {op:>14} {_fmt_size(size):>6}: " + "  ".join(parts))
+    chosen = {(r["op"], r["size"]): r["chosen"] for r in rows
+              if r["algo"] == "auto" and r.get("chosen") and not r.get("validate", False)}
+    if chosen:  # its choice apart from its own timing (two timings of one algorithm differ by noise)
+        log("# auto's choice against the algorithms timed in this run")
+        for (op, size), ran in chosen.items():
+            others = {a: t for (a, v), t in by[(op, size)].items() if not v and a != "auto"}
+            if ran not in others:
+                log(f"#   {op:>14} {_fmt_size(size):>6}: ran {ran} (not timed on its own here)")
+                continue
+            fastest = min(others, key=others.get)
+            verdict = ("the fastest" if fastest == ran
+                       else f"{fastest} was {others[ran] / others[fastest]:.3f}x faster")
+            log(f"#   {op:>14} {_fmt_size(size):>6}: ran {ran}, {verdict}")
     if any(v for (_a, v) in keys) and any(not v for (_a, v) in keys):
         log("# cost of validate=True (time with / time without), measured interleaved in this run")
         for (op, size), times in by.items():
@@ -447,6 +460,11 @@ def _rank_body(args) -> int:
         log(f"# calibrated: intra alpha={m.intra.alpha * 1e6:.1f} us, {m.intra.bandwidth / 1e9:.3f} GB/s; "
             f"inter alpha={m.inter.alpha * 1e6:.1f} us, {m.inter.bandwidth / 1e9:.3f} GB/s; "
             f"pipelining up to {m.chunks} chunk(s)" + ("" if m.chunks > 1 else " (the levels do not overlap here)"))
+        lines = cost.measured_lines("allreduce", topo) or {}
+        if lines:  # what auto follows: each candidate's calls as measured, ms at each size
+            log("# auto's all-reduce candidates, measured (ms): " + "; ".join(
+                f"{a} " + " ".join(f"{_fmt_size(int(s))}={1e3 * t:.2f}" for s, t in line.points)
+                for a, line in lines.items()))
     if "alltoall" in args.op and args.calibrate and world > 1 and topo.num_nodes > 1:
         from commopt.comm import alltoall as a2a
 

@@ -420,14 +420,20 @@ def _predict(args, topo, measured: dict[str, float]) -> tuple[dict[str, float], 
     # communication (comms that only copy this rank's own data, once every rank of the group has
     # arrived), which adds FSDP2's copies in and out of its flat buffers, DTensor dispatch, the
     # optimizer on 1/world of the parameters and the waits for the slowest rank.
+    # With it, each prefetched all-gather's issue waits FSDP2's work between two gathers, measured
+    # on the same floor (:func:`_prefetch_gap`).
     floors = {"ddp": (measured.get("compute", own + optimizer * nbytes), optimizer * nbytes)}
-    if topo.world_size > 1:
-        floors["fsdp"] = _sharded_floor(args, topo, dist.group.WORLD)
+    sharded = {"fsdp": dist.group.WORLD} if topo.world_size > 1 else {}
     if topo.two_levels:
-        floors["hsdp"] = _sharded_floor(args, topo, "node")
+        sharded["hsdp"] = "node"
+    gaps: dict[str, float] = {}
+    for kind, group in sharded.items():
+        step, opt_step, gaps[kind] = _sharded_floor(args, topo, group)
+        floors[kind] = (step, opt_step)
     inputs = {"cost_model": model.to_dict(), "optimizer_s_per_byte": optimizer,
               "measured_lines": {c: {a: [line.alpha, line.beta] for a, line in v.items()} for c, v in lines.items()},
               "floors_ms": {k: [1e3 * v for v in f] for k, f in floors.items()},
+              "prefetch_gap_ms": {k: 1e3 * v for k, v in gaps.items()},
               "int8_codec_s_per_byte": quantize, "grad_codec_s_per_byte": grad_codecs, "powersgd_s_per_byte": psgd,
               "units": [{"name": x.name, "forward_ms": 1e3 * x.forward, "backward_ms": 1e3 * x.backward,
                          "bytes": x.grad_bytes} for x in layers]}
@@ -453,7 +459,8 @@ def _predict(args, topo, measured: dict[str, float]) -> tuple[dict[str, float], 
         shard_bytes = nbytes / (topo.local_size if plan.kind == "hsdp" else topo.world_size)
         per_byte = psgd if name == "hsdp-powersgd" else quantize
         plan = dataclasses.replace(plan, optimizer_seconds_per_byte=opt_seconds / shard_bytes,
-                                   codec_seconds_per_byte=per_byte, grad_codec_seconds_per_byte=grad_codecs.get(name))
+                                   codec_seconds_per_byte=per_byte, grad_codec_seconds_per_byte=grad_codecs.get(name),
+                                   prefetch_issue_seconds=gaps[plan.kind] if plan.prefetch else None)
         layers_k = scaled(step, opt_seconds)
         native = name in ("fsdp2", "hsdp")  # torch's own collectives: the levels model them
         out[name] = simulate_sharded(layers_k, topo, plan, model, lines=None if native else lines).iteration
@@ -509,7 +516,14 @@ class _OwnDataOnly:
     a machine whose ranks share cores those waits add up over a step's 15 collectives (the floor of
     the GPT on the emulated 2x2: 181-193 ms without them, 292 ms with). Without the waits the
     simulator put the ZeRO++ recipe's step at 0.42-0.58 of the measured one, torch's FSDP2 at
-    0.82-0.91 (docs/results.md 24)."""
+    0.82-0.91 (docs/results.md 24).
+
+    ``marks``: a list this comm appends ``("issue", t)`` to when an all-gather is called and
+    ``("wait", t)`` when FSDP2's wait for it returns (``time.perf_counter()``), to time FSDP2's
+    own work between two all-gathers (:func:`_prefetch_gap`)."""
+
+    def __init__(self, marks: list | None = None):
+        self.marks = marks
 
     def allocate(self, size, *, dtype, device):
         return torch.empty(*size, dtype=dtype, device=device)
@@ -518,18 +532,36 @@ class _OwnDataOnly:
         from commopt.comm.fsdp._common import done_work
 
         out, inp = output_tensor.detach().view(-1), input_tensor.detach().view(-1)
+        gather = out.numel() >= inp.numel()
+        if gather and self.marks is not None:
+            self.marks.append(("issue", time.perf_counter()))
         dist.barrier(group=group)
-        if out.numel() >= inp.numel():  # all-gather: every row is this rank's shard (its own row
-            out.view(-1, inp.numel()).copy_(inp.clone())  # is the input itself: FSDP2 gathers in place)
+        if gather:  # all-gather: every row is this rank's shard (its own row is the input itself:
+            out.view(-1, inp.numel()).copy_(inp.clone())  # FSDP2 gathers in place)
         else:  # reduce-scatter: this rank's row of the input
             out.copy_(inp.view(-1, out.numel())[group.rank()])
-        return done_work(async_op)
+        work = done_work(async_op)
+        return _MarkedWork(work, self.marks) if gather and work is not None and self.marks is not None else work
 
 
-def _sharded_floor(args, topo, group) -> tuple[float, float]:
-    """(step, optimizer step) seconds of the GPT under FSDP2 per block and root, sharded over WORLD
-    or (``"node"``) over this rank's node, with comms that move nothing but wait for the group
-    (:class:`_OwnDataOnly`); medians of 10 steps (5 swung the floor by 10 % between runs), every rank at once."""
+class _MarkedWork(dist.Work):
+    """A completed ``Work`` whose ``wait()`` appends ``("wait", time.perf_counter())`` to ``marks``."""
+
+    def __init__(self, inner: dist.Work, marks: list):
+        super().__init__()
+        self.inner, self.marks = inner, marks
+
+    def wait(self, timeout=None) -> bool:
+        self.inner.wait()
+        self.marks.append(("wait", time.perf_counter()))
+        return True
+
+
+def _sharded_floor(args, topo, group) -> tuple[float, float, float]:
+    """(step, optimizer step, prefetch gap) seconds of the GPT under FSDP2 per block and root,
+    sharded over WORLD or (``"node"``) over this rank's node, with comms that move nothing but wait
+    for the group (:class:`_OwnDataOnly`); medians of 10 steps (5 swung the floor by 10 % between
+    runs), every rank at once. The gap: :func:`_prefetch_gap`, on the same model afterwards."""
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
@@ -563,7 +595,37 @@ def _sharded_floor(args, topo, group) -> tuple[float, float]:
         if i:
             steps.append(t2 - t0)
             opts.append(t2 - t1)
-    return statistics.median(steps), statistics.median(opts)
+    return statistics.median(steps), statistics.median(opts), _prefetch_gap(model, args)
+
+
+def _prefetch_gap(model: nn.Module, args) -> float:
+    """Seconds from FSDP2's wait for an all-gather returning to its issuing the next one, with the
+    prefetching commopt's comms set (``fsdp.shard``: each block prefetches the next, asynchronous
+    unshards): the copy-out, FSDP2's hooks and the next copy-in, on the training thread, while the
+    link idles (``ShardedPlan.prefetch_issue_seconds``). The median over three steps' gaps (a
+    step's longest, forward's last block to backward's first, holds compute and is no gap); the
+    slowest rank's."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from commopt.bench.models import synthetic_tokens
+    from commopt.comm.fsdp.register import _prefetch
+
+    marks: list = []
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_custom_all_gather(_OwnDataOnly(marks))
+    _prefetch(model, list(model.blocks))
+    gaps = []
+    for i in range(3):
+        data = synthetic_tokens(args.batch, args.seq_len, _VOCAB, seed=20_000 + 10_000 * i + dist.get_rank())
+        dist.barrier()
+        marks.clear()
+        logits = model(data[:, :-1])
+        nn.functional.cross_entropy(logits.reshape(-1, _VOCAB), data[:, 1:].reshape(-1)).backward()
+        gaps += [b[1] - a[1] for a, b in zip(marks, marks[1:]) if a[0] == "wait" and b[0] == "issue"]
+    slowest = torch.tensor([statistics.median(gaps) if gaps else 0.0], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return float(slowest)
 
 
 def _collective_seconds(name: str, topo, block: dict, args) -> tuple[float, float, float]:

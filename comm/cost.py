@@ -29,13 +29,25 @@ import torch.distributed as dist
 
 from . import algorithms
 from .algorithms._transport import prepare
+from .checks import agree
 from .engine import wait, wait_work
-from .links import ALGORITHM_FACTORS, COPY_BETA, DEFAULT_INTER, DEFAULT_INTRA, PHASE_HANDOFF, CostModel, LinkModel, fit
+from .links import (
+    ALGORITHM_FACTORS,
+    COPY_BETA,
+    DEFAULT_INTER,
+    DEFAULT_INTRA,
+    PHASE_HANDOFF,
+    CostModel,
+    LinkModel,
+    MeasuredLine,
+    fit,
+)
 from .runtime import context
 from .topology import Topology
 
 __all__ = [
     "LinkModel",
+    "MeasuredLine",
     "CostModel",
     "DEFAULT_INTRA",
     "DEFAULT_INTER",
@@ -52,7 +64,15 @@ __all__ = [
     "ALGORITHM_FACTORS",
     "COPY_BETA",
     "PHASE_HANDOFF",
+    "MEASURED_TIE",
 ]
+
+
+#: Measured candidates within this fraction of the fastest are a tie, which goes to the earlier
+#: candidate (registry order: flat, then the hierarchy). Two calibrations of the emulated 2x2 moved
+#: one algorithm's time by up to 4 % at 512 KiB, where hierarchical and leader lie within 1-4 % of
+#: each other: without it ``auto`` ran leader, by the noise, 5 % behind hierarchical (docs/results.md 24).
+MEASURED_TIE = 0.05
 
 
 def link_bytes(algorithm: str, nbytes: float, topo: Topology, op: str = "allreduce") -> float:
@@ -93,10 +113,12 @@ def choose(candidates: list[str], nbytes: float, topo: Topology, model: CostMode
             resource (``model.shared``: the hierarchy only adds phases) a reduction runs ``flat``.
         measured: an effective ``alpha + S * beta`` line per algorithm measured on this layout
             (:func:`measure_lines`); when it covers every candidate, the lines decide, not ``model``
-            (which may then be None).
+            (which may then be None): the earliest candidate within :data:`MEASURED_TIE` of the
+            fastest, since measurements closer than that are a tie.
     """
     if measured is not None and all(a in measured for a in candidates):
-        return min(candidates, key=lambda a: (measured[a].time(nbytes), candidates.index(a)))
+        times = [measured[a].time(nbytes) for a in candidates]
+        return next(a for a, t in zip(candidates, times) if t <= min(times) * (1 + MEASURED_TIE))
     if model is None:
         raise ValueError(f"cost.choose: no model and no measured line for every candidate of {candidates}; pass "
                          f"model=cost.model_for(topology)")
@@ -117,51 +139,93 @@ def measured_lines(collective: str, topology: Topology) -> dict[str, LinkModel] 
 
 
 def measure_lines(topology: Topology, names: list[str], make_call: Callable[[str, int], Callable[[], object]],
-                  sizes: list[int], reps: int, *, relative: bool = False) -> dict[str, LinkModel]:
+                  sizes: list[int], reps: int, *, relative: bool = False,
+                  synchronized: bool = False) -> dict[str, MeasuredLine]:
     """Time each named algorithm on this machine and fit it an effective ``alpha + S * beta`` line.
 
     The level model predicts message counts and bytes; what it cannot see is this machine's cost of
     each extra synchronising phase (thread hand-offs, copies, a CPU shared by many ranks), which
     decides small calls. So: at each of ``sizes`` (bytes), each algorithm runs once (warm-up), then
-    every rank starts together (a barrier) and runs ``reps`` calls back to back; a size's time is
-    the slowest rank's seconds per call (an all-reduce MAX, so every rank fits the same numbers);
-    :func:`fit` gives each algorithm its line, and rank 0's lines are broadcast (lstsq may differ in
-    the last bit between processes). Collective over the topology's group.
+    is timed; a size's time is the slowest rank's (an all-reduce MAX, so every rank holds the same
+    points); :func:`fit` gives each algorithm its line through them, and rank 0's lines are
+    broadcast (lstsq may differ in the last bit between processes). Each line keeps its points
+    (:class:`MeasuredLine`: between two measured sizes it follows them, not the line). Collective
+    over the topology's group.
 
-    Back to back, the link stays busy as it is inside a training step. The best of single calls
-    fitted lines up to 44 % fast on the emulated 2x2 (the hierarchical reduce-scatter of an FSDP2
-    block at 37 ms where its link needs 66 ms): a rank that started a call late found its peers'
-    transfers done, and an idle shaped link lends a burst. With them the sharded simulator put
-    commopt's FSDP2 step at 0.64 of the measured one, with these at 0.83 (docs/results.md 24).
+    Two ways of timing, as the calls run in use:
+
+    - back to back (default; the collectives of a training step): every rank starts together (a
+      barrier), then ``reps`` calls, seconds per call. The link stays busy as inside a step. The best
+      of single calls fitted lines up to 44 % fast on the emulated 2x2 (the hierarchical
+      reduce-scatter of an FSDP2 block at 37 ms where its link needs 66 ms): a rank that started a
+      call late found its peers' transfers done, and an idle shaped link lends a burst. With them the
+      sharded simulator put commopt's FSDP2 step at 0.64 of the measured one, with these at 0.83.
+    - ``synchronized`` (one call at a time, as a user's all-reduce runs: its agreement check lines
+      the ranks up): the algorithms interleaved, each call after a barrier, the median; at least
+      ``reps`` calls and up to 8x more, as many as fit in about 0.3 s per algorithm and size. Back
+      to back, consecutive calls overlap across ranks and favour the algorithms of more phases: at
+      64 KiB on the emulated 2x2 leader ran 0-25 % faster than flat back to back and 2-6 % slower
+      one call at a time (docs/results.md 24).
 
     Args:
         topology: the layout timed (its group runs the calls).
         names: the algorithms, in the order every rank times them.
         make_call: ``make_call(name, nbytes)`` -> a callable running one call of ``nbytes``.
-        sizes: the sizes in bytes, each the exact size ``make_call`` moves.
-        reps: timed calls per algorithm and size.
+        sizes: the sizes in bytes, ascending, each the exact size ``make_call`` moves.
+        reps: timed calls per algorithm and size (synchronized: at least).
         relative: fit each line on relative errors (``fit(..., relative=True)``), for sizes that span
             orders of magnitude.
+        synchronized: time one call at a time (above).
     """
     group = topology.group
-    fits: dict[str, LinkModel] = {}
-    for name in names:
-        times = []
-        for size in sizes:
-            call = make_call(name, size)
-            call()  # warm-up
-            dist.barrier(group=group)
-            start = time.perf_counter()
-            for _ in range(reps):
-                call()
-            slowest = torch.tensor([(time.perf_counter() - start) / reps], dtype=torch.float64)
-            dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
-            times.append(float(slowest))
-        fits[name] = fit([float(s) for s in sizes], times, relative=relative)
+    points: dict[str, list[float]] = {name: [] for name in names}
+    for size in sizes:
+        calls = {name: make_call(name, size) for name in names}
+        if synchronized:
+            own = _one_at_a_time(calls, reps, group)
+        else:
+            own = []
+            for call in calls.values():
+                call()  # warm-up
+                dist.barrier(group=group)
+                start = time.perf_counter()
+                for _ in range(reps):
+                    call()
+                own.append((time.perf_counter() - start) / reps)
+        slowest = torch.tensor(own, dtype=torch.float64)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+        for name, seconds in zip(names, slowest.tolist()):
+            points[name].append(seconds)
+    fits = {name: fit([float(s) for s in sizes], points[name], relative=relative) for name in names}
     flat = torch.tensor([v for a in names for v in (fits[a].alpha, fits[a].beta)], dtype=torch.float64)
     dist.broadcast(flat, src=topology.group_rank_to_global(0), group=group)
     values = flat.tolist()
-    return {a: LinkModel(values[2 * i], values[2 * i + 1]) for i, a in enumerate(names)}
+    return {a: MeasuredLine(values[2 * i], values[2 * i + 1], tuple(zip(map(float, sizes), points[a])))
+            for i, a in enumerate(names)}
+
+
+def _one_at_a_time(calls: dict[str, Callable[[], object]], reps: int, group) -> list[float]:
+    """This rank's median seconds of each call, timed one call at a time after a barrier, the calls
+    interleaved (rotated every round, so that each follows every other equally often); as many
+    rounds as fit in about 0.3 s for the slowest warm-up, between ``reps`` and ``8 * reps``, agreed
+    by every rank."""
+    slowest = 0.0
+    for call in calls.values():
+        start = time.perf_counter()
+        call()  # warm-up
+        slowest = max(slowest, time.perf_counter() - start)
+    agreed = torch.tensor([slowest], dtype=torch.float64)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
+    rounds = min(8 * reps, max(reps, math.ceil(0.3 / max(float(agreed), 1e-6))))
+    names = list(calls)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            dist.barrier(group=group)
+            start = time.perf_counter()
+            calls[name]()
+            times[name].append(time.perf_counter() - start)
+    return [statistics.median(times[name]) for name in names]
 
 
 def _cache_path(topo: Topology, cache_dir: str | os.PathLike | None) -> Path:
@@ -311,6 +375,10 @@ def _measure(collective: str, topology: Topology, model: CostModel, sizes: tuple
     of flat, and it predicted commopt's FSDP2 collectives 30 % too fast. The lines are of the calls
     themselves (blocking, each candidate's own pipelining depth), so ``auto`` picks what measured
     faster (docs/results.md). Sizes are the per-rank buffer (all-reduce) or the world-sized one.
+
+    The all-reduce's candidates are timed as the public ``all_reduce`` runs them, one call at a time
+    with its agreement check (``measure_lines(synchronized=True)``); the reduce-scatter's and
+    all-gather's, which FSDP2 issues back to back inside a step without a check, back to back.
     """
     options = [a for a in algorithms.candidates(collective)
                if algorithms.get(a).supports(topology, collective) is None]
@@ -320,6 +388,7 @@ def _measure(collective: str, topology: Topology, model: CostModel, sizes: tuple
         return
     ctx, world, group = context(), topology.world_size, topology.group
     ctx.prepare(topology, options)
+    checked = collective == "allreduce"
 
     def make_call(name: str, nbytes: int) -> Callable[[], object]:
         run = algorithms.get(name).runs(topology, collective)  # flat where it degenerates to it
@@ -332,6 +401,9 @@ def _measure(collective: str, topology: Topology, model: CostModel, sizes: tuple
                     "all_gather": (whole, part)}[collective]
 
         def call() -> object:
+            if checked:  # as the public all_reduce runs it (dispatch.exact_all_reduce)
+                agree("all_reduce", numel=out.numel(), dtype=out.dtype, op="sum", algorithm=run, group=group,
+                      device=out.device, timeout=None)
             p, red = prepare(out, "sum", world)
             red = None if collective == "all_gather" else red
             return wait(impl.start(ctx.call(impl, collective, p, red, group, topo, None, True, chunks, src)), None)
@@ -343,8 +415,8 @@ def _measure(collective: str, topology: Topology, model: CostModel, sizes: tuple
     spread = [lo, int(math.sqrt(lo * hi)), hi]
     unit = 4 * (1 if collective == "allreduce" else world)  # whole fp32 elements, a whole block per rank
     exact = [max(1, s // unit) * unit for s in spread]
-    ctx.measured_lines.put(lines_key(collective, topology),
-                           measure_lines(topology, options, make_call, exact, reps, relative=True))
+    lines = measure_lines(topology, options, make_call, exact, reps, relative=True, synchronized=checked)
+    ctx.measured_lines.put(lines_key(collective, topology), lines)
 
 
 def _inter_default(topo: Topology) -> LinkModel:

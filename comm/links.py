@@ -20,8 +20,8 @@ from typing import Callable
 
 import torch
 
-__all__ = ["LinkModel", "CostModel", "DEFAULT_INTRA", "DEFAULT_INTER", "ALGORITHM_FACTORS", "PHASE_HANDOFF",
-           "COPY_BETA", "pad_to", "pipeline_time", "fit"]
+__all__ = ["LinkModel", "MeasuredLine", "CostModel", "DEFAULT_INTRA", "DEFAULT_INTER", "ALGORITHM_FACTORS",
+           "PHASE_HANDOFF", "COPY_BETA", "pad_to", "pipeline_time", "fit"]
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,29 @@ class LinkModel:
     def bandwidth(self) -> float:
         """Bytes per second."""
         return 1.0 / self.beta
+
+
+@dataclass(frozen=True)
+class MeasuredLine(LinkModel):
+    """A call's fitted ``alpha + S * beta`` line with the ``(bytes, seconds)`` points it was fitted
+    to, sizes ascending: :meth:`time` follows the points (linearly between two) inside their range
+    and the line outside it.
+
+    Measured calls need not grow linearly: on the emulated 2x2 flat's all-reduce took 3.6 ms at
+    64 KiB and 53 ms at 512 KiB, so the best line through three sizes missed 64 KiB by 10-20 %,
+    more than the candidates differ there, and ``auto`` picked by the line's error (docs/results.md 24).
+    """
+
+    points: tuple[tuple[float, float], ...] = ()
+
+    def time(self, nbytes: float, messages: float = 1.0) -> float:
+        pts = self.points
+        if messages != 1.0 or len(pts) < 2 or not pts[0][0] <= nbytes <= pts[-1][0]:
+            return super().time(nbytes, messages)
+        for (s0, t0), (s1, t1) in zip(pts, pts[1:]):
+            if nbytes <= s1:
+                return t0 + (t1 - t0) * (nbytes - s0) / (s1 - s0) if s1 > s0 else t1
+        return pts[-1][1]
 
 
 @dataclass(frozen=True)

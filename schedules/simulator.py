@@ -26,6 +26,7 @@ overlaps the previous reduction); the reported iteration time is the steady-stat
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -309,6 +310,13 @@ class ShardedPlan:
         blocking_reduce: backward waits for each layer's gradient reduction before it goes on
             (FSDP2 without streams, on CPU: the reduce-scatter, and HSDP's all-reduce hook, return
             only once done); False: the reduction runs behind the next layer's backward (GPUs).
+        prefetch_issue_seconds: with ``prefetch``, when a prefetched all-gather is issued. None:
+            at once (GPU: the CPU runs ahead of the streams, so the link serves it right after the
+            current one). A number: FSDP2 issues it on the training thread only once the current
+            layer's all-gather has completed and been copied out, that many seconds after (the
+            copy-out, FSDP2's hooks and the next copy-in; on CPU). The link idles meanwhile: on the
+            emulated 2x2 it idled 20-25 ms a block between two hierarchical all-gathers, which the
+            model without it served back to back (docs/results.md 24).
     """
 
     kind: str = "fsdp"
@@ -323,6 +331,7 @@ class ShardedPlan:
     grad_codec_seconds_per_byte: float | None = None
     reduce_scatter_as: str = "reduce_scatter"
     blocking_reduce: bool = False
+    prefetch_issue_seconds: float | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in SHARDED_KINDS:
@@ -337,6 +346,9 @@ class ShardedPlan:
             value = getattr(self, name)
             if value is not None and not value >= 0:
                 raise ValueError(f"{name} must be a cost >= 0 seconds per byte, got {value}")
+        gap = self.prefetch_issue_seconds
+        if gap is not None and not 0 <= gap < math.inf:
+            raise ValueError(f"prefetch_issue_seconds must be None (issued at once) or seconds >= 0, got {gap}")
 
 
 def quantized_ratio(bits: int, block: int = 256, element_bytes: float = 4) -> float:
@@ -436,10 +448,14 @@ def simulate_sharded(layers: Sequence[Layer], topology: Topology, plan: ShardedP
 
     t = 0.0
     n = len(layers)
+    # When the training thread issues a prefetch: once the current layer's all-gather is done (plus
+    # the plan's CPU gap), or, without a gap, at once (served after the current one either way).
+    gap = plan.prefetch_issue_seconds
     gathered = {0: issue("g0", 0.0, forward_gather(sizes[0]))} if n else {}
     for i, layer in enumerate(layers):
         if plan.prefetch and i + 1 < n:
-            gathered[i + 1] = issue(f"g{i + 1}", t, forward_gather(sizes[i + 1]))
+            at = t if gap is None else max(t, gathered[i]) + gap
+            gathered[i + 1] = issue(f"g{i + 1}", at, forward_gather(sizes[i + 1]))
         t = max(t, gathered[i])
         t = run(f"F{i}", t, layer.forward)
         if not plan.prefetch and i + 1 < n:
@@ -454,7 +470,7 @@ def simulate_sharded(layers: Sequence[Layer], topology: Topology, plan: ShardedP
                 ready[i] = issue(f"g{i}", t, backward_gather(sizes[i]))
             t = max(t, ready[i])
             if plan.prefetch and i >= 1:  # FSDP2's backward prefetch: the next layer's, one ahead
-                ready[i - 1] = issue(f"g{i - 1}", t, backward_gather(sizes[i - 1]))
+                ready[i - 1] = issue(f"g{i - 1}", t + (gap or 0.0), backward_gather(sizes[i - 1]))
         t = run(f"B{i}", t, layers[i].backward)
         last = issue(f"r{i}", t, reduce(sizes[i]))
         if plan.blocking_reduce:

@@ -184,6 +184,26 @@ def test_table_columns_follow_the_link_and_the_model():
         assert "nan" not in "\n".join(lines)
 
 
+def test_auto_choice_is_judged_against_the_algorithms_timed():
+    """Below the speed-ups, what auto ran at each size against the others' times in the same run
+    (its own timing of the same algorithm differs from theirs by noise): the fastest, how much
+    faster another was, or that what it ran was not timed on its own."""
+    rows = []
+    for size, (flat, hier, auto), ran in ((65536, (100.0, 120.0, 110.0), "flat"),
+                                          (1 << 20, (200.0, 150.0, 190.0), "leader"),
+                                          (4 << 20, (300.0, 200.0, 290.0), "flat")):
+        rows += [{"op": "allreduce", "size": size, "algo": "flat", "time_us": flat},
+                 {"op": "allreduce", "size": size, "algo": "hierarchical", "time_us": hier},
+                 {"op": "allreduce", "size": size, "algo": "auto", "time_us": auto, "chosen": ran}]
+    lines: list[str] = []
+    coll._print_ratios(rows, lines.append)
+    head = lines.index("# auto's choice against the algorithms timed in this run")
+    assert [" ".join(line.split()[1:]) for line in lines[head + 1:]] == [
+        "allreduce 64K: ran flat, the fastest",
+        "allreduce 1M: ran leader (not timed on its own here)",
+        "allreduce 4M: ran flat, hierarchical was 1.500x faster"]
+
+
 def _spawned(tmp_path, *args: str) -> tuple[str, dict]:
     path = tmp_path / "rows.json"
     res = subprocess.run([sys.executable, "-m", "commopt.bench", "collectives", "--spawn", "2", "--iters", "3",

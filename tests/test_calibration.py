@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -44,14 +45,24 @@ def _calibrate(cache_dir: str) -> tuple:
         assert torch.equal(x, torch.full((1000,), 10.0))
     finally:
         _forget(topo)
-    return (model.to_dict(), {c: {a: (m.alpha, m.beta) for a, m in v.items()} for c, v in lines.items()}, choices,
-            names, refused)
+    return (model.to_dict(), {c: {a: (m.alpha, m.beta, m.points) for a, m in v.items()} for c, v in lines.items()},
+            choices, names, refused)
+
+
+def _expected_time(alpha: float, beta: float, points: tuple, size: float) -> float:
+    """A measured call's time at ``size``: straight between the two measured sizes around it,
+    the fitted line outside them."""
+    sizes = [s for s, _ in points]
+    if sizes[0] <= size <= sizes[-1]:
+        return float(np.interp(size, sizes, [t for _, t in points]))
+    return alpha + beta * size
 
 
 def test_calibrate_measures_lines_that_auto_follows(ranks, tmp_path):
-    """Every candidate that runs on the layout gets a line, identical on every rank (rank 0's
-    broadcast), and auto picks, at every size, the algorithm whose measured line is lowest (ties: the
-    earlier candidate): the oracle is recomputed here from the returned lines."""
+    """Every candidate that runs on the layout gets a line and its measured points, identical on
+    every rank (rank 0's broadcast), and auto picks, at every size, the earliest candidate whose
+    measured time (between two measured sizes: the points; outside: the line) is within
+    ``cost.MEASURED_TIE`` of the lowest: the oracle is recomputed here from the returned lines."""
     results = ranks(4, _calibrate, str(tmp_path), timeout=120)
     assert all(r == results[0] for r in results), results
     model, lines, choices, expected, refused = results[0]
@@ -60,10 +71,13 @@ def test_calibrate_measures_lines_that_auto_follows(ranks, tmp_path):
     for collective in _COLLECTIVES:  # the all-reduce's, and the reduce-scatter's and all-gather's on request
         mine = expected[collective]
         assert {"flat", "hierarchical"} <= set(mine) and sorted(lines[collective]) == sorted(mine), collective
-        assert all(alpha >= 0 and beta > 0 for alpha, beta in lines[collective].values()), collective
+        assert all(alpha >= 0 and beta > 0 for alpha, beta, _ in lines[collective].values()), collective
+        # The points: the three sizes measured, ascending, each a positive time.
+        assert all([s for s, _ in pts] == sorted(s for s, _ in pts) and len(pts) == 3 and min(t for _, t in pts) > 0
+                   for _, _, pts in lines[collective].values()), collective
         for size, choice in zip(SIZES, choices[collective]):
-            times = {a: LinkModel(*lines[collective][a]).time(size) for a in mine}
-            best = min(mine, key=lambda a: (times[a], mine.index(a)))
+            times = {a: _expected_time(*lines[collective][a], size) for a in mine}
+            best = next(a for a in mine if times[a] <= min(times.values()) * (1 + cost.MEASURED_TIE))
             assert choice == best, (collective, size, choice, times)
     assert (tmp_path / next(p.name for p in tmp_path.iterdir())).read_text()  # rank 0 cached the model
 
@@ -108,3 +122,27 @@ def test_fit_holds_a_negative_estimate_at_zero_and_refits_the_other():
     # Absolute errors, and a falling time: beta held at its floor, alpha the mean.
     flat = fit([1.0, 2.0], [1.0, 0.5])
     assert flat.beta == 1e-15 and flat.alpha == pytest.approx(0.75)
+
+
+def test_measured_line_follows_its_points_and_near_ties_go_to_the_earlier_candidate():
+    """A measured call's time is straight between its measured sizes and the fitted line outside
+    them; ``choose`` takes the earliest candidate within ``MEASURED_TIE`` of the fastest (by hand)."""
+    from commopt.comm.links import MeasuredLine
+
+    line = MeasuredLine(0.001, 1e-8, ((1000.0, 0.002), (3000.0, 0.010), (9000.0, 0.020)))
+    assert line.time(1000) == pytest.approx(0.002) and line.time(9000) == pytest.approx(0.020)
+    assert line.time(2000) == pytest.approx(0.006) and line.time(6000) == pytest.approx(0.015)
+    assert line.time(500) == pytest.approx(0.001 + 500e-8) and line.time(20000) == pytest.approx(0.001 + 2e-4)
+    assert line.time(2000, messages=2) == pytest.approx(0.002 + 2000e-8)  # a level formula's use: the line
+    topo = Topology(nodes=((0, 1), (2, 3)), rank=0, world_size=4)
+    names = ["flat", "hierarchical", "leader"]
+
+    def pick(flat: float, hierarchical: float, leader: float) -> str:
+        seconds = {"flat": flat, "hierarchical": hierarchical, "leader": leader}
+        return cost.choose(names, 1 << 20, topo, None, measured={a: LinkModel(t, 1e-15) for a, t in seconds.items()})
+
+    assert cost.MEASURED_TIE == 0.05
+    assert pick(1.04, 1.00, 0.97) == "hierarchical"  # leader 3 % faster: a tie with hierarchical
+    assert pick(1.04, 1.00, 0.90) == "leader"  # 10 % faster: leader
+    assert pick(1.02, 1.00, 0.99) == "flat"  # all within 5 %: the first
+    assert pick(1.00, 1.00, 1.00) == "flat"

@@ -872,4 +872,7 @@ def test_bench_fsdp_quick(tmp_path):
     assert rows["fsdp2"]["link_bytes_per_step"] > rows["zero++"]["link_bytes_per_step"] > 0
     inputs = data["simulator_inputs"]
     assert set(inputs["floors_ms"]) == {"ddp", "fsdp", "hsdp"} and len(inputs["units"]) == 3  # root + 2 blocks
+    # FSDP2's work between two prefetched all-gathers: some CPU, less than a step
+    assert set(inputs["prefetch_gap_ms"]) == {"fsdp", "hsdp"}
+    assert all(0 < gap < inputs["floors_ms"]["fsdp"][0] for gap in inputs["prefetch_gap_ms"].values()), inputs
     assert "vs fsdp2" in res.stdout and "target" in res.stdout

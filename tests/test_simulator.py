@@ -469,6 +469,34 @@ def test_tensor_parallel_block_limits():
             simulate_tensor_parallel(cfg, tp=2, tokens=tokens, flops=1e9, link=bw, decomposed=True, chunks=bad)
 
 
+def test_sharded_prefetch_waits_for_the_current_gather_and_fsdp2s_gap():
+    """``prefetch_issue_seconds``: each prefetched all-gather is issued only once the current one is
+    done, that many seconds later (FSDP2's copy-out and hooks on CPU), so with gathers longer than
+    compute every prefetched gather on the critical path adds the gap; None keeps the issue at once.
+    The timelines by hand: 3 layers, forward 1 ms, backward 2 ms, gathers 10 ms, reductions 5 ms
+    (blocking), gap 4 ms."""
+    from commopt.schedules.simulator import Layer, ShardedPlan, simulate_sharded
+
+    topo = _grid(2, 2)
+    layers = [Layer(f"l{i}", 0.001, 0.002, 1 << 20) for i in range(3)]
+    measured = (lambda n: 0.010, lambda n: 0.010, lambda n: 0.005)
+
+    def step(gap):
+        plan = ShardedPlan(blocking_reduce=True, prefetch_issue_seconds=gap)
+        return simulate_sharded(layers, topo, plan, collectives=measured).iteration
+
+    # At once: g1 and g2 follow g0 on the link (ends 10, 20, 30 ms); F2 ends 31; backward prefetches
+    # g1 (41), r2 queues behind it (46), g0 (56), r1 (61), B0 (63), r0 (68).
+    assert step(None) == pytest.approx(0.068)
+    assert step(0.0) == pytest.approx(0.068)
+    # With the gap: g1 issued at 10 + 4 (ends 24), g2 at 24 + 4 (ends 38); F2 ends 39; g1 at 43 (53),
+    # r2 (58), g0 at 62 (72), r1 (77), B0 (79), r0 (84): four gaps on the critical path.
+    assert step(0.004) == pytest.approx(0.084)
+    for bad in (-0.001, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="prefetch_issue_seconds"):
+            ShardedPlan(prefetch_issue_seconds=bad)
+
+
 def test_sharded_simulator_takes_measured_lines():
     """simulate_sharded(lines=): where the plan's algorithm has a measured line for a collective, the
     line is that collective's time (the oracle: the same schedule given those times directly); without
