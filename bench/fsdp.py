@@ -26,9 +26,9 @@ as counted by commopt's engine, and the loss at the end (mean of the last five s
 losses, the same batches in every run) against the exact run (``fsdp2``; ``hsdp`` for the HSDP
 rows). Beside each measured step, what the simulator predicts for it (``simulate_sharded``, DDP:
 ``simulate``) from this cluster's own measurements, taken after training on every rank at once:
-``cost.calibrate``, each FSDP unit's forward and backward scaled to the run's floor (FSDP2 with
-comms that move nothing but wait for every rank of the group, for the sharded runs), the optimizer's
-step and the codecs' cost per byte;
+``cost.calibrate``, each FSDP unit's forward and backward scaled to the run's floor (for the sharded
+runs FSDP2 with comms that move nothing but wait for every rank of the group, trained as hidden runs
+interleaved with the others), the optimizer's step and the codecs' cost per byte;
 and again with each collective's time measured alone in place of the cost model's (``sim*``;
 ``--no-predict`` skips both). The issue's targets are printed as ratios at the end::
 
@@ -247,11 +247,15 @@ def _step(run: dict, step: int, args, topo, timed: bool) -> None:
     logits = run["module"](data[:, :-1])
     loss = nn.functional.cross_entropy(logits.reshape(-1, _VOCAB), data[:, 1:].reshape(-1))
     loss.backward()
+    t1 = time.perf_counter()
     run["opt"].step()
-    elapsed = time.perf_counter() - t0
+    t2 = time.perf_counter()
+    elapsed = t2 - t0
     if not timed:
         return
     run["times"].append(elapsed)
+    if "opt_times" in run:
+        run["opt_times"].append(t2 - t1)
     run["wire"].append(wire_bytes() - wire if topo.link_rate_bps else 0)
     run["sent"].append(sum(engine.bytes_sent().values()) - before)
     if run["comms"] is not None:
@@ -292,11 +296,14 @@ def _rank_body(args) -> int:
     topo = topology_of(args)
     runs = [_setup(name, args, topo) for name in args.runs.split(",")]
     active = [r for r in runs if not r["skip"]]
+    # The simulator's floors of the sharded runs train among them (_floor_run).
+    kinds = (["fsdp"] if topo.world_size > 1 else []) + (["hsdp"] if topo.two_levels else [])
+    floors = [_floor_run(kind, args, topo) for kind in kinds] if args.predict else []
     total = args.warmup + args.steps
     bar = progress(total, f"training {len(active)} runs", rank=dist.get_rank(), unit="step")
     for step in range(total):
-        k = step % max(1, len(active))
-        for run in active[k:] + active[:k]:
+        k = step % max(1, len(active) + len(floors))
+        for run in (active + floors)[k:] + (active + floors)[:k]:
             _step(run, step, args, topo, timed=step >= args.warmup)
         bar.update()
     bar.close()
@@ -304,7 +311,8 @@ def _rank_body(args) -> int:
     if args.profile:
         _profile(active, args, topo)
     measured = {r["run"]: r["step_ms"] / 1e3 for r in results if "step_ms" in r}
-    predicted, inputs = _predict(args, topo, measured) if args.predict else ({}, {})
+    sharded = {run["floor"]: _floor(run, args) for run in floors}
+    predicted, inputs = _predict(args, topo, measured, sharded) if args.predict else ({}, {})
     for r in results:
         if r["run"] in predicted:
             r["predicted_ms"] = 1e3 * predicted[r["run"]]
@@ -344,13 +352,14 @@ def _plans(args, topo, shapes: list[tuple[int, ...]]) -> dict:
     return {k: v if v is None else dataclasses.replace(v, blocking_reduce=True) for k, v in plans.items()}
 
 
-def _predict(args, topo, measured: dict[str, float]) -> tuple[dict[str, float], dict]:
+def _predict(args, topo, measured: dict[str, float],
+             sharded: dict[str, tuple[float, float, float]]) -> tuple[dict[str, float], dict]:
     """Seconds per step the simulator predicts for each measured run, and what it was given, from
     what this cluster measures (on every rank at once, as training runs): the cost model
     (``cost.calibrate``: the node link as gloo drives it), each FSDP unit's share of forward and
     backward (``layers_from_model`` grouped by block, the root's layers as the first unit), scaled
     to the run's floor (DDP: the measured ``compute`` run; sharded runs: FSDP2 itself with comms
-    that move nothing but synchronise, :func:`_sharded_floor`), the optimizer's step, and the block
+    that move nothing but synchronise, :func:`_floor_run`), the optimizer's step, and the block
     codec's encode + decode per byte (the weights': int8; the gradients': the run's own bits, with
     its error feedback; PowerSGD: its three products). Collective; rank 0's numbers."""
     from commopt.bench.models import synthetic_tokens
@@ -416,22 +425,18 @@ def _predict(args, topo, measured: dict[str, float]) -> tuple[dict[str, float], 
         k = (step - opt_seconds) / own
         return [Layer(x.name, x.forward * k, x.backward * k, x.grad_bytes) for x in layers]
 
-    # The floors: DDP's is the measured compute run; a sharded run's is FSDP2 itself without any
-    # communication (comms that only copy this rank's own data, once every rank of the group has
-    # arrived), which adds FSDP2's copies in and out of its flat buffers, DTensor dispatch, the
-    # optimizer on 1/world of the parameters and the waits for the slowest rank.
-    # With it, each prefetched all-gather's issue waits FSDP2's work between two gathers, measured
-    # on the same floor (:func:`_prefetch_gap`).
+    # The floors: DDP's is the measured compute run; a sharded run's (``sharded``: step, optimizer
+    # step, prefetch gap) is FSDP2 itself without any communication (comms that only copy this
+    # rank's own data, once every rank of the group has arrived), which adds FSDP2's copies in and
+    # out of its flat buffers, DTensor dispatch, the optimizer on 1/world of the parameters and the
+    # waits for the slowest rank; and each prefetched all-gather's issue waits for FSDP2's work
+    # between two gathers, measured on the same floor (:func:`_prefetch_gap`).
     floors = {"ddp": (measured.get("compute", own + optimizer * nbytes), optimizer * nbytes)}
-    sharded = {"fsdp": dist.group.WORLD} if topo.world_size > 1 else {}
-    if topo.two_levels:
-        sharded["hsdp"] = "node"
-    gaps: dict[str, float] = {}
-    for kind, group in sharded.items():
-        step, opt_step, gaps[kind] = _sharded_floor(args, topo, group)
-        floors[kind] = (step, opt_step)
+    floors.update({kind: (step, opt_step) for kind, (step, opt_step, _) in sharded.items()})
+    gaps = {kind: gap for kind, (_, _, gap) in sharded.items()}
     inputs = {"cost_model": model.to_dict(), "optimizer_s_per_byte": optimizer,
-              "measured_lines": {c: {a: [line.alpha, line.beta] for a, line in v.items()} for c, v in lines.items()},
+              "measured_lines": {c: {a: [line.alpha, line.beta, [list(p) for p in line.points]]
+                                     for a, line in v.items()} for c, v in lines.items()},
               "floors_ms": {k: [1e3 * v for v in f] for k, f in floors.items()},
               "prefetch_gap_ms": {k: 1e3 * v for k, v in gaps.items()},
               "int8_codec_s_per_byte": quantize, "grad_codec_s_per_byte": grad_codecs, "powersgd_s_per_byte": psgd,
@@ -557,17 +562,17 @@ class _MarkedWork(dist.Work):
         return True
 
 
-def _sharded_floor(args, topo, group) -> tuple[float, float, float]:
-    """(step, optimizer step, prefetch gap) seconds of the GPT under FSDP2 per block and root,
-    sharded over WORLD or (``"node"``) over this rank's node, with comms that move nothing but wait
-    for the group (:class:`_OwnDataOnly`); medians of 10 steps (5 swung the floor by 10 % between
-    runs), every rank at once. The gap: :func:`_prefetch_gap`, on the same model afterwards."""
+def _floor_run(kind: str, args, topo) -> dict:
+    """The floor of the sharded runs of ``kind`` as a run of its own, trained interleaved with them
+    (so that it sees the same load of the shared machine): the GPT under FSDP2 per block and root,
+    sharded over WORLD (``"fsdp"``) or over this rank's node (``"hsdp"``), with comms that move
+    nothing but wait for their group (:class:`_OwnDataOnly`). Measured after training, once, it
+    swung by 30 % between runs of the benchmark (266-366 ms), and the simulator's prediction of the
+    ZeRO++ recipe, mostly compute, with it (docs/results.md 24)."""
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
-    from commopt.bench.models import synthetic_tokens
-
-    if group == "node":
+    if kind == "hsdp":
         grid = torch.tensor([[topo.group_rank_to_global(r) for r in n] for n in topo.nodes])
         mesh = DeviceMesh("cpu", grid, mesh_dim_names=("replicate", "shard"))["shard"]
     else:
@@ -580,22 +585,18 @@ def _sharded_floor(args, topo, group) -> tuple[float, float, float]:
         if isinstance(m, FSDPModule):
             m.set_custom_reduce_scatter(_OwnDataOnly())
             m.set_custom_all_gather(_OwnDataOnly())
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    steps, opts = [], []
-    for i in range(11):
-        data = synthetic_tokens(args.batch, args.seq_len, _VOCAB, seed=10_000 * i + dist.get_rank())
-        dist.barrier()
-        t0 = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        logits = model(data[:, :-1])
-        nn.functional.cross_entropy(logits.reshape(-1, _VOCAB), data[:, 1:].reshape(-1)).backward()
-        t1 = time.perf_counter()
-        opt.step()
-        t2 = time.perf_counter()
-        if i:
-            steps.append(t2 - t0)
-            opts.append(t2 - t1)
-    return statistics.median(steps), statistics.median(opts), _prefetch_gap(model, args)
+    run = {"name": f"floor/{kind}", "comms": None, "log": None, "hsdp": False, "skip": None, "floor": kind,
+           "module": model, "opt": torch.optim.AdamW(model.parameters(), lr=args.lr)}
+    run.update(times=[], opt_times=[], link=[], sent=[], wire=[], losses=[])
+    return run
+
+
+def _floor(run: dict, args) -> tuple[float, float, float]:
+    """(step, optimizer step, prefetch gap) seconds of a floor run after training: the slowest
+    rank's medians, and :func:`_prefetch_gap` on its model. Collective."""
+    worst = torch.tensor([statistics.median(run["times"]), statistics.median(run["opt_times"])], dtype=torch.float64)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    return float(worst[0]), float(worst[1]), _prefetch_gap(run["module"], args)
 
 
 def _prefetch_gap(model: nn.Module, args) -> float:

@@ -424,6 +424,9 @@ def simulate_sharded(layers: Sequence[Layer], topology: Topology, plan: ShardedP
     algorithm's calls on this layout (``cost.measured_lines`` after ``cost.calibrate(topology,
     collectives=(...))``): where the plan's algorithm has one, it replaces the level model's cost of
     that collective (the per-call CPU work of commopt's phases is in the line, not in the levels).
+    A :class:`~commopt.comm.links.MeasuredLine` (what calibration keeps) gives the measured times
+    between two measured sizes: on the emulated 2x2 the line through three sizes put a block's
+    hierarchical collectives about 10 % below their measured points.
     """
     plan = plan or ShardedPlan()
     model = model or cost.CostModel(cost.DEFAULT_INTRA, cost.DEFAULT_INTER)
