@@ -568,7 +568,7 @@ def _floor_run(kind: str, args, topo) -> dict:
     sharded over WORLD (``"fsdp"``) or over this rank's node (``"hsdp"``), with comms that move
     nothing but wait for their group (:class:`_OwnDataOnly`). Measured after training, once, it
     swung by 30 % between runs of the benchmark (266-366 ms), and the simulator's prediction of the
-    ZeRO++ recipe, mostly compute, with it (docs/results.md 24)."""
+    ZeRO++ recipe, mostly compute, with it (docs/results.md 25)."""
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
     from torch.distributed.fsdp import FSDPModule, fully_shard
 

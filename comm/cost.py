@@ -71,7 +71,7 @@ __all__ = [
 #: Measured candidates within this fraction of the fastest are a tie, which goes to the earlier
 #: candidate (registry order: flat, then the hierarchy). Two calibrations of the emulated 2x2 moved
 #: one algorithm's time by up to 4 % at 512 KiB, where hierarchical and leader lie within 1-4 % of
-#: each other: without it ``auto`` ran leader, by the noise, 5 % behind hierarchical (docs/results.md 24).
+#: each other: without it ``auto`` ran leader, by the noise, 5 % behind hierarchical (docs/results.md 25).
 MEASURED_TIE = 0.05
 
 
@@ -165,7 +165,7 @@ def measure_lines(topology: Topology, names: list[str], make_call: Callable[[str
       ``reps`` calls and up to 8x more, as many as fit in about 0.3 s per algorithm and size. Back
       to back, consecutive calls overlap across ranks and favour the algorithms of more phases: at
       64 KiB on the emulated 2x2 leader ran 0-25 % faster than flat back to back and 2-6 % slower
-      one call at a time (docs/results.md 24).
+      one call at a time (docs/results.md 25).
 
     Args:
         topology: the layout timed (its group runs the calls).

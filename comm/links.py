@@ -48,7 +48,7 @@ class MeasuredLine(LinkModel):
 
     Measured calls need not grow linearly: on the emulated 2x2 flat's all-reduce took 3.6 ms at
     64 KiB and 53 ms at 512 KiB, so the best line through three sizes missed 64 KiB by 10-25 %,
-    more than the candidates differ there, and ``auto`` picked by the line's error (docs/results.md 24).
+    more than the candidates differ there, and ``auto`` picked by the line's error (docs/results.md 25).
     """
 
     points: tuple[tuple[float, float], ...] = ()

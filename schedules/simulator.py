@@ -314,9 +314,9 @@ class ShardedPlan:
             at once (GPU: the CPU runs ahead of the streams, so the link serves it right after the
             current one). A number: FSDP2 issues it on the training thread only once the current
             layer's all-gather has completed and been copied out, that many seconds after (the
-            copy-out, FSDP2's hooks and the next copy-in; on CPU). The link idles meanwhile: on the
-            emulated 2x2 it idled 20-25 ms a block between two hierarchical all-gathers, which the
-            model without it served back to back (docs/results.md 24).
+            copy-out, FSDP2's hooks and the next copy-in; on CPU), while the link idles: 1.9-2.2 ms
+            a gather for the GPT of ``commopt-bench fsdp`` on the emulated 2x2, which the model
+            without it served back to back (docs/results.md 25).
     """
 
     kind: str = "fsdp"
@@ -426,7 +426,9 @@ def simulate_sharded(layers: Sequence[Layer], topology: Topology, plan: ShardedP
     that collective (the per-call CPU work of commopt's phases is in the line, not in the levels).
     A :class:`~commopt.comm.links.MeasuredLine` (what calibration keeps) gives the measured times
     between two measured sizes: on the emulated 2x2 the line through three sizes put a block's
-    hierarchical collectives about 10 % below their measured points.
+    hierarchical reduce-scatter and all-gather at 64 ms, the points at 71 ms (measured alone: 69-72
+    ms), and the prediction of the hierarchical run rose from 0.81 to 0.89 of the measured step
+    (docs/results.md 25).
     """
     plan = plan or ShardedPlan()
     model = model or cost.CostModel(cost.DEFAULT_INTRA, cost.DEFAULT_INTER)
