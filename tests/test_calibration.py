@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -36,7 +38,10 @@ def _calibrate(cache_dir: str) -> tuple:
             cost.calibrate(topo, collectives=("allreduce", "broadcast"))
         except ValueError as exc:
             refused = str(exc)
+        before = context().engine().bytes_sent().get("all_reduce/agree", 0)
         model = cost.calibrate(topo, cache_dir=cache_dir, sizes=(4096, 65536), reps=2, collectives=_COLLECTIVES)
+        # The all-reduce's candidates ran with the agreement check, as the public call runs them.
+        assert context().engine().bytes_sent().get("all_reduce/agree", 0) > before
         lines = {c: cost.measured_lines(c, topo) for c in _COLLECTIVES}
         choices = {c: tuple(select_algorithm(c, "auto", s, topo) for s in SIZES) for c in _COLLECTIVES}
         # auto runs, and reduces correctly, with the calibration in place.
@@ -146,3 +151,44 @@ def test_measured_line_follows_its_points_and_near_ties_go_to_the_earlier_candid
     assert pick(1.04, 1.00, 0.90) == "leader"  # 10 % faster: leader
     assert pick(1.02, 1.00, 0.99) == "flat"  # all within 5 %: the first
     assert pick(1.00, 1.00, 1.00) == "flat"
+
+
+def _timed_as_called() -> dict:
+    """``measure_lines`` on fake calls that record their order, back to back and synchronized."""
+    topo = Topology.from_spec("2x2")
+    order: list = []
+
+    def make_call(name: str, nbytes: int):
+        def call() -> None:
+            order.append((name, nbytes))
+            time.sleep({"a": 0.010, "b": 0.001}[name] * (1 + nbytes // 1000))
+        return call
+
+    out = {}
+    for synchronized in (False, True):
+        order.clear()
+        lines = cost.measure_lines(topo, ["a", "b"], make_call, [1000, 3000], 2, synchronized=synchronized)
+        out[synchronized] = ({a: (m.alpha, m.beta, m.points) for a, m in lines.items()}, list(order))
+    return out
+
+
+def test_measure_lines_times_calls_as_they_run(ranks):
+    """Back to back: each algorithm's calls one after the other, ``reps`` of them after a warm-up.
+    Synchronized: the algorithms interleaved, every round each once, at least ``reps`` rounds, the
+    same number on every rank. Either way the points are the slowest rank's, the same on every
+    rank, and the slower fake call (``a``: ten times ``b``'s sleep) measures slower at every size."""
+    results = ranks(4, _timed_as_called, timeout=120)
+    points = {k: v[0] for k, v in results[0].items()}
+    assert all({k: v[0] for k, v in r.items()} == points for r in results)
+    back = results[0][False][1]
+    assert back == [(n, s) for s in (1000, 3000) for n in ("a", "b") for _ in range(3)]  # warm-up + 2 reps
+    for r in results:
+        sync = r[True][1]
+        for size in (1000, 3000):
+            names = [n for n, s in sync if s == size]
+            rounds = [sorted(names[i:i + 2]) for i in range(2, len(names), 2)]
+            assert names[:2] == ["a", "b"] and len(rounds) >= 2 and all(x == ["a", "b"] for x in rounds), names
+        assert sync == results[0][True][1]  # as many rounds on every rank
+    for synchronized in (False, True):
+        a, b = points[synchronized]["a"][2], points[synchronized]["b"][2]
+        assert [s for s, _ in a] == [1000.0, 3000.0] and all(ta > tb for (_, ta), (_, tb) in zip(a, b)), (a, b)
