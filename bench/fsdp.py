@@ -162,8 +162,7 @@ def _gpt(args):
 
 
 def _setup(name: str, args, topo) -> dict:
-    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from commopt.comm import compression as C
@@ -180,20 +179,25 @@ def _setup(name: str, args, topo) -> dict:
             if not topo.two_levels:
                 run["skip"] = "needs two levels of equal nodes"
                 return run
-            grid = torch.tensor([[topo.group_rank_to_global(r) for r in n] for n in topo.nodes])
-            mesh = DeviceMesh("cpu", grid, mesh_dim_names=("replicate", "shard"))
+            mesh = _node_mesh(topo)
             run["hsdp"] = True
         else:
             mesh = init_device_mesh("cpu", (topo.world_size,))
-        for block in model.blocks:
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
         from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 
         run["log"] = log = []
-        for m in [model, *model.blocks]:
-            m.set_custom_reduce_scatter(_Counted(DefaultReduceScatter(), log, "reduce_scatter"))
-            m.set_custom_all_gather(_Counted(DefaultAllGather(), log, "all_gather"))
+        _fully_shard(model, mesh, lambda: _Counted(DefaultReduceScatter(), log, "reduce_scatter"),
+                     lambda: _Counted(DefaultAllGather(), log, "all_gather"))
+        run["module"] = model
+    elif name in ("floor/fsdp", "floor/hsdp"):
+        # The simulator's floor of the sharded runs over WORLD ("floor/fsdp") or over this rank's node
+        # ("floor/hsdp"): FSDP2 with comms that move nothing but wait for their group (_OwnDataOnly),
+        # trained among the runs it is the floor of, so that it sees the same load of the shared
+        # machine. Measured once after training, it swung by 30 % between runs of the benchmark
+        # (251-366 ms), and the prediction of the ZeRO++ recipe, mostly compute, with it
+        # (docs/results.md 25).
+        mesh = _node_mesh(topo)["shard"] if name == "floor/hsdp" else init_device_mesh("cpu", (topo.world_size,))
+        _fully_shard(model, mesh, _OwnDataOnly, _OwnDataOnly)
         run["module"] = model
     elif name == "hierarchical":
         if not topo.is_uniform:
@@ -224,8 +228,29 @@ def _setup(name: str, args, topo) -> dict:
         run["comms"] = fsdp.shard_hsdp(model, comp, topology=topo)
         run["module"] = model
     run["opt"] = torch.optim.AdamW(run["module"].parameters(), lr=args.lr)
-    run.update(times=[], link=[], sent=[], wire=[], losses=[])
+    run.update(times=[], opt_times=[], link=[], sent=[], wire=[], losses=[])
     return run
+
+
+def _node_mesh(topo):
+    """The 2-D mesh of an HSDP run: replicate across nodes, shard inside each node."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    grid = torch.tensor([[topo.group_rank_to_global(r) for r in n] for n in topo.nodes])
+    return DeviceMesh("cpu", grid, mesh_dim_names=("replicate", "shard"))
+
+
+def _fully_shard(model: nn.Module, mesh, reduce_scatter, all_gather) -> None:
+    """FSDP2 per block and root on ``mesh``, each FSDP module with comms of its own
+    (``reduce_scatter()``, ``all_gather()``)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    for m in [model, *model.blocks]:
+        m.set_custom_reduce_scatter(reduce_scatter())
+        m.set_custom_all_gather(all_gather())
 
 
 def _step(run: dict, step: int, args, topo, timed: bool) -> None:
@@ -254,8 +279,7 @@ def _step(run: dict, step: int, args, topo, timed: bool) -> None:
     if not timed:
         return
     run["times"].append(elapsed)
-    if "opt_times" in run:
-        run["opt_times"].append(t2 - t1)
+    run["opt_times"].append(t2 - t1)
     run["wire"].append(wire_bytes() - wire if topo.link_rate_bps else 0)
     run["sent"].append(sum(engine.bytes_sent().values()) - before)
     if run["comms"] is not None:
@@ -296,9 +320,9 @@ def _rank_body(args) -> int:
     topo = topology_of(args)
     runs = [_setup(name, args, topo) for name in args.runs.split(",")]
     active = [r for r in runs if not r["skip"]]
-    # The simulator's floors of the sharded runs train among them (_floor_run).
-    kinds = (["fsdp"] if topo.world_size > 1 else []) + (["hsdp"] if topo.two_levels else [])
-    floors = [_floor_run(kind, args, topo) for kind in kinds] if args.predict else []
+    # The simulator's floors of the sharded runs train among them (see _setup).
+    kinds = (["floor/fsdp"] if topo.world_size > 1 else []) + (["floor/hsdp"] if topo.two_levels else [])
+    floors = [_setup(kind, args, topo) for kind in kinds] if args.predict else []
     total = args.warmup + args.steps
     bar = progress(total, f"training {len(active)} runs", rank=dist.get_rank(), unit="step")
     for step in range(total):
@@ -311,7 +335,7 @@ def _rank_body(args) -> int:
     if args.profile:
         _profile(active, args, topo)
     measured = {r["run"]: r["step_ms"] / 1e3 for r in results if "step_ms" in r}
-    sharded = {run["floor"]: _floor(run, args) for run in floors}
+    sharded = {run["name"].split("/")[1]: _floor(run, args) for run in floors}
     predicted, inputs = _predict(args, topo, measured, sharded) if args.predict else ({}, {})
     for r in results:
         if r["run"] in predicted:
@@ -359,7 +383,7 @@ def _predict(args, topo, measured: dict[str, float],
     (``cost.calibrate``: the node link as gloo drives it), each FSDP unit's share of forward and
     backward (``layers_from_model`` grouped by block, the root's layers as the first unit), scaled
     to the run's floor (DDP: the measured ``compute`` run; sharded runs: FSDP2 itself with comms
-    that move nothing but synchronise, :func:`_floor_run`), the optimizer's step, and the block
+    that move nothing but synchronise, trained among the runs), the optimizer's step, and the block
     codec's encode + decode per byte (the weights': int8; the gradients': the run's own bits, with
     its error feedback; PowerSGD: its three products). Collective; rank 0's numbers."""
     from commopt.bench.models import synthetic_tokens
@@ -562,35 +586,6 @@ class _MarkedWork(dist.Work):
         return True
 
 
-def _floor_run(kind: str, args, topo) -> dict:
-    """The floor of the sharded runs of ``kind`` as a run of its own, trained interleaved with them
-    (so that it sees the same load of the shared machine): the GPT under FSDP2 per block and root,
-    sharded over WORLD (``"fsdp"``) or over this rank's node (``"hsdp"``), with comms that move
-    nothing but wait for their group (:class:`_OwnDataOnly`). Measured after training, once, it
-    swung by 30 % between runs of the benchmark (266-366 ms), and the simulator's prediction of the
-    ZeRO++ recipe, mostly compute, with it (docs/results.md 25)."""
-    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-    from torch.distributed.fsdp import FSDPModule, fully_shard
-
-    if kind == "hsdp":
-        grid = torch.tensor([[topo.group_rank_to_global(r) for r in n] for n in topo.nodes])
-        mesh = DeviceMesh("cpu", grid, mesh_dim_names=("replicate", "shard"))["shard"]
-    else:
-        mesh = init_device_mesh("cpu", (topo.world_size,))
-    model = _gpt(args)
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    for m in model.modules():
-        if isinstance(m, FSDPModule):
-            m.set_custom_reduce_scatter(_OwnDataOnly())
-            m.set_custom_all_gather(_OwnDataOnly())
-    run = {"name": f"floor/{kind}", "comms": None, "log": None, "hsdp": False, "skip": None, "floor": kind,
-           "module": model, "opt": torch.optim.AdamW(model.parameters(), lr=args.lr)}
-    run.update(times=[], opt_times=[], link=[], sent=[], wire=[], losses=[])
-    return run
-
-
 def _floor(run: dict, args) -> tuple[float, float, float]:
     """(step, optimizer step, prefetch gap) seconds of a floor run after training: the slowest
     rank's medians, and :func:`_prefetch_gap` on its model. Collective."""
@@ -606,15 +601,12 @@ def _prefetch_gap(model: nn.Module, args) -> float:
     link idles (``ShardedPlan.prefetch_issue_seconds``). The median over three steps' gaps (a
     step's longest, forward's last block to backward's first, holds compute and is no gap); the
     slowest rank's."""
-    from torch.distributed.fsdp import FSDPModule
-
     from commopt.bench.models import synthetic_tokens
     from commopt.comm.fsdp.register import _prefetch
 
     marks: list = []
-    for m in model.modules():
-        if isinstance(m, FSDPModule):
-            m.set_custom_all_gather(_OwnDataOnly(marks))
+    for m in [model, *model.blocks]:
+        m.set_custom_all_gather(_OwnDataOnly(marks))
     _prefetch(model, list(model.blocks))
     gaps = []
     for i in range(3):
