@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 from commopt.comm import algorithms
+from commopt.comm.algorithms._transport import all_gather_single, reduce_scatter_single
 
 from ._launch import launch, topology_of
 from ._progress import progress
@@ -158,7 +159,7 @@ def _make_call(op: str, algo: str, count: int, dtype, redop, topo, validate: boo
 
         def call():
             if algo == "torch":
-                dist.reduce_scatter_tensor(out, src, redop)
+                reduce_scatter_single(out, src, redop)
             else:
                 reduce_scatter(out, src, redop, topology=topo, algorithm=algo, validate=validate, timeout=timeout)
     elif op == "all_gather":
@@ -167,7 +168,7 @@ def _make_call(op: str, algo: str, count: int, dtype, redop, topo, validate: boo
 
         def call():
             if algo == "torch":
-                dist.all_gather_into_tensor(out, src)
+                all_gather_single(out, src)
             else:
                 all_gather(out, src, topology=topo, algorithm=algo, validate=validate, timeout=timeout)
     else:

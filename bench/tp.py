@@ -35,9 +35,11 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from commopt.schedules.tensor_parallel import chunks_for
+from commopt.comm.algorithms._transport import all_gather_single, reduce_scatter_single
+from commopt.schedules.tensor_parallel import choices, chunks_for
 
 from ._launch import launch
+from ._memory import PeakMemory, peak_kind
 from ._progress import progress
 
 __all__ = ["main", "Block", "plan"]
@@ -109,9 +111,9 @@ def _timed(fn: Callable[[], object]) -> float:
     return float(t)
 
 
-def _block_cases(args, rank: int, world: int) -> dict[str, tuple[Callable[[], object], str]]:
-    """name -> (one forward + backward, its group: "block"); the compute- and communication-alone
-    references included."""
+def _block_cases(args, rank: int, world: int) -> tuple[dict[str, tuple[Callable[[], object], str]], dict]:
+    """name -> (one forward + backward, its group: "block"), the compute- and communication-alone
+    references included; and what each Linear of the default styles chose (``choices``)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
@@ -120,17 +122,23 @@ def _block_cases(args, rank: int, world: int) -> dict[str, tuple[Callable[[], ob
     d, h, f, s, b = args.d_model, args.heads, args.ffn, args.seq_len, args.batch
     hd = d // h
     mesh = init_device_mesh("cpu", (world,))
+    ring = (functools.partial(tp.ColwiseParallel, algorithm="ring"),
+            functools.partial(tp.RowwiseParallel, algorithm="ring"), tp.SequenceParallel)
     models = {"torch plan": parallelize_module(Block(d, h, hd, f), mesh, plan(ColwiseParallel, RowwiseParallel,
                                                                              SequenceParallel)),
+              # algorithm="auto" (the default): each Linear's ring only where it predicts faster
               "commopt styles": parallelize_module(Block(d, h, hd, f), mesh, plan(tp.ColwiseParallel,
                                                                                  tp.RowwiseParallel,
-                                                                                 tp.SequenceParallel))}
+                                                                                 tp.SequenceParallel)),
+              "commopt ring": parallelize_module(Block(d, h, hd, f), mesh, plan(*ring))}
     local = Block(d, h // world, hd, f // world)  # this rank's compute, no communication
     gen = torch.Generator().manual_seed(rank)
     x_shard = torch.randn(b, s // world, d, generator=gen)
-    ref, got = (m(x_shard) for m in models.values())  # the same block: the styles must agree with torch's
-    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4,
-                               msg=lambda m: f"commopt's styles differ from torch's: {m}")
+    ref, *got = (m(x_shard) for m in models.values())  # the same block: the styles must agree with torch's
+    for out in got:
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4,
+                                   msg=lambda m: f"commopt's styles differ from torch's: {m}")
+    chosen = choices(models["commopt styles"])  # what each Linear of the default styles runs
     x_full = torch.randn(b, s, d, generator=gen)
     full, shard = torch.empty(b * s * d), torch.empty(b * s * d // world)
 
@@ -139,13 +147,13 @@ def _block_cases(args, rank: int, world: int) -> dict[str, tuple[Callable[[], ob
 
     def comm() -> None:  # 2 all-gathers and 2 reduce-scatters of the activations, forward and backward
         for _ in range(4):
-            dist.all_gather_into_tensor(full, shard)
-            dist.reduce_scatter_tensor(shard, full)
+            all_gather_single(full, shard)
+            reduce_scatter_single(shard, full)
 
     cases = {name: (step(m, x_shard), "block") for name, m in models.items()}
     cases["compute alone"] = (step(local, x_full), "block")
     cases["communication alone"] = (comm, "block")
-    return cases
+    return cases, chosen
 
 
 def _attention_cases(args, rank: int, world: int) -> dict[str, tuple[Callable[[], object], str]]:
@@ -172,8 +180,8 @@ def _attention_cases(args, rank: int, world: int) -> dict[str, tuple[Callable[[]
     kv_full_buf, kv_shard = torch.empty(2 * k.numel() * world), torch.empty(2 * k.numel())
 
     def comm() -> None:  # K and V gathered forward, their gradients reduce-scattered backward
-        dist.all_gather_into_tensor(kv_full_buf, kv_shard)
-        dist.reduce_scatter_tensor(kv_shard, kv_full_buf)
+        all_gather_single(kv_full_buf, kv_shard)
+        reduce_scatter_single(kv_shard, kv_full_buf)
 
     variants = {"ring attention": functools.partial(cp.ring_attention, is_causal=causal),
                 "ring attention keep_kv": functools.partial(cp.ring_attention, is_causal=causal, keep_kv=True)}
@@ -200,7 +208,7 @@ class _Gather(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor) -> torch.Tensor:
         world = dist.get_world_size()
         out = x.new_empty((world * x.shape[0], *x.shape[1:]))
-        dist.all_gather_into_tensor(out, x.contiguous())
+        all_gather_single(out, x.contiguous())
         return torch.cat(out.view(world, *x.shape).unbind(0), dim=2)
 
     @staticmethod
@@ -208,7 +216,7 @@ class _Gather(torch.autograd.Function):
         world = dist.get_world_size()
         parts = torch.cat(g.chunk(world, dim=2), dim=0).contiguous()
         out = g.new_empty((parts.shape[0] // world, *parts.shape[1:]))
-        dist.reduce_scatter_tensor(out, parts)
+        reduce_scatter_single(out, parts)
         return out
 
 
@@ -229,13 +237,17 @@ def _body(args) -> int:
             if rank == 0:
                 print(f"commopt-bench tp: {what} {n} does not divide by the TP size {world}", file=sys.stderr)
             return 2
-    cases = {**_block_cases(args, rank, world), **_attention_cases(args, rank, world)}
+    block, chosen = _block_cases(args, rank, world)
+    cases = {**block, **_attention_cases(args, rank, world)}
     names = list(cases)
     times: dict[str, list[float]] = {n: [] for n in names}
+    memory = PeakMemory("cpu")
     bar = progress(args.warmup + args.iters, f"{len(names)} cases", rank=rank, unit="round")
     for it in range(args.warmup + args.iters):
         for name in names[it % len(names):] + names[: it % len(names)]:  # interleaved and rotated
+            memory.start()
             t = _timed(cases[name][0])
+            memory.stop(name)
             if it >= args.warmup:
                 times[name].append(t)
         bar.update()
@@ -245,7 +257,7 @@ def _body(args) -> int:
                         None, torch.device("cpu"))
     if rank == 0:
         _report(args, world, {n: statistics.median(v) for n, v in times.items()},
-                {n: c[1] for n, c in cases.items()}, chunks)
+                {n: c[1] for n, c in cases.items()}, chunks, memory, chosen)
     return 0
 
 
@@ -270,17 +282,23 @@ def _simulated(args, world: int, compute: float, comm: float, chunks: int) -> di
                                         decomposed=decomposed, activation_bytes=4, ffn=args.ffn,
                                         chunks=chunks).step
 
-    return {"torch plan": step(False), "commopt styles": step(True)}
+    return {"torch plan": step(False), "commopt ring": step(True)}
 
 
-def _report(args, world: int, med: dict[str, float], groups: dict[str, str], chunks: int) -> None:
+def _report(args, world: int, med: dict[str, float], groups: dict[str, str], chunks: int, memory: PeakMemory,
+            chosen: dict) -> None:
     rows = []
     print(f"# commopt-bench tp: block d={args.d_model} heads={args.heads} ffn={args.ffn} seq={args.seq_len} "
           f"batch={args.batch}, TP {world} (forward + backward, the slowest rank, median of {args.iters}, "
-          f"interleaved)")
-    print(f"{'variant':<22}{'step ms':>10}{'compute ms':>12}{'comm ms':>10}{'step/max':>10}{'exposed ms':>12}"
-          f"{'vs first':>10}{'sim ms':>9}{'sim/meas':>9}")
+          f"interleaved; peak memory: rank 0's {peak_kind('cpu')} during the step)")
+    ran = {name: "/".join(sorted(set(c.values()))) or "shared gather" for name, c in chosen.items()}
+    print("# commopt styles (algorithm='auto') ran: " + ", ".join(f"{n} {r}" for n, r in ran.items()))
+    print(f"{'variant':<24}{'step ms':>10}{'compute ms':>12}{'comm ms':>10}{'step/max':>10}{'exposed ms':>12}"
+          f"{'vs first':>10}{'sim ms':>9}{'sim/meas':>9}{'peak MiB':>10}")
     sim = _simulated(args, world, med["compute alone"], med["communication alone"], chunks)
+    paths = {p for c in chosen.values() for p in c.values()}
+    if sim and paths in ({"ring"}, {"torch"}):  # the default styles ran one path everywhere: its model
+        sim["commopt styles"] = sim["commopt ring" if paths == {"ring"} else "torch plan"]
     for group, compute, comm in (("block", "compute alone", "communication alone"),
                                  ("attention", "attention compute alone", "attention communication alone")):
         variants = [n for n, g in groups.items() if g == group and n not in (compute, comm)]
@@ -289,17 +307,17 @@ def _report(args, world: int, med: dict[str, float], groups: dict[str, str], chu
             step, c, m = med[name], med[compute], med[comm]
             row = {"variant": name, "group": group, "step_s": step, "compute_s": c, "comm_s": m,
                    "step_over_max": step / max(c, m), "exposed_s": max(step - c, 0.0), "speedup": first / step,
-                   "sim_s": sim.get(name)}
+                   "sim_s": sim.get(name), "peak_memory_bytes": memory.peak(name)}
             rows.append(row)
             predicted = (f"{row['sim_s'] * 1e3:>9.1f}{row['sim_s'] / step:>9.2f}" if row["sim_s"] is not None
                          else f"{'-':>9}{'-':>9}")
-            print(f"{name:<22}{step * 1e3:>10.1f}{c * 1e3:>12.1f}{m * 1e3:>10.1f}{row['step_over_max']:>10.2f}"
-                  f"{row['exposed_s'] * 1e3:>12.1f}{row['speedup']:>9.2f}x" + predicted)
+            print(f"{name:<24}{step * 1e3:>10.1f}{c * 1e3:>12.1f}{m * 1e3:>10.1f}{row['step_over_max']:>10.2f}"
+                  f"{row['exposed_s'] * 1e3:>12.1f}{row['speedup']:>9.2f}x" + predicted + f"{memory.mib(name):>10.1f}")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"kind": "tp", "world": world, "args": {k: v for k, v in vars(args).items()
                                                               if isinstance(v, (int, float, str, bool))},
-                       "results": rows}, fh, indent=1)
+                       "memory": peak_kind("cpu"), "choices": ran, "results": rows}, fh, indent=1)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -40,6 +40,7 @@ level model's 2-D/flat ratio and crossover for N nodes x L ranks), :func:`calibr
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -63,7 +64,7 @@ from .checks import (
 )
 from .dispatch import _deliver
 from .engine import wait_work
-from .errors import CollectiveMismatchError, TopologyError
+from .errors import CollectiveMismatchError, CommError, TopologyError
 from .runtime import context
 from .topology import Topology
 
@@ -413,25 +414,43 @@ class _AllToAll(torch.autograd.Function):
     gradient with the splits swapped (rank j's gradient rows for what rank i sent go back to i)."""
 
     @staticmethod
-    def forward(ctx, input, in_splits, out_splits, group, topology, algorithm, chunks, timeout):
-        out = all_to_all(None, input, in_splits=in_splits, out_splits=out_splits, group=group,
-                         topology=topology, algorithm=algorithm, chunks=chunks, timeout=timeout)
+    def forward(ctx, input, in_splits, out_splits, group, topology, algorithm, chunks, timeout, name):
+        with _named(name, "forward"):
+            out = all_to_all(None, input, in_splits=in_splits, out_splits=out_splits, group=group,
+                             topology=topology, algorithm=algorithm, chunks=chunks, timeout=timeout)
         ctx.splits = (in_splits, out_splits)
-        ctx.comm = (group, topology, algorithm, chunks, timeout)
+        ctx.comm = (group, topology, algorithm, chunks, timeout, name)
         return out
 
     @staticmethod
     def backward(ctx, grad):
         in_splits, out_splits = ctx.splits
-        group, topology, algorithm, chunks, timeout = ctx.comm
-        g = all_to_all(None, grad.contiguous(), in_splits=out_splits, out_splits=in_splits, group=group,
-                       topology=topology, algorithm=algorithm, chunks=chunks, timeout=timeout)
-        return g, None, None, None, None, None, None, None
+        group, topology, algorithm, chunks, timeout, name = ctx.comm
+        with _named(name, "backward"):
+            g = all_to_all(None, grad.contiguous(), in_splits=out_splits, out_splits=in_splits, group=group,
+                           topology=topology, algorithm=algorithm, chunks=chunks, timeout=timeout)
+        return g, None, None, None, None, None, None, None, None
+
+
+@contextlib.contextmanager
+def _named(name: str | None, direction: str):
+    """``CommError``s raised inside re-raised with the same type, sequence and ranks, their message
+    prefixed by the caller's ``name`` and the pass (``forward`` / ``backward``), so that an error names
+    the call the user made (``ulysses_attention``) rather than only the all-to-all inside it."""
+    if name is None:
+        yield
+        return
+    try:
+        yield
+    except CommError as exc:
+        raise type(exc)(f"{name} ({direction}): {exc.message}", op=f"{name.split(':')[0]}/{exc.op or _NAME}",
+                        seq=exc.seq, ranks=exc.ranks) from exc
 
 
 def all_to_all_autograd(input: torch.Tensor, in_splits: Splits = None, out_splits: Splits = None, *,
                         group: ProcessGroup | None = None, topology: Topology | None = None, algorithm: str = "auto",
-                        chunks: int | None = None, timeout: float | None = None) -> torch.Tensor:
+                        chunks: int | None = None, timeout: float | None = None,
+                        name: str | None = None) -> torch.Tensor:
     """A differentiable :func:`all_to_all` that allocates its output (for MoE dispatch and combine).
 
     The backward pass is the reverse all-to-all: splits swapped, same algorithm. When only
@@ -441,6 +460,8 @@ def all_to_all_autograd(input: torch.Tensor, in_splits: Splits = None, out_split
         input: rows to send (dim 0), any floating dtype for gradients.
         in_splits, out_splits: as in :func:`all_to_all`.
         group, topology, algorithm, chunks, timeout: as in :func:`all_to_all`.
+        name: the caller's operation (``"ulysses_attention: ..."``): errors of the exchange, forward
+            and backward, name it first.
 
     Returns:
         The received rows, ``sum(out_splits)`` of them.
@@ -459,7 +480,7 @@ def all_to_all_autograd(input: torch.Tensor, in_splits: Splits = None, out_split
         ins, problem = _even(input.shape[0] if input.dim() else 0, world, "input")
         if problem:
             raise ValueError(f"{_NAME}: {problem}")
-    return _AllToAll.apply(input, ins, outs, group, topology, algorithm, chunks, timeout)
+    return _AllToAll.apply(input, ins, outs, group, topology, algorithm, chunks, timeout, name)
 
 
 # --------------------------------------------------------------------------------- figures

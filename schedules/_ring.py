@@ -8,6 +8,7 @@ modules make at the call."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Callable, Iterator
 
@@ -22,7 +23,7 @@ from commopt.comm.errors import CommError
 from commopt.comm.runtime import context
 
 __all__ = ["step", "wait_step", "all_gather", "reduce_scatter", "resolve_link", "check_group", "group_size",
-           "signature", "check_float_tensor", "FLOATS"]
+           "signature", "check_float_tensor", "once_differentiable", "FLOATS"]
 
 FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
@@ -192,3 +193,29 @@ def check_float_tensor(name: str, what: str, t) -> None:
         raise TypeError(f"{name}: {what} is sparse; pass a dense tensor (.to_dense())")
     if t.dtype not in FLOATS:
         raise TypeError(f"{name}: {what} has dtype {t.dtype}; pass float32, float64, bfloat16 or float16")
+
+
+def once_differentiable(name: str) -> Callable[[Callable], Callable]:
+    """torch's ``once_differentiable`` for the backward of a ring, with a double backward refused by name.
+
+    A ring's backward is itself a ring of point-to-point steps that no autograd graph records, so its
+    gradients cannot be differentiated again. Under ``create_graph=True`` (grad mode on inside the
+    backward) it raises ``NotImplementedError`` naming ``name`` on every rank (each runs the same
+    backward), before anything moves, instead of torch's later "appears to not have been used in the
+    graph"."""
+    def wrap(backward: Callable) -> Callable:
+        inner = torch.autograd.function.once_differentiable(backward)
+
+        @functools.wraps(backward)
+        def call(ctx, *grads):
+            if torch.is_grad_enabled():
+                raise NotImplementedError(
+                    f"{name}: a double backward is not supported: this backward ran with create_graph=True (grad "
+                    f"mode on), but its gradient is a ring of point-to-point steps that autograd cannot "
+                    f"differentiate again. Compute higher-order gradients without {name} (torch's own collectives "
+                    f"or styles), or call backward without create_graph")
+            return inner(ctx, *grads)
+
+        return call
+
+    return wrap

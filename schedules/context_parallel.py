@@ -23,7 +23,7 @@ block of ``torch.nn.functional.scaled_dot_product_attention`` over the whole seq
   ``_ring`` (every chunk of key rows attended as it lands) and keeps every block, and the backward
   moves the partial sums only: the chunked reduce-scatter ring, each chunk's sum sent on while the
   next one's gradient is computed, the own block last, behind the sums coming home. The chunk count
-  is the tensor-parallel rings' (``tensor_parallel.chunks_for``, from the group's link).
+  is the tensor-parallel rings' (``_tp_choice.chunks_for``, from the group's link, or ``chunks``).
 - ``layout="zigzag"`` (causal load balancing): with the contiguous layout and ``is_causal`` rank
   P - 1 attends to P blocks and rank 0 to one. With the zig-zag layout the sequence is cut into 2P
   chunks and rank r holds chunks r and 2P - 1 - r (:func:`zigzag_shard` cuts a whole sequence so,
@@ -64,7 +64,6 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
 from torch.distributed import ProcessGroup
 
 from commopt.comm.algorithms import deadline_of
@@ -74,7 +73,7 @@ from commopt.comm.runtime import context
 from commopt.comm.topology import Topology
 
 from . import _ring
-from .tensor_parallel import chunks_for
+from ._tp_choice import check_chunks, chunks_for
 
 __all__ = ["ring_attention", "ulysses_attention", "zigzag_shard", "zigzag_unshard"]
 
@@ -88,7 +87,7 @@ _FLASH_CPU_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attenti
 # --------------------------------------------------------------------------------- public functions
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: ProcessGroup | None = None,
                    is_causal: bool = False, scale: float | None = None, layout: str = "contiguous",
-                   keep_kv: bool = False, timeout: float | None = None) -> torch.Tensor:
+                   keep_kv: bool = False, timeout: float | None = None, chunks: int | None = None) -> torch.Tensor:
     """This rank's block of ``scaled_dot_product_attention(Q, K, V, is_causal=, scale=)`` over the whole
     sequence, K/V blocks rotating around the group while the block held is attended (module docstring).
 
@@ -109,6 +108,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
             blocks. Must be the same on every rank.
         timeout: seconds the call may take, the agreement check and every rotation together, before
             ``CommTimeoutError`` (None: the group's own timeout); the backward pass gets as long.
+        chunks: with ``keep_kv``, the pieces of key rows each ring step is cut into (None: by the
+            group's link, as the tensor-parallel rings); the same on every rank.
 
     Returns:
         ``[..., S/P, Dv]``: this rank's block of the attention output, in the layout of ``q``.
@@ -135,14 +136,16 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
                          f"(zigzag_shard)")
     _ring.check_group(name, group)
     timeout = check_timeout(name, timeout)
+    chunks = check_chunks(name, chunks)
     size = _ring.group_size(name, group)
     if size == 1:
         return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale)
     deadline = deadline_of(timeout)
     _ring.resolve_link(name, group, timeout)  # the chunk count of keep_kv's rings reads the group's link
-    gate = _agree(name, "all_gather", "ring", q, k, v, (layout, bool(is_causal), scale, keep_kv), group, timeout,
-                  wait=False)
-    return _RingAttention.apply(q, k, v, bool(is_causal), scale, layout, group, timeout, deadline, gate, keep_kv)
+    gate = _agree(name, "all_gather", "ring", q, k, v, (layout, bool(is_causal), scale, keep_kv, chunks), group,
+                  timeout, wait=False)
+    return _RingAttention.apply(q, k, v, bool(is_causal), scale, layout, group, timeout, deadline, gate, keep_kv,
+                                chunks)
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: ProcessGroup | None = None,
@@ -236,28 +239,30 @@ def zigzag_unshard(x: torch.Tensor, dim: int = -2, *, group: ProcessGroup | None
 # --------------------------------------------------------------------------------- ring attention
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, layout, group, timeout, deadline, gate, keep_kv):
+    def forward(ctx, q, k, v, causal, scale, layout, group, timeout, deadline, gate, keep_kv, chunks):
         q4, k4, v4 = _as4(q), _as4(k), _as4(v)
         kept = None
         if keep_kv:
-            out, lse, kept = _gather_forward(q4, k4, v4, causal, scale, layout, group, timeout, deadline, gate)
+            out, lse, kept = _gather_forward(q4, k4, v4, causal, scale, layout, group, timeout, deadline, gate,
+                                             chunks)
         else:
             out, lse = _ring_forward(q4, k4, v4, causal, scale, layout, group, timeout, deadline, gate)
         ctx.save_for_backward(q4, k4, v4, out, lse)
         ctx.kept = kept  # every rank's K/V block (an intermediate of this call, freed with the graph)
         ctx.args = (causal, scale, layout, group, timeout)
+        ctx.chunks = chunks
         ctx.shapes = (q.shape, k.shape, v.shape)
         return out.reshape(tuple(q.shape[:-1]) + (v.shape[-1],))
 
     @staticmethod
-    @once_differentiable
+    @_ring.once_differentiable("ring_attention")
     def backward(ctx, g):
         q4, k4, v4, out, lse = ctx.saved_tensors
         causal, scale, layout, group, timeout = ctx.args
         g4 = g.reshape(out.shape)
         if ctx.kept is not None:
             dq, dk, dv = _ring_backward_kept(g4, q4, ctx.kept, k4, v4, out, lse, causal, scale, layout, group,
-                                             timeout, deadline_of(timeout))
+                                             timeout, deadline_of(timeout), ctx.chunks)
             ctx.kept = None
         else:
             dq, dk, dv = _ring_backward(g4, q4, k4, v4, out, lse, causal, scale, layout, group, timeout,
@@ -265,7 +270,7 @@ class _RingAttention(torch.autograd.Function):
         qs, ks, vs = ctx.shapes
         need = ctx.needs_input_grad
         return (dq.reshape(qs) if need[0] else None, dk.reshape(ks) if need[1] else None,
-                dv.reshape(vs) if need[2] else None, None, None, None, None, None, None, None, None)
+                dv.reshape(vs) if need[2] else None, None, None, None, None, None, None, None, None, None)
 
 
 def _block(layout: str, causal: bool, me: int, j: int, s: int) -> tuple[slice, slice, bool] | None:
@@ -380,12 +385,12 @@ def _ring_backward(g, q, k, v, out, lse, causal, scale, layout, group, timeout, 
     return dq.to(q.dtype), (spare.dk + own_dk).to(k.dtype), (spare.dv + own_dv).to(v.dtype)
 
 
-def _gather_forward(q, k, v, causal, scale, layout, group, timeout, deadline,
-                    gate: Callable[[], None] | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _gather_forward(q, k, v, causal, scale, layout, group, timeout, deadline, gate: Callable[[], None] | None,
+                    chunks: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The forward ring of ``keep_kv`` on ``[1, N, s, D]`` blocks: ``(output, log-sum-exp, blocks)``,
     ``blocks`` every rank's K/V as ``[P, s, N, D + Dv]`` (rank j's in slot j, sequence first, so that
     a chunk of key rows is contiguous). The chunked all-gather ring (``_ring.all_gather``, chunks by
-    ``tensor_parallel.chunks_for``) moves them while this rank attends to its own block, then to each
+    ``_tp_choice.chunks_for``) moves them while this rank attends to its own block, then to each
     chunk of key rows as it lands, merged by the online softmax."""
     op = "ring_attention"
     size, me = dist.get_world_size(group), dist.get_rank(group)
@@ -395,7 +400,7 @@ def _gather_forward(q, k, v, causal, scale, layout, group, timeout, deadline,
     blocks[me, ..., d:] = v[0].transpose(0, 1)
     out = q.new_zeros(tuple(q.shape[:-1]) + (v.shape[-1],), dtype=acc)
     lse = q.new_full(tuple(q.shape[:-1]), -math.inf, dtype=acc)
-    chunks = chunks_for(blocks[0].numel() * blocks.element_size(), s, group, q.device)
+    chunks = chunks_for(blocks[0].numel() * blocks.element_size(), s, group, q.device, chunks)
     for src, lo, hi in _ring.all_gather(op, blocks, chunks, group, timeout, deadline, gate):
         plan = _block(layout, causal, me, src, s)
         if plan is None or (src == me and lo > 0):
@@ -412,7 +417,8 @@ def _gather_forward(q, k, v, causal, scale, layout, group, timeout, deadline,
     return out.to(q.dtype), lse, blocks
 
 
-def _ring_backward_kept(g, q, blocks, k, v, out, lse, causal, scale, layout, group, timeout, deadline):
+def _ring_backward_kept(g, q, blocks, k, v, out, lse, causal, scale, layout, group, timeout, deadline,
+                        chunks: int | None = None):
     """The backward of ``keep_kv`` from the forward's ``blocks``: ``(dq, dk, dv)`` of this rank's blocks,
     with only the partial sums of dK and dV moving: the chunked reduce-scatter ring
     (``_ring.reduce_scatter``, P - 1 blocks of sums per rank, the all-gathered form's bytes). At step
@@ -447,7 +453,7 @@ def _ring_backward_kept(g, q, blocks, k, v, out, lse, causal, scale, layout, gro
                 part[a - lo:b - lo] = attended(c, rows, a, b, *_kv(blocks[c], a, b, d), False)
         return part
 
-    chunks = chunks_for(s * n * (d + dv_size) * dq.element_size(), s, group, q.device)
+    chunks = chunks_for(s * n * (d + dv_size) * dq.element_size(), s, group, q.device, chunks)
     sums = _ring.reduce_scatter(op, partial, lambda _c, lo, hi: (hi - lo, n, d + dv_size), group, timeout, deadline,
                                 dq, dim=0, extent=lambda _c: s, chunks=chunks)
     dk = sums[..., :d].transpose(0, 1).unsqueeze(0)
@@ -554,10 +560,12 @@ def _as4(x: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------------- Ulysses
 def _seq_to_heads(x: torch.Tensor, size: int, group, topology, algorithm: str, timeout) -> torch.Tensor:
     """``[..., H, s, D]`` sequence-sharded -> ``[..., H/P, P*s, D]`` head-sharded: head group j goes to
-    rank j (rows of the all-to-all), and what rank i sends is block i of the sequence."""
+    rank j (rows of the all-to-all), and what rank i sends is block i of the sequence. Its errors, and
+    its backward's, name ``ulysses_attention`` and the exchange."""
     *lead, h, s, d = x.shape
     send = x.reshape(*lead, size, h // size, s, d).movedim(-4, 0).contiguous()
-    got = all_to_all_autograd(send, group=group, topology=topology, algorithm=algorithm, timeout=timeout)
+    got = all_to_all_autograd(send, group=group, topology=topology, algorithm=algorithm, timeout=timeout,
+                              name="ulysses_attention: the all-to-all of q, k and v from sequence to heads")
     return got.movedim(0, -3).reshape(*lead, h // size, size * s, d)
 
 
@@ -566,7 +574,8 @@ def _heads_to_seq(x: torch.Tensor, size: int, group, topology, algorithm: str, t
     *lead, hp, n, d = x.shape
     s = n // size
     send = x.reshape(*lead, hp, size, s, d).movedim(-3, 0).contiguous()
-    got = all_to_all_autograd(send, group=group, topology=topology, algorithm=algorithm, timeout=timeout)
+    got = all_to_all_autograd(send, group=group, topology=topology, algorithm=algorithm, timeout=timeout,
+                              name="ulysses_attention: the all-to-all of the output from heads to sequence")
     return got.movedim(0, -4).reshape(*lead, size * hp, s, d)
 
 

@@ -38,9 +38,9 @@ from torch import nn
 from commopt.comm import algorithms, cost
 from commopt.comm.topology import Topology
 
+from ._tp_choice import chunk_count, ring_seconds
 from .plan import BucketPlan, build_buckets, partition
 from .priority import fifo_plan, priority_plan, shape_priority, simulate_issue
-from .tensor_parallel import chunk_count
 
 __all__ = ["Layer", "Schedule", "SimResult", "simulate", "transformer_layers", "layers_from_model",
            "TRANSFORMERS", "traffic_matrix", "iteration_traffic", "SCHEDULES", "link_service", "ShardedPlan",
@@ -671,20 +671,7 @@ def simulate_tensor_parallel(config: TransformerConfig | str, *, tp: int, tokens
         hop = link.time(act / tp / n)  # one chunk across the link
 
         def ring(matmul: float, meanwhile: float = 0.0) -> float:
-            piece = matmul / tp / n
-            arrived: dict[tuple[int, int], float] = {}
-            free = 0.0
-            for k in range(tp - 1):  # step k forwards block me - k, chunk by chunk, back to back
-                for j in range(n):
-                    free = max(free, arrived.get((k - 1, j), 0.0)) + hop
-                    arrived[k, j] = free
-            t = 0.0
-            for k in range(tp):
-                if k == tp - 1:
-                    t += meanwhile  # local work run as the last step begins (the weight gradient)
-                for j in range(n):
-                    t = max(t, arrived.get((k - 1, j), 0.0)) + piece
-            return t
+            return ring_seconds(matmul, hop, tp, n, meanwhile)
 
         # Forward, then backward: the input gradients of QKV and FC1 are reduce-scatter rings that
         # compute their weight gradients behind their last transfers; OUT's and FC2's weight

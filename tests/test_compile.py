@@ -319,6 +319,8 @@ def _tp_case(rank: int) -> dict:
     """torch's styles and commopt's in one plan, each parallelized then compiled ("after") and
     compiled in place (``block.compile()``) then parallelized ("before"); commopt's also eagerly and
     with ``fullgraph=True``. Every comparison runs here (``close_to``); the failures come back as text."""
+    from functools import partial
+
     import torch
     import torch.distributed.tensor.parallel as torch_tp
     from _oracle import close_to
@@ -331,8 +333,11 @@ def _tp_case(rank: int) -> dict:
     _setup()
     mesh = init_device_mesh("cpu", (2,))
     engine = context().engine()
+    # commopt's rings forced (algorithm="ring"): the choice between them and torch's collective is
+    # tests/test_tp_choice.py's.
     styles = {"torch": (torch_tp.ColwiseParallel, torch_tp.RowwiseParallel, torch_tp.SequenceParallel),
-              "commopt": (ColwiseParallel, RowwiseParallel, SequenceParallel)}
+              "commopt": (partial(ColwiseParallel, algorithm="ring"), partial(RowwiseParallel, algorithm="ring"),
+                          SequenceParallel)}
     inputs = [torch.randn(2, 4, _TP_DIM, generator=torch.Generator().manual_seed(200 + s)).chunk(2, dim=1)[rank]
               for s in range(_TP_STEPS)]
 

@@ -150,10 +150,12 @@ def test_plot_command(collectives_run, ddp_run, tmp_path, capsys):
 
 
 def test_bench_tp_quick_and_its_plot(tmp_path):
-    """``commopt-bench tp --quick`` on 2 spawned ranks: the block (torch's plan, commopt's styles, which the
-    benchmark itself checks equal torch's output) and attention (all-gathered, ring, Ulysses) each with
-    their compute-alone and communication-alone references; each row's derived columns follow from its
-    own times; the plot draws the JSON's steps and references."""
+    """``commopt-bench tp --quick`` on 2 spawned ranks: the block (torch's plan, commopt's styles as they
+    choose and with the ring forced, which the benchmark itself checks equal torch's output) and
+    attention (all-gathered, ring, Ulysses) each with their compute-alone and communication-alone
+    references; each row's derived columns follow from its own times, and each has its peak memory
+    (issue 38 item 7); the JSON says what the default styles ran; the plot draws the JSON's steps and
+    references."""
     path = tmp_path / "tp.json"
     res = subprocess.run([sys.executable, "-m", "commopt.bench", "tp", "--spawn", "2", "--quick", "--json", str(path)],
                          capture_output=True, text=True, timeout=_TIMEOUT)
@@ -161,18 +163,26 @@ def test_bench_tp_quick_and_its_plot(tmp_path):
     data = json.loads(path.read_text())
     assert data["kind"] == "tp" and data["world"] == 2
     rows = {r["variant"]: r for r in data["results"]}
-    assert list(rows) == ["torch plan", "commopt styles", "attention gathered", "ring attention",
+    assert list(rows) == ["torch plan", "commopt styles", "commopt ring", "attention gathered", "ring attention",
                           "ring attention keep_kv", "ulysses attention"]
+    assert data["memory"] in ("rss", "rss, lifetime")
+    assert set(data["choices"]) == {"qkv", "out", "fc1", "fc2"}
+    assert all(set(c.split("/")) <= {"ring", "torch"} for c in data["choices"].values()), data["choices"]
     for r in rows.values():
         assert r["step_s"] > 0 and r["compute_s"] > 0 and r["comm_s"] > 0
+        assert r["peak_memory_bytes"] > 2**20, r  # the process's resident set: torch alone is larger
         assert r["step_over_max"] == pytest.approx(r["step_s"] / max(r["compute_s"], r["comm_s"]))
         assert r["exposed_s"] == pytest.approx(max(r["step_s"] - r["compute_s"], 0.0))
     assert rows["torch plan"]["speedup"] == 1.0 and rows["attention gathered"]["speedup"] == 1.0
     # The simulator's step for the block's two plans, fitted to this run's compute and communication
     # alone: unfused is their sum, decomposed no more than that and no less than the larger.
-    torch_plan, styles = rows["torch plan"], rows["commopt styles"]
+    # The default styles' row takes the model of the path they ran (both where the Linears differ: none).
+    torch_plan, ring = rows["torch plan"], rows["commopt ring"]
     assert torch_plan["sim_s"] == pytest.approx(torch_plan["compute_s"] + torch_plan["comm_s"], rel=1e-6)
-    assert max(styles["compute_s"], styles["comm_s"]) * (1 - 1e-6) <= styles["sim_s"] <= torch_plan["sim_s"]
+    assert max(ring["compute_s"], ring["comm_s"]) * (1 - 1e-6) <= ring["sim_s"] <= torch_plan["sim_s"]
+    paths = set("/".join(data["choices"].values()).split("/"))
+    expected = {frozenset({"ring"}): ring["sim_s"], frozenset({"torch"}): torch_plan["sim_s"]}.get(frozenset(paths))
+    assert rows["commopt styles"]["sim_s"] == expected
     assert all(rows[v]["sim_s"] is None for v in ("attention gathered", "ring attention", "ring attention keep_kv",
                                                   "ulysses attention"))
     assert "commopt styles" in res.stdout and "ring attention" in res.stdout

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import time
 from datetime import timedelta
+from functools import partial
 
 import pytest
 import torch
@@ -44,7 +45,6 @@ from commopt.schedules import (
     matmul_all_reduce,
     matmul_reduce_scatter,
 )
-from commopt.schedules import tensor_parallel as tp_module
 
 T = 60.0  # the calls' timeout where nothing is meant to time out
 ABSENT = 2.0  # the timeout of a call a peer never enters (row 39)
@@ -62,7 +62,7 @@ def _oracle_dtype(dtype: torch.dtype) -> torch.dtype:
 
 # --------------------------------------------------------------------------------- the cases
 def _case_all_gather_matmul(seed: int, dtype: torch.dtype, shard_shape: tuple, dim: int, widths: list[int],
-                            return_a: bool, skip_last: bool, group, timeout) -> None:
+                            return_a: bool, skip_last: bool, group, timeout, chunks: int | None = None) -> None:
     """``all_gather_matmul`` against ``dist.all_gather`` + ``torch.matmul``; gradients against local
     autograd on the gathered A, reduce-scattered with ``dist.all_reduce`` (SUM) and a slice."""
     world, me = dist.get_world_size(group), dist.get_rank(group)
@@ -72,7 +72,7 @@ def _case_all_gather_matmul(seed: int, dtype: torch.dtype, shard_shape: tuple, d
     bs = [_rand((k, n), dtype, seed * 100 + 50 + 10 * i + me, 1 / math.sqrt(k)).requires_grad_()
           for i, n in enumerate(widths)]
     before, before_bw = sent_bytes("all_gather_matmul"), sent_bytes("all_gather_matmul/backward")
-    res = all_gather_matmul(a, bs, gather_dim=dim, group=group, return_a=return_a, timeout=timeout)
+    res = all_gather_matmul(a, bs, gather_dim=dim, group=group, return_a=return_a, timeout=timeout, chunks=chunks)
     gathered, outs = res if return_a else (None, res)
     assert isinstance(outs, list) and len(outs) == len(bs), what
     sent = sent_bytes("all_gather_matmul") - before
@@ -108,7 +108,7 @@ def _case_all_gather_matmul(seed: int, dtype: torch.dtype, shard_shape: tuple, d
 
 
 def _case_matmul_reduce_scatter(seed: int, dtype: torch.dtype, lead: tuple, k: int, n: int, dim: int, op,
-                                group, timeout) -> None:
+                                group, timeout, chunks: int | None = None) -> None:
     """``matmul_reduce_scatter`` against ``dist.all_reduce`` of ``a @ b`` and a slice; gradients
     against local autograd on ``a @ b`` fed the ``dist.all_gather``-ed gradient. The contraction size
     differs between ranks (``k + rank``), as a row-parallel shard of an uneven weight does."""
@@ -118,7 +118,7 @@ def _case_matmul_reduce_scatter(seed: int, dtype: torch.dtype, lead: tuple, k: i
     a = _rand(lead + (kr,), dtype, seed * 100 + me).requires_grad_()
     b = _rand((kr, n), dtype, seed * 100 + 50 + me, 1 / math.sqrt(kr)).requires_grad_()
     before, before_bw = sent_bytes("matmul_reduce_scatter"), sent_bytes("matmul_reduce_scatter/backward")
-    out = matmul_reduce_scatter(a, b, scatter_dim=dim, group=group, op=op, timeout=timeout)
+    out = matmul_reduce_scatter(a, b, scatter_dim=dim, group=group, op=op, timeout=timeout, chunks=chunks)
     assert sent_bytes("matmul_reduce_scatter") - before == (world - 1) * out.numel() * out.element_size(), what
     g = _rand(out.shape, dtype, seed * 100 + 80 + me)
     out.backward(g)
@@ -143,7 +143,8 @@ def _case_matmul_reduce_scatter(seed: int, dtype: torch.dtype, lead: tuple, k: i
     close_to(b.grad, b_o.grad, dtype, world, f"{what} b.grad")
 
 
-def _case_matmul_all_reduce(seed: int, dtype: torch.dtype, lead: tuple, k: int, n: int, group, timeout) -> None:
+def _case_matmul_all_reduce(seed: int, dtype: torch.dtype, lead: tuple, k: int, n: int, group, timeout,
+                            chunks: int | None = None) -> None:
     """``matmul_all_reduce`` against ``dist.all_reduce(a @ b)``, and against the whole unsharded
     ``A @ B`` (A the ranks' ``a`` concatenated on the last dimension, B their ``b`` on the first) with
     a replicated upstream gradient: each rank's ``a.grad`` / ``b.grad`` must be its slice of the
@@ -157,7 +158,7 @@ def _case_matmul_all_reduce(seed: int, dtype: torch.dtype, lead: tuple, k: int, 
                 _rand((kr, n), dtype, seed * 100 + 50 + r, 1 / math.sqrt(kr)))
 
     a, b = (t.requires_grad_() for t in inputs(me))
-    out = matmul_all_reduce(a, b, group=group, timeout=timeout)
+    out = matmul_all_reduce(a, b, group=group, timeout=timeout, chunks=chunks)
     g = _rand(out.shape, dtype, seed * 100 + 99)  # the same on every rank: the output is replicated
     out.backward(g)
 
@@ -207,17 +208,13 @@ def _matrix(groups: bool) -> int:
             seed += 1
             _case_matmul_all_reduce(seed, dtype, lead, 6, 5, None, T)
             checked += 1
-    # The rings cut into chunks (one per row or position, up to MAX_CHUNKS; matmul_all_reduce's row
-    # blocks of unequal lengths at 4 ranks), both directions of each, against the same oracle.
-    saved = tp_module.MIN_CHUNK_SECONDS
-    tp_module.MIN_CHUNK_SECONDS = {"cpu": 1e-12}
-    try:
-        _case_all_gather_matmul(80, torch.float32, (2, 3, 8), 1, [6, 4 + dist.get_rank()], True, False, None, T)
-        _case_matmul_reduce_scatter(81, torch.float32, (world, 2 * world), 6, 5, 1, ReduceOp.AVG, None, T)
-        _case_matmul_all_reduce(82, torch.float32, (2, 3), 6, 5, None, T)
-        checked += 3
-    finally:
-        tp_module.MIN_CHUNK_SECONDS = saved
+    # The rings cut into chunks (``chunks`` above the rows: one per row or position; matmul_all_reduce's
+    # row blocks of unequal lengths at 4 ranks), both directions of each, against the same oracle.
+    _case_all_gather_matmul(80, torch.float32, (2, 3, 8), 1, [6, 4 + dist.get_rank()], True, False, None, T,
+                            chunks=64)
+    _case_matmul_reduce_scatter(81, torch.float32, (world, 2 * world), 6, 5, 1, ReduceOp.AVG, None, T, chunks=64)
+    _case_matmul_all_reduce(82, torch.float32, (2, 3), 6, 5, None, T, chunks=3)
+    checked += 3
     if groups:
         tp = [dist.new_group(members, timeout=timedelta(seconds=T)) for members in ([0, 1], [2, 3])]
         mine = tp[dist.get_rank() // 2]
@@ -526,6 +523,12 @@ def _llama_plan(col, row, seq, fused: bool) -> dict:
 _TORCH = (TorchColwise, TorchRowwise, TorchSequence)
 
 
+# commopt's styles with the ring forced: these tests check the rings against torch's styles (the choice
+# between them, algorithm="auto", is tested on its own).
+_RING_STYLES = (partial(ColwiseParallel, algorithm="ring"), partial(RowwiseParallel, algorithm="ring"),
+                SequenceParallel)
+
+
 def _ring_bytes() -> dict[str, int]:
     sent = context().engine().bytes_sent()
     return {op: sent.get(op, 0) for op in ("all_gather_matmul", "all_gather_matmul/backward", "matmul_reduce_scatter",
@@ -585,7 +588,7 @@ def _styles_matrix(tp: int) -> list[str]:
 
 def _styles_cases(mesh) -> list[str]:
     world, me = mesh.size(), mesh.get_local_rank()
-    ours, theirs = (ColwiseParallel, RowwiseParallel, SequenceParallel), _TORCH
+    ours, theirs = _RING_STYLES, _TORCH
     done = []
     batch, seq, dim = 2, 2 * world, 24
     x_full = _rand((batch, seq, dim), torch.float32, 300)
@@ -745,7 +748,7 @@ def _two_d(steps: int) -> list[str]:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     tp, dp = mesh["tp"], mesh["dp"]
     dp_rank, tp_rank = dp.get_local_rank(), tp.get_local_rank()
-    ours = (ColwiseParallel, RowwiseParallel, SequenceParallel)
+    ours = _RING_STYLES
     runs = {}
     try:
         for name, styles, fused in (("torch", _TORCH, False), ("commopt", ours, False), ("commopt fused", ours, True)):

@@ -117,7 +117,8 @@ class Parallelize:
             docstring). Off by default: it replaces torchtitan's TP forward (the exact same math,
             its fp32 sums in ring order), needs the ``partial_dtensor`` backend, which is not
             torchtitan 0.3.0's default, and leaves configurations that worked before unchanged. A
-            no-op at TP degree 1.
+            no-op at TP degree 1. True or ``"auto"``: each Linear runs the ring only where it predicts
+            faster than torch's collective (the styles' ``algorithm="auto"``); ``"ring"``: always.
 
     Attributes:
         comms: the :class:`~commopt.comm.fsdp.Comms` registered by each call, in call order (one per
@@ -140,14 +141,14 @@ class Parallelize:
 
     def __init__(self, parallelize_fn: Callable[..., nn.Module], *, comms: str = "exact",
                  topology: str | Topology | None = None, algorithm: str | None = None, error_feedback: bool = True,
-                 timeout: float | None = None, tensor_parallel: bool = False):
+                 timeout: float | None = None, tensor_parallel: bool | str = False):
         if not callable(parallelize_fn):
             raise TypeError(f"torchtitan.parallelize: parallelize_fn must be torchtitan's parallelize function "
                             f"(e.g. config.model_spec.parallelize_fn), got {type(parallelize_fn).__name__}")
         if comms not in COMMS:
             raise ValueError(f"torchtitan.parallelize: comms must be one of {COMMS}, got {comms!r}")
-        if not isinstance(tensor_parallel, bool):
-            raise TypeError(f"torchtitan.parallelize: tensor_parallel must be True or False, got "
+        if not isinstance(tensor_parallel, bool) and tensor_parallel not in ("auto", "ring"):
+            raise TypeError(f"torchtitan.parallelize: tensor_parallel must be True, False, 'auto' or 'ring', got "
                             f"{type(tensor_parallel).__name__} {tensor_parallel!r}")
         if comms is None and not tensor_parallel:
             raise ValueError("torchtitan.parallelize: comms=None (FSDP2's own collectives) with tensor_parallel=False "
@@ -169,7 +170,8 @@ class Parallelize:
         functools.update_wrapper(self, parallelize_fn, updated=())
 
     def __call__(self, model: nn.Module, **kwargs) -> nn.Module:
-        plan = _substitute_tp(model, kwargs) if self.tensor_parallel else {}
+        algorithm = "auto" if self.tensor_parallel is True else self.tensor_parallel
+        plan = _substitute_tp(model, kwargs, algorithm) if self.tensor_parallel else {}
         model = self.parallelize_fn(model, **kwargs)
         self.tp_plans.append(plan)
         if self.comms_kind is not None:
@@ -221,7 +223,7 @@ def parallelize(parallelize_fn: Callable[..., nn.Module], *, comms: str = "exact
 _WHERE = "torchtitan.parallelize(tensor_parallel=True)"
 
 
-def _substitute_tp(model: nn.Module, kwargs: dict) -> dict[str, str]:
+def _substitute_tp(model: nn.Module, kwargs: dict, algorithm: str = "auto") -> dict[str, str]:
     """Give ``model``'s column- and row-parallel Linears commopt's styles on the TP mesh, before
     torchtitan's parallelize function applies the rest of its plan (module docstring); the plan."""
     dims = kwargs.get("parallel_dims")
@@ -263,10 +265,10 @@ def _substitute_tp(model: nn.Module, kwargs: dict) -> dict[str, str]:
         bias = placement(states.get("bias")) if module.bias is not None else None
         if (weight == Shard(0) and _is_last_shard(out_src, 3) and cfg.out_dst_shardings is None
                 and bias in (None, Shard(0))):
-            style = ColwiseParallel(use_local_output=False)  # output Shard(-1), a DTensor: torchtitan's
+            style = ColwiseParallel(use_local_output=False, algorithm=algorithm)  # output Shard(-1), a DTensor
         elif (weight == Shard(1) and isinstance(out_src, Partial) and out_dst in (Shard(1), Replicate())
               and bias in (None, Replicate())):
-            style = RowwiseParallel(output_layouts=out_dst, use_local_output=False)
+            style = RowwiseParallel(output_layouts=out_dst, use_local_output=False, algorithm=algorithm)
         else:
             continue
         parallelize_module(module, mesh, style)
