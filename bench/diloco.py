@@ -11,9 +11,13 @@ measured (the interface counters inside the emulated cluster; elsewhere the engi
 rank sent) and as the algorithms' traffic model counts them (DDP: a ring over every rank; DiLoCo:
 ``DiLoCo.outer_bytes``, the rail reduction's encoded bytes). The targets are read on the model's
 bytes: the counters see a streamed reduction's bytes in whichever run's step they cross the link
-during, the model charges them to the run that sent them. Also printed: the final training loss (mean
-of the last 5 steps over the ranks) and the held-out loss of the final weights on batches no run
-trained on. The setting these methods were made for::
+during, the model charges them to the run that sent them. Beside the step time, each run's peak memory
+(the largest over its steps and the ranks: ``_memory.PeakMemory``), which DiLoCo's backups and outer
+state raise. Also printed: the final training loss (mean of the last 5 steps over the ranks, the
+workers' local weights) and the held-out loss on batches no run trained on, of the model each run would
+save: DDP's final weights; DiLoCo's global model after ``DiLoCo.finalize()`` (the reductions in flight
+applied and a last sync of every fragment, so every rank holds the global weights); torchft's model
+after its last sync. The setting these methods were made for::
 
     commopt-bench cluster --nodes 2 --ranks-per-node 2 --link-rate 200mbit -- commopt-bench diloco
 
@@ -47,6 +51,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from commopt.comm import algorithms
 
 from ._launch import launch, topology_of
+from ._memory import PeakMemory, peak_kind
 from ._progress import interleaved
 from .cluster.host import wire_bytes
 
@@ -232,12 +237,13 @@ def _bytes(topo) -> int:
     return sum(context().engine().bytes_sent().values())
 
 
-def _step(run: dict, step: int, args, topo) -> None:
+def _step(run: dict, step: int, args, topo, memory: PeakMemory) -> None:
     from commopt.bench.models import synthetic_tokens
 
     data = synthetic_tokens(args.batch, args.seq_len, _VOCAB, seed=10_000 * step + dist.get_rank())
     dist.barrier()
     before = _bytes(topo)
+    memory.start()
     t0 = time.perf_counter()
     run["opt"].zero_grad(set_to_none=True)
     logits = run["wrapped"](data[:, :-1])
@@ -253,6 +259,7 @@ def _step(run: dict, step: int, args, topo) -> None:
         synced = any(t % h == o % h or t % h == (o + diloco.delay) % h for o in diloco.offsets)
         diloco.step()
     elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    memory.stop(run["name"])
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the step is as slow as its slowest rank
     run["times"].append(float(elapsed))
     run["synced"].append(synced)
@@ -264,11 +271,13 @@ def _step(run: dict, step: int, args, topo) -> None:
 
 @torch.no_grad()
 def _held_out(run: dict, args) -> float:
-    """The mean cross-entropy over 4 batches no run trained on, every rank's final weights, averaged."""
+    """The mean cross-entropy over 4 batches no run trained on, of the model the run would save, averaged
+    over the ranks: DiLoCo's global model (``finalize()``: every rank the same weights), DDP's and
+    torchft's model as trained."""
     from commopt.bench.models import synthetic_tokens
 
     if "diloco" in run:
-        run["diloco"].synchronize()
+        run["diloco"].finalize()
     total = 0.0
     for i in range(4):
         data = synthetic_tokens(args.batch, args.seq_len, _VOCAB, seed=99_000_000 + 100 * i + dist.get_rank())
@@ -295,14 +304,17 @@ def _model_bytes(run: dict, topo) -> float:
     return max(sum(float(sent[r]) for r in node) for node in topo.nodes) / steps
 
 
-def _summary(run: dict, args, topo) -> dict:
+def _summary(run: dict, args, topo, memory: PeakMemory) -> dict:
     times, synced = run["times"], run["synced"]
     inner = [t for t, s in zip(times, synced) if not s] or times
     nbytes = torch.tensor([statistics.mean(run["bytes"])], dtype=torch.float64)
     dist.all_reduce(nbytes, op=dist.ReduceOp.MAX)  # the busiest node's link
+    peak = torch.tensor([memory.peak(run["name"])], dtype=torch.float64)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)  # the rank that needed the most
+    model_bytes = _model_bytes(run, topo)  # the training's outer bytes, before finalize()'s last syncs
     return {"run": run["name"], "step_ms": 1e3 * statistics.mean(times), "inner_ms": 1e3 * statistics.median(inner),
             "exposed_ms": 1e3 * max(statistics.mean(times) - statistics.median(inner), 0.0),
-            "bytes_per_step": float(nbytes), "model_bytes_per_step": _model_bytes(run, topo),
+            "peak_memory_bytes": int(peak), "bytes_per_step": float(nbytes), "model_bytes_per_step": model_bytes,
             "final_loss": statistics.mean(run["losses"][-5:]),
             "held_out_loss": _held_out(run, args), "losses": run["losses"],
             "sync_every": run["sync_every"]}
@@ -355,30 +367,43 @@ def _rank_body(args) -> int:
         return 2
     runs = [_setup(name, args, topo) for name in names]
     _warm_codecs(names, args, topo)
-    interleaved(runs, args.steps, lambda run, step: _step(run, step, args, topo), "runs", rank=dist.get_rank())
-    results = [_summary(run, args, topo) for run in runs]
+    memory = PeakMemory(next(runs[0]["model"].parameters()).device)
+    interleaved(runs, args.steps, lambda run, step: _step(run, step, args, topo, memory), "runs",
+                rank=dist.get_rank())
+    results = [_summary(run, args, topo, memory) for run in runs]
     for run in runs:
         _close(run)
     if dist.get_rank() == 0:
-        _report(results, args, topo)
+        _report(results, args, topo, peak_kind(memory.device))
     return 0
 
 
-def _report(results: list[dict], args, topo) -> None:
+def _held_out_of(name: str) -> str:
+    """What a run's held-out loss is measured on."""
+    s = spec(name)
+    if s is None:
+        return "the final weights"
+    return "the global model after finalize()" if s.impl == "commopt" else "the model after its last sync"
+
+
+def _report(results: list[dict], args, topo, kind: str) -> None:
     base = next((r for r in results if r["run"] == "ddp"), results[0])
     link = f", link {topo.link_rate_bps / 1e6:.0f} Mbit/s" if topo.link_rate_bps else ""
     where = "the node's link (interface counters)" if topo.link_rate_bps else "the rank's sends (engine count)"
     print(f"# commopt-bench diloco: GPT d={args.d_model} L={args.layers} seq={args.seq_len} batch={args.batch}/rank, "
           f"{args.steps} steps, world {dist.get_world_size()} ({topo.layout}{link}); one worker per node")
-    print(f"# step: mean over every step (inner steps and syncs); inner: median step without a sync; exposed: the "
-          f"difference; MB/step: {where}, the busiest; model MB/step: the traffic model's, the busiest node link; "
-          f"losses: training (last 5 steps) and held-out (final weights)")
-    print(f"{'run':<24}{'step ms':>9}{'vs ddp':>8}{'inner ms':>10}{'exposed':>9}{'MB/step':>9}{'model MB':>10}"
-          f"{'vs ddp':>9}{'train':>8}{'held-out':>10}")
+    print(f"# step: mean over every step (inner steps and syncs); peak: the largest peak memory of a step, over the "
+          f"steps and the ranks ({kind}); inner: median step without a sync; exposed: the difference; MB/step: "
+          f"{where}, the busiest; model MB/step: the traffic model's, the busiest node link; losses: training (last "
+          f"5 steps, the workers' local weights) and held-out (DDP: the final weights; DiLoCo: the global model "
+          f"after DiLoCo.finalize(); torchft: the model after its last sync)")
+    print(f"{'run':<24}{'step ms':>9}{'vs ddp':>8}{'peak MiB':>10}{'inner ms':>10}{'exposed':>9}{'MB/step':>9}"
+          f"{'model MB':>10}{'vs ddp':>9}{'train':>8}{'held-out':>10}")
     for r in results:
         model = r["model_bytes_per_step"]
         ratio = base["model_bytes_per_step"] / model if model else float("inf")
-        print(f"{r['run']:<24}{r['step_ms']:>9.1f}{base['step_ms'] / r['step_ms']:>7.2f}x{r['inner_ms']:>10.1f}"
+        print(f"{r['run']:<24}{r['step_ms']:>9.1f}{base['step_ms'] / r['step_ms']:>7.2f}x"
+              f"{r['peak_memory_bytes'] / 2**20:>10.1f}{r['inner_ms']:>10.1f}"
               f"{r['exposed_ms']:>9.1f}{r['bytes_per_step'] / 2**20:>9.2f}{model / 2**20:>10.3f} {ratio:>7.0f}x"
               f"{r['final_loss']:>8.4f}{r['held_out_loss']:>10.4f}")
     by_name = {r["run"]: r for r in results}
@@ -396,8 +421,9 @@ def _report(results: list[dict], args, topo) -> None:
             print(f"# {r['run']}: {base['step_ms'] / r['step_ms']:.2f}x DDP's step (target >= 4x), "
                   f"{fewer:.0f}x fewer bytes (target >= 100x), loss against DDP's (target within 3 %): training "
                   f"{100 * (r['final_loss'] / base['final_loss'] - 1):+.1f} % (the workers' local weights), "
-                  f"held-out {100 * (r['held_out_loss'] / base['held_out_loss'] - 1):+.1f} % (the global weights)")
+                  f"held-out {100 * (r['held_out_loss'] / base['held_out_loss'] - 1):+.1f} % "
+                  f"({_held_out_of(r['run'])})")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"kind": "diloco", "args": vars(args), "layout": topo.layout, "world_size": dist.get_world_size(),
-                       "link_rate_bps": topo.link_rate_bps, "results": results}, f, indent=1)
+                       "link_rate_bps": topo.link_rate_bps, "memory": kind, "results": results}, f, indent=1)

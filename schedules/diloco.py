@@ -39,15 +39,17 @@ import hashlib
 import inspect
 import math
 import numbers
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed import ReduceOp
+from torch.distributed.tensor import DTensor
 
 from commopt.comm import all_reduce
+from commopt.comm.algorithms._transport import all_gather_single
 from commopt.comm.algorithms.roles import DILOCO
 from commopt.comm.checks import check_timeout
 from commopt.comm.compression import Codec, ErrorFeedback, auto, reduce_tensors
@@ -57,11 +59,11 @@ from commopt.comm.errors import NonFiniteError, TopologyError
 from commopt.comm.runtime import context
 from commopt.comm.topology import Topology
 
+from ._diloco_state import Expected, check_state, cloned, fragments_of, positive_int
+
 __all__ = ["DiLoCo", "worker_group", "worker_topology"]
 
 OptimizerFactory = Callable[[list], torch.optim.Optimizer]
-# What load_state_dict needs of a state_dict (compressor_state is optional: None without a compressor).
-_STATE_KEYS = ("meta", "steps", "reductions", "backups", "outer_optimizers", "error_feedback", "pending")
 _NAME = "DiLoCo"
 
 
@@ -164,19 +166,24 @@ def _local(p: torch.Tensor) -> torch.Tensor:
 class _Pending:
     """One fragment's reduction in flight: the averaged pseudo-gradient pieces and when to apply them;
     once its outer step ran (``stepped``), the worker's all-gather of the new global pieces in flight
-    (``gather``: the work, its output and this rank's input), or None (gathered when it lands)."""
+    (``gather``: the work, its output and this rank's input), or None (gathered when it lands), and
+    ``base``: the old global weights minus the averaged pseudo-gradient (where the workers were at the
+    reduction's issue), which :meth:`DiLoCo.finalize` needs; None once restored from a checkpoint."""
 
     def __init__(self, fragment: int, due: int, deltas: list[torch.Tensor], future, kind: str) -> None:
         self.fragment, self.due, self.deltas, self.future, self.kind = fragment, due, deltas, future, kind
         self.stepped = False
         self.gather: tuple | None = None
+        self.base: list[torch.Tensor] | None = None
 
 
 # --------------------------------------------------------------------------------- DiLoCo
 class DiLoCo:
     """The DiLoCo outer loop around the user's inner training (see the module docstring).
 
-    Call :meth:`step` after every inner optimizer step, on every rank. Construction is collective over
+    Call :meth:`step` after every inner optimizer step, on every rank; at the end, :meth:`finalize` (the
+    last syncs; the model then holds the global weights), or :meth:`global_state_dict` to evaluate or
+    save the global model at any step without changing the run. Construction is collective over
     WORLD: it creates the worker and rail groups (or reuses :func:`worker_group`'s), checks that every
     rank holds the same model and settings, and broadcasts the starting weights of worker 0 to every
     worker, which become the first global weights.
@@ -235,7 +242,7 @@ class DiLoCo:
             raise TypeError(f"{_NAME}: outer_optimizer must be a factory params -> torch.optim.Optimizer (e.g. "
                             f"lambda ps: torch.optim.SGD(ps, lr=0.7, momentum=0.9, nesterov=True)) or None, got "
                             f"{type(outer_optimizer).__name__}")
-        self.sync_every = _positive_int("sync_every", sync_every, "e.g. sync_every=32")
+        self.sync_every = positive_int("sync_every", sync_every, "e.g. sync_every=32")
         if isinstance(delay, bool) or not isinstance(delay, numbers.Integral):
             raise TypeError(f"{_NAME}: delay must be an int with 0 <= delay < sync_every ({self.sync_every}), got "
                             f"{type(delay).__name__} {delay!r}; e.g. delay=0 (apply at the sync) or delay=2")
@@ -287,7 +294,7 @@ class DiLoCo:
         if self.backup_device.type not in ("cpu", self.device.type):
             raise ValueError(f"{_NAME}: backup_device {self.backup_device} is neither 'cpu' nor the model's "
                              f"device type ({self.device.type})")
-        self.fragments = _fragments(fragments, named)
+        self.fragments = fragments_of(fragments, named)
         self.offsets = [(f * self.sync_every) // len(self.fragments) for f in range(len(self.fragments))]
 
         # Collective from here on, in the same order on every rank.
@@ -420,20 +427,134 @@ class DiLoCo:
                     self._apply(pending)
 
     def synchronize(self) -> None:
-        """Wait for every reduction in flight and apply it now (before its due step): at the end of
-        training, or before evaluating."""
+        """Wait for every reduction in flight and apply it now (before its due step), its adoption mixed
+        with ``alpha`` as at its due step. The model still holds local weights where fragments trained
+        since their last sync: :meth:`global_state_dict` and :meth:`finalize` give the global model."""
         for pending in list(self._pending):
             self._apply(pending)
 
     @torch.no_grad()
-    def _issue(self, f: int, due: int) -> _Pending:
-        """Fragment ``f``'s pseudo-gradient pieces, reduced (AVG) along the rail, asynchronously."""
+    def global_state_dict(self) -> dict[str, torch.Tensor]:
+        """The global model, to evaluate or save at any step; training is unchanged. Collective inside the
+        worker where it has several ranks holding replicated parameters (DDP inside): one all-gather of
+        the global pieces on :attr:`worker_group` (call it on every rank, at the same step); no
+        communication otherwise. A reduction still in flight is not in it: call :meth:`synchronize`
+        first to include it, or :meth:`finalize` for the final model.
+
+        Returns:
+            ``model.state_dict()`` with every synchronised parameter replaced by its global weights as of
+            its fragment's last outer step (the weights the outer optimizer holds), in the parameter's
+            dtype, on the model's device, copied (later outer steps do not change them): the same on
+            every rank of every worker, whatever the workers trained since. FSDP2 parameters come as
+            DTensors sharded as the model's (the same ``full_tensor()`` everywhere; save them with
+            ``torch.distributed.checkpoint``), the others as whole tensors. What is not synchronised
+            (buffers such as BatchNorm statistics, frozen parameters) is this rank's own, sharing storage
+            with the model as in ``model.state_dict()``.
+        """
+        state = self.model.state_dict()
+        keys: dict[int, list[str]] = {}  # a tied parameter is in the state_dict under each of its names
+        for n, p in self.model.named_parameters(remove_duplicate=False):
+            keys.setdefault(id(p), []).append(n)
+        pieces = self._replicated()
+        gather = self._gather_issue(pieces)
+        full = self._gathered(gather, pieces) if gather is not None else {}
+        for n, pc in self._pieces.items():
+            p = pc.param
+            if pc.sharded:
+                local = p.to_local()
+                mine = self.backups[n].to(self.device, p.dtype, copy=True)
+                mine = mine.view_as(local) if local.numel() else torch.empty_like(local)
+                value = DTensor.from_local(mine, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                           stride=p.stride())
+            elif n in full:
+                value = full[n].clone()
+            else:
+                value = self.backups[n].to(self.device, p.dtype, copy=True).reshape(p.shape)
+            names = [k for k in keys.get(id(p), [n]) if k in state]
+            if not names:
+                raise ValueError(f"{_NAME}: model.state_dict() has no entry for the synchronised parameter {n!r} "
+                                 f"(a state_dict hook renames or drops it); read the global weights of the "
+                                 f"parameters from the model's own names")
+            for k in names:
+                state[k] = value
+        return state
+
+    @torch.no_grad()
+    def finalize(self) -> None:
+        """The end of training: every fragment's last sync, then the model holds the global weights.
+
+        (1) Every reduction in flight is waited for and applied; (2) every fragment whose workers
+        trained since its last reduction was issued runs one more outer step, of what they trained since
+        (for one whose reduction was in flight, of what they trained after its issue), so that no inner
+        step is lost; (3) the model's synchronised parameters are set to the global weights, with no
+        ``alpha`` mixing: every rank of every worker then holds the same model, equal to
+        :meth:`global_state_dict`. With outer ``SGD(lr=1)`` without momentum and exact reductions, that
+        is the mean of the workers' local weights at the call. A fragment whose local weights are its
+        global ones on every rank (agreed by one small MAX all-reduce over WORLD), or that synced at this
+        step, takes no further outer step: one on a zero pseudo-gradient would still move the weights by
+        the momentum.
+
+        Training may go on after it, on the usual schedule (the syncs it ran are extra outer steps; to
+        evaluate mid-run without changing the run, use :meth:`global_state_dict`). Collective like
+        :meth:`step`: call it on every rank, after the same step. A reduction in flight restored from a
+        checkpoint taken after its outer step ran early (``delay >= 2`` with DDP inside) is adopted
+        instead: its workers' last ``delay - 1`` inner steps are dropped, as its adoption would.
+
+        Raises:
+            NonFiniteError, CommTimeoutError: as :meth:`step` (the fragments synced before it keep their
+                global weights; the others keep their local weights).
+        """
+        t = self.steps
+        if t == 0:
+            return  # nothing trained: the model holds the start's weights, the global ones
+        equal: set[int] = set()  # fragments whose model weights are their global ones
+        carried: dict[int, list[torch.Tensor]] = {}  # this rank's pseudo-gradient of what trained since the issue
+        for pending in list(self._pending):
+            f, names = pending.fragment, self.fragments[pending.fragment]
+            issued_now = pending.due - self.delay == t
+            if not issued_now and not pending.stepped:
+                pending.base = [self.backups[n].to(self.device) - d for n, d in zip(names, self._averaged(pending))]
+            if issued_now or pending.base is None:
+                self._apply(pending, alpha=0.0)
+                equal.add(f)
+                continue
+            carried[f] = [b - self._read_piece(self._pieces[n], b.dtype) for n, b in zip(names, pending.base)]
+            if not pending.stepped:
+                self._outer_step(pending, gather_async=False)
+            if pending.gather is not None:  # its weights are superseded by the last sync's
+                wait_work(pending.gather[0], self.timeout, f"{_NAME}/gather")
+            self._pending.remove(pending)
+        # Which fragments' local weights differ from their global ones, agreed over WORLD (a rank's own
+        # piece may be unchanged where another's is not).
+        rest = [f for f in range(len(self.fragments)) if f not in equal and f not in carried]
+        differs = torch.zeros(len(self.fragments), device=self.device)
+        for f in rest:
+            differs[f] = float(any(not torch.equal(self._read_piece(pc, pc.param.dtype), self.backups[pc.name].to(
+                self.device, pc.param.dtype)) for pc in map(self._pieces.get, self.fragments[f])))
+        if self.topology.world_size > 1 and rest:
+            wait_work(dist.all_reduce(differs, op=ReduceOp.MAX, async_op=True), self.timeout, f"{_NAME}/finalize")
+        todo = sorted(carried)
+        for f in rest:
+            if not differs[f]:
+                continue
+            if self.delay == 0 and self.alpha and t % self.sync_every == self.offsets[f] % self.sync_every:
+                self._write(f, None, 0.0)  # synced at this step, mixed with alpha: nothing trained since
+            else:
+                todo.append(f)
+        todo.sort()
+        issued = [self._issue(f, t, carried.get(f)) for f in todo]  # the rail reductions overlap one another
+        for pending in issued:
+            self._outer_step(pending, gather_async=False)
+            self._adopt(pending, alpha=0.0)
+
+    @torch.no_grad()
+    def _issue(self, f: int, due: int, deltas: list[torch.Tensor] | None = None) -> _Pending:
+        """Fragment ``f``'s pseudo-gradient pieces (``deltas``, default global - local), reduced (AVG)
+        along the rail, asynchronously."""
         names = self.fragments[f]
-        deltas = []
-        for n in names:
-            pc = self._pieces[n]
-            backup = self.backups[n]
-            deltas.append(backup.to(self.device) - self._read_piece(pc, backup.dtype))
+        if deltas is None:
+            deltas = [self.backups[n].to(self.device) - self._read_piece(self._pieces[n], self.backups[n].dtype)
+                      for n in names]
         step = self._reductions
         self._reductions += 1
         traffic = auto.traffic("rail", self.compressor, [d.numel() for d in deltas], [tuple(d.shape) for d in deltas],
@@ -475,12 +596,12 @@ class DiLoCo:
         return pending.deltas
 
     @torch.no_grad()
-    def _apply(self, pending: _Pending) -> None:
+    def _apply(self, pending: _Pending, alpha: float | None = None) -> None:
         """Fragment ``pending``'s outer step (unless it ran a step before) and the adoption of the new
-        global weights."""
+        global weights (mixed with ``alpha``, default the run's)."""
         if not pending.stepped:
             self._outer_step(pending, gather_async=False)
-        self._adopt(pending)
+        self._adopt(pending, alpha)
 
     @torch.no_grad()
     def _outer_step(self, pending: _Pending, gather_async: bool) -> None:
@@ -502,6 +623,8 @@ class DiLoCo:
                                  f"and the residuals are unchanged and the workers keep their local weights. Lower "
                                  f"the inner learning rate or restore a checkpoint", op=f"{_NAME}/outer_step")
         opt = self.outer_optimizers[f]
+        if gather_async:  # adopted at the next step: what finalize() would need before then
+            pending.base = [self.backups[n].to(self.device) - d for n, d in zip(names, deltas)]
         for n, d in zip(names, deltas):
             backup = self.backups[n]
             backup.grad = d.to(self.backup_device, backup.dtype)
@@ -509,18 +632,19 @@ class DiLoCo:
         opt.zero_grad(set_to_none=True)
         pending.stepped, pending.deltas = True, []
         if gather_async:
-            pending.gather = self._gather_issue(f)
+            pending.gather = self._gather_issue(self._replicated(f))
 
-    def _replicated(self, f: int) -> list[_Piece]:
-        """Fragment ``f``'s pieces of replicated parameters in a worker of several ranks (gathered)."""
+    def _replicated(self, f: int | None = None) -> list[_Piece]:
+        """Fragment ``f``'s (None: every fragment's) pieces of replicated parameters in a worker of several
+        ranks: what an all-gather inside the worker assembles."""
         if self.worker_group is None:
             return []
-        return [self._pieces[n] for n in self.fragments[f] if not self._pieces[n].sharded]
+        names = [n for frag in self.fragments for n in frag] if f is None else self.fragments[f]
+        return [self._pieces[n] for n in names if not self._pieces[n].sharded]
 
-    def _gather_issue(self, f: int) -> tuple | None:
-        """The worker's all-gather of fragment ``f``'s new global pieces of replicated parameters, issued:
+    def _gather_issue(self, pieces: list[_Piece]) -> tuple | None:
+        """The worker's all-gather of the global weights of ``pieces`` (replicated parameters), issued:
         ``(work, output, this rank's input)``, or None when there are none."""
-        pieces = self._replicated(f)
         if not pieces:
             return None
         mine = torch.cat([self.backups[pc.name].to(self.device, pc.param.dtype).reshape(-1) for pc in pieces])
@@ -528,40 +652,53 @@ class DiLoCo:
         # The backend's own all-gather, as the start's broadcast: the pieces match inside the worker by
         # construction (_agree_settings), so commopt's agreement check and engine hop would only add a
         # round trip and a thread hand-off.
-        return dist.all_gather_into_tensor(out, mine, group=self.worker_group, async_op=True), out, mine
+        return all_gather_single(out, mine, group=self.worker_group, async_op=True), out, mine
+
+    def _gathered(self, gather: tuple, pieces: list[_Piece]) -> dict[str, torch.Tensor]:
+        """The whole global weights of ``pieces`` once ``gather`` (their all-gather) lands: views of its
+        output, by name, shaped as the parameters."""
+        work, out, mine = gather
+        wait_work(work, self.timeout, f"{_NAME}/gather")
+        rows, full, pos = out.view(self.local_size, mine.numel()), {}, 0
+        for pc in pieces:
+            k = math.prod(pc.shape)
+            whole = rows[:, pos: pos + k].reshape(self.local_size * pc.rows, *pc.shape[1:])
+            n0 = pc.param.shape[0] if pc.param.dim() else 1
+            full[pc.name] = whole[:n0].reshape(pc.param.shape)  # the padding rows dropped
+            pos += k
+        return full
+
+    def _adopt(self, pending: _Pending, alpha: float | None = None) -> None:
+        """The workers adopt fragment ``pending``'s new global weights, mixed with their local ones
+        (``alpha``, default the run's)."""
+        gather, pending.gather = pending.gather, None
+        self._pending.remove(pending)
+        self._write(pending.fragment, gather, self.alpha if alpha is None else alpha)
 
     @torch.no_grad()
-    def _adopt(self, pending: _Pending) -> None:
-        """The workers adopt fragment ``pending``'s new global weights, mixed with their local ones."""
-        f = pending.fragment
-        gather = pending.gather if pending.gather is not None else self._gather_issue(f)
-        pending.gather = None
-        self._pending.remove(pending)
-        rows = None
-        if gather is not None:
-            work, out, mine = gather
-            wait_work(work, self.timeout, f"{_NAME}/gather")
-            rows = out.view(self.local_size, mine.numel())
-        pos = 0
+    def _write(self, f: int, gather: tuple | None, alpha: float) -> None:
+        """Fragment ``f``'s global weights into the model, mixed with the local ones: ``(1 - alpha) *
+        global + alpha * local`` (``gather``: the all-gather of its replicated pieces, if issued)."""
+        pieces = self._replicated(f)
+        if gather is None:
+            gather = self._gather_issue(pieces)
+        full = self._gathered(gather, pieces) if gather is not None else {}
         for n in self.fragments[f]:
             pc = self._pieces[n]
             p = pc.param.detach()
             if pc.sharded:
                 local = pc.param.to_local()
                 if local.numel():
-                    local.copy_(self._mixed(self.backups[n].to(self.device, p.dtype).view_as(local), local))
-            elif rows is None:  # one rank per worker: the piece is the whole parameter
-                p.copy_(self._mixed(self.backups[n].to(self.device, p.dtype).reshape(p.shape), p))
-            else:
-                k = math.prod(pc.shape)
-                full = rows[:, pos: pos + k].reshape(self.local_size * pc.rows, *pc.shape[1:])
-                n0 = p.shape[0] if p.dim() else 1
-                p.copy_(self._mixed(full[:n0].reshape(p.shape), p))
-                pos += k
+                    local.copy_(self._mixed(self.backups[n].to(self.device, p.dtype).view_as(local), local, alpha))
+            elif n in full:
+                p.copy_(self._mixed(full[n], p, alpha))
+            else:  # one rank per worker: the piece is the whole parameter
+                p.copy_(self._mixed(self.backups[n].to(self.device, p.dtype).reshape(p.shape), p, alpha))
 
-    def _mixed(self, new: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def _mixed(new: torch.Tensor, local: torch.Tensor, alpha: float) -> torch.Tensor:
         """``(1 - alpha) * new + alpha * local`` (``new`` itself for alpha 0)."""
-        return (1.0 - self.alpha) * new + self.alpha * local if self.alpha else new
+        return (1.0 - alpha) * new + alpha * local if alpha else new
 
     # ------------------------------------------------------------------------------- state
     def _meta(self) -> dict:
@@ -573,8 +710,9 @@ class DiLoCo:
     def state_dict(self) -> dict:
         """This rank's outer state: its backup pieces, the outer optimizers, the residuals, the compressor's
         state, the step, the fragment schedule and the reductions in flight (waited for and kept, to be
-        applied at their due steps after a restart). Tensors, numbers and strings only
-        (``torch.load(weights_only=True)`` reads it); one per rank, like a sharded checkpoint."""
+        applied at their due steps after a restart). A copy (training on does not change it); tensors,
+        numbers and strings only (``torch.load(weights_only=True)`` reads it); one per rank, like a
+        sharded checkpoint."""
         pending = []
         for p in self._pending:
             # A fragment whose outer step ran (due at the next step) keeps no deltas: its new weights are
@@ -585,46 +723,44 @@ class DiLoCo:
         return {"meta": self._meta(), "steps": self.steps, "reductions": self._reductions,
                 "offsets": list(self.offsets),
                 "backups": {n: b.detach().clone() for n, b in self.backups.items()},
-                "outer_optimizers": [opt.state_dict() for opt in self.outer_optimizers],
+                "outer_optimizers": [cloned(opt.state_dict()) for opt in self.outer_optimizers],
                 "error_feedback": self.error_feedback.state_dict(),
                 "compressor_state": None if self.compressor_state is None else self.compressor_state.state_dict(),
                 "pending": pending}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict` of the same rank, world, workers and settings (the model's own
-        weights and the inner optimizer are the user's checkpoint).
+        weights and the inner optimizer are the user's checkpoint). Every entry is checked first (see
+        ``schedules/_diloco_state.py``): the keys, the settings, and every tensor's shape and dtype
+        against this rank's pieces of the model, the fragments, the reductions in flight and the outer
+        optimizers' parameters; a failed load leaves this DiLoCo as it was. Tensors may be on any device
+        (they are copied to DiLoCo's); ``state`` is not kept (nothing aliases it).
 
         Raises:
             ValueError: the checkpoint was taken with another world size, worker layout, rank, fragments,
-                sync_every, delay or compressor, or holds other parameters, or outer optimizer states that do
-                not load into this DiLoCo's outer optimizers (another type; nothing is loaded), or is not a
-                whole :meth:`state_dict`.
+                sync_every, delay or compressor, or holds other parameters, or an entry of another shape,
+                dtype or kind than this run's (naming it, e.g. ``state['pending'][0]['deltas'][1]: shape
+                [3, 4], expected [6, 4] (this rank's piece of 'fc.weight')``), or a missing or unknown key,
+                or outer optimizer states that do not load into this DiLoCo's outer optimizers (another
+                type), or is not a whole :meth:`state_dict`. Nothing is loaded.
         """
-        if not isinstance(state, dict) or "meta" not in state:
-            raise ValueError(f"{_NAME}: not a DiLoCo state_dict (no 'meta')")
-        missing = [k for k in _STATE_KEYS if k not in state]
-        if missing:
-            raise ValueError(f"{_NAME}: not a whole DiLoCo state_dict (missing {missing}); pass what "
-                             f"DiLoCo.state_dict() returned")
-        saved, now = state["meta"], self._meta()
-        if saved != now:
-            diff = {k: (saved.get(k), now.get(k)) for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)}
-            raise ValueError(f"{_NAME}: the checkpoint was taken with another layout or settings ({diff}, saved vs "
-                             f"now): DiLoCo's state is per rank and per worker layout; resume on the same world and "
-                             f"workers with the same settings, each rank loading its own state_dict")
-        backups = state["backups"]
-        if set(backups) != set(self.backups):
-            raise ValueError(f"{_NAME}: the checkpoint holds the backups of other parameters "
-                             f"({sorted(set(backups) ^ set(self.backups))[:5]} differ)")
-        for n, b in backups.items():
-            if tuple(b.shape) != tuple(self.backups[n].shape):
-                raise ValueError(f"{_NAME}: backup {n!r} has shape {tuple(b.shape)}, expected "
-                                 f"{tuple(self.backups[n].shape)}")
+        pieces = {n: (tuple(b.shape), b.dtype) for n, b in self.backups.items()}
+        names = {id(b): n for n, b in self.backups.items()}
+        check_state(state, Expected(self._meta(), pieces, self.fragments, self.outer_optimizers, names,
+                                    self.sync_every, self.delay, list(self.offsets), self.compressor))
+        # What is in flight here lands first: a compressed reduction writes the residuals when it completes.
+        for p in self._pending:
+            if p.future is not None:
+                wait(p.future, self.timeout, op=f"{_NAME}/rail")
+                p.future = None
+            if p.gather is not None:  # every rank of the worker issued it
+                wait_work(p.gather[0], self.timeout, f"{_NAME}/gather")
+                p.gather = None
         # The outer optimizers first: one that does not take its state (another type) leaves every one as it was.
         before = [opt.state_dict() for opt in self.outer_optimizers]
         for f, (opt, sd) in enumerate(zip(self.outer_optimizers, state["outer_optimizers"])):
             try:
-                opt.load_state_dict(sd)
+                opt.load_state_dict(cloned(sd))
             except (KeyError, ValueError, TypeError, RuntimeError) as exc:
                 for o, old in zip(self.outer_optimizers, before):
                     o.load_state_dict(old)
@@ -632,32 +768,21 @@ class DiLoCo:
                                  f"this {type(opt).__name__} ({type(exc).__name__}: {exc}); build DiLoCo with the "
                                  f"outer_optimizer the checkpoint was taken with") from None
         with torch.no_grad():
-            for n, b in backups.items():
+            for n, b in state["backups"].items():
                 self.backups[n].copy_(b)
         self.error_feedback.load_state_dict(state["error_feedback"])
         if self.compressor_state is not None and state.get("compressor_state") is not None:
             self.compressor_state.load_state_dict(state["compressor_state"])
         self.steps, self._reductions = int(state["steps"]), int(state["reductions"])
-        for p in self._pending:  # a gather still in flight here (every rank of the worker issued it)
-            if p.gather is not None:
-                wait_work(p.gather[0], self.timeout, f"{_NAME}/gather")
         self._pending = []
         for p in state["pending"]:
-            deltas = [d.to(self.device) for d in p["deltas"]]
+            deltas = [d.to(self.device, copy=True) for d in p["deltas"]]
             pending = _Pending(int(p["fragment"]), int(p["due"]), deltas, None, "done")
             pending.stepped = bool(p.get("stepped", False))
             self._pending.append(pending)
 
 
 # --------------------------------------------------------------------------------- helpers
-def _positive_int(name: str, value: object, hint: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{_NAME}: {name} must be an int >= 1 ({hint}), got {type(value).__name__} {value!r}")
-    if value < 1:
-        raise ValueError(f"{_NAME}: {name} must be >= 1 ({hint}), got {value!r}")
-    return int(value)
-
-
 def _needs_closure(opt: torch.optim.Optimizer) -> bool:
     """Whether ``opt.step()`` cannot run without a closure (LBFGS)."""
     try:
@@ -670,42 +795,3 @@ def _needs_closure(opt: torch.optim.Optimizer) -> bool:
 def _backup_dtype(dtype: torch.dtype) -> torch.dtype:
     """The global weights in at least fp32: the outer step's small updates would vanish in bf16/fp16."""
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-
-
-def _fragments(fragments: int | Iterable, named: list) -> list[list[str]]:
-    """The fragments as lists of names: ``F`` contiguous groups of about equal numel, or the given ones,
-    checked to cover every synchronised parameter exactly once."""
-    names = [n for n, _ in named]
-    if isinstance(fragments, bool) or not isinstance(fragments, (numbers.Integral, list, tuple)):
-        raise TypeError(f"{_NAME}: fragments must be an int >= 1 or a list of lists of parameter names, got "
-                        f"{type(fragments).__name__} {fragments!r}")
-    if isinstance(fragments, numbers.Integral):
-        count = _positive_int("fragments", fragments, "e.g. fragments=4")
-        if count > len(names):
-            raise ValueError(f"{_NAME}: fragments={count} but the model has {len(names)} synchronised parameters; "
-                             f"use at most {len(names)} fragments")
-        prefix = [0]
-        for _, p in named:
-            prefix.append(prefix[-1] + p.numel())
-        # Cut k (k = 1..F-1) after the parameter whose prefix sum is nearest k/F of the total,
-        # leaving at least one parameter to every fragment.
-        cuts = [0]
-        for k in range(1, count):
-            lo, hi = cuts[-1] + 1, len(names) - (count - k)
-            target = prefix[-1] * k / count
-            cuts.append(min(range(lo, hi + 1), key=lambda b: (abs(prefix[b] - target), b)))
-        cuts.append(len(names))
-        return [names[a:b] for a, b in zip(cuts, cuts[1:])]
-    groups = [list(g) for g in fragments] if all(isinstance(g, (list, tuple)) for g in fragments) else None
-    if not groups or any(not g or not all(isinstance(n, str) for n in g) for g in groups):
-        raise TypeError(f"{_NAME}: explicit fragments must be a non-empty list of non-empty lists of parameter "
-                        f"names (str), got {fragments!r}")
-    seen = [n for g in groups for n in g]
-    dup = sorted({n for n in seen if seen.count(n) > 1})
-    missing = [n for n in names if n not in seen]
-    unknown = [n for n in seen if n not in names]
-    if dup or missing or unknown:
-        raise ValueError(f"{_NAME}: fragments must cover every trainable parameter exactly once: missing "
-                         f"{missing[:5]}, unknown {unknown[:5]} (frozen or not in the model), duplicated {dup[:5]}; "
-                         f"names are those of model.named_parameters()")
-    return groups

@@ -24,6 +24,7 @@ import math
 import subprocess
 import sys
 import time
+import warnings
 
 import pytest
 import torch
@@ -74,6 +75,30 @@ def _params(model: nn.Module) -> dict[str, torch.Tensor]:
     for n, p in model.named_parameters():
         t = p.full_tensor() if hasattr(p, "full_tensor") else p
         out[n.removeprefix("module.")] = t.detach().clone()
+    return out
+
+
+def _global(d: DiLoCo) -> dict[str, torch.Tensor]:
+    """``d.global_state_dict()`` as whole tensors (DTensors gathered), by name without ``module.``."""
+    return {k.removeprefix("module."): (v.full_tensor() if hasattr(v, "full_tensor") else v)
+            for k, v in d.global_state_dict().items()}
+
+
+def _same_on_every_rank(tensors: dict[str, torch.Tensor]) -> None:
+    for n, t in tensors.items():
+        parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, t.contiguous())
+        assert all(torch.equal(q, t) for q in parts), f"{n} differs between ranks"
+
+
+def _mean_over_ranks(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The mean of every rank's tensors (plain torch.distributed): the workers' mean where the ranks of a
+    worker hold the same weights (DDP, FSDP2's full tensors)."""
+    out = {}
+    for n, t in tensors.items():
+        total = t.clone()
+        dist.all_reduce(total)
+        out[n] = total / dist.get_world_size()
     return out
 
 
@@ -183,19 +208,45 @@ def _same_data_body() -> None:
                 glob[n] = glob[n] - lr_out * (g + mom * buf[n])
                 p.copy_(glob[n])
     _close(_params(model), _params(alone), f"same data, rank {rank}")
+    # finalize() right after a sync has nothing left to sync: no outer step (with momentum, one on a zero
+    # pseudo-gradient would still move the weights). One inner step later: one more Nesterov step.
+    d.finalize()
+    _close(_params(model), _params(alone), f"finalize at a sync, rank {rank}")
+    _inner_step(model, opt, 0, rounds * H)
+    _inner_step(alone, alone_opt, 0, rounds * H)
+    d.finalize()
+    with torch.no_grad():
+        for n, p in alone.named_parameters():
+            g = glob[n] - p
+            buf[n] = mom * buf[n] + g
+            p.copy_(glob[n] - lr_out * (g + mom * buf[n]))
+    _close(_params(model), _params(alone), f"finalize after an inner step, rank {rank}")
+    _close(_global(d), _params(alone), f"global_state_dict after finalize, rank {rank}")
 
 
 def _streaming_body(layout: str = "2x1") -> None:
     """Each fragment, ``delay`` steps after its turn, adopts (1-alpha) * mean of the workers' local
     weights at its turn + alpha * its current local weights; the others are untouched at every step.
-    ``layout``: two one-rank workers, delay 1; or 2x2 with DDP inside each worker, delay 2 (the outer
-    step runs a step early and the worker's all-gather of the new pieces overlaps the last inner step)."""
+    ``layout``: two one-rank workers, delay 1; one worker of two ranks with FSDP2 inside ("1x2-fsdp"),
+    delay 1; or 2x2 with DDP inside each worker, delay 2 (the outer step runs a step early and the
+    worker's all-gather of the new pieces overlaps the last inner step).
+
+    The global model (``global_state_dict()``) at every step: with outer SGD(lr=1), each fragment's
+    global weights are the workers' mean at its last issue whose outer step ran, the same on every rank,
+    while the model's own weights differ from them between syncs. ``finalize()`` at the end: the model
+    holds the workers' mean of every fragment (FAULTS.md row 40's streamed state, the global model)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = _model()
+    model = _model(scalar=layout != "1x2-fsdp")
     if layout == "2x1":
         H, F, delay, alpha, where = 2, 2, 1, 0.3, {"workers": [[0], [1]]}
+        net = model
+    elif layout == "1x2-fsdp":
+        H, F, delay, alpha, where = 2, 2, 1, 0.3, {"workers": [[0, 1]]}
+        fully_shard(model, mesh=DeviceMesh.from_group(worker_group(**where), "cpu"))
         net = model
     else:
         H, F, delay, alpha, where = 4, 2, 2, 0.3, {"topology": Topology.from_spec(layout)}
@@ -205,8 +256,11 @@ def _streaming_body(layout: str = "2x1") -> None:
                delay=delay, alpha=alpha, **where)
     names = [n for n, _ in model.named_parameters()]
     assert sorted(n.removeprefix("module.") for f in d.fragments for n in f) == sorted(names)
+    assert set(d.global_state_dict()) == set(net.state_dict())
     assert len(d.fragments) == F
     frag_of = {n.removeprefix("module."): f for f, frag in enumerate(d.fragments) for n in frag}
+    early = 1 if layout == "2x2" else 0  # the outer step a step before the adoption (DDP inside, delay 2)
+    glob, differs = _params(model), False
     means = {}
     for t in range(1, 4 * H + 1):
         _inner_step(net, opt, rank, t)
@@ -227,6 +281,20 @@ def _streaming_body(layout: str = "2x1") -> None:
                 assert torch.allclose(after[n], want, rtol=1e-5, atol=1e-6), (t, n)
             else:
                 assert torch.equal(after[n], before[n]), (t, n)
+            ran = t - delay + early  # the issue whose outer step ran at this step
+            if ran >= 1 and ran % H == (f * H) // F:
+                glob[n] = means[ran][n]
+        got = _global(d)
+        assert got.keys() == glob.keys(), (sorted(got), sorted(glob))
+        _close(got, glob, f"global_state_dict at step {t}")
+        _same_on_every_rank(got)
+        differs = differs or any(not torch.equal(after[n], glob[n]) for n in names)
+    assert differs, "streamed training: the model's weights should differ from the global ones between syncs"
+    mean = _mean_over_ranks(_params(model))
+    d.finalize()
+    _close(_params(model), mean, f"{layout}: finalize() is the workers' mean")
+    _close(_global(d), _params(model), f"{layout}: the global model after finalize()", rtol=0, atol=0)
+    _same_on_every_rank(_params(model))
     if layout != "2x1":
         return
     # One fragment and no delay is plain DiLoCo: the explicit one-fragment schedule gives the same bits.
@@ -241,6 +309,66 @@ def _streaming_body(layout: str = "2x1") -> None:
         runs.append(_params(m))
     for n in names:
         assert torch.equal(runs[0][n], runs[1][n]), n
+
+
+def _finalize_cases(layout: str, cases: list[tuple[int, float, int]]) -> None:
+    """``finalize()`` after S inner steps, for each ``(delay, alpha, S)``, against the workers' mean of
+    their local weights at the call (outer SGD(lr=1), no momentum, exact: every inner step in the final
+    weights). H 4, 2 fragments (syncs at steps 4, 8 and 2, 6): S falls before any sync, on a reduction
+    issued at this step or a step before (in flight: FAULTS.md row 40's streamed state; with DDP inside
+    and delay 2, its outer step already ran), on an adoption, between syncs. Every rank then holds the
+    same model, equal to ``global_state_dict()``; training goes on (a step, then finalize again)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    rank = dist.get_rank()
+
+    def check(model, d, case: str) -> None:
+        mean = _mean_over_ranks(_params(model))
+        d.finalize()
+        assert not d._pending, case
+        _close(_params(model), mean, f"{case}: finalize() is the workers' mean")
+        _close(_global(d), _params(model), f"{case}: global_state_dict()", rtol=0, atol=0)
+        _same_on_every_rank(_params(model))
+
+    for delay, alpha, stop in cases:
+        model = _model()
+        where = {"workers": [[0], [1]]} if layout == "2x1" else {"topology": Topology.from_spec(layout)}
+        net = model if layout == "2x1" else DDP(model, process_group=worker_group(**where))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        d = DiLoCo(net, opt, outer_optimizer=lambda ps: torch.optim.SGD(ps, lr=1.0), sync_every=4, fragments=2,
+                   delay=delay, alpha=alpha, **where)
+        for t in range(stop):
+            _inner_step(net, opt, rank, t)
+            d.step()
+        case = f"{layout} delay={delay} alpha={alpha} S={stop}"
+        if layout != "2x1" and delay == 2 and stop % 4 == 3:
+            assert any(p.stepped for p in d._pending), f"{case}: meant to finalize after an early outer step"
+        check(model, d, case)
+        _inner_step(net, opt, rank, stop)
+        d.step()
+        check(model, d, f"{case}, then one step more")
+
+
+def _no_future_warning_body() -> None:
+    """commopt's own calls print no FutureWarning (torch 2.13 deprecates ``all_gather_into_tensor``, which
+    the adoption's all-gather inside a worker of several ranks used): one worker of two ranks with DDP
+    inside, streamed, through global_state_dict() and finalize() too."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    rank, where = dist.get_rank(), {"workers": [[0, 1]]}
+    model = _model()
+    net = DDP(model, process_group=worker_group(**where))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        d = DiLoCo(net, opt, sync_every=2, fragments=2, delay=1, **where)
+        for t in range(4):
+            _inner_step(net, opt, rank, t)
+            d.step()
+        d.global_state_dict()
+        d.finalize()
+    future = [f"{w.filename}:{w.lineno}: {w.message}" for w in caught if issubclass(w.category, FutureWarning)]
+    assert not future, future
 
 
 def _int8_within_bound(topo: Topology, ddp: bool) -> None:
@@ -518,9 +646,38 @@ def test_outer_loop_oracles_streaming_compression_checkpoint_and_errors(ranks):
     ranks(2, _body_world2, timeout=120)
 
 
+def _global_world2() -> None:
+    _finalize_cases("2x1", [(0, 0.3, 2), (0, 0.0, 4), (1, 0.5, 1), (2, 0.0, 2), (2, 0.0, 3), (2, 0.0, 4),
+                            (2, 0.3, 4), (2, 0.3, 5)])
+    _streaming_body("1x2-fsdp")
+    _no_future_warning_body()
+
+
+def test_global_model_finalize_and_no_future_warning(ranks):
+    """Issue 38: the global model of a streamed run (FAULTS.md row 40's in-flight state) on two ranks.
+    ``finalize()`` against the workers' mean, at every kind of step (before any sync, on a reduction
+    issued now or in flight, on an adoption, between syncs), one-rank workers; ``global_state_dict()``
+    against the workers' mean at each fragment's last outer step, and finalize, with FSDP2 inside one
+    worker of two ranks (DTensor pieces); no FutureWarning from commopt's calls (a worker of two ranks
+    with DDP inside: the adoption's all-gather)."""
+    ranks(2, _global_world2, timeout=120)
+
+
+def _global_world4() -> None:
+    _finalize_cases("2x2", [(2, 0.3, 3), (2, 0.0, 7)])
+
+
+def test_finalize_after_an_early_outer_step_four_ranks(ranks):
+    """Issue 38, FAULTS.md row 40: ``finalize()`` on 2x2 with DDP inside and delay 2, right after a
+    fragment's outer step ran a step early (its all-gather in flight): still the workers' mean, the same
+    on every rank (the early step keeps where the workers were at the issue)."""
+    ranks(4, _global_world4, timeout=120)
+
+
 def test_bench_diloco_quick(tmp_path):
     """``commopt-bench diloco --quick`` on 4 spawned ranks as a 2x2: every run asked for trains on the same
-    tokens and reports its step, inner step, exposed sync, bytes and losses; DiLoCo's syncs move fewer
+    tokens and reports its step, its peak memory, inner step, exposed sync, bytes and losses (held-out: of
+    DiLoCo's global model after finalize()); DiLoCo's syncs move fewer
     bytes per step than DDP's every-step all-reduce is not asserted (no timing or rate in tests), but each
     row's exposed time follows from its own step times and every loss is finite."""
     path = tmp_path / "diloco.json"
@@ -536,7 +693,12 @@ def test_bench_diloco_quick(tmp_path):
         assert len(r["losses"]) == 16 and all(math.isfinite(v) for v in r["losses"])
         assert math.isfinite(r["held_out_loss"]) and r["step_ms"] > 0 and r["inner_ms"] > 0
         assert r["exposed_ms"] == pytest.approx(max(r["step_ms"] - r["inner_ms"], 0.0))
+        # Peak memory beside the step time (issue 38): every run's, measured around its own steps.
+        assert isinstance(r["peak_memory_bytes"], int) and r["peak_memory_bytes"] > 0, r["run"]
+    assert data["memory"] in ("rss", "rss, lifetime") and "peak MiB" in res.stdout
     assert "diloco-32-int4-stream" in res.stdout
+    # The held-out loss is the global model's where DiLoCo trained (finalize()), and says so.
+    assert "DiLoCo: the global model after DiLoCo.finalize()" in res.stdout
     # The traffic model's bytes per step on the busiest node link, against rank arithmetic (N: the
     # model's fp32 bytes): DDP rings every gradient over 4 ranks each step, node 0's link carrying
     # 2(p-1)/p N = 1.5 N; DiLoCo H=2 exact reduces each rank's 1/2 along a rail of 2 nodes every other
