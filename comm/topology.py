@@ -620,6 +620,11 @@ class Topology:
                          if node.strip()]
             except ValueError:
                 raise TopologyError(f"COMMOPT_NODES={text!r} is malformed: use '0,1;2,3'") from None
+            if group is not None and group is not dist.group.WORLD and dist.is_initialized():
+                # COMMOPT_NODES names global ranks: a sub-group's layout is its members' nodes, in
+                # group ranks (the cover check of _build still catches a member it does not name).
+                index = {g: i for i, g in enumerate(dist.get_process_group_ranks(group))}
+                nodes = [kept for kept in ([index[r] for r in node if r in index] for node in nodes) if kept]
             return cls._build(nodes, group, where, f"COMMOPT_NODES={text!r}", extra)
         placement = _launcher_placement()
         if placement is None and not fallback:

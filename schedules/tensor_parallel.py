@@ -278,13 +278,43 @@ def _colwise_forward(style: ColwiseParallel, mesh: DeviceMesh, state: FusedState
     if fusable and (state.algorithm == "ring" or (state.algorithm == "auto"
                                                    and _colwise_choice(mesh, state, module, x, d) == "ring")):
         return _colwise_fused(style, mesh, state, module, x, d)
-    # Replicated, sharded on the contraction, uneven, or torch's collective chosen: torch's own hooks
-    # and DTensor matmul.
-    xt = _torch_tp.ColwiseParallel._prepare_input_fn(style.input_layouts, style.desired_input_layouts, module,
-                                                     (x,), mesh)
+    if fusable:  # torch's collective chosen: its all-gather, once for the modules handed the same input
+        xt = _torch_gather(mesh, x, d)
+    else:  # replicated, sharded on the contraction, or uneven: torch's own hooks and DTensor matmul
+        xt = _torch_tp.ColwiseParallel._prepare_input_fn(style.input_layouts, style.desired_input_layouts, module,
+                                                         (x,), mesh)
     out = F.linear(xt, module.weight, module.bias)
     return _torch_tp.ColwiseParallel._prepare_output_fn(style.output_layouts, style.use_local_output, module, out,
                                                         mesh)
+
+
+@_outside_graphs
+def _torch_gather(mesh: DeviceMesh, x: torch.Tensor, d: int) -> DTensor:
+    """torch's all-gather of an input sharded on ``d`` (DTensor's redistribute to ``Replicate``), kept on
+    ``x`` like the ring's gather (:func:`_shared_gather_matmul`) for the next module handed the same
+    unmodified ``x``, until a backward pass has reached it. Where the ring is not chosen, the modules
+    that share an input (``wq``, ``wk``, ``wv``) then gather it once, as torch's own plans do in a
+    ``PrepareModuleInput`` in front of them, not once each (what DTensor's matmul of a ``Shard(d)`` input
+    would do: 0.88x torch's plan in torchtitan's block, docs/results.md 26)."""
+    local = x.to_local() if isinstance(x, DTensor) else x
+    kept = _torch_kept(x, local, mesh, d)
+    if kept is not None:
+        return kept
+    key = ("torch", id(mesh), d, local._version, torch.is_grad_enabled())
+    dt = x if isinstance(x, DTensor) else DTensor.from_local(x, mesh, (Shard(d),), run_check=False)
+    xt = dt.redistribute(placements=(Replicate(),), async_op=True)
+    reached: list[bool] = []  # a backward pass consumed the gather's graph: gather anew
+    if xt.requires_grad:
+        xt.register_hook(lambda g: reached.append(True))
+    setattr(x, _GATHERED, (key, xt, reached))
+    return xt
+
+
+def _torch_kept(x: torch.Tensor, local: torch.Tensor, mesh: DeviceMesh, d: int) -> DTensor | None:
+    """The gathered form of ``x`` that :func:`_torch_gather` kept for an earlier module, if still valid."""
+    kept = getattr(x, _GATHERED, None)
+    key = ("torch", id(mesh), d, local._version, torch.is_grad_enabled())
+    return kept[1] if kept is not None and kept[0] == key and not kept[2] else None
 
 
 def _colwise_key(local: torch.Tensor, d: int, weight: torch.Tensor) -> tuple:
@@ -295,12 +325,15 @@ def _colwise_key(local: torch.Tensor, d: int, weight: torch.Tensor) -> tuple:
 @_outside_graphs
 def _colwise_choice(mesh: DeviceMesh, state: FusedState, module: nn.Linear, x: torch.Tensor, d: int) -> str:
     """``"ring"`` or ``"torch"`` for this input (``algorithm="auto"``): the ring where the gathered form
-    of ``x`` is already kept by a module that shared it (no communication at all), else the choice
+    of ``x`` is already kept by a module that shared it (no communication at all; torch's where torch's
+    gather is kept), else the choice
     for this shape (:meth:`FusedState.choose`, the agreement check first where the shape changed)."""
     group = mesh.get_group()
     local = x.to_local() if isinstance(x, DTensor) else x
     if _kept(x, local, d, group) is not None:
         return "ring"
+    if _torch_kept(x, local, mesh, d) is not None:
+        return "torch"  # an earlier module gathered it with torch's collective: no communication at all
     w = module.weight.to_local().t()
     key = _colwise_key(local, d, module.weight)
     return state.choose("ColwiseParallel", key, _style_check("ColwiseParallel", key, local, group, state),
@@ -347,7 +380,7 @@ def _colwise_fused(style: ColwiseParallel, mesh: DeviceMesh, state: FusedState, 
 def _kept(x: torch.Tensor, local: torch.Tensor, d: int, group) -> torch.Tensor | None:
     """The gathered form of ``local`` that an earlier module kept on ``x`` and that is still valid."""
     kept = getattr(x, _GATHERED, None)
-    key = (group, d, local._version, torch.is_grad_enabled())
+    key = ("ring", group, d, local._version, torch.is_grad_enabled())
     if kept is not None and kept[0] == key and not getattr(kept[1].grad_fn, "ran", False):
         return kept[1]
     return None
@@ -370,7 +403,7 @@ def _shared_gather_matmul(x: torch.Tensor, local: torch.Tensor, d: int, weight, 
     state.check(key, _style_check("ColwiseParallel", key, local, group, state))
     gathered, (y,) = all_gather_matmul(local, [b], gather_dim=d, group=group, return_a=True, chunks=state.chunks,
                                        agreement=False)
-    setattr(x, _GATHERED, ((group, d, local._version, torch.is_grad_enabled()), gathered))
+    setattr(x, _GATHERED, (("ring", group, d, local._version, torch.is_grad_enabled()), gathered))
     return y
 
 

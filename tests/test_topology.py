@@ -97,11 +97,17 @@ def _layouts(env_nodes):
     g = context().groups(t, "default")
     out["uneven"] = (t.is_uniform, g.intra_ranks, g.rail_ranks, g.intra is None)
     os.environ["COMMOPT_NODES"] = env_nodes
+    pairs = [dist.new_group(members) for members in ([0, 1], [2, 3], [0, 3], [1, 2])]
     try:
         out["env"] = Topology.from_env().layout
         out["detect"] = Topology.detect().layout
+        # A sub-group's layout: its members' nodes of COMMOPT_NODES (global ranks), in group ranks.
+        mine = [g for g, members in zip(pairs, ([0, 1], [2, 3], [0, 3], [1, 2])) if r in members]
+        out["sub"] = [(t.world_size, t.num_nodes, t.rank) for t in (Topology.from_env(group=g) for g in mine)]
     finally:
         del os.environ["COMMOPT_NODES"]
+        for g in pairs:
+            dist.destroy_process_group(g)
     # Without any layout in the environment, detect() groups by host name: one machine, one node.
     out["hostname"] = Topology.detect().layout
     out["rank"] = r
@@ -117,6 +123,10 @@ def test_layouts_and_groups(ranks):
         assert out["interleaved"][2] == ((0, 2) if node == 0 else (1, 3))
         assert out["interleaved"][3] == ((0, 1) if r < 2 else (2, 3))
         assert out["env"] == out["detect"] == "0,3;1,2"
+        # COMMOPT_NODES "0,3;1,2": {0, 1} and {2, 3} span both nodes, {0, 3} and {1, 2} share one.
+        first, second = ([0, 1], [0, 3]) if r == 0 else ([0, 1], [1, 2]) if r == 1 else \
+            ([2, 3], [1, 2]) if r == 2 else ([2, 3], [0, 3])
+        assert out["sub"] == [(2, 2, first.index(r)), (2, 1, second.index(r))], (r, out["sub"])
         assert out["hostname"] == "0,1,2,3"
     # 3+1: rank 3 alone on node 1; local index 0 rail = {0, 3}; ranks 1, 2 have single-member rails.
     assert res[0]["uneven"] == (False, (0, 1, 2), (0, 3), False)

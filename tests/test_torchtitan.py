@@ -9,22 +9,24 @@ comms; each with a 2-layer Llama 3 and 4 steps on the same documents. The oracle
 the exact comms must give its losses to every digit, the ZeRO++ comms (int4 gradients, int8 weights)
 must stay close without being identical, and the comms' byte counters prove that commopt ran.
 
-Tensor parallelism (``parallelize(..., tensor_parallel=True)``): two more fresh ranks train with
+Tensor parallelism (``parallelize(..., tensor_parallel="ring")``: torchtitan's TP plan on commopt's
+styles with the rings forced, since ``True`` lets each Linear keep torch's collective where the ring
+cannot win, as at these sizes): two more fresh ranks train with
 ``tensor_parallel_degree=2`` (``data_parallel_shard_degree=1``: the two ranks are the TP group) and
 the ``partial_dtensor`` backend, with and without sequence parallelism, each once with torchtitan's
 own TP plan (the oracle) and once with its Linears on commopt's styles; the losses must agree to
 1e-4, and the comm engine's byte counters must show commopt's rings (all-gather-matmul and
 matmul-reduce-scatter, or matmul-all-reduce) carried exactly the activations the plan implies.
 
-What torchtitan 0.3.0 needs on a CPU-only machine, all done in the ranks and nowhere else: a device
-type and device module (torchtitan assumes ``cuda`` without an accelerator), ``set_timeout`` (torch
-2.13 has none), CUDA graphs off, ``spmd_backend="partial_dtensor"`` (the default ``spmd_types``
-backend hands ``fully_shard`` plain tensors with ``dp_mesh_dims``, which torch 2.13's FSDP2
-refuses), SDPA instead of flex attention (flex has no CPU backward), its test tokenizer and data
-(not in the wheel: written here), ``set_force_sum_reduction_for_comms`` for native FSDP2 (gloo
-rejects ``PREMUL_SUM``; commopt's comms take it), and, without triton, a stand-in for the triton
-kernels of MinimalAsyncEP, which torchtitan imports unconditionally (they serve expert parallelism
-on CUDA only).
+TP 2 x FSDP2 2 (``parallelize(..., comms=None, tensor_parallel="ring")``): four fresh ranks train
+torchtitan's TP plan on a 2 x 2 mesh (FSDP2 over the strided complement of each TP group, with its
+own collectives), once on torch's styles (the oracle) and once on commopt's, 5 steps; the losses
+must agree as above (1e-4 over the steps) and the rings carry what they carry on 2 ranks.
+
+Without torchtitan, ``commopt-bench torchtitan`` says how to install it.
+
+What torchtitan 0.3.0 needs on a CPU-only machine is done in the ranks and nowhere else, by
+``commopt.bench.titan`` (its module docstring lists it; ``commopt-bench torchtitan`` uses the same).
 """
 
 from __future__ import annotations
@@ -43,8 +45,10 @@ import pytest
 import torch
 from _spawn import run_spawned
 
+from commopt.bench import titan
+
 _HAVE_TORCHTITAN = importlib.util.find_spec("torchtitan") is not None
-_WORLD = 2
+_NEEDS = "needs torchtitan: pip install -e '.[oracles]' && pip install --no-deps torchtitan==0.3.0 (README, 'Set up')"
 _STEPS = 4
 _README = Path(__file__).resolve().parents[1] / "docs" / "frameworks.md"  # where the README points
 _SECTION = "## With torchtitan"
@@ -72,16 +76,16 @@ def _free_ports(n: int) -> list[int]:
             s.close()
 
 
-def _rank_entry(body, rank: int, ports: list[int], workdir: str, results) -> None:
+def _rank_entry(body, rank: int, world: int, nodes: str | None, ports: list[int], workdir: str, results) -> None:
     os.environ.update({
         "MASTER_ADDR": "127.0.0.1", "COMMOPT_TEST_PORTS": ",".join(map(str, ports)),
         "RANK": str(rank), "LOCAL_RANK": str(rank),
-        "WORLD_SIZE": str(_WORLD), "LOCAL_WORLD_SIZE": str(_WORLD), "GROUP_RANK": "0",
+        "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world), "GROUP_RANK": "0",
         "TORCHELASTIC_RUN_ID": "commopt-test", "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
-        # Two logical nodes of one rank: the hierarchical comms then cross a node link, whose bytes
-        # they count (on one node there is no such link and the counter stays 0).
-        "COMMOPT_NODES": "0;1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled",
+        "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled",
     })
+    if nodes is not None:
+        os.environ["COMMOPT_NODES"] = nodes
     os.chdir(workdir)
     sys.path.insert(0, workdir)  # the README's config module, as torchtitan's --module finds it
     torch.set_num_threads(1)
@@ -93,156 +97,36 @@ def _rank_entry(body, rank: int, ports: list[int], workdir: str, results) -> Non
         results.put((rank, "err", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
 
 
-def _launch(body, workdir, timeout: float, runs: int = 3) -> list:
-    """``body(rank)`` in ``_WORLD`` fresh spawned processes (``_spawn.run_spawned``: a hang fails naming
-    the ranks that did not finish, a rank's exception is re-raised with its traceback)."""
+def _launch(body, workdir, timeout: float, runs: int = 3, world: int = 2, nodes: str | None = "0;1") -> list:
+    """``body(rank)`` in ``world`` fresh spawned processes (``_spawn.run_spawned``: a hang fails naming
+    the ranks that did not finish, a rank's exception is re-raised with its traceback). ``nodes``:
+    ``COMMOPT_NODES``; by default two logical nodes of one rank, so that the hierarchical comms cross
+    a node link, whose bytes they count (on one node there is no such link and the counter stays 0);
+    None: torchrun's layout (one node)."""
     ports = _free_ports(runs)  # one rendezvous per run
-    return run_spawned(_rank_entry, lambda r: (body, r, ports, str(workdir)), _WORLD, timeout, body.__name__)
+    return run_spawned(_rank_entry, lambda r: (body, r, world, nodes, ports, str(workdir)), world, timeout,
+                       body.__name__)
 
 
 # ------------------------------------------------------------------------------------ in the ranks
-class _CpuDevice:
-    """torch.cpu with the calls torchtitan makes on its device module (memory monitor, device name)."""
-
-    def __getattr__(self, name):
-        return getattr(torch.cpu, name)
-
-    def get_device_name(self, *args) -> str:
-        return "cpu"
-
-    def get_device_properties(self, *args):
-        import types
-
-        return types.SimpleNamespace(name="cpu", total_memory=1 << 34)
-
-    def reset_peak_memory_stats(self, *args) -> None:
-        pass
-
-    def empty_cache(self) -> None:
-        pass
-
-    def memory_stats(self, *args) -> dict:
-        import collections
-
-        return collections.defaultdict(int)
-
-    def current_device(self) -> int:
-        return 0
+def _on_cpu(config, steps: int = _STEPS):
+    """``titan.on_cpu`` in the rank's working directory (where ``titan.write_assets`` wrote the
+    tokenizer and documents): the tiny Llama, ``steps`` steps of 2 x 32 tokens per data-parallel rank."""
+    return titan.on_cpu(config, os.getcwd(), steps=steps)
 
 
-def _cpu_shims() -> None:
-    """What torchtitan 0.3.0 needs on a CPU-only machine (the module docstring says why)."""
-    import types
-
-    import torch.distributed as dist
-
-    if importlib.util.find_spec("triton") is None:
-        name = "torchtitan.distributed.minimal_async_ep.kernels"
-        stand_in = types.ModuleType(name)
-
-        def kernel(attr):
-            if attr.startswith("__"):
-                raise AttributeError(attr)
-
-            def missing(*args, **kwargs):
-                raise NotImplementedError(f"{attr} is a triton kernel of MinimalAsyncEP (CUDA only)")
-            return missing
-
-        stand_in.__getattr__ = kernel
-        sys.modules[name] = stand_in
-    if not hasattr(dist, "set_timeout"):  # torchtitan calls it after its first step; torch 2.13 has none
-        dist.set_timeout = lambda timeout, group=None: None
-    import torchtitan.tools.utils as utils
-
-    utils.device_type, utils.device_module = "cpu", _CpuDevice()
-    utils.get_local_device = lambda: torch.device("cpu")
-    import torchtitan.trainer  # noqa: F401 - imports every module that copied device_type at import
-    for name, module in list(sys.modules.items()):
-        if name.startswith("torchtitan") and getattr(module, "device_type", None) == "cuda":
-            module.device_type = "cpu"
-        if name.startswith("torchtitan") and getattr(module, "device_module", None) is torch.cuda:
-            module.device_module = utils.device_module
-
-
-def _assets(workdir: Path) -> None:
-    """torchtitan's test tokenizer and c4_test are not in its wheel: a word-level tokenizer of 200
-    words and 64 documents of them, in the layouts torchtitan reads (a tokenizer folder; a JSON-lines
-    dataset for ``datasets.load_dataset``)."""
-    import json
-    import random
-
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    words = [f"w{i}" for i in range(200)]
-    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(["<unk>", "<s>", "</s>", *words])},
-                                           unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    (workdir / "tokenizer").mkdir()
-    tokenizer.save(str(workdir / "tokenizer" / "tokenizer.json"))
-    (workdir / "tokenizer" / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
-    (workdir / "c4").mkdir()
-    rng = random.Random(0)  # each document cycles through 8 words: something to learn in a few steps
-    docs = [json.dumps({"text": " ".join(rng.sample(words, 8) * 8)}) for _ in range(64)]
-    (workdir / "c4" / "data.json").write_text("\n".join(docs) + "\n")
-
-
-def _tiny_llama():
-    """A 2-layer Llama 3 (dim 64, vocab 256) from torchtitan's own builders, SDPA attention."""
-    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
-    from torchtitan.models.common.attention import ScaledDotProductAttention
-    from torchtitan.models.llama3 import _build_llama3_layers
-    from torchtitan.models.llama3.model import Llama3Model
-
-    dim, heads, vocab = 64, 4, 256
-    small = {"weight": lambda w: torch.nn.init.normal_(w, std=0.05)}
-    layers = _build_llama3_layers(n_layers=2, dim=dim, n_heads=heads, hidden_dim=128, attn_backend="flex",
-                                  rope=ComplexRoPE.Config(dim=dim // heads, max_seq_len=64, theta=500000,
-                                                          scaling="none"))
-    for layer in layers:
-        layer.attention.inner_attention = ScaledDotProductAttention.Config()
-    return Llama3Model.Config(
-        dim=dim, vocab_size=vocab, layers=layers,
-        tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim, param_init=small),
-        norm=RMSNorm.Config(normalized_shape=dim, param_init={"weight": torch.nn.init.ones_}),
-        lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=small))
-
-
-def _on_cpu(config):
-    """A torchtitan ``Trainer.Config`` made small and CPU-ready; its ``parallelize_fn`` is kept."""
-    from torchtitan.components.optimizer.optimizer import default_adamw
-
-    config.model_spec.model = _tiny_llama()
-    config.loss.loss_fn.global_vocab_size = config.model_spec.model.vocab_size
-    config.parallelism.spmd_backend = "partial_dtensor"
-    config.hf_assets_path = os.path.abspath("tokenizer")
-    config.dataloader.dataset_path = os.path.abspath("c4")
-    training = config.training
-    training.steps, training.seq_len, training.local_batch_size = _STEPS, 32, 2
-    training.mixed_precision_param = "float32"
-    training.disable_cuda_graphs = True
-    config.debug.seed = 0
-    config.optimizer = default_adamw(lr=1e-2)
-    config.lr_scheduler.warmup_steps = 1
-    config.activation_checkpoint = None
-    config.validator.enable = False
-    config.checkpoint.enable = False
-    config.metrics.enable_tensorboard = False
-    return config
-
-
-def _train(config, native: bool, sent: dict | None = None) -> list[float]:
+def _train(config, fsdp2_comms: bool, sent: dict | None = None) -> list[float]:
     """torchtitan's own run (``train.py`` without its CLI): build the Trainer, train, close; the
-    losses it logs (averaged over the ranks). ``sent`` receives the bytes this rank's comm engine
-    counted per operation (before ``commopt.comm.destroy`` drops the engine)."""
+    losses it logs (averaged over the ranks). ``fsdp2_comms``: FSDP2 runs its own collectives
+    (gloo has no ``PREMUL_SUM``: they sum; commopt's comms take it). ``sent`` receives the bytes this
+    rank's comm engine counted per operation (before ``commopt.comm.destroy`` drops the engine)."""
     import torch.distributed as dist
 
     import commopt.comm
 
     trainer = config.build()  # initialises the process group, then model, parallelize_fn, optimizer
-    if native:  # gloo has no PREMUL_SUM (commopt's comms take it)
-        for module in trainer.model_parts[0].modules():
-            if hasattr(module, "set_force_sum_reduction_for_comms"):
-                module.set_force_sum_reduction_for_comms(True)
+    if fsdp2_comms:
+        titan.force_sum_reduction(trainer)
     losses: list[float] = []
     log = trainer.metrics_processor.log
 
@@ -263,7 +147,7 @@ def _train(config, native: bool, sent: dict | None = None) -> list[float]:
 
 
 def _torchtitan_body(rank: int) -> dict:
-    _cpu_shims()
+    titan.cpu_shims()
     from torchtitan.config import ConfigManager
     from torchtitan.models.llama3 import parallelize_llama
     from torchtitan.models.llama3.config_registry import llama3_debugmodel
@@ -272,30 +156,30 @@ def _torchtitan_body(rank: int) -> dict:
 
     ports = os.environ["COMMOPT_TEST_PORTS"].split(",")
     os.environ["MASTER_PORT"] = ports[0]
-    native = _train(_on_cpu(llama3_debugmodel()), native=True)
+    native = _train(_on_cpu(llama3_debugmodel()), fsdp2_comms=True)
     # The README's lines, through torchtitan's own command-line parsing.
     config = ConfigManager().parse_args(["--module", "my_configs", "--config", "llama3_debugmodel_commopt"])
     readme_fn = config.model_spec.parallelize_fn
     assert isinstance(readme_fn, Parallelize) and readme_fn.parallelize_fn is parallelize_llama, readme_fn
     os.environ["MASTER_PORT"] = ports[1]
-    exact = _train(_on_cpu(config), native=False)
+    exact = _train(_on_cpu(config), fsdp2_comms=False)
     config = llama3_debugmodel()
     zero = config.model_spec.parallelize_fn = parallelize(config.model_spec.parallelize_fn, comms="zero++")
     os.environ["MASTER_PORT"] = ports[2]
-    quantized = _train(_on_cpu(config), native=False)
+    quantized = _train(_on_cpu(config), fsdp2_comms=False)
     topo = readme_fn.comms[0].reduce_scatter.topology
     return {"native": native, "exact": exact, "zero++": quantized, "registered": len(readme_fn.comms),
             "exact_bytes": readme_fn.link_bytes(), "zero_bytes": zero.link_bytes(),
             "nodes": [list(n) for n in topo.nodes], "algorithm": readme_fn.algorithm}
 
 
-_TP_SEQ, _TP_BATCH, _TP_DIM, _TP_LAYERS = 32, 2, 64, 2  # _on_cpu's and _tiny_llama's sizes
+_TP_SEQ, _TP_BATCH, _TP_DIM, _TP_LAYERS = 32, 2, 64, 2  # titan.on_cpu's and titan.tiny_llama's sizes
 
 
 def _tp_body(rank: int) -> dict:
     """torchtitan's TP plan (the oracle) and the same plan on commopt's styles, with and without
     sequence parallelism: four runs, TP degree 2 over both ranks."""
-    _cpu_shims()
+    titan.cpu_shims()
     from torchtitan.models.llama3.config_registry import llama3_debugmodel
 
     from commopt.comm.integrations.torchtitan import parallelize
@@ -308,13 +192,13 @@ def _tp_body(rank: int) -> dict:
         parallelism.tensor_parallel_degree, parallelism.data_parallel_shard_degree = 2, 1
         parallelism.enable_sequence_parallel = sp
         assert (config.training.seq_len, config.training.local_batch_size) == (_TP_SEQ, _TP_BATCH)
-        if commopt:
+        if commopt:  # the rings forced ("auto" may keep torch's collectives at these sizes): their bytes are checked
             fn = config.model_spec.parallelize_fn = parallelize(config.model_spec.parallelize_fn,
-                                                                tensor_parallel=True)
+                                                                tensor_parallel="ring")
         os.environ["MASTER_PORT"] = ports[i]
         sent: dict = {}
         key = f"{'sp' if sp else 'nosp'}/{'commopt' if commopt else 'native'}"
-        out[key] = _train(config, native=not commopt, sent=sent)
+        out[key] = _train(config, fsdp2_comms=not commopt, sent=sent)
         out[key + "/sent"] = {k: v for k, v in sent.items() if not k.endswith("/agree")}
         if commopt:
             out[key + "/plan"] = fn.tp_plans
@@ -324,13 +208,13 @@ def _tp_body(rank: int) -> dict:
 
 # ------------------------------------------------------------------------------------ the test
 @pytest.mark.frameworks
-@pytest.mark.skipif(not _HAVE_TORCHTITAN, reason="needs torchtitan (see docs/frameworks.md, 'With torchtitan')")
+@pytest.mark.skipif(not _HAVE_TORCHTITAN, reason=_NEEDS)
 def test_torchtitan_parallelize_fn_registers_commopt_comms(tmp_path):
     """The README's config function gives torchtitan's Trainer a parallelize_fn whose FSDP2 modules
     run commopt's comms: exact ones reproduce native FSDP2's losses, ZeRO++'s stay within 0.1 of them."""
     (module,) = _readme_blocks("python")
     (tmp_path / "my_configs.py").write_text(module, encoding="utf-8")
-    _assets(tmp_path)
+    titan.write_assets(tmp_path)
     ranks = _launch(_torchtitan_body, tmp_path, timeout=300)
     r0 = ranks[0]
     for r in ranks[1:]:
@@ -346,11 +230,11 @@ def test_torchtitan_parallelize_fn_registers_commopt_comms(tmp_path):
 
 
 @pytest.mark.frameworks
-@pytest.mark.skipif(not _HAVE_TORCHTITAN, reason="needs torchtitan (see docs/frameworks.md, 'With torchtitan')")
+@pytest.mark.skipif(not _HAVE_TORCHTITAN, reason=_NEEDS)
 def test_torchtitan_tensor_parallel_runs_on_commopt_styles(tmp_path):
-    """``tensor_parallel=True`` puts torchtitan's column- and row-parallel Linears on commopt's
-    styles: the losses of torchtitan's own TP plan, through commopt's rings."""
-    _assets(tmp_path)
+    """``tensor_parallel`` puts torchtitan's column- and row-parallel Linears on commopt's styles
+    (``"ring"``: the rings forced): the losses of torchtitan's own TP plan, through commopt's rings."""
+    titan.write_assets(tmp_path)
     ranks = _launch(_tp_body, tmp_path, timeout=300, runs=4)
     r0 = ranks[0]
     for r in ranks[1:]:
@@ -388,7 +272,71 @@ def test_torchtitan_tensor_parallel_runs_on_commopt_styles(tmp_path):
     assert r0["nosp/commopt/sent"] == {"matmul_all_reduce": 2 * per_run}, r0["nosp/commopt/sent"]
 
 
-@pytest.mark.skipif(not _HAVE_TORCHTITAN, reason="needs torchtitan (see docs/frameworks.md, 'With torchtitan')")
+_TP_FSDP_STEPS = 5
+
+
+def _tp_fsdp_body(rank: int) -> dict:
+    """TP 2 x FSDP2 2 on four ranks: torchtitan's TP plan on torch's styles (the oracle), then on
+    commopt's (``comms=None``: FSDP2 keeps its own collectives on the strided sub-mesh)."""
+    titan.cpu_shims()
+    from torchtitan.models.llama3.config_registry import llama3_debugmodel
+
+    from commopt.comm.integrations.torchtitan import parallelize
+
+    ports = os.environ["COMMOPT_TEST_PORTS"].split(",")
+    out: dict = {}
+    for i, commopt in enumerate((False, True)):
+        config = _on_cpu(llama3_debugmodel(), steps=_TP_FSDP_STEPS)
+        parallelism = config.parallelism
+        parallelism.tensor_parallel_degree, parallelism.data_parallel_shard_degree = 2, 2
+        assert parallelism.enable_sequence_parallel  # torchtitan's default
+        if commopt:  # the rings forced, as in _tp_body
+            fn = config.model_spec.parallelize_fn = parallelize(config.model_spec.parallelize_fn, comms=None,
+                                                                tensor_parallel="ring")
+        os.environ["MASTER_PORT"] = ports[i]
+        sent: dict = {}
+        key = "commopt" if commopt else "native"
+        out[key] = _train(config, fsdp2_comms=True, sent=sent)
+        out[key + "/sent"] = {k: v for k, v in sent.items() if not k.endswith("/agree")}
+        if commopt:
+            out["plan"], out["registered"] = fn.tp_plans, len(fn.comms)
+    return out
+
+
+@pytest.mark.frameworks
+@pytest.mark.skipif(not _HAVE_TORCHTITAN, reason=_NEEDS)
+def test_torchtitan_tp_fsdp_2x2_matches_torch_styles(tmp_path):
+    """TP 2 x FSDP2 2 (4 ranks): torchtitan's TP plan on commopt's styles, FSDP2 sharding the strided
+    complement of each TP group with its own collectives, gives the losses of the same plan on
+    torch's styles over 5 steps (1e-4, as the TP-only test)."""
+    titan.write_assets(tmp_path)
+    ranks = _launch(_tp_fsdp_body, tmp_path, timeout=300, runs=2, world=4, nodes=None)
+    r0 = ranks[0]
+    for r in ranks[1:]:  # torchtitan logs the loss averaged over the data-parallel ranks
+        assert r["native"] == r0["native"] and r["commopt"] == r0["commopt"], ranks
+    native, ours = r0["native"], r0["commopt"]
+    assert len(native) == _TP_FSDP_STEPS and len(set(native)) == _TP_FSDP_STEPS, native  # every step updated
+    diffs = [abs(a - b) for a, b in zip(ours, native)]
+    assert len(ours) == _TP_FSDP_STEPS and max(diffs) <= 1e-4, (ours, native, diffs)
+    assert r0["registered"] == 0  # comms=None: FSDP2's own collectives on both sides
+    assert r0["native/sent"] == {}, r0  # the oracle ran torch's collectives only
+    # The rings inside each TP group of 2, as in the TP-only test: per rank, half of a [batch, seq,
+    # dim] fp32 activation per ring step; each block gathers twice and reduce-scatters twice per step.
+    per_run = _TP_FSDP_STEPS * _TP_LAYERS * 2 * (_TP_BATCH * _TP_SEQ * _TP_DIM * 4 // 2)
+    assert all(r["commopt/sent"] == {"all_gather_matmul": per_run, "all_gather_matmul/backward": per_run,
+                                     "matmul_reduce_scatter": per_run, "matmul_reduce_scatter/backward": per_run}
+               for r in ranks), [r["commopt/sent"] for r in ranks]
+    (plan,) = r0["plan"]  # the TP plan's Linears on commopt's styles, on every rank
+    for layer in range(_TP_LAYERS):
+        p = f"layers.{layer}."
+        assert {k: v for k, v in plan.items() if k.startswith(p)} == {
+            p + "attention.qkv_linear.wqkv": "colwise", p + "feed_forward.w1": "colwise",
+            p + "feed_forward.w3": "colwise", p + "attention.wo": "rowwise", p + "feed_forward.w2": "rowwise",
+            p + "attention": "sequence-sharded input", p + "feed_forward": "sequence-sharded input"}, plan
+    assert all(r["plan"] == r0["plan"] for r in ranks), ranks
+
+
+@pytest.mark.skipif(not _HAVE_TORCHTITAN, reason=_NEEDS)
 def test_tensor_parallel_option_checks_what_it_cannot_serve():
     """``tensor_parallel=True``: nothing at TP degree 1; at TP degree > 1 a clear error, on every
     rank before torchtitan's function runs, for a backend without DTensor activations on the TP mesh
@@ -422,11 +370,11 @@ def test_tensor_parallel_option_checks_what_it_cannot_serve():
     assert parallelize(parallelize_llama).tensor_parallel is False  # off unless asked for
     with pytest.raises(ValueError, match="leaves nothing for commopt to do"):
         parallelize(parallelize_llama, comms=None)
-    with pytest.raises(TypeError, match="tensor_parallel must be True or False"):
+    with pytest.raises(TypeError, match="tensor_parallel must be True, False, 'auto' or 'ring'"):
         parallelize(parallelize_llama, tensor_parallel="yes")
 
 
-@pytest.mark.skipif(not _HAVE_TORCHTITAN, reason="needs torchtitan (see docs/frameworks.md, 'With torchtitan')")
+@pytest.mark.skipif(not _HAVE_TORCHTITAN, reason=_NEEDS)
 def test_parallelize_arguments_are_checked_when_built():
     """Bad arguments fail in the config function (the launching process), not inside every rank."""
     from commopt.comm import Topology
@@ -471,6 +419,15 @@ def test_without_torchtitan_the_import_says_how_to_install_it():
     proc = subprocess.run([sys.executable, "-c", _IMPORT_CHECK], capture_output=True, text=True, timeout=120,
                           cwd=os.path.dirname(os.path.abspath(__file__)))
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stdout + proc.stderr
+
+
+def test_bench_without_torchtitan_says_how_to_install_it(monkeypatch, capsys):
+    """``commopt-bench torchtitan`` where torchtitan is missing: exit code 2 and the install line,
+    before any rank starts."""
+    monkeypatch.setitem(sys.modules, "torchtitan", None)  # as if not installed
+    assert titan.main(["--quick"]) == 2
+    err = capsys.readouterr().err
+    assert "needs torchtitan 0.3.0" in err and "pip install --no-deps torchtitan==0.3.0" in err, err
 
 
 def test_readme_torchtitan_command_names_the_tested_module():

@@ -27,6 +27,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel as TorchColwise
 from torch.distributed.tensor.parallel import RowwiseParallel as TorchRowwise
 from torch.distributed.tensor.parallel import SequenceParallel as TorchSequence
 from torch.distributed.tensor.parallel import parallelize_module
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from commopt.comm import context
 from commopt.comm.cost import CostModel, LinkModel
@@ -66,6 +67,23 @@ class _MLP(nn.Module):
 def _plan(col, row, seq) -> dict:
     return {"norm": seq(), "w1": col(input_layouts=Shard(1)), "w3": col(input_layouts=Shard(1)),
             "w2": row(output_layouts=Shard(1))}
+
+
+class _Collectives(TorchDispatchMode):
+    """Counts torch's functional collectives (what DTensor's redistributions run), by name. Not
+    ``CommDebugMode``: its module tracker hands each module a new input object (for its backward hooks),
+    which hides that two modules were handed the same one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__.split(".")[0]
+        if func.namespace == "_c10d_functional" and name in ("all_gather_into_tensor", "reduce_scatter_tensor",
+                                                               "all_reduce", "all_to_all_single"):
+            self.counts[name] = self.counts.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
 
 
 def _sent(ops) -> int:
@@ -111,6 +129,11 @@ def _choice_case() -> dict:
         equal = all(torch.allclose(a, b, rtol=1e-5, atol=1e-5) for a, b in zip(got[0], ref[0]))
         equal = equal and all(torch.allclose(got[1][k], ref[1][k], rtol=1e-5, atol=1e-5) for k in ref[1])
         out[name] = {"choices": tp.choices(model), "ring_bytes": _sent(_RINGS) - before, "equal_to_torch": equal}
+        # torch's collectives in one more forward: w1 and w3 share one gathered input on either path.
+        x = torch.randn(2, 8, 48).chunk(2, dim=1)[dist.get_rank()]
+        with _Collectives() as comms:
+            model(x)
+        out[name]["torch_collectives"] = dict(comms.counts)
     _tp_choice._time = timed
     context().engine().release(group)
     return out
@@ -142,16 +165,22 @@ def test_auto_runs_torchs_collective_where_the_ring_cannot_win(ranks):
     collective on a link too fast for the ring to hide anything (no byte through commopt's rings), and
     the ring on a slow one whose transfers last as long as the matmuls (each matmul's measured time
     fixed at 50 ms in the ranks, so that the choice is the link's alone); every rank takes the same
-    choice, and the outputs, input gradients and parameter gradients equal torch's styles' either way."""
+    choice, and the outputs, input gradients and parameter gradients equal torch's styles' either way.
+    Where torch's collective runs, the two projections that share an input gather it once (torch's
+    functional collectives counted), as torch's own plan does in front of them."""
     res = ranks(2, _choice_case, timeout=120)
     assert res[0]["fast"]["choices"] == res[1]["fast"]["choices"]
     assert res[0]["slow"]["choices"] == res[1]["slow"]["choices"]
     for r in res:
         fast, slow = r["fast"], r["slow"]
-        # w1 and w3 share one gathered input: w3 runs on the ring's kept gather only where w1 ran the ring.
+        # w1 and w3 share one gathered input: w3 multiplies w1's (torch's or the ring's), choosing nothing.
         assert {m: set(c.values()) for m, c in fast["choices"].items()} == \
-            {"w1": {"torch"}, "w3": {"torch"}, "w2": {"torch"}}, fast["choices"]
+            {"w1": {"torch"}, "w3": set(), "w2": {"torch"}}, fast["choices"]
         assert fast["ring_bytes"] == 0, fast
+        # torch's path gathers once for both (as torch's plan with a PrepareModuleInput), then one
+        # reduce-scatter: never more collectives than torch's own plan.
+        assert fast["torch_collectives"] == {"all_gather_into_tensor": 1, "reduce_scatter_tensor": 1}, fast
+        assert slow["torch_collectives"] == {}, slow
         assert set(slow["choices"]["w1"].values()) == {"ring"} and set(slow["choices"]["w2"].values()) == {"ring"}
         assert slow["ring_bytes"] > 0, slow
         assert fast["equal_to_torch"] and slow["equal_to_torch"], r
