@@ -53,6 +53,7 @@ import torch
 import torch.distributed as dist
 
 from ._launch import launch
+from ._memory import PeakMemory, peak_kind
 from ._progress import progress
 
 __all__ = ["main", "cpu_shims", "write_assets", "tiny_llama", "debug_llama", "on_cpu", "force_sum_reduction"]
@@ -311,11 +312,14 @@ def _body(args) -> int:
                 _timed_steps(*runs[name][:2], 1)
                 bar.update()
         pairs = []
+        memory = PeakMemory("cpu")
         for i in range(args.pairs):
             order = ("torch", "commopt") if i % 2 == 0 else ("commopt", "torch")
             pair = {}
             for name in order:
+                memory.start()
                 pair[name] = _timed_steps(*runs[name][:2], args.steps)
+                memory.stop(name)
                 bar.update()
             pairs.append(pair)
         bar.close()
@@ -325,11 +329,11 @@ def _body(args) -> int:
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     if rank == 0:
-        _report(args, world, pairs, last)
+        _report(args, world, pairs, last, memory)
     return 0
 
 
-def _report(args, world: int, pairs: list[dict[str, float]], last: dict[str, float]) -> None:
+def _report(args, world: int, pairs: list[dict[str, float]], last: dict[str, float], memory: PeakMemory) -> None:
     ratios = [p["torch"] / p["commopt"] for p in pairs]
     model = "tiny Llama 3 (2 layers, dim 64)" if args.quick else (
         f"torchtitan's debug Llama 3 ({args.layers or 6} layers, dim 256, SDPA)")
@@ -343,7 +347,9 @@ def _report(args, world: int, pairs: list[dict[str, float]], last: dict[str, flo
               f"{p['commopt'] * 1e3:>12.1f}{r:>15.3f}")
     med = {name: statistics.median(p[name] for p in pairs) for name in ("torch", "commopt")}
     print(f"{'median':>14}{med['torch'] * 1e3:>11.1f}{med['commopt'] * 1e3:>12.1f}{statistics.median(ratios):>15.3f}")
-    print(f"# last step's loss: torch {last['torch']:.6f}, commopt {last['commopt']:.6f}")
+    print(f"# last step's loss: torch {last['torch']:.6f}, commopt {last['commopt']:.6f}; peak memory "
+          f"({peak_kind('cpu')} of rank 0 during a turn): torch {memory.mib('torch'):.1f} MiB, commopt "
+          f"{memory.mib('commopt'):.1f} MiB")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"kind": "torchtitan", "world": world,
@@ -352,7 +358,8 @@ def _report(args, world: int, pairs: list[dict[str, float]], last: dict[str, flo
                                  for p, r in zip(pairs, ratios)],
                        "median_ratio": statistics.median(ratios),
                        "median_step_s": {"torch": med["torch"], "commopt": med["commopt"]},
-                       "last_loss": last}, fh, indent=1)
+                       "last_loss": last, "memory": peak_kind("cpu"),
+                       "peak_memory_bytes": {name: memory.peak(name) for name in ("torch", "commopt")}}, fh, indent=1)
 
 
 def main(argv: list[str] | None = None) -> int:
