@@ -56,7 +56,8 @@ from ._launch import launch
 from ._memory import PeakMemory, peak_kind
 from ._progress import progress
 
-__all__ = ["main", "cpu_shims", "write_assets", "tiny_llama", "debug_llama", "on_cpu", "force_sum_reduction"]
+__all__ = ["main", "cpu_shims", "write_assets", "tiny_llama", "debug_llama", "on_cpu", "force_sum_reduction",
+           "captured_losses"]
 
 _INSTALL = ("commopt-bench torchtitan: needs torchtitan 0.3.0, which is not installed here: pip install -e "
             "\".[oracles]\" && pip install --no-deps torchtitan==0.3.0 (README, 'Set up')")
@@ -275,6 +276,12 @@ def _build(args, workdir: str, commopt: bool):
                                                        tensor_parallel=True if args.styles == "auto" else "ring")
     trainer = config.build()
     force_sum_reduction(trainer)
+    return trainer, trainer.batch_generator(trainer.dataloader), captured_losses(trainer)
+
+
+def captured_losses(trainer) -> list[float]:
+    """The list that receives every loss ``trainer`` logs from now on (averaged over the ranks, as
+    torchtitan's metrics processor logs it)."""
     losses: list[float] = []
     log = trainer.metrics_processor.log
 
@@ -283,7 +290,7 @@ def _build(args, workdir: str, commopt: bool):
         return log(step, avg_loss, max_loss, grad_norm, **kwargs)
 
     trainer.metrics_processor.log = capture
-    return trainer, trainer.batch_generator(trainer.dataloader), losses
+    return losses
 
 
 def _last_loss(trainer, data, losses: list[float]) -> float:

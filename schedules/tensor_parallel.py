@@ -73,7 +73,17 @@ _GATHERED = "_commopt_gathered"  # the attribute of an input tensor that keeps i
 
 
 # --------------------------------------------------------------------------------- drop-in styles
-class ColwiseParallel(_torch_tp.ColwiseParallel):
+class _Choosing:
+    """The two arguments the fused styles add to torch's (``algorithm``, ``chunks``), checked at
+    construction."""
+
+    def __init__(self, *, algorithm: str = "auto", chunks: int | None = None, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.algorithm = check_algorithm(type(self).__name__, algorithm)
+        self.chunks = check_chunks(type(self).__name__, chunks)
+
+
+class ColwiseParallel(_Choosing, _torch_tp.ColwiseParallel):
     """torch's ``ColwiseParallel`` with the all-gather of a sequence-sharded input decomposed into the
     matmul (:func:`all_gather_matmul`); a drop-in for ``parallelize_module`` plans (docs/guide.md,
     "Tensor parallelism").
@@ -118,11 +128,6 @@ class ColwiseParallel(_torch_tp.ColwiseParallel):
             (docs/faults.md row 39).
     """
 
-    def __init__(self, *, algorithm: str = "auto", chunks: int | None = None, **kwargs) -> None:
-        super().__init__(**kwargs)
-        self.algorithm = check_algorithm(type(self).__name__, algorithm)
-        self.chunks = check_chunks(type(self).__name__, chunks)
-
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         mesh = _tp_mesh("ColwiseParallel", device_mesh)
         if not isinstance(module, (nn.Linear, nn.Embedding)):
@@ -137,7 +142,7 @@ class ColwiseParallel(_torch_tp.ColwiseParallel):
         return module
 
 
-class RowwiseParallel(_torch_tp.RowwiseParallel):
+class RowwiseParallel(_Choosing, _torch_tp.RowwiseParallel):
     """torch's ``RowwiseParallel`` with the reduction of the partial products decomposed into the
     matmul; a drop-in for ``parallelize_module`` plans (docs/guide.md, "Tensor parallelism").
 
@@ -172,11 +177,6 @@ class RowwiseParallel(_torch_tp.RowwiseParallel):
             ``mesh["tp"]``), or a module that is neither ``nn.Linear`` nor ``nn.Embedding``
             (docs/faults.md row 39).
     """
-
-    def __init__(self, *, algorithm: str = "auto", chunks: int | None = None, **kwargs) -> None:
-        super().__init__(**kwargs)
-        self.algorithm = check_algorithm(type(self).__name__, algorithm)
-        self.chunks = check_chunks(type(self).__name__, chunks)
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         mesh = _tp_mesh("RowwiseParallel", device_mesh)

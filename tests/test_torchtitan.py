@@ -127,14 +127,7 @@ def _train(config, fsdp2_comms: bool, sent: dict | None = None) -> list[float]:
     trainer = config.build()  # initialises the process group, then model, parallelize_fn, optimizer
     if fsdp2_comms:
         titan.force_sum_reduction(trainer)
-    losses: list[float] = []
-    log = trainer.metrics_processor.log
-
-    def capture(step, avg_loss, max_loss, grad_norm, **kwargs):
-        losses.append(float(avg_loss))
-        return log(step, avg_loss, max_loss, grad_norm, **kwargs)
-
-    trainer.metrics_processor.log = capture
+    losses = titan.captured_losses(trainer)
     try:
         trainer.train()
     finally:
