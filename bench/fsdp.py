@@ -18,10 +18,12 @@ Runs (all from the same seed, on the same batches, AdamW):
 
 Each step runs every variant once, in an order rotated every step, so that load on a shared machine
 hits them alike; the first ``--warmup`` steps are untimed. Printed per run: the median step time
-(slowest rank), bytes the busiest node link carries per step in one direction (commopt's comms:
-the algorithms' ``traffic()`` of each call they ran, equal to the engine's counters by the tests;
-torch's: the same model applied to the calls of its comm objects, which the benchmark wraps only to
-count them, and to HSDP's rail all-reduce and DDP's bucket, marked ``*``), the bytes each rank sent
+(slowest rank), the peak memory of a timed step beside it (the largest over the steps and the ranks,
+``_memory.PeakMemory``: hpZ trades memory for bytes), bytes the busiest node link carries per step in
+one direction (commopt's comms: the algorithms' ``traffic()`` of each call they ran, equal to the
+engine's counters by the tests; torch's: the same model applied to the calls of its comm objects,
+which the benchmark wraps only to count them, and to HSDP's rail all-reduce and DDP's bucket, marked
+``*``), the bytes each rank sent
 as counted by commopt's engine, and the loss at the end (mean of the last five steps' training
 losses, the same batches in every run) against the exact run (``fsdp2``; ``hsdp`` for the HSDP
 rows). Beside each measured step, what the simulator predicts for it (``simulate_sharded``, DDP:
@@ -52,6 +54,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ._launch import launch, topology_of
+from ._memory import PeakMemory, peak_kind
 from ._progress import progress
 from .cluster.host import wire_bytes
 
@@ -253,7 +256,7 @@ def _fully_shard(model: nn.Module, mesh, reduce_scatter, all_gather) -> None:
         m.set_custom_all_gather(all_gather())
 
 
-def _step(run: dict, step: int, args, topo, timed: bool) -> None:
+def _step(run: dict, step: int, args, topo, timed: bool, memory: PeakMemory | None = None) -> None:
     from commopt.bench.models import synthetic_tokens
     from commopt.comm import context
 
@@ -267,6 +270,8 @@ def _step(run: dict, step: int, args, topo, timed: bool) -> None:
         run["log"].clear()
     dist.barrier()
     wire = wire_bytes() if topo.link_rate_bps else 0
+    if timed and memory is not None:
+        memory.start()
     t0 = time.perf_counter()
     run["opt"].zero_grad(set_to_none=True)
     logits = run["module"](data[:, :-1])
@@ -278,6 +283,8 @@ def _step(run: dict, step: int, args, topo, timed: bool) -> None:
     elapsed = t2 - t0
     if not timed:
         return
+    if memory is not None:
+        memory.stop(run["name"])
     run["times"].append(elapsed)
     run["opt_times"].append(t2 - t1)
     run["wire"].append(wire_bytes() - wire if topo.link_rate_bps else 0)
@@ -300,17 +307,18 @@ def _step(run: dict, step: int, args, topo, timed: bool) -> None:
     run["losses"].append(float(mean))
 
 
-def _summary(run: dict) -> dict:
+def _summary(run: dict, memory: PeakMemory) -> dict:
     if run["skip"]:
         return {"run": run["name"], "skipped": run["skip"]}
     worst = torch.tensor([statistics.median(run["times"]), statistics.median(run["sent"]),
-                          statistics.median(run["wire"])], dtype=torch.float64)
-    dist.all_reduce(worst, op=dist.ReduceOp.MAX)  # the step is as slow as its slowest rank
+                          statistics.median(run["wire"]), memory.peak(run["name"])], dtype=torch.float64)
+    # The step is as slow as its slowest rank; its peak memory the largest rank's.
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     tail = run["losses"][-5:]
     return {"run": run["name"], "step_ms": 1e3 * float(worst[0]), "link_bytes_per_step": statistics.median(run["link"]),
             "link_modelled": run["comms"] is None, "sent_bytes_per_step": float(worst[1]),
             "wire_bytes_per_step": float(worst[2]) if float(worst[2]) > 0 else None,
-            "final_loss": sum(tail) / len(tail), "losses": run["losses"],
+            "peak_memory_bytes": int(worst[3]), "final_loss": sum(tail) / len(tail), "losses": run["losses"],
             "recipe": getattr(run["comms"], "recipe", None),
             "step_ms_rank0": [1e3 * t for t in run["times"]]}
 
@@ -318,6 +326,7 @@ def _summary(run: dict) -> dict:
 def _rank_body(args) -> int:
     torch.set_num_threads(1)
     topo = topology_of(args)
+    memory = PeakMemory("cpu")  # every run trains on CPU (gloo)
     runs = [_setup(name, args, topo) for name in args.runs.split(",")]
     active = [r for r in runs if not r["skip"]]
     # The simulator's floors of the sharded runs train among them (see _setup).
@@ -328,10 +337,10 @@ def _rank_body(args) -> int:
     for step in range(total):
         k = step % max(1, len(active) + len(floors))
         for run in (active + floors)[k:] + (active + floors)[:k]:
-            _step(run, step, args, topo, timed=step >= args.warmup)
+            _step(run, step, args, topo, timed=step >= args.warmup, memory=memory)
         bar.update()
     bar.close()
-    results = [_summary(r) for r in runs]
+    results = [_summary(r, memory) for r in runs]
     if args.profile:
         _profile(active, args, topo)
     measured = {r["run"]: r["step_ms"] / 1e3 for r in results if "step_ms" in r}
@@ -343,7 +352,7 @@ def _rank_body(args) -> int:
         if r["run"] + "/measured-collectives" in predicted:
             r["predicted_ms_measured_collectives"] = 1e3 * predicted[r["run"] + "/measured-collectives"]
     if dist.get_rank() == 0:
-        _report(results, args, topo, inputs)
+        _report(results, args, topo, inputs, peak_kind(memory.device))
     return 0
 
 
@@ -692,7 +701,7 @@ def _collective_seconds(name: str, topo, block: dict, args) -> tuple[float, floa
     return fg, bg, red
 
 
-def _report(results: list[dict], args, topo, inputs: dict) -> None:
+def _report(results: list[dict], args, topo, inputs: dict, kind: str) -> None:
     by = {r["run"]: r for r in results}
     n_params = sum(p.numel() for p in _gpt(args).parameters())
     link = f", node link {topo.link_rate_bps / 1e6:.0f} Mbit/s" if topo.link_rate_bps else ""
@@ -700,6 +709,8 @@ def _report(results: list[dict], args, topo, inputs: dict) -> None:
           f"{4 * n_params / 2**20:.1f} MiB fp32) seq={args.seq_len} batch={args.batch}/rank, AdamW lr={args.lr}, "
           f"{args.steps} timed steps after {args.warmup}, world {dist.get_world_size()} ({topo.layout}{link}), "
           f"interleaved")
+    print(f"# peak MiB: the largest peak memory of a timed step, over the steps and the ranks ({kind}: the process's, "
+          f"model and optimizer included; hpZ keeps a node's secondary shard)")
     print("# link MB: bytes the busiest node link carries per step, one direction, as the algorithms' traffic "
           "model says (* = torch's calls under the same model; gloo's reduce-scatter is an all-reduce); wire MB: "
           "the same measured on the busiest node's interface counters (emulated cluster only, headers included); "
@@ -709,12 +720,12 @@ def _report(results: list[dict], args, topo, inputs: dict) -> None:
           "cost.calibrate(collectives=...)), and its ratio to the measured one; sim*: the same schedule with "
           "each collective's time measured alone at each unit's size instead")
     base = by.get("fsdp2")
-    print(f"{'run':<15}{'step(ms)':>10}{'vs fsdp2':>10}{'link MB':>10}{'wire MB':>9}{'sent MB':>9}{'loss':>9}"
-          f"{'vs exact':>10}"
+    print(f"{'run':<15}{'step(ms)':>10}{'peak MiB':>10}{'vs fsdp2':>10}{'link MB':>10}{'wire MB':>9}{'sent MB':>9}"
+          f"{'loss':>9}{'vs exact':>10}"
           f"{'sim(ms)':>9}{'sim/meas':>9}{'sim*/meas':>10}   description")
     for r in results:
         if "skipped" in r:
-            print(f"{r['run']:<15}{'-':>10}{'':>10}{'':>10}{'':>9}{'':>9}{'':>9}{'':>10}{'':>28}   "
+            print(f"{r['run']:<15}{'-':>10}{'':>10}{'':>10}{'':>10}{'':>9}{'':>9}{'':>9}{'':>10}{'':>28}   "
                   f"not run: {r['skipped']}")
             continue
         sim = (f"{r['predicted_ms']:>9.1f}{r['predicted_ms'] / r['step_ms']:>9.2f}" if "predicted_ms" in r
@@ -728,7 +739,8 @@ def _report(results: list[dict], args, topo, inputs: dict) -> None:
         mark = "*" if r["link_modelled"] and r["run"] not in ("compute",) else " "
         sent = f"{r['sent_bytes_per_step'] / 1e6:>9.2f}" if not r["link_modelled"] else f"{'-':>9}"
         wire = f"{r['wire_bytes_per_step'] / 1e6:>9.2f}" if r["wire_bytes_per_step"] else f"{'-':>9}"
-        print(f"{r['run']:<15}{r['step_ms']:>10.1f}{speed}{r['link_bytes_per_step'] / 1e6:>9.2f}{mark}"
+        print(f"{r['run']:<15}{r['step_ms']:>10.1f}{r['peak_memory_bytes'] / 2**20:>10.1f}{speed}"
+              f"{r['link_bytes_per_step'] / 1e6:>9.2f}{mark}"
               f"{wire}{sent}{r['final_loss']:>9.4f}{rel}{sim}   {RUNS[r['run']]}")
     for ours, theirs, target in _TARGETS:
         a, b = by.get(ours, {}), by.get(theirs, {})
@@ -741,7 +753,7 @@ def _report(results: list[dict], args, topo, inputs: dict) -> None:
             verdict = "met" if ratio >= target else "NOT met"
             print(f"# {ours} vs {theirs}: {ratio:.2f}x faster (target >= {target:g}x: {verdict}){loss}")
     data = {"args": vars(args), "layout": topo.layout, "world_size": dist.get_world_size(),
-            "link_rate_bps": topo.link_rate_bps, "parameters": n_params, "results": results,
+            "link_rate_bps": topo.link_rate_bps, "parameters": n_params, "results": results, "peak_memory_kind": kind,
             "simulator_inputs": inputs}
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:

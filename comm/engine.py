@@ -26,6 +26,7 @@ import itertools
 import queue
 import threading
 import time
+import warnings
 from collections import defaultdict
 from dataclasses import dataclass
 from datetime import timedelta
@@ -347,19 +348,40 @@ class Engine:
             worker.queue.put(None)
             worker.thread.join(timeout)
 
-    def shutdown(self, timeout: float = 5.0) -> None:
-        """Stop every worker after the work already queued; threads stuck in a dead collective are
-        daemons and do not keep the process alive."""
+    def shutdown(self, timeout: float = 5.0) -> list[str]:
+        """Stop every worker after the work already queued (queued phases fail instead of running),
+        waiting ``timeout`` seconds in all, never longer.
+
+        A worker still inside a collective after that cannot be interrupted (a backend wait whose
+        peer stalled or died, bounded only by the group's own timeout, 30 minutes by default): it
+        is abandoned -- a daemon thread, so it never keeps the process alive, never joined again; it
+        exits when its wait ends, and fails what was queued behind it -- and reported with a
+        ``RuntimeWarning`` naming it (docs/faults.md rows 5 and 30). commopt's own phases wait for
+        what is left of their call's deadline, so with a timeout none outlives it.
+
+        Returns:
+            The names of the threads abandoned (empty when every worker exited).
+        """
+        end = time.monotonic() + timeout
         with self._lock:
             self._closed = True
             workers, self._workers = list(self._workers.values()), {}
             watchdog, self._watchdog = self._watchdog, None
         if watchdog is not None:
-            watchdog.stop(timeout)
+            watchdog.stop(max(0.0, end - time.monotonic()))
         for w in workers:
             w.queue.put(None)
-        for w in workers:
-            w.thread.join(timeout)
+        abandoned = []
+        for w in ([watchdog] if watchdog is not None else []) + workers:
+            w.thread.join(max(0.0, end - time.monotonic()))
+            if w.thread.is_alive():
+                abandoned.append(w.thread.name)
+        if abandoned:
+            warnings.warn(f"commopt.comm.destroy(): {len(abandoned)} comm engine thread(s) still inside a "
+                          f"collective after {timeout:g} s ({', '.join(abandoned)}): a peer stalled or died; they "
+                          f"are abandoned (daemon threads, they end with the backend's own timeout or the process). "
+                          f"Give the comms a timeout to bound every wait", RuntimeWarning, stacklevel=3)
+        return abandoned
 
 
 class _Watchdog:
@@ -393,7 +415,7 @@ class _Watchdog:
         with self._cond:
             self._stopped = True
             self._cond.notify()
-        self.thread.join(timeout)
+        self.thread.join(timeout)  # a callback still running is abandoned by Engine.shutdown
 
 
 def _group_name(group) -> str:

@@ -31,7 +31,7 @@ from .errors import CommTimeoutError, TopologyError
 from .links import CostModel, LinkModel
 from .topology import Groups, Topology
 
-__all__ = ["Context", "Cache", "context", "destroy"]
+__all__ = ["Context", "Cache", "context", "destroy", "align_timeout"]
 
 class Context:
     """commopt's per-process state. Use :func:`context`; never construct one yourself.
@@ -275,13 +275,27 @@ def _new_group(ranks: list[int], timeout: timedelta | None):
             "died; the ranks' process groups are now out of step: call commopt.comm.destroy() and "
             "torch.distributed.destroy_process_group(), then start again", op="topology.groups",
             ranks=ranks) from exc
-    if timeout is not None and group is not None and group is not dist.GroupMember.NON_GROUP_MEMBER:
+    if timeout is not None:
         # The creation timeout bounded the rendezvous; the group's later collectives get WORLD's
         # timeout, not the first caller's (a 2 s bound for one call must not become every call's).
-        world_timeout = _backend_timeout(dist.group.WORLD)
-        if world_timeout is not None:
-            dist.distributed_c10d._set_pg_timeout(world_timeout, group)
+        align_timeout(group)
     return group
+
+
+def align_timeout(group) -> None:
+    """Give ``group``'s later operations WORLD's timeout (the one chosen at ``init_process_group``).
+
+    torch creates every other group with its own default (30 minutes) whatever WORLD's is: FSDP2's
+    hpZ post-forward groups and a 2-D mesh's node groups among them. A backend collective stuck on
+    such a group after a peer stalled (a call gives up at its own deadline, the backend's work does
+    not) then holds the group's worker, and the group's destruction, for 30 minutes. No-op for
+    WORLD, a group this rank is not in, and a backend that keeps no timeout.
+    """
+    if group is None or group is dist.group.WORLD or group is dist.GroupMember.NON_GROUP_MEMBER:
+        return
+    world_timeout = _backend_timeout(dist.group.WORLD)
+    if world_timeout is not None:
+        dist.distributed_c10d._set_pg_timeout(world_timeout, group)
 
 
 def _backend_timeout(group) -> timedelta | None:

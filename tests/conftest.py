@@ -66,7 +66,7 @@ def _recycle_heavy_pools():
 _LONG_FIRST = ("test_faults.py", "test_fsdp.py", "test_mpi.py", "test_cluster.py", "test_integrations.py",
                "test_torchtitan.py", "test_kernels.py", "test_compression.py", "test_fsdp_faults.py",
                "test_compression_faults.py", "test_bench.py", "test_plot.py", "test_diloco.py", "test_compile.py",
-               "test_ina_procs.py")
+               "test_fsdp_recipe.py", "test_ina_procs.py")
 
 
 def pytest_collection_modifyitems(config, items):

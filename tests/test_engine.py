@@ -86,13 +86,50 @@ def test_a_phase_finishing_after_shutdown_starts_no_thread():
 
     fut = engine.submit([Phase("intra", intra, a), Phase("inter", lambda: None, b)], op="t")
     assert started.wait(5)
-    engine.shutdown(timeout=0.2)  # phase "intra" is still running
+    workers = engine.threads()
+    with pytest.warns(RuntimeWarning, match="abandoned"):
+        engine.shutdown(timeout=0.2)  # phase "intra" is still running
     gate.set()
     with pytest.raises(Exception, match="shut down"):
         fut.wait()
-    for t in engine.threads() + [t for t in threading.enumerate() if t.name.startswith("commopt-engine-pg")]:
+    for t in workers + [t for t in threading.enumerate() if t.name.startswith("commopt-engine-pg")]:
         t.join(5)
         assert not t.is_alive(), t.name
+
+
+def test_shutdown_abandons_a_worker_stuck_in_a_wait_and_says_so():
+    """docs/faults.md rows 5 and 30 (destroy() after a peer stalled or died): a worker still inside a
+    blocking wait when shutdown's time is up (here an event; in a rank, a backend wait bounded only by
+    the group's own timeout) is abandoned, never joined forever: shutdown returns its name and warns
+    naming it, and leaves it a daemon thread, which exits once its wait ends; an idle worker exits at
+    once. Before, shutdown returned nothing and said nothing."""
+    engine = Engine()
+    stuck, idle = _Key(), _Key()
+    gate, started = threading.Event(), threading.Event()
+
+    def blocked() -> None:
+        started.set()
+        gate.wait()
+
+    held = engine.submit([Phase("blocked", blocked, stuck)], op="t", result="late")
+    engine.submit([Phase("quick", lambda: None, idle)], op="t").wait()
+    assert started.wait(5)
+    workers = {t.name: t for t in engine.threads()}
+    assert len(workers) == 2
+    try:
+        with pytest.warns(RuntimeWarning, match="abandoned") as caught:
+            abandoned = engine.shutdown(timeout=0.3)
+        stuck_name = next(n for n in workers if workers[n].is_alive() and n in abandoned)
+        assert abandoned == [stuck_name], abandoned
+        assert stuck_name in str(caught[0].message)
+        thread = workers[stuck_name]
+        assert thread.is_alive() and thread.daemon, thread.name
+        assert not [t for n, t in workers.items() if n != stuck_name and t.is_alive()]  # the idle one exited
+    finally:
+        gate.set()
+    assert held.wait() == "late"  # the abandoned phase still finishes its own op
+    thread.join(5)
+    assert not thread.is_alive()
 
 
 def test_release_stops_a_queue_after_its_work_and_a_later_submission_restarts_it():

@@ -6,18 +6,14 @@ the quantized comms, the per-rank local gradients of an unsharded replica, from 
 computes the error bound of the block size and bits. The model's parameters do not divide by the
 world size (FSDP pads; one has fewer rows than ranks, so some ranks hold an empty shard).
 docs/faults.md rows: 33 (register validates on every rank), 34 (padding, a world of 1, empty shards),
-35 (NaN/Inf with a compressor), 36 (error-feedback checkpoint).
+35 (NaN/Inf with a compressor), 36 (error-feedback checkpoint). ``fsdp.shard``'s ``"auto"`` choice, its
+arguments, its native parts and the benchmark: tests/test_fsdp_recipe.py.
 """
 
 from __future__ import annotations
 
-import contextlib
 import io
-import json
 import math
-import subprocess
-import sys
-import warnings
 
 import pytest
 import torch
@@ -787,92 +783,3 @@ def _body_world_one() -> None:
 
 def test_world_of_one(ranks):
     ranks(1, _body_world_one, timeout=60)
-
-
-# ------------------------------------------------------------------------------------------ shard("auto")
-def _body_auto_recipe(spec: str) -> dict:
-    """``fsdp.shard(m)`` with its defaults: the recipe it chose and what it registered, its printed line,
-    3 training steps; then the argument errors and hpZ where it cannot be on."""
-    from commopt.comm.fsdp import AUTO_MARGIN
-
-    topo = _topo(spec)
-    m = _model()
-    printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):
-        comms = fsdp.shard(m, topology=topo)
-    codecs = {"weights": comms.all_gather, "gradients": comms.reduce_scatter}  # None: FSDP2's own
-    losses = _train(m, 3)
-    errors = []
-    for kwargs in ({"weights": "int8"}, {"gradients": "yes"}, {"hpz": "on"}):
-        try:
-            fsdp.shard(_model(), topology=topo, **kwargs)
-        except ValueError as exc:
-            errors.append(str(exc))
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        uneven = fsdp.shard(_model(), topology=Topology.from_nodes([[0, 1, 2], [3]]), weights=None, gradients=None)
-    return {"recipe": comms.recipe, "codecs": {k: "native" if c is None else None if c.compressor is None else
-                                               (type(c.compressor).__name__, c.compressor.bits)
-                                               for k, c in codecs.items()},
-            "printed": printed.getvalue(), "losses": losses, "errors": errors, "margin": AUTO_MARGIN,
-            "uneven_recipe": uneven.recipe, "warned": [str(w.message) for w in caught if "hpZ" in str(w.message)]}
-
-
-def test_shard_auto_decides_once_the_same_everywhere(ranks):
-    """Issue 27 item 4b: ``fsdp.shard(model)`` times the largest unit's all-gather and reduce-scatter exact
-    and compressed, every rank takes the same decision (the slowest rank's times), the rule is the
-    documented one (compressed only at <= AUTO_MARGIN of the exact time), what it registered is what it
-    says, rank 0 alone prints it, training runs; hpZ "auto" is on for a 2x2 and silently off on 3+1;
-    a string other than "auto" is a ValueError at the call (docs/faults.md row 33)."""
-    out = ranks(4, _body_auto_recipe, "2x2", timeout=180)
-    recipe = out[0]["recipe"]
-    assert all(o["recipe"] == recipe for o in out)
-    secs, margin = recipe["seconds"], out[0]["margin"]
-    assert set(secs) == {f"{p}/{label}" for p, c in (("weights", "int8"), ("gradients", "int4"))
-                         for label in ("native", "exact", c)}
-    assert all(t > 0 for t in secs.values())
-    for part, label, bits in (("weights", "int8", 8), ("gradients", "int4", 4)):
-        exact = min(("native", "exact"), key=lambda lbl: secs[f"{part}/{lbl}"])
-        wins = secs[f"{part}/{label}"] <= margin * secs[f"{part}/{exact}"]
-        assert recipe[part] == (label if wins else exact), (part, secs)
-        expected = ("QuantizeCompressor", bits) if wins else (None if exact == "exact" else "native")
-        assert out[0]["codecs"][part] == expected, (part, out[0]["codecs"], secs)
-    assert recipe["hpz"] is True
-    assert recipe["weights"] in out[0]["printed"] and "fsdp.shard" in out[0]["printed"]
-    assert all(o["printed"] == "" for o in out[1:])
-    assert all(math.isfinite(v) for o in out for v in o["losses"])
-    for o in out:
-        assert len(o["errors"]) == 3 and all("fsdp.shard" in e for e in o["errors"]), o["errors"]
-        assert o["uneven_recipe"] is None and o["warned"] == []
-
-
-# ------------------------------------------------------------------------------------------ benchmark
-def test_bench_fsdp_quick(tmp_path):
-    """``commopt-bench fsdp --quick``: every run asked for (one of each kind: the floor, DDP, torch's FSDP2 and
-    HSDP, commopt's exact, ZeRO++ and compressed HSDP comms) appears in the JSON with a step time, a loss
-    and the simulator's two predictions (DDP: one), and the simulator's inputs are recorded; the numbers
-    themselves are the benchmark's, not asserted here."""
-    path = tmp_path / "fsdp.json"
-    asked = ["compute", "ddp", "fsdp2", "hsdp", "hierarchical", "zero++", "hsdp-powersgd"]
-    res = subprocess.run([sys.executable, "-m", "commopt.bench", "fsdp", "--spawn", "4", "--topology", "2x2",
-                          "--quick", "--steps", "2", "--runs", ",".join(asked), "--json", str(path)],
-                         capture_output=True, text=True, timeout=150)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    data = json.loads(path.read_text())
-    rows = {r["run"]: r for r in data["results"]}
-    from commopt.bench.fsdp import RUNS
-
-    assert list(rows) == asked and set(asked) <= set(RUNS)
-    for name, r in rows.items():
-        assert "skipped" not in r, r
-        assert r["step_ms"] > 0 and math.isfinite(r["final_loss"]), r
-        if name != "compute":
-            assert r["predicted_ms"] > 0, r
-            assert (name == "ddp") != (r.get("predicted_ms_measured_collectives", 0) > 0), r
-    assert rows["fsdp2"]["link_bytes_per_step"] > rows["zero++"]["link_bytes_per_step"] > 0
-    inputs = data["simulator_inputs"]
-    assert set(inputs["floors_ms"]) == {"ddp", "fsdp", "hsdp"} and len(inputs["units"]) == 3  # root + 2 blocks
-    # FSDP2's work between two prefetched all-gathers: some CPU, less than a step
-    assert set(inputs["prefetch_gap_ms"]) == {"fsdp", "hsdp"}
-    assert all(0 < gap < inputs["floors_ms"]["fsdp"][0] for gap in inputs["prefetch_gap_ms"].values()), inputs
-    assert "vs fsdp2" in res.stdout and "target" in res.stdout

@@ -4,8 +4,11 @@ NonFiniteError.
 Rows covered here for ``commopt.comm.fsdp``: 5 (FSDP2): a rank that stalls before forward (or
 before backward, hpZ), or is killed, makes every other rank's next forward (backward) raise within
 the timeout plus slack, in training and in an evaluation loop (forward only, no grad), with
-prefetched asynchronous all-gathers; 4 (FSDP2): every phase of one comm call shares the call's
-deadline, so a call with a slow first phase still raises within its timeout; 34 and 20 (FSDP2):
+prefetched asynchronous all-gathers, and (issue 38) with prefetch off, inside an evaluation forward
+(hpZ: the other node evaluates on) and when a part of the recipe is FSDP2's own collective; 5 and 30:
+no engine thread outlives destroy() after a stalled or killed peer; 4 (FSDP2): every phase of one
+comm call shares the call's deadline, so a call with a slow first phase still raises within its
+timeout, FSDP2's own collectives included (``"native"``); 34 and 20 (FSDP2):
 frozen (``requires_grad=False``) and unused parameters train with every comm as native FSDP2 /
 native HSDP train them (exact comms equal, quantized ones within their bound), error feedback kept
 for the trainable ones; 35: with ``check_finite=True`` a ``NonFiniteError`` backward leaves every
@@ -18,6 +21,7 @@ test_faults.py does, so a timed-out call never leaves its groups to the next cas
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import threading
@@ -37,6 +41,9 @@ from commopt.comm.errors import CommError, NonFiniteError
 TIMEOUT = 3.0  # seconds a comm call may take before the survivors give up
 SETUP = 60.0  # the calls that set a case up (groups made, the first step) on busy cores
 SLACK = 10.0  # room for a cold process on 2 busy cores
+# gloo's own timeout where a case shows that the comms' timeout bounds a wait, not gloo's: longer than
+# TIMEOUT + SLACK, short enough that a backend work a case leaves stuck ends soon after.
+GLOO_TIMEOUT = TIMEOUT + SLACK + 7
 D = 7  # width: no parameter's first dimension divides by 2 or 4 (FSDP pads)
 
 
@@ -365,12 +372,22 @@ def test_nonfinite_backward_leaves_every_residual_as_it_was(ranks):
 # ------------------------------------------------------------------------------------------ stalls, kills
 def _recipe(kind: str, topo: Topology) -> tuple[nn.Module, fsdp.Comms]:
     """The model under one recipe, its comms made with the set-up timeout (groups made and the first
-    step taken on busy cores); :func:`_tighten` gives them the short one of the faulted attempt."""
+    step taken on busy cores); :func:`_tighten` gives them the short one of the faulted attempt.
+    ``native``: what ``fsdp.shard``'s ``"auto"`` picks for a part where FSDP2's own collective timed
+    fastest (small models on loopback), forced; ``/no-prefetch``: ``prefetch=False``."""
     m = _model()
+    opts = {"timeout": SETUP, "prefetch": not kind.endswith("/no-prefetch")}
+    kind = kind.removesuffix("/no-prefetch")
     if kind == "zero++":
-        comms = fsdp.shard(m, topology=topo, **_zero_pp(), timeout=SETUP)
+        comms = fsdp.shard(m, topology=topo, **_zero_pp(), **opts)
+    elif kind == "zero++/native-gradients":  # int8 weights, hpZ, FSDP2's own reduce-scatter
+        comms = fsdp.shard(m, topology=topo, weights=C.QuantizeCompressor(8), gradients="native", hpz=True, **opts)
+    elif kind == "native":  # FSDP2's own collectives for both parts, hpZ
+        comms = fsdp.shard(m, topology=topo, weights="native", gradients="native", hpz=True, **opts)
+    elif kind == "native/exact-flat":  # FSDP2's own all-gather, commopt's flat (gloo's) reduce-scatter
+        comms = fsdp.shard(m, topology=topo, weights="native", gradients=None, algorithm="flat", hpz=True, **opts)
     elif kind == "exact-hierarchical":
-        comms = fsdp.shard(m, topology=topo, weights=None, gradients=None, algorithm="hierarchical", timeout=SETUP)
+        comms = fsdp.shard(m, topology=topo, weights=None, gradients=None, algorithm="hierarchical", **opts)
     elif kind == "hsdp-int8":
         comms = fsdp.shard_hsdp(m, C.QuantizeCompressor(8), topology=topo, timeout=SETUP)
     else:
@@ -418,16 +435,21 @@ def _engine_threads() -> list[str]:
     return alive()
 
 
-def _fresh_world(store_dir: str, name: str) -> dist.FileStore:
+def _fresh_world(store_dir: str, name: str, pg_timeout: float = TIMEOUT + SLACK) -> dist.FileStore:
     """Re-initialise WORLD on a store of its own, with gloo's own timeout short too (a work a case
-    leaves stuck ends in seconds, and destroying the group does not wait for it)."""
+    leaves stuck ends in seconds, and destroying the group does not wait for it). A ``pg_timeout``
+    longer than ``TIMEOUT + SLACK`` makes a wait that only the group's own timeout bounds fail the case."""
     rank, world = dist.get_rank(), dist.get_world_size()
     destroy()
     dist.destroy_process_group()
+    # The last case's groups go now, not at some later collection: destroying a gloo group waits for
+    # its work still in flight (a collective of FSDP2's own that a peer never joined runs until the
+    # group's timeout), and the stalled rank, which has none, closes its connections, ending the
+    # others' at once.
+    gc.collect()
     os.makedirs(store_dir, exist_ok=True)
     store = dist.FileStore(os.path.join(store_dir, name), world)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                            timeout=timedelta(seconds=TIMEOUT + SLACK))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=pg_timeout))
     return store
 
 
@@ -438,16 +460,34 @@ def _barrier(store: dist.FileStore, name: str) -> None:
     store.wait([f"{name}/go"], timedelta(seconds=120))
 
 
-def _stall_matrix(store_dir: str, spec: str, cases: list[tuple[str, str, str, int]]) -> list:
+def _stall_at_second_call(store: dist.FileStore):
+    """A forward pre-hook that stalls its rank at its second call (iteration 1 of an evaluation loop)
+    until the others have given up, then stops that forward (a resumed rank would issue collectives
+    no peer joins any more, left to the backend's own timeout)."""
+    calls = []
+
+    def stall(_module, _args) -> None:
+        calls.append(1)
+        if len(calls) == 2:
+            store.wait(["given-up"], timedelta(seconds=TIMEOUT + SLACK + 30))
+            raise RuntimeError("the stalled rank stops here")
+
+    return stall
+
+
+def _stall_matrix(store_dir: str, spec: str, cases: list[tuple[str, str, str, int]],
+                  pg_timeout: float = TIMEOUT + SLACK) -> list:
     """Each case in a fresh world on these processes: one warm training step on every rank, then
-    rank ``stalled`` stays alive but stops (before forward, or after forward: before backward)
-    until the others have given up; the others attempt a training step (or an evaluation loop).
-    Returns each case's attempt on this rank (None on the stalled rank)."""
+    rank ``stalled`` stays alive but stops (before forward; after forward: before backward; or
+    ``inside`` the second forward of its own evaluation loop, at its second block) until the others
+    have given up; the others attempt a training step (or an evaluation loop). Then every rank calls
+    destroy(). Returns each case's attempt on this rank, with the engine threads alive shortly after
+    destroy() (None on the stalled rank)."""
     rank = dist.get_rank()
     world = dist.get_world_size()
     results = []
     for i, (kind, mode, when, stalled) in enumerate(cases):
-        store = _fresh_world(store_dir, f"case{i}")
+        store = _fresh_world(store_dir, f"case{i}", pg_timeout)
         topo = Topology.from_spec(spec)
         model, comms = _recipe(kind, topo)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -458,13 +498,20 @@ def _stall_matrix(store_dir: str, spec: str, cases: list[tuple[str, str, str, in
         if rank == stalled:
             if when == "backward":
                 nn.functional.mse_loss(model(_data(rank, 1)[0]), _data(rank, 1)[1])  # forward, then stop
-            store.wait(["given-up"], timedelta(seconds=TIMEOUT + SLACK + 30))
+            if when == "inside":
+                hook = model.blocks[1].register_forward_pre_hook(_stall_at_second_call(store), prepend=True)
+                _attempt(model, mode, 1)
+                hook.remove()
+            else:
+                store.wait(["given-up"], timedelta(seconds=TIMEOUT + SLACK + 30))
         else:
             outcome = _attempt(model, mode, 1)
             if store.add("gave-up", 1) == world - 1:
                 store.set("given-up", "1")
-        results.append(outcome)
-    _fresh_world(store_dir, "final")  # a working WORLD for the pool's next call
+        destroy()
+        results.append(None if outcome is None else outcome + (_engine_threads(),))
+        del model, comms, opt  # collected with the case's groups by the next _fresh_world
+    _fresh_world(store_dir, "final", pg_timeout)  # a working WORLD for the pool's next call
     return results
 
 
@@ -488,12 +535,41 @@ def _killed_eval(spec: str, victim: int) -> tuple | None:
     return outcome + (_engine_threads(),)
 
 
-def _check_raised(outcome, where: str, what: str) -> None:
+def _killed_train(spec: str, kind: str, victim: int) -> tuple | None:
+    """A recipe trains a step on every rank; in the next step ``victim`` is SIGKILLed at the start of
+    its backward (mid-training: its forward's all-gathers done, no reduce-scatter yet), while the
+    others train on: their backward must raise commopt's error; the engine's threads exit after
+    destroy(). Returns (the first attempt that did not return, the threads alive after destroy())."""
+    rank = dist.get_rank()
+    model, comms = _recipe(kind, Topology.from_spec(spec))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    _step(model, opt, 0)
+    opt.step()
+    _tighten(comms)
+    dist.barrier()
+    if rank == victim:
+        x, y = _data(rank, 1)
+        out = model(x)
+        out.register_hook(lambda _grad: os.kill(os.getpid(), signal.SIGKILL))
+        nn.functional.mse_loss(out, y).backward()
+        time.sleep(60)
+    for step in range(1, 4):
+        outcome = _attempt(model, "train", step)
+        if outcome[1] != "returned":
+            break
+    destroy()
+    return outcome + (_engine_threads(),)
+
+
+def _check_raised(outcome, where: str | tuple[str, ...], what: str) -> None:
+    """Raised commopt's error at ``where`` (or one of them) within the timeout plus slack, and (where
+    checked) no engine thread outlived destroy()."""
     got_where, kind, elapsed, msg = outcome[:4]
-    assert got_where == where, (what, outcome)
+    assert got_where in ((where,) if isinstance(where, str) else where), (what, outcome)
     assert kind in ("CommTimeoutError", "CommError") or (
         kind == "RuntimeError" and ("CommTimeoutError" in msg or "CommError" in msg)), (what, outcome)
     assert elapsed <= TIMEOUT + SLACK, (what, outcome)
+    assert len(outcome) < 5 or outcome[4] == [], (what, "engine threads alive after destroy()", outcome)
 
 
 def test_stalled_or_killed_rank_fails_the_next_forward(tmp_path):
@@ -597,3 +673,42 @@ def test_every_phase_of_a_comm_call_shares_its_deadline(tmp_path):
         # prefetched), and the other node's backward (the reduce-scatter), raise.
         _check_raised(stalled[rank][0], "forward", f"rank {rank} exact hierarchical")
         _check_raised(stalled[rank][1], "backward", f"rank {rank} zero++ hpZ")
+
+
+def test_a_stalled_or_killed_peer_is_bounded_whichever_part_is_native(tmp_path):
+    """docs/faults.md rows 4 and 5 (FSDP2, 2x2, the ZeRO++ recipe with ``timeout=3``) where a part runs FSDP2's
+    own collective, as ``fsdp.shard``'s "auto" picks it for a small model on loopback (forced here), and
+    row 30: rank 3 stalls, alive, before a training forward with prefetch off, and before an evaluation
+    loop (no_grad): ranks 0, 1 and 2 raise commopt's error from that forward within the timeout plus
+    slack, although gloo's own timeout is GLOO_TIMEOUT here (30 minutes by default, which hpZ's node groups
+    got whatever WORLD's was); before, they waited for it. Rank 3 stalls inside an evaluation forward: its node
+    peer, rank 2, raises; ranks 0 and 1 finish their loop (hpZ: after its first forward an evaluation loop
+    gathers inside the node only; the documented behaviour). Rank 2 SIGKILLed mid-training, with FSDP2's
+    own reduce-scatter beside int8 weights, and with commopt's flat (gloo's) reduce-scatter beside FSDP2's
+    own all-gather: every survivor's backward raises commopt's error, never gloo's bare RuntimeError or a
+    hang. After every case destroy() leaves no engine thread alive (before, gloo's reduce-scatter held one
+    until the group's own timeout)."""
+    stalls = [("native/no-prefetch", "train", "forward", 3), ("native", "eval", "forward", 3),
+              ("native", "eval", "inside", 3)]
+    kills = ["zero++/native-gradients", "native/exact-flat"]
+    pool = RankPool(4)
+    try:
+        stalled = pool.run(_stall_matrix, str(tmp_path / "stall"), "2x2", stalls, GLOO_TIMEOUT,
+                           timeout=len(stalls) * (TIMEOUT + SLACK) + 90)
+        killed = [pool.run(_killed_train, "2x2", kind, 2, timeout=TIMEOUT + SLACK + 60, allow_dead=True)
+                  for kind in kills]
+    finally:
+        pool.close(graceful=False)
+    assert stalled[3] == [None] * len(stalls)
+    for rank in (0, 1, 2):
+        _check_raised(stalled[rank][0], "forward", f"rank {rank}: rank 3 stalled before forward, prefetch off")
+        _check_raised(stalled[rank][1], "iteration 0", f"rank {rank}: rank 3 stalled before evaluation")
+    # Inside the evaluation loop: rank 3's node peer raises at the next gather it shares with rank 3 (the
+    # stalled iteration's prefetch was issued, so the next iteration's at the latest) ...
+    _check_raised(stalled[2][2], ("iteration 1", "iteration 2"), "rank 2: rank 3 stalled inside evaluation")
+    for rank in (0, 1):  # ... and the other node, gathering inside its own node, evaluates on
+        assert stalled[rank][2][:2] == ("nowhere", "returned") and stalled[rank][2][4] == [], stalled[rank][2]
+    for kind, res in zip(kills, killed):
+        assert res[2] is None
+        for rank in (0, 1, 3):
+            _check_raised(res[rank], "backward", f"rank {rank}: rank 2 killed mid-training ({kind})")

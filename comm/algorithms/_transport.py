@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from datetime import timedelta
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -29,7 +31,7 @@ LOW_PRECISION = (torch.float16, torch.bfloat16)
 # torch 2.13 renamed the tensor variants of all-gather and reduce-scatter; older releases (>= 2.3)
 # have only the old names. Every caller uses these two, never the torch names directly.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_torch_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 # The smallest chunk a pipeline cuts (bytes): below it, per-message latency costs more than the
 # overlap gains.
@@ -106,6 +108,55 @@ def remaining(deadline: float | None) -> float | None:
     its call's deadline fails at once instead of waiting a timeout of its own (every phase of a call
     shares the call's deadline)."""
     return None if deadline is None else max(1e-3, deadline - time.monotonic())
+
+
+# --------------------------------------------------------------------------------- torch's own
+class _ThenWork(dist.Work):
+    """A backend ``Work`` followed by local work ``then()`` (run when it completes, before the future
+    does): ``get_future()`` and ``wait(timeout)`` are the inner work's, so the wait stays bounded."""
+
+    def __init__(self, work, then: Callable[[], object]):
+        super().__init__()
+        self._work = work
+        self._future = chain(work.get_future(), lambda _value: then())
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        self._work.wait() if timeout is None else self._work.wait(timeout)
+        self._future.wait()  # the local copy, run by the inner future's callback
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        return self._future
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+
+def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM, group=None,
+                          async_op: bool = False):
+    """torch's ``reduce_scatter_single`` (``reduce_scatter_tensor`` before 2.13), whose asynchronous
+    ``Work`` on gloo has a future and a bounded ``wait(timeout)``.
+
+    gloo's reduce-scatter is an all-reduce of a copy of ``input`` followed by a copy of this rank's
+    chunk into ``output``, handed back as a ``Work`` without a future whose ``wait(timeout)`` ignores
+    the timeout: a thread waiting for it after a peer stalled or died stayed blocked for the group's
+    own timeout (30 minutes by default), and ``destroy()`` could not end it (docs/faults.md row 5).
+    So an asynchronous call on a gloo CPU group issues that all-reduce itself -- the same collective
+    with the same op, the same bits (tests/test_fsdp_recipe.py compares them with torch's) -- and
+    returns a ``Work`` whose future completes after the copy and whose wait is the all-reduce's,
+    bounded by its timeout. Every other call is torch's own.
+    """
+    gloo = (async_op and input.device.type == "cpu" and group is not dist.GroupMember.NON_GROUP_MEMBER
+            and "gloo" in str(dist.get_backend(group)))
+    if not gloo:
+        return _torch_reduce_scatter(output, input, op=op, group=group, async_op=async_op)
+    world, me = dist.get_world_size(group), dist.get_rank(group)
+    if input.numel() != world * output.numel():
+        raise ValueError(f"reduce_scatter_single: input has {input.numel()} elements, expected world_size "
+                         f"({world}) x output ({output.numel()})")
+    buffer = input.clone()
+    work = dist.all_reduce(buffer, op=op, group=group, async_op=True)
+    return _ThenWork(work, lambda: output.copy_(buffer.chunk(world)[me].view_as(output)))
 
 
 # --------------------------------------------------------------------------------- exchanges
@@ -260,11 +311,11 @@ def flat_future(engine: Engine, work, p: Prepared, op: str, timeout: float | Non
     try:
         fut = work.get_future()
     except RuntimeError:
-        # Some backends' works have no future (gloo's reduce-scatter): the group's engine worker
-        # waits for it, bounded by the timeout (a bare wait() would not be). Only the wait moves to
-        # the worker; the work was issued here, in the caller's order.
-        # gloo's wait(timeout) on such a work is not reliably bounded either: the deadline is the
-        # watchdog's, and the worker is left to the group's own timeout.
+        # Some backends' works have no future (gloo's reduce-scatter gets one from
+        # reduce_scatter_single above): the group's engine worker waits for it. Only the wait moves
+        # to the worker; the work was issued here, in the caller's order. Such a wait(timeout) need
+        # not be bounded: the deadline is the watchdog's, the worker is left to the group's own
+        # timeout, and destroy() abandons it (Engine.shutdown).
         fut = engine.submit([Phase("wait", lambda: wait_work(work, timeout), group if group is not None
                                    else dist.group.WORLD)], op=op)
     if timeout is not None:

@@ -19,7 +19,9 @@ or, on modules already sharded with ``fully_shard``::
   protocols (``FSDPModule.set_custom_reduce_scatter`` / ``set_custom_all_gather``): ``flat``,
   ``hierarchical`` and ``auto`` run the algorithm objects of ``commopt.comm.algorithms``; with
   ``compressor=QuantizeCompressor(...)`` the reduce-scatter is qgZ (int4/int8 all-to-all per level,
-  fp32 sums) and the all-gather qwZ (int8 weights across nodes).
+  fp32 sums) and the all-gather qwZ (int8 weights across nodes); ``native`` is torch's own collective
+  (FSDP2's numerics bit for bit) under the comm's timeout and commopt's errors, what ``shard``
+  registers for a part where FSDP2's own collective timed fastest.
 - :class:`AllReduceHook`: compressed HSDP through ``set_all_reduce_hook``.
 - :func:`register`: validates on every rank first (docs/faults.md row 33), then binds the comms to every module.
 

@@ -33,7 +33,8 @@ import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 from .. import algorithms
-from ..algorithms._transport import remaining, wait_work
+from ..algorithms import ALGORITHM_FACTORS
+from ..algorithms._transport import Prepared, all_gather_single, flat_future, remaining, wait_work
 from ..algorithms.roles import FSDP_CHECK
 from ..compression import Compressor, QuantizeCompressor
 from ..compression.base import all_finite
@@ -45,7 +46,11 @@ from ..runtime import context
 from ..topology import Topology
 
 __all__ = ["Layout", "Journal", "CommBase", "CollectiveComm", "BoundComm", "Bound", "CommWork",
-           "reduction", "done_work", "as_work", "cut_segments"]
+           "reduction", "done_work", "as_work", "cut_segments", "NATIVE"]
+
+#: ``algorithm=NATIVE``: torch's own collective (FSDP2's default comm issues the same call), under the
+#: comm's deadline and with commopt's errors.
+NATIVE = "native"
 
 
 def reduction(op, world: int) -> tuple[float, str]:
@@ -344,7 +349,7 @@ class CommBase:
         flags = torch.zeros(dist.get_world_size(), dtype=torch.int64)
 
         def gather() -> int:
-            wait_work(dist.all_gather_into_tensor(flags, bad, group=g, async_op=True), self.timeout,
+            wait_work(all_gather_single(flags, bad, group=g, async_op=True), self.timeout,
                       deadline=deadline)
             return 8 * (dist.get_world_size() - 1)
 
@@ -414,10 +419,13 @@ class CollectiveComm(CommBase):
     def __init__(self, topology: Topology | None, algorithm: str, compressor: Compressor | None,
                  timeout: float | None):
         super().__init__(topology, timeout)
-        # With a compressor, only the algorithms that can carry one (its flat or two-level exchange).
+        # With a compressor, only the algorithms that can carry one (its flat or two-level exchange);
+        # without, torch's own collective too (NATIVE).
         known = [algorithms.AUTO, *algorithms.names(self.collective, codec=compressor is not None)]
+        known += [] if compressor is not None else [NATIVE]
         if not isinstance(algorithm, str) or algorithm not in known:
-            raise ValueError(f"{self.where}: algorithm {algorithm!r} is not supported; use one of {known}")
+            raise ValueError(f"{self.where}: algorithm {algorithm!r} is not supported; use one of {known}"
+                             + (f" ({NATIVE!r} is exact: compressor=None)" if algorithm == NATIVE else ""))
         self.algorithm = algorithm
         self.compressor = self._check_compressor(compressor)
 
@@ -442,8 +450,29 @@ class CollectiveComm(CommBase):
         return select_algorithm(self.collective, self.algorithm, nbytes, self.resolve(), self.timeout)
 
     def two_level(self, topo: Topology | None = None) -> bool:
-        """Whether calls over the whole topology run two levels (not ``flat``, and the hierarchy applies)."""
-        return self.algorithm != "flat" and (topo or self.resolve()).two_levels
+        """Whether calls over the whole topology run two levels (not ``flat`` or ``native``, and the
+        hierarchy applies)."""
+        return self.algorithm not in ("flat", NATIVE) and (topo or self.resolve()).two_levels
+
+    def native(self, work, out: torch.Tensor, group, kind: str, nbytes: int,
+               deadline: float | None) -> torch.futures.Future:
+        """The future of torch's own collective ``work`` (``algorithm="native"``), issued by the caller
+        on its thread with FSDP2's own arguments, as FSDP2's default comm issues it: the same
+        collective, the same bits, written into ``out``. It fails with commopt's ``CommTimeoutError``
+        once the call's ``deadline`` passes (the engine's watchdog: the backend's own wait is bounded
+        only by the group's timeout, 30 minutes by default, which hpZ's node groups get whatever
+        WORLD's is) and with ``CommError`` naming the op when the backend fails (a peer died), never
+        with the backend's bare ``RuntimeError``. Counts the bytes of a ring ``kind`` over the
+        group's whole buffer of ``nbytes`` (gloo's reduce-scatter is an all-reduce): this rank's, and
+        for a call over the whole topology the node links'."""
+        op = f"fsdp/{self.collective}/native"
+        engine = context().engine()
+        engine.count(op, int(ALGORITHM_FACTORS[kind](group.size()) * nbytes))
+        if self.site(group).kind == "full":
+            topo = self.resolve()
+            self.add_link_bytes(("native", kind, nbytes), lambda: algorithms.get("flat").traffic(kind, nbytes, topo))
+        # Nothing to finish: the collective wrote ``out`` itself (no scale, no copy back).
+        return flat_future(engine, work, Prepared(out, out, out, None, False), op, remaining(deadline), group)
 
     def start(self, prepared, red, src: torch.Tensor, group, nbytes: int, itemsize: int, tag: str,
               blocking: bool, deadline: float | None) -> torch.futures.Future:

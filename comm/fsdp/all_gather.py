@@ -24,6 +24,8 @@ Which all-gathers are quantized, and why:
 - never one of a non-floating buffer (FSDP gathers bytes when a module mixes parameter dtypes).
 
 The optimizer always updates the exact fp32 shards: only the gathered compute copy is lossy.
+``algorithm="native"`` is torch's own all-gather, as FSDP2's default comm issues it, under the call's
+deadline and commopt's errors.
 
 An asynchronous all-gather returns a ``Work`` whose ``wait()`` raises the call's error (FSDP2 waits
 on it before it reads the parameters, so a prefetched all-gather that failed or timed out raises
@@ -38,12 +40,12 @@ import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
 
 from .. import algorithms
-from ..algorithms._transport import deadline_of, exchange_all_gather, prepare, remaining
+from ..algorithms._transport import all_gather_single, deadline_of, exchange_all_gather, prepare, remaining
 from ..compression import Compressor
 from ..engine import Phase, chain, wait
 from ..runtime import context
 from ..topology import Topology
-from ._common import Bound, BoundComm, CollectiveComm, as_work, done_work
+from ._common import NATIVE, Bound, BoundComm, CollectiveComm, as_work, done_work
 
 __all__ = ["AllGatherComm"]
 
@@ -54,7 +56,8 @@ class AllGatherComm(CollectiveComm, AllGather):
 
     Args:
         topology: the layout of every rank (None: detected once).
-        algorithm: ``"auto"``, ``"flat"`` or ``"hierarchical"``.
+        algorithm: ``"auto"``, ``"flat"`` or ``"hierarchical"``; ``"native"``: torch's own all-gather,
+            as FSDP2's default comm issues it, under ``timeout`` and commopt's errors.
         compressor: None (exact) or ``QuantizeCompressor(bits=8)`` (bits=4 is accepted; weights
             lose more than gradients do at 4 bits).
         timeout: seconds each transfer may take before ``CommTimeoutError`` (None: the group's own).
@@ -94,7 +97,10 @@ class AllGatherComm(CollectiveComm, AllGather):
         site = self.site(group)
         blocking = not async_op
         deadline = deadline_of(self.timeout)  # the call's: every phase and wait waits for what is left
-        if self.compressor is not None and site.kind == "full" and input.is_floating_point():
+        if self.algorithm == NATIVE:  # torch's own all-gather, as FSDP2's default comm issues it
+            work = all_gather_single(output, input, group=group, async_op=True)
+            fut = self.native(work, output, group, "all_gather", output.numel() * output.element_size(), deadline)
+        elif self.compressor is not None and site.kind == "full" and input.is_floating_point():
             fut = self._quantized(output, input, group, bound, blocking, deadline)
         else:
             fut = self._exact(output, input, group, site.kind, blocking, deadline)
@@ -162,7 +168,7 @@ class AllGatherComm(CollectiveComm, AllGather):
         """What one call over the whole topology moves; ``nbytes``: the gathered (world, chunk) output
         in bytes of ``itemsize``. Quantized: the algorithm's traffic of the byte payloads."""
         topo = topology if topology is not None else self.resolve()
-        algo = "hierarchical" if self.two_level(topo) else "flat"
+        algo = "hierarchical" if self.two_level(topo) else "flat"  # native: torch's ring, flat's model
         if self.compressor is None:
             return algorithms.get(algo).traffic("all_gather", nbytes, topo, itemsize=itemsize)
         chunk = int(nbytes // itemsize) // topo.world_size

@@ -25,6 +25,10 @@ nearest; without it rounding is stochastic (unbiased) and nothing is kept. A gro
 one node (native HSDP's shard group) runs the plain exact exchange; any other group the group's own
 reduce-scatter.
 
+``algorithm="native"`` is torch's own reduce-scatter with FSDP2's op, bit for bit what FSDP2 computes
+without a custom comm (on gloo an all-reduce of a copy, then this rank's chunk), issued on the caller's
+thread and waited for within the call's deadline, its failures commopt's errors.
+
 FSDP2 reduce-scatters only the parameters that require gradients: a frozen parameter
 (``requires_grad=False``) has no segment in the buffer and no residual (``Bound.reduced``); trainable
 ones keep theirs when another is frozen or unfrozen. Every phase of one call (the finiteness check,
@@ -39,7 +43,14 @@ from torch.distributed import ReduceOp
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 from .. import algorithms
-from ..algorithms._transport import LOW_PRECISION, deadline_of, exchange_reduce_scatter, prepare, remaining
+from ..algorithms._transport import (
+    LOW_PRECISION,
+    deadline_of,
+    exchange_reduce_scatter,
+    prepare,
+    reduce_scatter_single,
+    remaining,
+)
 from ..algorithms.hierarchical import rail_order
 from ..algorithms.roles import FSDP_QRS_FLAT, FSDP_QRS_INTRA, FSDP_QRS_RAIL
 from ..compression import Compressor
@@ -48,7 +59,7 @@ from ..compression.quantize import quantized_reduce_scatter
 from ..engine import Phase, wait
 from ..runtime import context
 from ..topology import Topology
-from ._common import Bound, BoundComm, CollectiveComm, Layout, done_work, reduction
+from ._common import NATIVE, Bound, BoundComm, CollectiveComm, Layout, done_work, reduction
 
 __all__ = ["ReduceScatterComm"]
 
@@ -65,7 +76,8 @@ class ReduceScatterComm(CollectiveComm, ReduceScatter):
     Args:
         topology: the layout of every rank (None: detected once).
         algorithm: ``"auto"``, ``"flat"`` or ``"hierarchical"`` (quantized: two levels where the
-            hierarchy applies, else one).
+            hierarchy applies, else one); ``"native"``: torch's own reduce-scatter with FSDP2's op,
+            bit for bit what FSDP2's default comm computes, under ``timeout`` and commopt's errors.
         compressor: None (exact) or ``QuantizeCompressor(bits=8 | 4, block=...)``; any other
             compressor is a ``TypeError`` (docs/faults.md row 33).
         error_feedback: with a compressor, keep residuals per parameter name and round to nearest;
@@ -123,11 +135,23 @@ class ReduceScatterComm(CollectiveComm, ReduceScatter):
         deadline = deadline_of(self.timeout)  # the call's: every phase below waits for what is left
         if self.finite_check:
             self.check_finite(input, "reduce_scatter", deadline)
-        if self.compressor is not None and site.kind == "full" and input.is_floating_point():
+        if self.algorithm == NATIVE:
+            self._native(output, input, group, op, deadline)
+        elif self.compressor is not None and site.kind == "full" and input.is_floating_point():
             self._quantized(output, input, bound, scale, deadline)
         else:
             self._exact(output, input, group, site.kind, scale, deadline)
         return done_work(async_op)
+
+    # ----------------------------------------------------------------------------- native
+    def _native(self, output: torch.Tensor, input: torch.Tensor, group, op, deadline: float | None) -> None:
+        """torch's own reduce-scatter with FSDP2's op, as FSDP2's default comm issues it (gloo's is an
+        all-reduce of a copy, then this rank's chunk: ``reduce_scatter_single``), waited for within the
+        call's deadline."""
+        kind = "allreduce" if "gloo" in str(dist.get_backend(group)) else "reduce_scatter"
+        work = reduce_scatter_single(output, input, op=op, group=group, async_op=True)
+        fut = self.native(work, output, group, kind, input.numel() * input.element_size(), deadline)
+        wait(fut, self.timeout, op="fsdp/reduce_scatter/native", deadline=deadline)
 
     # ----------------------------------------------------------------------------- exact
     def _exact(self, output: torch.Tensor, input: torch.Tensor, group, kind: str, scale: float,
@@ -233,6 +257,9 @@ class ReduceScatterComm(CollectiveComm, ReduceScatter):
         the engine counts on each rank.
         """
         topo = topology if topology is not None else self.resolve()
+        if self.algorithm == NATIVE:  # torch's ring (gloo's: an all-reduce, see _native)
+            kind = "allreduce" if dist.is_initialized() and dist.get_backend() == "gloo" else "reduce_scatter"
+            return algorithms.get("flat").traffic(kind, nbytes, topo, itemsize=itemsize)
         if self.compressor is None:
             algo = self.choose(int(nbytes)) if topology is None else (
                 "hierarchical" if self.two_level(topo) else "flat")

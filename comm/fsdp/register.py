@@ -17,7 +17,9 @@ from __future__ import annotations
 import hashlib
 import math
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -27,17 +29,20 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from .. import algorithms, cost
 from ..algorithms.roles import FSDP_CHECK, FSDP_HSDP_ROLES, FSDP_QRS_FLAT, FSDP_QRS_INTRA, FSDP_QRS_RAIL
 from ..compression import Compressor, QuantizeCompressor
+from ..engine import wait_work
 from ..errors import TopologyError
-from ..runtime import context
+from ..runtime import align_timeout, context
 from ..topology import Topology
-from ._common import Bound, Layout
+from ._common import NATIVE, Bound, Layout
 from .all_gather import AllGatherComm
 from .hsdp import AllReduceHook
 from .reduce_scatter import ReduceScatterComm
 
-__all__ = ["register", "shard", "shard_hsdp", "Comms", "AUTO", "AUTO_MARGIN"]
+__all__ = ["register", "shard", "shard_hsdp", "Comms", "AUTO", "AUTO_MARGIN", "NATIVE"]
 
 AUTO = "auto"
+#: The labels of ``shard``'s choice per part (``Comms.recipe``): FSDP2's own, commopt's exact, compressed.
+_LABELS = {"weights": (NATIVE, "exact", "int8"), "gradients": (NATIVE, "exact", "int4")}
 #: ``shard``'s ``"auto"`` takes a compressed collective when it measured at most this share of the exact one's time.
 AUTO_MARGIN = 0.9
 
@@ -55,16 +60,39 @@ class Comms:
     #: "gradients": "native" | "exact" | "int4", "hpz": bool, "seconds": {"weights/native": s, ...}}``,
     #: else None.
     recipe: dict | None = None
+    #: ``shard``'s way back to a saved recipe (:meth:`load_state_dict`); None for ``shard_hsdp``.
+    _restore: Callable[[Comms, dict], None] | None = field(default=None, repr=False, compare=False)
 
     def _stateful(self) -> dict:
         return {k: v for k, v in (("reduce_scatter", self.reduce_scatter), ("all_reduce", self.all_reduce))
                 if v is not None}
 
     def state_dict(self) -> dict:
-        """Error-feedback residuals per parameter name (``torch.load(weights_only=True)`` loads it)."""
-        return {k: v.state_dict() for k, v in self._stateful().items()}
+        """Error-feedback residuals per parameter name, and ``shard``'s ``"auto"`` choice (``"recipe"``:
+        the labels of :attr:`recipe` and hpZ), so that a resumed run trains with the comms of the run it
+        resumes; ``torch.load(weights_only=True)`` loads it."""
+        out = {k: v.state_dict() for k, v in self._stateful().items()}
+        if self.recipe is not None:
+            out["recipe"] = {k: self.recipe[k] for k in (*_LABELS, "hpz") if k in self.recipe}
+        return out
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`: first ``shard``'s saved choice (a part this ``shard`` decided
+        differently, timing this run's cluster again, is registered again with the saved comm, on every
+        module: collective, call it on every rank, as the resume path does after ``shard``), then the
+        residuals. A resumed run is then bit-identical to the uninterrupted one on CPU.
+
+        Raises:
+            ValueError: the checkpoint's residuals were taken with other settings (see
+                ``ReduceScatterComm.load_state_dict``), or its recipe cannot be restored (another hpZ
+                setting, an unknown label).
+        """
+        if not isinstance(state, dict):
+            raise TypeError(f"Comms.load_state_dict: state must be the dict of Comms.state_dict(), got "
+                            f"{type(state).__name__}")
+        saved = state.get("recipe")
+        if saved is not None and self._restore is not None:
+            self._restore(self, saved)
         for k, v in self._stateful().items():
             if k in state:
                 v.load_state_dict(state[k])
@@ -139,7 +167,8 @@ def register(fsdp_module: nn.Module, *, reduce_scatter: ReduceScatterComm | None
         problems.append((TopologyError, f"AllReduceHook (HSDP) needs nodes of equal size, got "
                                         f"{[len(n) for n in topo.nodes]} ({topo.layout})"))
     fingerprint = repr([topo.layout] + [repr(c) for c in comms] + [(b.layout.key, b.layout.numels) for _, b in plans])
-    _agree(problems, fingerprint)
+    timeouts = [c.timeout for c in comms]
+    _agree(problems, fingerprint, None if None in timeouts else max(timeouts))
     _prepare(topo, reduce_scatter, all_gather, all_reduce)
     for module, bound in plans:
         if reduce_scatter is not None:
@@ -205,15 +234,15 @@ def _check_mesh(key: str, pg, topo: Topology, rs, ag, ar) -> list[tuple[type, st
     return out
 
 
-def _agree(problems: list[tuple[type, str]], fingerprint: str) -> None:
+def _agree(problems: list[tuple[type, str]], fingerprint: str, timeout: float | None) -> None:
     """One small all-gather over WORLD: every rank raises when any rank found a problem, or when the
-    ranks' models or comms differ."""
+    ranks' models or comms differ (within the comms' ``timeout``: ``CommTimeoutError`` otherwise)."""
     code = max((2 if cls is TopologyError else 1 for cls, _ in problems), default=0)
     digest = int.from_bytes(hashlib.sha1(fingerprint.encode()).digest()[:7], "little")
     mine = torch.tensor([code, digest], dtype=torch.int64)
     if dist.is_initialized() and dist.get_world_size() > 1:
         rows = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-        dist.all_gather(rows, mine)
+        wait_work(dist.all_gather(rows, mine, async_op=True), timeout, op=_WHERE)
     else:
         rows = [mine]
     codes = [int(r[0]) for r in rows]
@@ -238,7 +267,7 @@ def _prepare(topo: Topology, rs, ag, ar) -> None:
     for comm in (rs, ag):
         if comm is None:
             continue
-        if comm.algorithm != "flat":
+        if comm.algorithm not in ("flat", NATIVE):
             # Every algorithm the comm may run (auto's candidates, or the one named), not flat.
             names = algorithms.candidates(comm.collective) if comm.algorithm == algorithms.AUTO else [comm.algorithm]
             ctx.prepare(topo, [n for n in names if n != "flat"], comm.timeout)
@@ -278,7 +307,7 @@ def _device_type(model: nn.Module) -> str:
     return p.device.type if p is not None else "cpu"
 
 
-def shard(model: nn.Module, *, topology: Topology | None = None, blocks=None, weights=AUTO, gradients=AUTO,
+def shard(model: nn.Module, *, topology: Topology | str | None = None, blocks=None, weights=AUTO, gradients=AUTO,
           hpz: bool | str = AUTO, algorithm: str = "auto", error_feedback: bool = True, prefetch: bool = True,
           mp_policy: MixedPrecisionPolicy | None = None, seed: int = 0, timeout: float | None = None) -> Comms:
     """Shard ``model`` over every rank with the ZeRO++ recipe, in place, and register commopt's comms.
@@ -290,7 +319,8 @@ def shard(model: nn.Module, *, topology: Topology | None = None, blocks=None, we
     hierarchical where the topology allows, with error feedback; (5) with ``prefetch``, every block's
     forward prefetches the next block's parameters and all-gathers run asynchronously, so that they
     overlap computation (FSDP2's backward prefetch too). ``weights=None, gradients=None, hpz=False``
-    is plain FSDP2 with commopt's exact (``algorithm``) reduce-scatter and all-gather.
+    is plain FSDP2 with commopt's exact (``algorithm``) reduce-scatter and all-gather;
+    ``weights="native"`` / ``gradients="native"`` is FSDP2's own collective for that part.
 
     ``"auto"`` (the default of ``weights``, ``gradients`` and ``hpz``) decides per model whether each
     part pays, so that the one-liner is not slower than FSDP2 where compression cannot win (a small
@@ -300,37 +330,56 @@ def shard(model: nn.Module, *, topology: Topology | None = None, blocks=None, we
     compressed one (``"int8"`` / ``"int4"``) --, three calls each after a warm-up, the slowest rank's
     time counting. The compressed collective is taken when it took at most ``AUTO_MARGIN`` of the
     faster exact one's time (the margin covers what a training step adds: the codec competes with
-    compute for the cores), else the faster exact one; ``"native"`` registers no comm of commopt's
-    for that part (the returned comm is None). Every rank takes the same decision (the times are
-    agreed with a MAX all-reduce); rank 0 prints it once, and ``Comms.recipe`` holds it with the
-    times. ``hpz="auto"`` is on wherever it can be (nodes of equal size, consecutive ranks, more than
+    compute for the cores), else the faster exact one. Every rank takes the same decision (the times
+    are agreed with a MAX all-reduce); rank 0 prints it once, and ``Comms.recipe`` holds it with the
+    times; ``Comms.state_dict()`` saves it and ``Comms.load_state_dict`` restores it, so that a run
+    resumed from a checkpoint trains with the comms of the run it resumes, whatever this run's timing
+    says. ``hpz="auto"`` is on wherever it can be (nodes of equal size, consecutive ranks, more than
     one node and more than one rank per node), off without a warning elsewhere; ``hpz=True`` warns
     where it cannot be on.
 
+    ``"native"`` registers :class:`ReduceScatterComm` / :class:`AllGatherComm` with
+    ``algorithm="native"``: torch's own collective with FSDP2's arguments, bit for bit what FSDP2
+    computes without a custom comm, but waited for within ``timeout`` and failing with commopt's
+    errors (``timeout`` bounds every part, whichever is chosen: FSDP2's own waits are bounded only by
+    the process group's timeout, 30 minutes by default, which hpZ's node groups get whatever WORLD's
+    is).
+
     hpZ needs nodes of equal size whose ranks are consecutive (node-by-node placement: FSDP2's
     post-forward groups are consecutive ranks); elsewhere it is left off. On one node it is ZeRO-3's
-    own resharding, on one rank per node no resharding at all.
+    own resharding, on one rank per node no resharding at all. FSDP2 makes hpZ's node groups with
+    torch's default timeout (30 minutes); ``shard`` gives them WORLD's, as commopt's own groups have
+    (``runtime.align_timeout``). Under hpZ an evaluation loop (forward only) gathers across nodes
+    once, in its first forward after a backward: later forwards gather inside the node, so a peer
+    that stalls or dies on another node stops nobody on this one (its node peers raise).
+
+    Args:
+        model: the model, sharded in place.
+        topology: the layout of every rank: a ``Topology``, a spec string such as ``"2x2"``
+            (``Topology.from_spec``), or None (detected).
+        weights, gradients: ``"auto"``, ``"native"``, None (commopt's exact collective) or a
+            ``QuantizeCompressor``.
+        timeout: seconds every comm call may take, whichever part is chosen (None: the group's own).
 
     Returns:
-        The registered :class:`Comms` (their residuals belong in the checkpoint).
+        The registered :class:`Comms` (their state belongs in the checkpoint).
+
+    Raises:
+        TypeError, ValueError: a bad argument, on every rank, before anything collective (whichever
+            part ``"auto"`` would have chosen).
     """
-    for name, value in (("weights", weights), ("gradients", gradients)):
-        if isinstance(value, str) and value != AUTO:
-            raise ValueError(f"fsdp.shard: {name}={value!r}; pass {AUTO!r}, None (exact) or a compressor instance "
-                             f"such as QuantizeCompressor(8)")
-    if hpz not in (True, False, AUTO):
-        raise ValueError(f"fsdp.shard: hpz={hpz!r}; pass True, False or {AUTO!r}")
-    topo = topology if topology is not None else context().topology(None, None, timeout)
+    _check_shard(model, topology, weights, gradients, hpz, algorithm, error_feedback, prefetch, mp_policy, seed,
+                 timeout)
+    topo = _topology(topology, timeout, "fsdp.shard")
+    make = partial(_part_comm, topo=topo, algorithm=algorithm, error_feedback=error_feedback, seed=seed,
+                   timeout=timeout)
     recipe = None
-    native = {"weights": False, "gradients": False}
-    if AUTO in (weights, gradients):
-        recipe = _choose_recipe(model, blocks, topo, algorithm, weights, gradients, error_feedback, timeout)
-        weights = recipe.pop("weights_codec") if weights == AUTO else weights
-        gradients = recipe.pop("gradients_codec") if gradients == AUTO else gradients
-        native = {p: recipe.pop(f"{p}_native", False) for p in native}
-    rs = None if native["gradients"] else ReduceScatterComm(topo, algorithm, gradients, error_feedback=error_feedback,
-                                                            seed=seed, timeout=timeout)
-    ag = None if native["weights"] else AllGatherComm(topo, algorithm, weights, timeout=timeout)
+    chosen = {"weights": weights, "gradients": gradients}
+    auto = [p for p, v in chosen.items() if v == AUTO]
+    if auto:
+        recipe = _choose_recipe(model, blocks, topo, algorithm, auto, error_feedback, timeout)
+        chosen.update({p: recipe[p] for p in auto})
+    rs, ag = make("gradients", chosen["gradients"]), make("weights", chosen["weights"])
     reshard: bool | int = True
     local, world = topo.local_size, topo.world_size
     forced = hpz is True
@@ -351,19 +400,107 @@ def shard(model: nn.Module, *, topology: Topology | None = None, blocks=None, we
 
     mesh = init_device_mesh(_device_type(model), (topo.world_size,))
     chain = _fully_shard(model, blocks, mp_policy, mesh=mesh, reshard_after_forward=reshard)
-    if rs is not None or ag is not None:  # "auto" may leave both to FSDP2's own collectives
-        register(model, reduce_scatter=rs, all_gather=ag)
+    _align_timeouts(model)
+    register(model, reduce_scatter=rs, all_gather=ag)
     if prefetch:
         _prefetch(model, chain)
-    return Comms(reduce_scatter=rs, all_gather=ag, recipe=recipe)
+    restore = partial(_restore_recipe, model=model, make=make, auto=tuple(auto)) if auto else None
+    return Comms(reduce_scatter=rs, all_gather=ag, recipe=recipe, _restore=restore)
 
 
-def _choose_recipe(model: nn.Module, blocks, topo: Topology, algorithm: str, weights, gradients,
+def _check_shard(model, topology, weights, gradients, hpz, algorithm, error_feedback, prefetch, mp_policy, seed,
+                 timeout) -> None:
+    """Every argument of :func:`shard`, before anything collective: each comm ``"auto"`` may choose (and
+    the exact one) is built once, unbound, nothing detected, so that a bad ``seed``, ``timeout`` or
+    ``algorithm`` is refused whichever part the timing would pick."""
+    where = "fsdp.shard"
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{where}: model must be a torch.nn.Module, got {type(model).__name__}")
+    _topology_type(topology, where)
+    for name, value in (("weights", weights), ("gradients", gradients)):
+        if isinstance(value, str) and value not in (AUTO, NATIVE):
+            raise ValueError(f"{where}: {name}={value!r}; pass {AUTO!r}, {NATIVE!r} (FSDP2's own collective), None "
+                             f"(commopt's exact one) or a compressor instance such as QuantizeCompressor(8)")
+    if hpz not in (True, False, AUTO) or isinstance(hpz, (int, float)) and not isinstance(hpz, bool):
+        raise ValueError(f"{where}: hpz={hpz!r}; pass True, False or {AUTO!r}")
+    for name, value in (("error_feedback", error_feedback), ("prefetch", prefetch)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{where}: {name} must be True or False, got {type(value).__name__} {value!r}")
+    if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(f"{where}: mp_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy or None, got "
+                        f"{type(mp_policy).__name__}")
+    for part, value in (("gradients", gradients), ("weights", weights)):
+        # None: the exact comm, which checks ``algorithm`` even where no part will use it.
+        options = [NATIVE, None, QuantizeCompressor(8 if part == "weights" else 4)] if value == AUTO else [value, None]
+        for option in options:
+            try:
+                _part_comm(part, option, topo=None, algorithm=algorithm, error_feedback=error_feedback, seed=seed,
+                           timeout=timeout)
+            except (TypeError, ValueError) as exc:
+                raise type(exc)(f"{where}: {exc}") from None
+
+
+def _topology_type(topology, where: str) -> None:
+    if topology is not None and not isinstance(topology, (Topology, str)):
+        raise TypeError(f"{where}: topology must be a commopt.comm.Topology, a spec string such as '2x2' "
+                        f"(Topology.from_spec) or None (detected), got {type(topology).__name__} {topology!r}")
+
+
+def _topology(topology, timeout: float | None, where: str) -> Topology:
+    """The recipes' topology: given, parsed from a spec string, or detected (collective)."""
+    _topology_type(topology, where)
+    if isinstance(topology, str):
+        return Topology.from_spec(topology)
+    return topology if topology is not None else context().topology(None, None, timeout)
+
+
+def _part_comm(part: str, value, *, topo: Topology | None, algorithm: str, error_feedback: bool, seed: int,
+               timeout: float | None) -> ReduceScatterComm | AllGatherComm:
+    """The comm of one part of :func:`shard` for ``value``: a label of :data:`_LABELS`, None (exact) or a
+    compressor."""
+    codec = {"int8": QuantizeCompressor(8), "int4": QuantizeCompressor(4)}.get(value) if isinstance(value, str) \
+        else value
+    algo = NATIVE if value == NATIVE else algorithm
+    if part == "gradients":
+        return ReduceScatterComm(topo, algo, codec, error_feedback=error_feedback, seed=seed, timeout=timeout)
+    return AllGatherComm(topo, algo, codec, timeout=timeout)
+
+
+def _restore_recipe(comms: Comms, saved: dict, *, model: nn.Module, make: Callable, auto: tuple[str, ...]) -> None:
+    """``Comms.load_state_dict``'s first step: register again, on every module, each part that this
+    ``shard`` decided (``auto``) differently from the checkpoint's run."""
+    where = "Comms.load_state_dict"
+    if not isinstance(saved, dict):
+        raise ValueError(f"{where}: the checkpoint's recipe must be a dict such as {{'weights': 'int8', 'gradients': "
+                         f"'native', 'hpz': True}}, got {type(saved).__name__}")
+    if "hpz" in saved and comms.recipe is not None and saved["hpz"] != comms.recipe.get("hpz"):
+        raise ValueError(f"{where}: the checkpoint was trained with hpZ {'on' if saved['hpz'] else 'off'}, this model "
+                         f"is sharded with it {'on' if comms.recipe.get('hpz') else 'off'}; pass "
+                         f"hpz={bool(saved['hpz'])} to fsdp.shard")
+    changed = {}
+    for part in auto:
+        label = saved.get(part)
+        if label is None or label == comms.recipe[part]:
+            continue
+        if label not in _LABELS[part]:
+            raise ValueError(f"{where}: the checkpoint's {part} were served by {label!r}, not one of "
+                             f"{list(_LABELS[part])}")
+        changed[part] = label
+    if not changed:
+        return
+    rs = make("gradients", changed["gradients"]) if "gradients" in changed else comms.reduce_scatter
+    ag = make("weights", changed["weights"]) if "weights" in changed else comms.all_gather
+    register(model, reduce_scatter=rs, all_gather=ag)
+    comms.reduce_scatter, comms.all_gather = rs, ag
+    comms.recipe.update(changed)
+
+
+def _choose_recipe(model: nn.Module, blocks, topo: Topology, algorithm: str, parts: list[str],
                    error_feedback: bool, timeout: float | None) -> dict:
-    """``shard``'s ``"auto"``: time the largest unit's forward all-gather and gradient reduce-scatter
-    (FSDP2's own, commopt's exact, commopt's compressed) on this cluster (see :func:`shard`), agree on
-    the times, decide, print once. Returns the recipe with each part's codec (``<part>_codec``) and
-    whether FSDP2's own collective serves it (``<part>_native``)."""
+    """``shard``'s ``"auto"`` for ``parts``: time the largest unit's forward all-gather and gradient
+    reduce-scatter (FSDP2's own, commopt's exact, commopt's compressed: each the comm that would
+    serve it) on this cluster (see :func:`shard`), agree on the times, decide, print once. Returns
+    the recipe: each part's label (:data:`_LABELS`) and the times."""
     world = topo.world_size
     units = _blocks(model, blocks) + [model]
     inside = {id(p) for b in units[:-1] for p in b.parameters()}
@@ -373,43 +510,31 @@ def _choose_recipe(model: nn.Module, blocks, topo: Topology, algorithm: str, wei
         return [(n, p) for n, p in unit.named_parameters() if not own or id(p) not in inside]
 
     unit = max((params(u) for u in units), key=lambda ps: sum(p.numel() for _, p in ps))
-    parts = [p for p, v in (("weights", weights), ("gradients", gradients)) if v == AUTO]
     if not unit or world == 1:  # nothing to move: exact, commopt's comms (a world of one copies)
-        return {"seconds": {}, **{p: "exact" for p in parts}, **{f"{p}_codec": None for p in parts},
-                **{f"{p}_native": False for p in parts}}
+        return {"seconds": {}, **{p: "exact" for p in parts}}
     shapes = tuple((-(-p.shape[0] // world), *p.shape[1:]) if p.dim() else (1,) for _, p in unit)
     layout = Layout("commopt.shard.auto", tuple(n for n, _ in unit), tuple(math.prod(s) for s in shapes), shapes)
     chunk = layout.chunk
     full, out = torch.randn(world * chunk, generator=torch.Generator().manual_seed(0)), torch.empty(world * chunk)
     part_out = torch.empty(chunk)
     group = topo.group if topo.group is not None else dist.group.WORLD
-    # (part, label) -> (codec, native, one call)
-    candidates: dict[tuple[str, str], tuple] = {}
-    if "weights" in parts:
-        candidates[("weights", "native")] = (None, True, lambda: dist.all_gather_into_tensor(out, full[:chunk],
-                                                                                             group=group))
-        for label, codec in (("exact", None), ("int8", QuantizeCompressor(8))):
-            comm = AllGatherComm(topo, algorithm, codec, timeout=timeout).bind(Bound(layout))
-            candidates[("weights", label)] = (codec, False, lambda c=comm: c(out, full[:chunk], group))
-    if "gradients" in parts:
-        candidates[("gradients", "native")] = (None, True, lambda: dist.reduce_scatter_tensor(part_out, full,
-                                                                                              group=group))
-        for label, codec in (("exact", None), ("int4", QuantizeCompressor(4))):
-            comm = ReduceScatterComm(topo, algorithm, codec, error_feedback=error_feedback,
-                                     timeout=timeout).bind(Bound(layout))
-            candidates[("gradients", label)] = (codec, False,
-                                                lambda c=comm: c(part_out, full, group, dist.ReduceOp.AVG))
-    seconds = torch.tensor([cost.median_seconds(c[2], group=group, reps=3) for c in candidates.values()],
+    candidates: dict[tuple[str, str], Callable[[], object]] = {}  # (part, label) -> one call
+    for part in parts:
+        for label in _LABELS[part]:
+            comm = _part_comm(part, label, topo=topo, algorithm=algorithm, error_feedback=error_feedback, seed=0,
+                              timeout=timeout).bind(Bound(layout))
+            candidates[(part, label)] = ((lambda c=comm: c(out, full[:chunk], group)) if part == "weights" else
+                                         (lambda c=comm: c(part_out, full, group, dist.ReduceOp.AVG)))
+    seconds = torch.tensor([cost.median_seconds(c, group=group, reps=3) for c in candidates.values()],
                            dtype=torch.float64)
-    dist.all_reduce(seconds, op=dist.ReduceOp.MAX, group=group)  # the slowest rank's: the same on every rank
+    # The slowest rank's: the same on every rank.
+    wait_work(dist.all_reduce(seconds, op=dist.ReduceOp.MAX, group=group, async_op=True), timeout, op="fsdp.shard")
     times = dict(zip(candidates, seconds.tolist()))
     recipe: dict = {"seconds": {f"{p}/{label}": t for (p, label), t in times.items()}}
     for p in parts:
         native, exact, compressed = [(label, times[(q, label)]) for q, label in times if q == p]
         best = min((native, exact), key=lambda x: x[1])  # FSDP2's own on a tie
-        label = compressed[0] if compressed[1] <= AUTO_MARGIN * best[1] else best[0]
-        codec, is_native, _ = candidates[(p, label)]
-        recipe.update({p: label, f"{p}_codec": codec, f"{p}_native": is_native})
+        recipe[p] = compressed[0] if compressed[1] <= AUTO_MARGIN * best[1] else best[0]
     if dist.get_rank() == (topo.group_rank_to_global(0) if topo.group is not None else 0):
         said = "; ".join(f"{p} {recipe[p]} (" + ", ".join(f"{label} {t * 1e3:.1f} ms" for (q, label), t in times.items()
                                                            if q == p) + ")" for p in parts)
@@ -431,6 +556,16 @@ def _fully_shard(model: nn.Module, blocks, mp_policy: MixedPrecisionPolicy | Non
     return chain
 
 
+def _align_timeouts(model: nn.Module) -> None:
+    """Give the groups the recipes' ``fully_shard`` made (hpZ's post-forward groups, HSDP's node groups)
+    WORLD's timeout instead of torch's 30-minute default (``runtime.align_timeout``)."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            for pg in module._get_fsdp_state()._fsdp_param_groups:
+                for info in (pg.mesh_info, getattr(pg, "post_forward_mesh_info", None)):
+                    align_timeout(getattr(info, "shard_process_group", None))
+
+
 def _prefetch(model: nn.Module, chain: list[nn.Module]) -> None:
     """Overlap all-gathers with computation: each block's forward prefetches the next block's
     parameters (``set_modules_to_forward_prefetch``), and FSDP2 issues its pre-forward and
@@ -444,7 +579,7 @@ def _prefetch(model: nn.Module, chain: list[nn.Module]) -> None:
         set_async(True)
 
 
-def shard_hsdp(model: nn.Module, compressor: Compressor | None = _DEFAULT, *, topology: Topology | None = None,
+def shard_hsdp(model: nn.Module, compressor: Compressor | None = _DEFAULT, *, topology: Topology | str | None = None,
                blocks=None, error_feedback: bool = True, intra: bool = True, prefetch: bool = True,
                mp_policy: MixedPrecisionPolicy | None = None, seed: int = 0, timeout: float | None = None) -> Comms:
     """Compressed HSDP in place: FSDP2 over each node's ranks, ``compressor`` across nodes.
@@ -452,15 +587,16 @@ def shard_hsdp(model: nn.Module, compressor: Compressor | None = _DEFAULT, *, to
     (1) ``fully_shard`` every block and the root over a 1-D mesh of this rank's node; (2) the
     gradient shard is reduced along the rail by :class:`AllReduceHook` (default int8, error
     feedback); (3) with ``intra`` the node's reduce-scatter and all-gather run commopt's exact
-    exchange (point-to-point on gloo) instead of the backend's collectives, and with ``prefetch``
-    (which needs ``intra``) the all-gathers overlap computation as in :func:`shard`.
+    exchange (point-to-point on gloo), without it the backend's own collectives (``algorithm=
+    "native"``: FSDP2's numerics, under ``timeout`` too), and with ``prefetch`` (which needs
+    ``intra``) the all-gathers overlap computation as in :func:`shard`.
 
     Returns:
         The registered :class:`Comms`.
     """
     from torch.distributed.device_mesh import DeviceMesh
 
-    topo = topology if topology is not None else context().topology(None, None, timeout)
+    topo = _topology(topology, timeout, "fsdp.shard_hsdp")
     compressor = QuantizeCompressor(8) if compressor is _DEFAULT else compressor
     hook = AllReduceHook(compressor, topo, error_feedback=error_feedback, seed=seed, timeout=timeout)
     if not topo.is_uniform:
@@ -469,8 +605,10 @@ def shard_hsdp(model: nn.Module, compressor: Compressor | None = _DEFAULT, *, to
     grid = torch.tensor([[topo.group_rank_to_global(r) for r in node] for node in topo.nodes])
     mesh = DeviceMesh(_device_type(model), grid, mesh_dim_names=("replicate", "shard"))["shard"]
     chain = _fully_shard(model, blocks, mp_policy, mesh=mesh)
-    rs = ReduceScatterComm(topo, timeout=timeout) if intra else None
-    ag = AllGatherComm(topo, timeout=timeout) if intra else None
+    _align_timeouts(model)
+    intra_algorithm = "auto" if intra else NATIVE  # without intra: the backend's own, under the timeout too
+    rs = ReduceScatterComm(topo, intra_algorithm, timeout=timeout)
+    ag = AllGatherComm(topo, intra_algorithm, timeout=timeout)
     register(model, reduce_scatter=rs, all_gather=ag, all_reduce=hook)
     if prefetch and intra:
         _prefetch(model, chain)
