@@ -638,6 +638,7 @@ def _collective_seconds(name: str, topo, block: dict, args) -> tuple[float, floa
 
     from commopt.comm import compression as C
     from commopt.comm import context, cost, fsdp
+    from commopt.comm.algorithms._transport import all_gather_single, reduce_scatter_single
     from commopt.comm.fsdp._common import Bound, Layout
 
     world, local = topo.world_size, topo.local_size
@@ -655,11 +656,11 @@ def _collective_seconds(name: str, topo, block: dict, args) -> tuple[float, floa
 
     def native_gather(group, n: int):
         out = torch.empty(n * chunk)
-        return lambda: dist.all_gather_into_tensor(out, full[:chunk], group=group)
+        return lambda: all_gather_single(out, full[:chunk], group=group)
 
     def native_scatter(group, n: int):
         out = torch.empty(chunk)
-        return lambda: dist.reduce_scatter_tensor(out, full[: n * chunk], group=group)
+        return lambda: reduce_scatter_single(out, full[: n * chunk], group=group)
 
     def comm_gather(comm, group, n: int):
         comm = comm.bind(bound)
