@@ -55,8 +55,6 @@ from commopt.comm.checks import agree, renamed
 from . import _ring
 from ._decomposed import _matmul_reduce_scatter, all_gather_matmul, matmul_all_reduce, matmul_reduce_scatter
 from ._tp_choice import (
-    MAX_CHUNKS,
-    MIN_CHUNK_SECONDS,
     FusedState,
     check_algorithm,
     check_chunks,
@@ -67,7 +65,7 @@ from ._tp_choice import (
 )
 
 __all__ = ["all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "ColwiseParallel", "RowwiseParallel",
-           "SequenceParallel", "choices", "chunks_for", "chunk_count", "MIN_CHUNK_SECONDS", "MAX_CHUNKS"]
+           "SequenceParallel", "choices", "chunks_for", "chunk_count"]
 
 _GATHERED = "_commopt_gathered"  # the attribute of an input tensor that keeps its gathered form (ColwiseParallel)
 
