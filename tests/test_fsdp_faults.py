@@ -515,17 +515,24 @@ def _stall_matrix(store_dir: str, spec: str, cases: list[tuple[str, str, str, in
     return results
 
 
-def _killed_eval(spec: str, victim: int) -> tuple | None:
-    """The ZeRO++ recipe trains a step on every rank; then ``victim`` is SIGKILLed and the others
-    run an evaluation loop (forward only, no_grad): it must raise at its first forward; the engine's
-    threads exit after destroy()."""
-    rank = dist.get_rank()
-    model, comms = _recipe("zero++", Topology.from_spec(spec))
+def _trained_once(kind: str, spec: str) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """A recipe's model after one optimizer step on every rank, its comms' timeout tightened, the
+    ranks together again: where the fault cases start."""
+    model, comms = _recipe(kind, Topology.from_spec(spec))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     _step(model, opt, 0)
     opt.step()
     _tighten(comms)
     dist.barrier()
+    return model, opt
+
+
+def _killed_eval(spec: str, victim: int) -> tuple | None:
+    """The ZeRO++ recipe trains a step on every rank; then ``victim`` is SIGKILLed and the others
+    run an evaluation loop (forward only, no_grad): it must raise at its first forward; the engine's
+    threads exit after destroy()."""
+    rank = dist.get_rank()
+    model, _ = _trained_once("zero++", spec)
     if rank == victim:
         os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(60)
@@ -541,12 +548,7 @@ def _killed_train(spec: str, kind: str, victim: int) -> tuple | None:
     others train on: their backward must raise commopt's error; the engine's threads exit after
     destroy(). Returns (the first attempt that did not return, the threads alive after destroy())."""
     rank = dist.get_rank()
-    model, comms = _recipe(kind, Topology.from_spec(spec))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    _step(model, opt, 0)
-    opt.step()
-    _tighten(comms)
-    dist.barrier()
+    model, _ = _trained_once(kind, spec)
     if rank == victim:
         x, y = _data(rank, 1)
         out = model(x)
