@@ -7,7 +7,7 @@ import package ``commopt``; ``commopt`` itself is a namespace package without ``
 from setuptools import setup
 
 _FOLDERS = {"comm": "comm", "kernels": "kernels", "schedules": "schedules", "bench": "bench"}
-_SUBPACKAGES = ["comm.algorithms", "comm.compression", "comm.fsdp", "comm.ina", "comm.integrations",
+_SUBPACKAGES = ["comm.algorithms", "comm.compression", "comm.elastic", "comm.fsdp", "comm.ina", "comm.integrations",
                 "bench.cluster", "bench.cluster.probe"]
 
 _MPI = ["mpi4py>=3.1", "mpich"]
