@@ -510,18 +510,21 @@ def _leading_dim(name: str, what: str, dim, a: torch.Tensor) -> int:
 
 
 def _agree(name: str, kind: str, t: torch.Tensor, key: tuple, group, timeout: float | None, *,
-           numel: int | None = None, op: str = "sum", chunks: int | None = None) -> Callable[[], None]:
+           numel: int | None = None, op: str = "sum", chunks: int | None = None,
+           what: str | None = None) -> Callable[[], None]:
     """Issue the agreement check before the ring (docs/architecture.md section 4) and return its
     completion, the ring's gate: what the ring exchanges (its shape, dtype and dimension) must be the
     same on every rank, or every rank raises from the gate. The ring's phases call the gate before
     they move anything, the caller before it waits for the ring: this rank's first slice of the
-    matmul, which needs nothing from the others, runs while the check is on the wire."""
+    matmul, which needs nothing from the others, runs while the check is on the wire. ``what``: what
+    must agree, in the caller's words (the styles'), instead of the primitive's arguments."""
     finish = agree(kind, numel=t.numel() if numel is None else numel, dtype=t.dtype, op=op, algorithm=_RING,
                    group=group, device=t.device, timeout=timeout, signature=_ring.signature((name, *key)),
                    chunks=chunks or 0, wait=False)
-    what = ("a_shard's shape and dtype, gather_dim and whether a_shard requires a gradient" if kind == "all_gather"
-            else "the product's shape (a's leading dimensions, b's columns), dtype and dimension, and whether "
-                 "any of a, b requires a gradient (the backward's ring)" if kind == "reduce_scatter"
-            else "the product's shape (a's leading dimensions, b's columns) and dtype")
+    what = what or (
+        "a_shard's shape and dtype, gather_dim and whether a_shard requires a gradient" if kind == "all_gather"
+        else "the product's shape (a's leading dimensions, b's columns), dtype and dimension, and whether "
+             "any of a, b requires a gradient (the backward's ring)" if kind == "reduce_scatter"
+        else "the product's shape (a's leading dimensions, b's columns) and dtype")
     return renamed(finish, name, "before the ring started",
                    f"{what} (and chunks, where given) must be the same on every rank of the group")

@@ -50,10 +50,7 @@ from torch.distributed import ReduceOp
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 
-from commopt.comm.checks import agree, renamed
-
-from . import _ring
-from ._decomposed import _matmul_reduce_scatter, all_gather_matmul, matmul_all_reduce, matmul_reduce_scatter
+from ._decomposed import _agree, _matmul_reduce_scatter, all_gather_matmul, matmul_all_reduce, matmul_reduce_scatter
 from ._tp_choice import (
     FusedState,
     check_algorithm,
@@ -341,18 +338,12 @@ def _colwise_choice(mesh: DeviceMesh, state: FusedState, module: nn.Linear, x: t
 
 
 def _style_check(name: str, key: tuple, t: torch.Tensor, group, state: FusedState) -> Callable[[], None]:
-    """The agreement check a style runs where a module's input key changed (``_tp_choice``): the key
-    (what the ring exchanges, and whether its backward runs) and ``chunks`` equal on every rank."""
+    """The agreement check a style runs where a module's input key changed (``_tp_choice``): the
+    primitives' check (``_decomposed._agree``) over the key (what the ring exchanges, and whether its
+    backward runs) and ``chunks``, waited for."""
     what = ("the input's shape and dtype, the dimension it is sharded on and whether a gradient flows back "
-            "(the backward's ring), and chunks, must be the same on every rank of the group")
-
-    def check() -> None:
-        finish = agree(key[0], numel=t.numel(), dtype=t.dtype, op="none", algorithm="ring", group=group,
-                       device=t.device, timeout=None, signature=_ring.signature((name, *key)),
-                       chunks=state.chunks or 0, wait=False)
-        renamed(finish, name, "before the ring started", what)()
-
-    return check
+            "(the backward's ring)")
+    return lambda: _agree(name, key[0], t, key, group, None, op="none", chunks=state.chunks, what=what)()
 
 
 @_outside_graphs
