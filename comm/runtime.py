@@ -15,9 +15,10 @@ a background thread creating one would race the caller's own ``torch.distributed
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from datetime import timedelta
 from typing import Any
 
@@ -58,6 +59,9 @@ class Context:
         self.measured_lines: Cache[tuple, dict[str, LinkModel]] = Cache(self.lock)
         self.topologies: Cache[int | None, Topology] = Cache(self.lock)
         self.ina_sessions: Cache[tuple, Any] = Cache(self.lock)
+        self._elastic: dict[int, tuple[Any, Callable[[str], Any]]] = {}  # id(group) -> (group, factory)
+        # Forgotten elastic groups are kept alive to the end of the process (see forget_group).
+        self._retired: list[Any] = []
 
     @property
     def alltoall_fits(self) -> Cache[tuple, dict[str, LinkModel]]:
@@ -91,6 +95,32 @@ class Context:
         return topo
 
     # ----------------------------------------------------------------------------- groups
+    def register_elastic(self, group, factory: Callable[[str], Any]) -> None:
+        """Mark ``group`` as a cross-replica group of one generation (``commopt.comm.elastic``): the
+        groups an algorithm derives over it (one node of all its ranks) come from ``factory(role)``,
+        which builds them from the coordinator's store, since ``dist.new_group`` would need a WORLD that
+        spans the replicas (docs/architecture.md, "elastic")."""
+        with self.lock:
+            self._elastic[id(group)] = (group, factory)
+
+    def forget_group(self, group) -> None:
+        """Drop what this context holds for ``group`` (an elastic generation replaced by the next): its
+        derived groups, its engine worker (abandoned if stuck on a dead peer: a daemon), its caches."""
+        with self.lock:
+            self._elastic.pop(id(group), None)
+            self._retired.append(group)
+            for key in [k for k in self._groups if k[1] == id(group)]:
+                derived = self._groups.pop(key)
+                self._retired.extend(g for g in (derived.intra, derived.rail) if g is not None)
+            self._sequences.pop(id(group), None)
+            engine = self._engine
+        if engine is not None:
+            engine.release(group, timeout=0.0)
+        # Never destroyed, not even at exit: gloo's destructor of a group whose peer died, run on the thread of
+        # a callback that held the last reference, or at interpreter exit, can end in std::terminate. A
+        # generation's groups are a few objects per membership change.
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
+
     def groups(self, topology: Topology, role: str, timeout: float | None = None) -> Groups:
         """This rank's intra-node and rail groups for ``role``, created once per layout and role.
 
@@ -124,7 +154,10 @@ class Context:
                 cached = self._groups.get(key)
             if cached is not None:
                 return cached
-            result = _create_groups(topology, timeout)
+            with self.lock:
+                elastic = self._elastic.get(id(topology.group)) if topology.group is not None else None
+            result = (_elastic_groups(topology, role, elastic[1]) if elastic is not None
+                      else _create_groups(topology, timeout))
             with self.lock:
                 self._groups[key] = result
             return result
@@ -200,8 +233,8 @@ class Context:
                     if pg is not None:
                         try:
                             dist.destroy_process_group(pg)
-                        except (ValueError, RuntimeError):
-                            pass  # already destroyed with the default group
+                        except (ValueError, RuntimeError, KeyError):
+                            pass  # already destroyed with the default group, or an elastic one torch never made
 
 
 _CONTEXT_LOCK = threading.Lock()
@@ -229,6 +262,16 @@ def destroy() -> None:
 
 
 # --------------------------------------------------------------------------------- group creation
+def _elastic_groups(topo: Topology, role: str, factory: Callable[[str], Any]) -> Groups:
+    """The derived groups of an elastic generation's group: one node of all its ranks only."""
+    if topo.num_nodes != 1:
+        raise TopologyError(f"a cross-replica (elastic) group is one level: derived groups of layout {topo.layout!r} "
+                            f"over it are not supported; use algorithm='flat' on it", op="topology.groups")
+    ranks = tuple(range(topo.world_size))
+    return Groups(intra=factory(role) if topo.world_size > 1 else None, rail=None, intra_ranks=ranks,
+                  rail_ranks=(topo.rank,))
+
+
 def _create_groups(topo: Topology, timeout: float | None) -> Groups:
     if topo.group is not None and dist.get_world_size(topo.group) != dist.get_world_size():
         raise TopologyError(

@@ -54,12 +54,15 @@ from commopt.comm.algorithms.roles import DILOCO
 from commopt.comm.checks import check_timeout
 from commopt.comm.compression import Codec, ErrorFeedback, auto, reduce_tensors
 from commopt.comm.compression.codec import all_finite
+from commopt.comm.elastic import Membership
 from commopt.comm.engine import wait, wait_work
-from commopt.comm.errors import NonFiniteError, TopologyError
+from commopt.comm.errors import NonFiniteError
 from commopt.comm.runtime import context
 from commopt.comm.topology import Topology
 
+from ._diloco_elastic import ElasticSync, check_elastic
 from ._diloco_state import Expected, check_state, cloned, fragments_of, positive_int
+from ._diloco_workers import worker_group, worker_topology
 
 __all__ = ["DiLoCo", "worker_group", "worker_topology"]
 
@@ -70,71 +73,6 @@ _NAME = "DiLoCo"
 def _default_outer(params: list) -> torch.optim.Optimizer:
     """DiLoCo's outer optimizer: Nesterov SGD, lr 0.7, momentum 0.9 (arXiv 2311.08105)."""
     return torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)
-
-
-# --------------------------------------------------------------------------------- workers
-def worker_topology(topology: Topology | None = None, workers: str | list = "node",
-                    timeout: float | None = None) -> Topology:
-    """The workers as a :class:`~commopt.comm.Topology` over WORLD: one "node" per worker.
-
-    Args:
-        topology: the cluster's layout (None: ``Topology.detect()``, collective over WORLD).
-        workers: ``"node"`` (one worker per node of ``topology``) or explicit workers, a list of
-            lists of global ranks (e.g. ``[[0, 2], [1, 3]]``), which then replaces the topology.
-        timeout: seconds a detection may wait for the other ranks.
-
-    Raises:
-        TypeError, ValueError: a bad argument; workers of unequal size (the rails need one rank of
-            every local index on every worker); a topology over a subgroup.
-    """
-    timeout = check_timeout(_NAME, timeout)
-    if topology is not None and not isinstance(topology, Topology):
-        raise TypeError(f"{_NAME}: topology must be a commopt.comm.Topology or None (detected), got "
-                        f"{type(topology).__name__} {topology!r}; e.g. Topology.from_spec('2x2')")
-    if isinstance(workers, str):
-        if workers != "node":
-            raise ValueError(f"{_NAME}: workers must be 'node' (one worker per node of the topology) or a list "
-                             f"of lists of ranks (e.g. [[0, 1], [2, 3]]), got {workers!r}")
-        if not dist.is_initialized():
-            raise ValueError(f"{_NAME}: torch.distributed is not initialised; call init_process_group() "
-                             f"before building DiLoCo or its worker group")
-        topo = context().topology(topology, None, timeout)
-    elif isinstance(workers, (list, tuple)):
-        if topology is not None:
-            raise ValueError(f"{_NAME}: pass either topology (with workers='node') or explicit workers, not both")
-        try:
-            topo = Topology.from_nodes([list(w) for w in workers])
-        except TopologyError as exc:
-            raise ValueError(f"{_NAME}: workers {workers!r} are not a partition of the world's ranks: "
-                             f"{exc.message if hasattr(exc, 'message') else exc}") from None
-    else:
-        raise TypeError(f"{_NAME}: workers must be 'node' or a list of lists of ranks, got "
-                        f"{type(workers).__name__} {workers!r}")
-    if topo.group is not None:
-        raise ValueError(f"{_NAME}: the topology must describe WORLD (group=None): DiLoCo's groups are created "
-                         f"over WORLD; build it with Topology.from_spec(spec) without group=")
-    if not topo.is_uniform:
-        raise ValueError(f"{_NAME}: workers of unequal size {[len(n) for n in topo.nodes]} ({topo.layout!r}): the "
-                         f"outer all-reduce runs along the rails (one rank of each local index per worker), so "
-                         f"every worker needs the same number of ranks; group the ranks into equal workers "
-                         f"(workers=[[...], [...]])")
-    return topo
-
-
-def worker_group(topology: Topology | None = None, workers: str | list = "node", timeout: float | None = None):
-    """This rank's worker's process group: what the inner DDP or FSDP2 runs on, built before the model
-    is wrapped (``DDP(model, process_group=worker_group())``, ``DeviceMesh.from_group(worker_group(),
-    "cpu")``). Collective over WORLD: call it on every rank, with the same arguments; ``DiLoCo`` with
-    the same arguments reuses the group (created once per layout, in the runtime context).
-
-    Returns:
-        The group, or None where a worker is one rank (train that rank's model as it is: a DDP over
-        ``None`` would be WORLD).
-    """
-    topo = worker_topology(topology, workers, timeout)
-    if topo.world_size == 1:
-        return None
-    return context().groups(topo, DILOCO, timeout).intra
 
 
 # --------------------------------------------------------------------------------- the pieces
@@ -211,7 +149,18 @@ class DiLoCo:
         topology: the cluster's layout (None: detected).
         workers: ``"node"`` or explicit equal workers (lists of global ranks).
         backup_device: where the global weights and the outer optimizer's state live (default CPU).
-        timeout: seconds each collective of DiLoCo may wait (``CommTimeoutError``); None: the group's.
+        timeout: seconds each collective of DiLoCo may wait (``CommTimeoutError``); None: the group's
+            (elastic: 60).
+        elastic: the workers of each outer sync are the current generation of the coordinator's
+            membership (``schedules/_diloco_elastic.py``): workers may die and rejoin without a restart.
+            Each worker is its own world of one rank (one torchrun per node); ``delay`` 0; not
+            ``topology`` / ``workers``. A joiner's error-feedback residual starts at zero.
+        min_workers: elastic: the fewest workers an outer sync may have (``QuorumError`` below).
+        membership: elastic: this worker's ``commopt.comm.elastic.Membership`` (None:
+            ``Membership.from_env()``, heartbeat 0.25 s, closed by :meth:`close`).
+        join_timeout: elastic: seconds a joiner waits for the running workers' next outer sync.
+        join_inner_state: elastic: a joiner also copies its peer's inner optimizer state (True, the
+            default: Adam's moments are a better start than zeros); False: its inner optimizer's own.
 
     Attributes:
         worker_group: this rank's worker's process group (None for one-rank workers).
@@ -231,7 +180,9 @@ class DiLoCo:
                  fragments: int | list[list[str]] = 1, delay: int = 0, alpha: float = 0.0,
                  compressor: Codec | None = None, error_feedback: bool = True, topology: Topology | None = None,
                  workers: str | list = "node", backup_device: str | torch.device = "cpu",
-                 timeout: float | None = None) -> None:
+                 timeout: float | None = None, elastic: bool = False, min_workers: int = 1,
+                 membership: Membership | None = None, join_timeout: float = 600.0,
+                 join_inner_state: bool = True) -> None:
         # Local checks first: every rank raises the same error before anything is sent.
         if not isinstance(model, nn.Module):
             raise TypeError(f"{_NAME}: model must be a torch.nn.Module, got {type(model).__name__}")
@@ -297,8 +248,13 @@ class DiLoCo:
         self.fragments = fragments_of(fragments, named)
         self.offsets = [(f * self.sync_every) // len(self.fragments) for f in range(len(self.fragments))]
 
+        if not isinstance(elastic, bool):
+            raise TypeError(f"{_NAME}: elastic must be a bool, got {type(elastic).__name__}")
+        if elastic:
+            check_elastic(self.delay, topology, workers, min_workers, membership)
+            self.timeout = 60.0 if self.timeout is None else self.timeout
         # Collective from here on, in the same order on every rank.
-        self.topology = worker_topology(topology, workers, self.timeout)
+        self.topology = Topology(nodes=((0,),)) if elastic else worker_topology(topology, workers, self.timeout)
         topo = self.topology
         self.num_workers, self.local_size, self.local_rank = topo.num_nodes, topo.local_size, topo.local_rank
         groups = context().groups(topo, DILOCO, self.timeout) if topo.world_size > 1 else None
@@ -335,6 +291,12 @@ class DiLoCo:
         self._reductions = 0
         self.outer_bytes = 0.0
         self._pending: list[_Pending] = []
+        self.elastic: ElasticSync | None = None
+        if elastic:
+            self.elastic = ElasticSync(self, membership or Membership.from_env(heartbeat_interval=0.25),
+                                       min_workers=min_workers, timeout=self.timeout, join_timeout=join_timeout,
+                                       join_inner_state=bool(join_inner_state), own=membership is None)
+            self.elastic.join()
 
     # ------------------------------------------------------------------------------- set-up
     def _piece(self, name: str, p: torch.Tensor) -> _Piece:
@@ -412,6 +374,9 @@ class DiLoCo:
         """
         self.steps += 1
         t = self.steps
+        if self.elastic is not None:
+            self.elastic.sync_due(t)
+            return
         for pending in [p for p in self._pending if p.due <= t]:
             self._apply(pending)
         if self.delay >= 2 and self.worker_group is not None:
@@ -507,6 +472,13 @@ class DiLoCo:
         t = self.steps
         if t == 0:
             return  # nothing trained: the model holds the start's weights, the global ones
+        if self.elastic is not None:
+            for f, off in enumerate(self.offsets):
+                if t % self.sync_every != off % self.sync_every:
+                    self.elastic.round(f, final=True)
+                elif self.alpha:
+                    self._write(f, None, 0.0)
+            return
         equal: set[int] = set()  # fragments whose model weights are their global ones
         carried: dict[int, list[torch.Tensor]] = {}  # this rank's pseudo-gradient of what trained since the issue
         for pending in list(self._pending):
@@ -594,6 +566,18 @@ class DiLoCo:
                 pos += k
             pending.deltas, pending.kind = out, "done"
         return pending.deltas
+
+    def close(self) -> None:
+        """Elastic: leave the membership (if DiLoCo made it) and drop the generation's group; the model
+        and the state stay usable. No-op otherwise."""
+        if self.elastic is not None:
+            self.elastic.close()
+
+    def _apply_averaged(self, f: int, averaged: list[torch.Tensor], alpha: float | None) -> None:
+        """Fragment ``f``'s outer step on an averaged pseudo-gradient reduced elsewhere, and its adoption."""
+        pending = _Pending(f, self.steps, averaged, None, "done")
+        self._pending.append(pending)
+        self._apply(pending, alpha)
 
     @torch.no_grad()
     def _apply(self, pending: _Pending, alpha: float | None = None) -> None:

@@ -10,9 +10,18 @@ namespace (docs/architecture.md section 5.9)::
         commopt-bench collectives --op allreduce --algo flat,hierarchical,auto --sizes 1M,4M,16M
 
 :func:`main`: (1) checks the usage, then the privileges; (2) builds the cluster (``netns``); (3) probes
-each link's achieved rate (``probe``) and prints it with the configured one; (4) runs the ranks, their
-output prefixed (``launch``); (5) tears everything down, whatever happens, a signal included. Only
-this module reads environment variables (docs/architecture.md section 6.3).
+each link's achieved rate (``probe``) and prints it with the configured one; (4) starts the switch and
+the membership coordinator where asked, each in its own namespace; (5) runs the ranks, their output
+prefixed (``launch``; with ``--elastic``, one world per node, faults injected and nodes restarted while
+the survivors run on: ``faults``); (6) tears everything down, whatever happens, a signal included.
+Only this module reads environment variables (docs/architecture.md section 6.3), and, inside a rank,
+``progress.report_step`` (the launcher's counterpart there).
+
+With ``--elastic`` the ranks are launched the way one torchrun per node launches them, plus the
+coordinator's address::
+
+    commopt-bench cluster --nodes 4 --link-rate 200mbit --elastic \
+        --fault kill:node=2:at=step=80 --restart node=2:after=10 --events events.jsonl -- python train.py
 """
 
 from __future__ import annotations
@@ -21,15 +30,18 @@ import argparse
 import contextlib
 import importlib.util
 import json
+import math
 import os
 import shutil
 import signal
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from typing import IO
 
 from ._proc import ClusterError
+from .faults import Fault, Restart, check_plan, parse_fault, parse_restart, run_elastic
 from .host import check_requirements, cleanup_leftovers, parse_cap_eff
 from .launch import _is_terminal, _note, place_ranks, rank_environments, run_ranks
 from .netns import _MAX_NODES, Cluster, parse_rate
@@ -40,6 +52,8 @@ __all__ = ["main"]
 # (32768+) are free by construction and cannot collide with gloo's own connections.
 _MASTER_PORT = 29500
 _SWITCH_PORT = 29600
+_COORDINATOR_PORT = 29700
+_COORDINATOR_ADDRESS = "10.77.0.253"  # Cluster.coordinator_address
 _WARN_DEVIATION = 0.15
 
 
@@ -62,7 +76,8 @@ def _build_parser() -> argparse.ArgumentParser:
                     "MASTER_PORT, GLOO_SOCKET_IFNAME, COMMOPT_NODES, COMMOPT_LINK_RATE_BPS and "
                     "COMMOPT_LINK_MEASURED_BPS set (and COMMOPT_PROGRESS=1 when this stderr is a "
                     "terminal: rank 0's progress bar is redrawn there). Needs root (CAP_NET_ADMIN, "
-                    "CAP_SYS_ADMIN) and iproute2. Returns the first failing rank's exit code.")
+                    "CAP_SYS_ADMIN) and iproute2. Returns the first failing rank's exit code (with --elastic: "
+                    "of the ranks no fault hit, and of restarted ranks).")
     parser.add_argument("--nodes", type=int, help="number of nodes N")
     parser.add_argument("--ranks-per-node", type=int, default=1, help="ranks per node L (default 1)")
     parser.add_argument("--link-rate", default="1gbit",
@@ -88,6 +103,45 @@ def _build_parser() -> argparse.ArgumentParser:
                              "target lack it, so this fails clearly there")
     parser.add_argument("--timeout", type=float, default=None, metavar="S",
                         help="kill all ranks after S seconds and return 124")
+    elastic = parser.add_argument_group(
+        "elastic training and faults",
+        "--coordinator runs `commopt-bench coordinator` in its own namespace, joined to the fabric by an "
+        f"unshaped link (the control plane) at {_COORDINATOR_ADDRESS}:{_COORDINATOR_PORT}, and gives every rank "
+        f"COMMOPT_COORDINATOR={_COORDINATOR_ADDRESS}:{_COORDINATOR_PORT}. --elastic launches each node as its "
+        "own torch.distributed world, the way one torchrun per node does: RANK=LOCAL_RANK, "
+        "WORLD_SIZE=LOCAL_WORLD_SIZE=L, MASTER_ADDR=127.0.0.1 (the node's loopback), MASTER_PORT=29500, "
+        "COMMOPT_NODES=one node of L ranks, COMMOPT_REPLICA_ID=the node's index, COMMOPT_NUM_REPLICAS=N, "
+        "GLOO_SOCKET_IFNAME=the node's fabric interface, plus COMMOPT_COORDINATOR; a rank that dies does not "
+        "kill the others, and the launcher waits for every rank (restarted ones too). With --fault, every "
+        "rank also gets COMMOPT_STEP_DIR, where commopt.bench.cluster.progress.report_step(step) reports its "
+        "training step; a restarted rank gets COMMOPT_RESTART=<attempt>. Every event is printed on stderr "
+        "as `[cluster] t=<seconds since the ranks started>s ...`.")
+    elastic.add_argument("--coordinator", action="store_true",
+                         help="run the membership coordinator outside every node (see above)")
+    elastic.add_argument("--heartbeat-timeout", type=float, default=None, metavar="S",
+                         help="the coordinator drops a replica silent for S seconds (default 5)")
+    elastic.add_argument("--min-replicas", type=int, default=None, metavar="N",
+                         help="the fewest replicas a generation may have (default 1)")
+    elastic.add_argument("--initial-replicas", type=int, default=None, metavar="N",
+                         help="the replicas the first generation waits for (default: --nodes)")
+    elastic.add_argument("--job", default=None, metavar="NAME",
+                         help="the job's name at the coordinator (default commopt)")
+    elastic.add_argument("--elastic", action="store_true",
+                         help="one torch.distributed world per node (see above); implies --coordinator")
+    elastic.add_argument("--fault", action="append", default=[], metavar="KIND:node=I:at=WHEN[:for=S]",
+                         help="repeatable; needs --elastic. KIND: kill (SIGKILL every rank of node I), stop "
+                              "(SIGSTOP them; SIGCONT after for=S seconds), linkdown (node I's link down; up "
+                              "again after for=S seconds). WHEN: <seconds>s after the ranks start, or "
+                              "step=<n>: the first moment a rank of node I reports a step >= n")
+    elastic.add_argument("--restart", action="append", default=[], metavar="node=I:after=S",
+                         help="repeatable, one per node; needs --elastic. S seconds after each fault of node I, "
+                              "SIGKILL what still runs there, bring its link up and start its ranks again with "
+                              "COMMOPT_RESTART=<attempt>")
+    elastic.add_argument("--events", metavar="FILE",
+                         help="with --elastic: write one JSON line per event to FILE (replaced): time (the wall "
+                              "clock when the signal was sent or the link went down), t (seconds since the ranks "
+                              "started), event (start, fault, cont, link_up, restart, exit), node, kind, step, "
+                              "rank, ranks, code")
     parser.add_argument("--record", metavar="FILE",
                         help="append the cluster/probe JSON record to FILE (it is also printed)")
     parser.add_argument("--cleanup", action="store_true",
@@ -129,8 +183,10 @@ def main(argv: list[str]) -> int:
     """Entry point of ``commopt-bench cluster``; see ``--help``.
 
     Returns:
-        0, the first failing rank's exit code, 124 on --timeout, 128 + signal when interrupted,
-        2 for usage errors, 3 when the cluster cannot be built or --strict refuses the link.
+        0, the first failing rank's exit code (with --elastic, only ranks no fault hit and restarted
+        ranks count: a rank killed by a fault is expected to die), 124 on --timeout, 128 + signal
+        when interrupted, 2 for usage errors, 3 when the cluster cannot be built or --strict refuses
+        the link.
     """
     argv = list(argv)
     command: list[str] = []
@@ -152,6 +208,7 @@ def main(argv: list[str]) -> int:
                 raise ValueError(f"--nodes must be in 1..{_MAX_NODES}, got {args.nodes}")
             if args.delay < 0 or args.probe_seconds < 0:
                 raise ValueError("--delay and --probe-seconds must not be negative")
+            plan = _elastic_plan(args)
         except ValueError as e:
             return _fail(str(e), 2)
         if args.switch_node and importlib.util.find_spec("commopt.bench.ina_switch") is None:
@@ -178,11 +235,11 @@ def main(argv: list[str]) -> int:
         return 0
 
     interrupts = _Interrupts()
-    cluster = Cluster(args.nodes, rate, switch_node=args.switch_node, delay_ms=args.delay, ip=ip, tc=tc,
-                      shield=interrupts.shield)
+    cluster = Cluster(args.nodes, rate, switch_node=args.switch_node, coordinator=args.coordinator,
+                      delay_ms=args.delay, ip=ip, tc=tc, shield=interrupts.shield)
     old = {s: signal.signal(s, interrupts.handler) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
-        return _run(args, cluster, layout, command, rate, err)
+        return _run(args, cluster, layout, command, rate, err, plan)
     except _Interrupted as e:
         _note(err, f"interrupted by {signal.Signals(e.signum).name}; tearing down")
         return 128 + e.signum
@@ -202,14 +259,70 @@ def main(argv: list[str]) -> int:
             signal.signal(s, handler)
 
 
+def _elastic_plan(args: argparse.Namespace) -> tuple[list[Fault], list[Restart]]:
+    """Check the elastic options (filling in their defaults) and parse the faults and restarts.
+
+    Raises:
+        ValueError: saying which option is wrong and what to give instead.
+    """
+    faults = [parse_fault(text) for text in args.fault]
+    restarts = [parse_restart(text) for text in args.restart]
+    if not args.elastic:
+        for option, given in (("--fault", faults), ("--restart", restarts), ("--events", args.events)):
+            if given:
+                raise ValueError(f"{option} needs --elastic: without it every node is one torch.distributed world "
+                                 "and the launcher kills every rank at the first death, so there is nothing to "
+                                 "survive a fault; add --elastic (each node its own world, as one torchrun per node)")
+    elif args.placement != "contiguous":
+        raise ValueError("--elastic launches each node as its own world, so ranks are placed node by node; "
+                         "drop --placement interleaved")
+    args.coordinator = args.coordinator or args.elastic
+    if not args.coordinator:
+        given = [o for o, v in (("--heartbeat-timeout", args.heartbeat_timeout), ("--min-replicas", args.min_replicas),
+                                ("--initial-replicas", args.initial_replicas), ("--job", args.job)) if v is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)} configure the coordinator: add --coordinator (or --elastic)")
+    args.heartbeat_timeout = 5.0 if args.heartbeat_timeout is None else args.heartbeat_timeout
+    args.min_replicas = 1 if args.min_replicas is None else args.min_replicas
+    args.initial_replicas = args.nodes if args.initial_replicas is None else args.initial_replicas
+    args.job = "commopt" if args.job is None else args.job
+    if not (args.heartbeat_timeout > 0 and math.isfinite(args.heartbeat_timeout)):
+        raise ValueError(f"--heartbeat-timeout must be a positive number of seconds, got {args.heartbeat_timeout}")
+    if not 1 <= args.min_replicas <= args.initial_replicas <= args.nodes:
+        raise ValueError(f"need 1 <= --min-replicas ({args.min_replicas}) <= --initial-replicas "
+                         f"({args.initial_replicas}) <= --nodes ({args.nodes}): otherwise no generation can form")
+    if not args.job:
+        raise ValueError("--job must not be empty")
+    check_plan(faults, restarts, args.nodes)
+    return faults, restarts
+
+
 def _fail(message: str, code: int) -> int:
     print(f"commopt-bench cluster: error: {message}", file=sys.stderr, flush=True)
     return code
 
 
 def _run(args: argparse.Namespace, cluster: Cluster, layout: list[list[int]], command: list[str],
-         rate: int, err: IO[bytes]) -> int:
-    """Build, probe, run (the part of main() that the teardown in main() guards)."""
+         rate: int, err: IO[bytes], plan: tuple[list[Fault], list[Restart]]) -> int:
+    """Open the run's files, then build, probe, run (the part of main() that its teardown guards).
+
+    The events file is opened first, so that a path that cannot be written fails before anything is
+    built; the step directory (with faults) is removed once the ranks are gone.
+    """
+    with contextlib.ExitStack() as stack:
+        events = None
+        if args.events:
+            try:
+                events = stack.enter_context(open(args.events, "w", encoding="utf-8"))
+            except OSError as e:
+                raise ClusterError(f"--events {args.events}: cannot write it ({e}); give a writable path") from None
+        step_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="commopt-steps-")) if plan[0] else None
+        return _build_and_run(args, cluster, layout, command, rate, err, plan, events, step_dir)
+
+
+def _build_and_run(args: argparse.Namespace, cluster: Cluster, layout: list[list[int]], command: list[str],
+                   rate: int, err: IO[bytes], plan: tuple[list[Fault], list[Restart]], events: IO[str] | None,
+                   step_dir: str | None) -> int:
     from commopt.comm.topology import format_nodes  # already imported by parse_rate()
 
     t0 = time.monotonic()
@@ -249,6 +362,16 @@ def _run(args: argparse.Namespace, cluster: Cluster, layout: list[list[int]], co
         switch = cluster.start_switch(switch_argv, dict(os.environ), out=err)
         ina = f"{cluster.switch_address}:{_SWITCH_PORT}"
         extra.append((switch.stdout, err, b"[switch] "))
+    coordinator = None
+    if args.coordinator:
+        coordinator_argv = [sys.executable, "-m", "commopt.bench", "coordinator", "--host",
+                            str(cluster.coordinator_address), "--port", str(_COORDINATOR_PORT),
+                            "--heartbeat-timeout", f"{args.heartbeat_timeout:g}", "--min-replicas",
+                            str(args.min_replicas), "--initial-replicas", str(args.initial_replicas),
+                            "--job", args.job]
+        proc = cluster.start_coordinator(coordinator_argv, dict(os.environ), out=err)
+        coordinator = f"{cluster.coordinator_address}:{_COORDINATOR_PORT}"
+        extra.append((proc.stdout, err, b"[coordinator] "))
     base_env = dict(os.environ)
     if _is_terminal(err):
         # The ranks' stderr is a pipe, so their progress bars would stay off; the pumps redraw them
@@ -257,9 +380,15 @@ def _run(args: argparse.Namespace, cluster: Cluster, layout: list[list[int]], co
     envs = rank_environments(layout, base_env, master_addr=cluster.node_address(0),
                              master_port=_MASTER_PORT,
                              ifnames=[cluster.ifname(n) for n in range(args.nodes)],
-                             link_rate_bps=rate, measured_bps=measured, ina_switch=ina)
-    return run_ranks(cluster, layout, command, envs, timeout=args.timeout, stdout=sys.stdout.buffer,
-                     stderr=err, extra_streams=extra)
+                             link_rate_bps=rate, measured_bps=measured, ina_switch=ina,
+                             coordinator=coordinator, elastic=args.elastic, step_dir=step_dir)
+    if not args.elastic:
+        return run_ranks(cluster, layout, command, envs, timeout=args.timeout, stdout=sys.stdout.buffer,
+                         stderr=err, extra_streams=extra)
+    faults, restarts = plan
+    return run_elastic(cluster, layout, command, envs, faults=faults, restarts=restarts, step_dir=step_dir,
+                       timeout=args.timeout, stdout=sys.stdout.buffer, stderr=err, events=events,
+                       extra_streams=extra)
 
 
 def _emit_record(record: dict[str, object], path: str | None) -> None:

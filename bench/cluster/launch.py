@@ -3,7 +3,9 @@
 Ranks are placed node by node (or interleaved, the pathological placement); each gets the
 environment that ``Topology.from_env()`` and torch's ``env://`` rendezvous read; their output is
 copied to the launcher's streams, each line prefixed ``[rank k]`` (a progress bar redrawn in place
-on a terminal); the first failing rank's code ends the run and the other ranks are killed.
+on a terminal); the first failing rank's code ends the run and the other ranks are killed (except
+with ``--elastic``, where ``faults.run_elastic`` runs them: each node is its own world, and a death is
+what the survivors must outlive).
 Nothing here reads environment variables (docs/architecture.md section 6.3): the CLI passes the base environment in.
 """
 
@@ -20,6 +22,11 @@ from ._proc import _close_pipes, _terminate
 from .netns import Cluster
 
 __all__ = ["place_ranks", "rank_environments", "run_ranks"]
+
+# Set by the launcher only in some runs: never inherited from an outer launcher.
+_OPTIONAL_VARS = ("COMMOPT_LINK_MEASURED_BPS", "COMMOPT_INA_SWITCH", "COMMOPT_COORDINATOR", "COMMOPT_STEP_DIR",
+                  "COMMOPT_REPLICA_ID", "COMMOPT_NUM_REPLICAS", "COMMOPT_RESTART", "GROUP_RANK", "LOCAL_RANK",
+                  "LOCAL_WORLD_SIZE")
 
 
 def place_ranks(nodes: int, ranks_per_node: int, placement: str = "contiguous") -> list[list[int]]:
@@ -50,27 +57,43 @@ def place_ranks(nodes: int, ranks_per_node: int, placement: str = "contiguous") 
 def rank_environments(layout: Sequence[Sequence[int]], base_env: dict[str, str], *,
                       master_addr: str, master_port: int, ifnames: Sequence[str],
                       link_rate_bps: int, measured_bps: int | None = None,
-                      ina_switch: str | None = None) -> list[dict[str, str]]:
-    """The environment of every rank (index = rank).
+                      ina_switch: str | None = None, coordinator: str | None = None,
+                      elastic: bool = False, step_dir: str | None = None) -> list[dict[str, str]]:
+    """The environment of every rank (index = the launcher's rank, the ``k`` of ``[rank k]``).
 
     Everything ``Topology.from_env()`` and torch's ``env://`` rendezvous need: ``RANK``,
     ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT`` (node 0),
     ``GLOO_SOCKET_IFNAME`` (the node's veth: gloo then binds the node address, so intra-node pairs
     go over local routing and inter-node pairs over the shaped link), ``COMMOPT_NODES`` (so
     interleaved placement is expressible), ``COMMOPT_LINK_RATE_BPS`` and, when probed,
-    ``COMMOPT_LINK_MEASURED_BPS``; ``COMMOPT_INA_SWITCH`` with a switch node. Values inherited from
-    ``base_env`` for these names are replaced or removed, so an outer launcher cannot leak in.
+    ``COMMOPT_LINK_MEASURED_BPS``; ``COMMOPT_INA_SWITCH`` with a switch node;
+    ``COMMOPT_COORDINATOR`` with a coordinator; ``COMMOPT_STEP_DIR`` where faults wait for a step
+    (``progress.report_step`` writes there).
+
+    With ``elastic``, each node is its own ``torch.distributed`` world, as with one torchrun per
+    node: ``RANK`` = ``LOCAL_RANK``, ``WORLD_SIZE`` = ``LOCAL_WORLD_SIZE`` = the node's ranks,
+    ``MASTER_ADDR`` = 127.0.0.1 (the node's own loopback; ``master_addr`` is not used),
+    ``COMMOPT_NODES`` = one node (``"0,1"``), and ``COMMOPT_REPLICA_ID`` = the node's index,
+    ``COMMOPT_NUM_REPLICAS`` = the number of nodes. Cross-node traffic then goes only through what
+    the ranks build from the coordinator, over ``GLOO_SOCKET_IFNAME``: a world spanning nodes
+    would die with any of them.
+
+    Values inherited from ``base_env`` for these names (and ``COMMOPT_RESTART``, which only a
+    restart sets) are replaced or removed, so an outer launcher cannot leak in.
     ``PYTHONUNBUFFERED=1`` is defaulted so prefixed output arrives line by line, not at exit.
 
     Args:
         layout: ``layout[node]`` = ranks of that node.
         base_env: the environment to start from (the CLI passes ``os.environ``).
         master_addr: node 0's address inside the fabric.
-        master_port: the rendezvous port on node 0.
+        master_port: the rendezvous port on node 0 (with ``elastic``: on every node's loopback).
         ifnames: the veth name of every node inside its namespace.
         link_rate_bps: the configured per-node link rate.
         measured_bps: the probed rate, or None when not probed.
         ina_switch: ``"host:port"`` of the in-network aggregation switch, or None.
+        coordinator: ``"host:port"`` of the membership coordinator, or None.
+        elastic: one world per node (see above).
+        step_dir: the directory where ranks report their step, or None.
 
     Returns:
         One environment per rank.
@@ -87,24 +110,25 @@ def rank_environments(layout: Sequence[Sequence[int]], base_env: dict[str, str],
     for node, node_ranks in enumerate(layout):
         for local, rank in enumerate(node_ranks):
             env = dict(base_env)
-            for stale in ("COMMOPT_LINK_MEASURED_BPS", "COMMOPT_INA_SWITCH", "GROUP_RANK",
-                          "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+            for stale in _OPTIONAL_VARS:
                 env.pop(stale, None)
             env.update({
-                "RANK": str(rank),
-                "WORLD_SIZE": str(world),
+                "RANK": str(local if elastic else rank),
+                "WORLD_SIZE": str(len(node_ranks) if elastic else world),
                 "LOCAL_RANK": str(local),
                 "LOCAL_WORLD_SIZE": str(len(node_ranks)),
-                "MASTER_ADDR": master_addr,
+                "MASTER_ADDR": "127.0.0.1" if elastic else master_addr,
                 "MASTER_PORT": str(master_port),
                 "GLOO_SOCKET_IFNAME": ifnames[node],
-                "COMMOPT_NODES": nodes_text,
+                "COMMOPT_NODES": format_nodes([list(range(len(node_ranks)))]) if elastic else nodes_text,
                 "COMMOPT_LINK_RATE_BPS": str(int(link_rate_bps)),
             })
-            if measured_bps is not None:
-                env["COMMOPT_LINK_MEASURED_BPS"] = str(int(measured_bps))
-            if ina_switch is not None:
-                env["COMMOPT_INA_SWITCH"] = ina_switch
+            optional = {"COMMOPT_LINK_MEASURED_BPS": None if measured_bps is None else str(int(measured_bps)),
+                        "COMMOPT_INA_SWITCH": ina_switch, "COMMOPT_COORDINATOR": coordinator,
+                        "COMMOPT_STEP_DIR": step_dir,
+                        "COMMOPT_REPLICA_ID": str(node) if elastic else None,
+                        "COMMOPT_NUM_REPLICAS": str(len(layout)) if elastic else None}
+            env.update({k: v for k, v in optional.items() if v is not None})
             env.setdefault("PYTHONUNBUFFERED", "1")
             envs[rank] = env
     return envs

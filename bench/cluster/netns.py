@@ -5,6 +5,7 @@ Layout, for a run whose prefix is ``co-<launcher pid>-<launcher start time>-<tag
     <prefix>-fab   the fabric: bridge ``cbr0``; port ``cf<i>`` per node, ``cfsw`` to the switch
     <prefix>-n<i>  node i: ``lo`` (intra-node traffic) and ``cn<i>`` = 10.77.0.<i+1>/24
     <prefix>-sw    with --switch-node: ``cnsw`` = 10.77.0.254/24
+    <prefix>-co    with --coordinator: ``cnco`` = 10.77.0.253/24, an unshaped link (the control plane)
 
 (1) namespaces, bridge and veth pairs are created inside the new namespaces only (the host's root
 namespace is never touched, and the 10.77.0.0/24 addresses exist nowhere else); (2) tbf shapes both
@@ -40,6 +41,7 @@ __all__ = ["Cluster", "parse_rate"]
 
 _SUBNET = "10.77.0"  # private, and it only ever exists inside this run's namespaces (docs/faults.md row 29)
 _SWITCH_HOST = 254
+_COORDINATOR_HOST = 253
 _MAX_NODES = 200
 _MIN_BURST_BYTES = 128 * 1024  # > one 64 KiB GSO super-packet, with room to spare
 
@@ -89,6 +91,9 @@ class Cluster:
         link_rate_bps: the rate of each node's link, in both directions.
         switch_node: add the switch namespace, linked at ``nodes`` x the node rate (a real switch has
             one port per node, each as fast as that node's NIC).
+        coordinator: add the coordinator namespace, joined to the fabric by an *unshaped* link: it is
+            the control plane (heartbeats, the membership store), which must not queue behind the
+            data traffic it is there to judge, and whose bytes are not the job's to pay for.
         delay_ms: one-way delay per shaped link end; needs netem, which is detected, never assumed.
         ip: path of ``ip``.
         tc: path of ``tc``.
@@ -100,8 +105,8 @@ class Cluster:
     """
 
     def __init__(self, nodes: int, link_rate_bps: int, *, switch_node: bool = False,
-                 delay_ms: float = 0.0, ip: str = "ip", tc: str = "tc", tag: str | None = None,
-                 shield: Callable[[], AbstractContextManager] = contextlib.nullcontext):
+                 coordinator: bool = False, delay_ms: float = 0.0, ip: str = "ip", tc: str = "tc",
+                 tag: str | None = None, shield: Callable[[], AbstractContextManager] = contextlib.nullcontext):
         if not 1 <= nodes <= _MAX_NODES:
             raise ValueError(f"nodes must be in 1..{_MAX_NODES}, got {nodes}")
         if link_rate_bps <= 0:
@@ -123,6 +128,8 @@ class Cluster:
         self.node_namespaces = [f"{self.prefix}-n{i}" for i in range(nodes)]
         self.switch_namespace = f"{self.prefix}-sw" if switch_node else None
         self.switch_address = f"{_SUBNET}.{_SWITCH_HOST}" if switch_node else None
+        self.coordinator_namespace = f"{self.prefix}-co" if coordinator else None
+        self.coordinator_address = f"{_SUBNET}.{_COORDINATOR_HOST}" if coordinator else None
         self._created: list[str] = []
         self._procs: list[subprocess.Popen] = []
 
@@ -160,13 +167,16 @@ class Cluster:
         costs tens of ms on a busy 2-core machine, and a 2-node cluster needs about 25 commands.
         """
         namespaces = [self.fabric, *self.node_namespaces]
-        # (namespace, its interface, its fabric-side port, address, rate)
+        # (namespace, its interface, its fabric-side port, address, rate; None: unshaped)
         links = [(ns, self.ifname(n), f"cf{n}", self.node_address(n), self.link_rate_bps)
                  for n, ns in enumerate(self.node_namespaces)]
         if self.switch_node:
             namespaces.append(self.switch_namespace)
             links.append((self.switch_namespace, "cnsw", "cfsw", self.switch_address,
                           self.link_rate_bps * self.nodes))
+        if self.coordinator_namespace is not None:
+            namespaces.append(self.coordinator_namespace)
+            links.append((self.coordinator_namespace, "cnco", "cfco", self.coordinator_address, None))
         self._created += namespaces  # first: a signal right after the add must not leak one
         self._batch([self._ip], [f"netns add {ns}" for ns in namespaces])
         # The pairs are created inside the fabric, each peer straight in its namespace: no
@@ -182,9 +192,10 @@ class Cluster:
                                                f"addr add {address}/24 dev {inner}",
                                                f"link set {inner} up", "link set lo up"])
         # Both ends: the node's side shapes what it sends, the fabric's side what it receives.
-        self._shape(self.fabric, [(outer, rate) for _, _, outer, _, rate in links])
+        self._shape(self.fabric, [(outer, rate) for _, _, outer, _, rate in links if rate is not None])
         for ns, inner, _, _, rate in links:
-            self._shape(ns, [(inner, rate)])
+            if rate is not None:
+                self._shape(ns, [(inner, rate)])
 
     def _shape(self, ns: str, devices: list[tuple[str, int]]) -> None:
         """tbf at ``rate`` on each ``(device, rate)`` of ``ns``; netem below it with --delay."""
@@ -234,9 +245,12 @@ class Cluster:
         The process gets its own session (so it and its children are killed as a group) and dies
         with the launcher even when the launcher is SIGKILLed. Pipes are unbuffered binary.
 
-        Call spawn from the main thread (the death signal fires when the *thread* that spawned the
-        process ends), and before starting threads that write to the launcher's own streams (the
-        death-signal setup runs between fork and exec, where another thread's lock would deadlock).
+        Call spawn from the main thread: the death signal fires when the *thread* that spawned the
+        process ends. Between fork and exec the child runs only the death-signal setup, one libc call
+        (:func:`_pdeathsig`), which takes no lock that another thread could hold at the fork (CPython
+        re-creates the GIL, the import lock and threading's locks in the child; the output threads'
+        stream and console locks are never touched there), so a restart may spawn while the output
+        of the other ranks is being copied. Keep it that way: nothing else may run in the child.
         """
         ns = self.node_namespaces[node] if isinstance(node, int) else node
         with self._shield():
@@ -279,20 +293,54 @@ class Cluster:
 
         Returns:
             The running process; :meth:`down` stops it. Its later output is the caller's to read
-            (``run_ranks(..., extra_streams=...)``), since no thread may exist while ranks are
-            spawned (see :meth:`spawn`).
+            (``run_ranks(..., extra_streams=...)``): the ranks are spawned before any output thread
+            starts (see :meth:`spawn`).
         """
         if self.switch_namespace is None:
             raise ClusterError("start_switch needs Cluster(..., switch_node=True)")
-        proc = self.spawn(self.switch_namespace, argv, env, stderr=subprocess.STDOUT)
+        return self._start_service(self.switch_namespace, argv, env, ready=b"listening on", name="switch",
+                                   timeout=timeout, out=out)
+
+    def start_coordinator(self, argv: Sequence[str], env: dict[str, str] | None = None, *,
+                          timeout: float = 60.0, out: IO[bytes] | None = None) -> subprocess.Popen:
+        """Start the membership coordinator in the coordinator namespace and wait until it serves.
+
+        Args:
+            argv: the coordinator command (``commopt-bench coordinator``); it prints one JSON line
+                with its ``"address"`` once it serves.
+            env: its environment.
+            timeout: seconds to wait for that line.
+            out: where its output up to readiness goes, prefixed ``[coordinator]``.
+
+        Returns:
+            The running process, as :meth:`start_switch` does.
+        """
+        if self.coordinator_namespace is None:
+            raise ClusterError("start_coordinator needs Cluster(..., coordinator=True)")
+        return self._start_service(self.coordinator_namespace, argv, env, ready=b'"address"',
+                                   name="coordinator", timeout=timeout, out=out)
+
+    def _start_service(self, namespace: str, argv: Sequence[str], env: dict[str, str] | None, *,
+                       ready: bytes, name: str, timeout: float, out: IO[bytes] | None) -> subprocess.Popen:
+        """Start ``argv`` in ``namespace`` and copy its lines to ``out`` until one contains ``ready``."""
+        proc = self.spawn(namespace, argv, env, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
         while True:
-            line = _read_line(proc, deadline, f"switch {' '.join(argv)!r}")
+            line = _read_line(proc, deadline, f"{name} {' '.join(argv)!r}")
             if out is not None:
-                out.write(b"[switch] " + line)
+                out.write(f"[{name}] ".encode() + line)
                 out.flush()
-            if b"listening on" in line:
+            if ready in line:
                 return proc
+
+    def set_link(self, node: int, up: bool) -> None:
+        """Take node ``node``'s link down (as if its cable were pulled) or bring it back up.
+
+        Inside the node: ``ip link set cn<i> down``. Its address stays, and the kernel restores the
+        subnet's route when the link comes back, so nothing else has to be redone.
+        """
+        self._batch([self._ip, "-n", self.node_namespaces[node]],
+                    [f"link set {self.ifname(node)} {'up' if up else 'down'}"])
 
     def _batch(self, argv: list[str], lines: list[str]) -> None:
         """Run ``lines`` through ``argv -batch -``; it stops at the first failing line."""

@@ -178,15 +178,16 @@ def pairwise(group, timeout: float | None, send: list, recv: list) -> int:
     Returns:
         The bytes sent.
     """
-    ranks = dist.get_process_group_ranks(group)
+    # Peers by group rank (group_src / group_dst): no translation through global ranks, which a
+    # cross-replica group of commopt.comm.elastic does not have (each replica is its own WORLD).
     works, sent = [], 0
-    for j, peer in enumerate(ranks):
-        if recv[j] is not None:
-            works.append(dist.irecv(recv[j], peer, group=group))
-    for j, peer in enumerate(ranks):
-        if send[j] is not None:
-            works.append(dist.isend(send[j], peer, group=group))
-            sent += send[j].numel() * send[j].element_size()
+    for j, buf in enumerate(recv):
+        if buf is not None:
+            works.append(dist.irecv(buf, group=group, group_src=j))
+    for j, buf in enumerate(send):
+        if buf is not None:
+            works.append(dist.isend(buf, group=group, group_dst=j))
+            sent += buf.numel() * buf.element_size()
     _wait_all(works, timeout)
     return sent
 

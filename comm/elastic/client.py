@@ -11,6 +11,10 @@ Failures end in an error on every survivor, never a hang (docs/faults.md row 44)
   :class:`CoordinatorError`.
 
 The error is kept and raised by :meth:`Membership.check` and :meth:`Membership.wait_for_generation`.
+
+Besides the datagrams, the client holds one TCP connection to the coordinator's port (a LIVENESS
+header, then silence), so that its process's death, which closes it, is seen at once (the coordinator's
+rule 7). :meth:`Membership.commit` asks the coordinator's verdict on a round (rule 9).
 """
 
 from __future__ import annotations
@@ -28,15 +32,19 @@ from .protocol import (
     Kind,
     ProtocolError,
     Status,
+    Verdict,
     job_id,
     pack,
+    pack_commit,
     parse,
+    parse_decision,
     parse_state,
 )
 
-__all__ = ["Membership", "QuorumError", "CoordinatorError", "ENV_COORDINATOR", "parse_address"]
+__all__ = ["Membership", "QuorumError", "CoordinatorError", "ENV_COORDINATOR", "ENV_REPLICA_ID", "parse_address"]
 
 ENV_COORDINATOR = "COMMOPT_COORDINATOR"
+ENV_REPLICA_ID = "COMMOPT_REPLICA_ID"
 
 
 class QuorumError(CommError):
@@ -87,7 +95,7 @@ class Membership:
         self._peer = parse_address(address)
         # Wall-clock nanoseconds: a restarted process of this replica starts above its predecessor, whose
         # old datagrams the coordinator then refuses as replayed.
-        self._seq = time.time_ns()
+        self._seq = self._seq0 = time.time_ns()
         self._cond = threading.Condition()
         self._generation = 0
         self._members: tuple[int, ...] = ()
@@ -95,6 +103,10 @@ class Membership:
         self._error: CommError | None = None
         self._last_answer = time.monotonic()
         self._answered = False
+        self._answered_seq = 0  # the newest message of ours the coordinator answered
+        self._store_port = 0
+        self._decisions: dict[tuple[int, int], int] = {}
+        self._liveness: socket.socket | None = None
         self._stop = threading.Event()
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self._sock.bind(("127.0.0.1" if self._peer[0] in ("127.0.0.1", "localhost") else "", 0))
@@ -108,18 +120,31 @@ class Membership:
             err = self._error
             self.close(leave=False)
             raise err
+        if not self._answered:
+            self.close(leave=False)
+            raise CoordinatorError(f"replica {self.replica_id}: the coordinator at {address} did not answer the "
+                                   f"JOIN within {timeout:.1f}s; is `commopt-bench coordinator` running there?",
+                                   op="elastic/join")
 
     @classmethod
-    def from_env(cls, replica_id: int, **kwargs: object) -> Membership:
-        """A membership at the coordinator named by COMMOPT_COORDINATOR ("host:port").
+    def from_env(cls, replica_id: int | None = None, **kwargs: object) -> Membership:
+        """A membership at the coordinator named by COMMOPT_COORDINATOR ("host:port"), as replica
+        ``replica_id`` (None: COMMOPT_REPLICA_ID, which ``commopt-bench cluster --elastic`` sets to the
+        node's index).
 
-        The one place the elastic package reads an environment variable (docs/architecture.md
+        The one place the elastic package reads environment variables (docs/architecture.md
         section 7.6); ``kwargs`` are the constructor's.
         """
         address = os.environ.get(ENV_COORDINATOR)
         if not address:
             raise CommError(f"{ENV_COORDINATOR} is not set: start a coordinator (`commopt-bench coordinator`) "
                             f"and set {ENV_COORDINATOR} to the address it printed, or pass it to Membership")
+        if replica_id is None:
+            text = os.environ.get(ENV_REPLICA_ID, "")
+            if not text.isdigit():
+                raise CommError(f"{ENV_REPLICA_ID}={text!r} is not a replica id: set it to this replica's index "
+                                f"(e.g. the node's: one replica per node), or pass replica_id")
+            replica_id = int(text)
         return cls(address, replica_id, **kwargs)  # type: ignore[arg-type]
 
     # -- state ---------------------------------------------------------------------------------------
@@ -141,6 +166,64 @@ class Membership:
         """Whether this replica is a member of :attr:`generation`."""
         with self._cond:
             return self._status == Status.MEMBER
+
+    @property
+    def store_address(self) -> tuple[str, int]:
+        """(host, port) of the rendezvous store the coordinator hosts (port 0: it hosts none)."""
+        with self._cond:
+            return self._peer[0], self._store_port
+
+    def refresh(self, timeout: float | None = None) -> int:
+        """Ask the coordinator now (one round trip) and return the current generation: the view every
+        member that asks after the same decision sees, instead of the last heartbeat's.
+
+        Raises:
+            QuorumError / CoordinatorError: as :meth:`check`.
+        """
+        wait = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + wait
+        with self._cond:
+            while True:
+                if self._error is not None:
+                    raise self._error
+                seq = self._send(Kind.HEARTBEAT)
+                if self._cond.wait_for(lambda seq=seq: self._error is not None or self._answered_seq >= seq,
+                                       min(0.1, max(0.0, deadline - time.monotonic()))):
+                    if self._error is not None:
+                        raise self._error
+                    return self._generation
+                if time.monotonic() > deadline:  # a lost datagram is sent again, until the timeout
+                    raise CoordinatorError(f"replica {self.replica_id}: no answer from the coordinator at "
+                                           f"{self.address} within {wait:.1f}s", op="elastic/refresh")
+
+    def commit(self, generation: int, round: int, timeout: float | None = None) -> bool:
+        """Report that this replica finished ``round`` in ``generation`` and wait for the verdict (the
+        coordinator's rule 9): True when every member of that generation has reported it (apply the
+        round), False when a member was lost first (roll back and redo it in the next generation).
+        Every member gets the same answer.
+
+        Raises:
+            QuorumError / CoordinatorError: as :meth:`check`.
+            CommTimeoutError: no verdict within ``timeout`` (None: this membership's ``timeout``).
+        """
+        wait = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + wait
+        key = (int(generation), int(round))
+        with self._cond:
+            self._decisions.setdefault(key, Verdict.PENDING)
+            while True:
+                if self._error is not None:
+                    self._decisions.pop(key, None)
+                    raise self._error
+                if self._decisions[key] != Verdict.PENDING:
+                    return self._decisions.pop(key) == Verdict.COMMIT
+                if time.monotonic() > deadline:
+                    self._decisions.pop(key, None)
+                    raise CommTimeoutError(
+                        f"replica {self.replica_id}: no verdict on round {round} of generation {generation} within "
+                        f"{wait:.1f}s (a member neither reported it nor was found lost)", op="elastic/commit")
+                self._send(Kind.COMMIT, key[0], key[1])
+                self._cond.wait(min(0.05, max(0.001, deadline - time.monotonic())))
 
     def check(self) -> None:
         """Raise the membership's error (no quorum, dropped, coordinator gone), if any."""
@@ -192,6 +275,8 @@ class Membership:
         if leave:
             self._send(Kind.LEAVE)
         self._sock.close()
+        if self._liveness is not None:
+            self._liveness.close()
 
     def __enter__(self) -> Membership:
         return self
@@ -201,15 +286,28 @@ class Membership:
 
     # -- heartbeat thread ------------------------------------------------------------------------------
 
-    def _send(self, kind: int) -> None:
+    def _send(self, kind: int, generation: int | None = None, round: int = 0) -> int:
         with self._send_lock:
             self._seq += 1
             seq = self._seq
+            header = dict(job=self.job, replica=self.replica_id, seq=seq,
+                          generation=self._generation if generation is None else generation)
+            data = pack_commit(round=round, **header) if kind == Kind.COMMIT else pack(kind, **header)
             try:
-                self._sock.sendto(pack(kind, job=self.job, replica=self.replica_id, generation=self._generation,
-                                       seq=seq), self._peer)
+                self._sock.sendto(data, self._peer)
             except OSError:
                 pass  # unreachable now: the timeout decides
+            return seq
+
+    def _connect_liveness(self, incarnation: int) -> None:
+        """Rule 7's connection, opened once the JOIN is answered; a coordinator that does not take it
+        still sees this replica's death at its heartbeat timeout."""
+        try:
+            conn = socket.create_connection(self._peer, timeout=min(2.0, self.timeout))
+            conn.sendall(pack(Kind.LIVENESS, job=self.job, replica=self.replica_id, generation=0, seq=incarnation))
+        except OSError:
+            return
+        self._liveness = conn
 
     def _fail(self, err: CommError) -> None:
         with self._cond:
@@ -241,16 +339,33 @@ class Membership:
                 continue
             try:
                 msg = parse(buf, nbytes, allowed=Kind.TO_REPLICA, job=self.job)
-                status, alive, last, min_replicas, members = parse_state(buf, msg)
+                if msg.kind == Kind.DECISION:
+                    round_, verdict = parse_decision(buf)
+                else:
+                    status, alive, last, min_replicas, store_port, members = parse_state(buf, msg)
             except ProtocolError:
                 continue  # not the coordinator's answer to us: ignored
-            if msg.replica != self.replica_id or msg.seq <= last_seq:
-                continue  # a stale or foreign answer
+            if msg.replica != self.replica_id or msg.seq <= self._seq0:
+                continue  # a foreign answer, or one to an earlier process
+            if msg.kind == Kind.DECISION:
+                with self._cond:
+                    self._last_answer = time.monotonic()
+                    key = (msg.generation, round_)
+                    if key in self._decisions:
+                        self._decisions[key] = verdict
+                    self._cond.notify_all()
+                continue
+            if msg.seq <= last_seq:
+                continue  # a stale answer
             last_seq = msg.seq
+            if kind == Kind.JOIN:
+                self._connect_liveness(msg.seq)
             kind = Kind.HEARTBEAT
             with self._cond:
                 self._last_answer = time.monotonic()
                 self._answered = True
+                self._answered_seq = msg.seq
+                self._store_port = store_port
                 self._generation, self._members, self._status = msg.generation, tuple(members), status
                 self._cond.notify_all()
             if status == Status.NO_QUORUM:

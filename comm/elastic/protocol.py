@@ -8,7 +8,8 @@ Header layout (``!4sBBHQIIQI``, 36 bytes, network byte order)::
 
     magic       4s  b"CELC"
     version     B   PROTOCOL_VERSION
-    kind        B   JOIN, HEARTBEAT, LEAVE (replica -> coordinator); STATE (coordinator -> replica)
+    kind        B   JOIN, HEARTBEAT, LEAVE, COMMIT, LIVENESS (replica -> coordinator); STATE, DECISION
+                    (coordinator -> replica)
     flags       H   none defined: must be 0
     job         Q   the job's id: 64 bits of blake2b of its name (:func:`job_id`)
     replica     I   the replica id, 0 <= replica < MAX_REPLICAS
@@ -18,9 +19,16 @@ Header layout (``!4sBBHQIIQI``, 36 bytes, network byte order)::
                     STATE echoes the seq of the message it answers
     length      I   payload bytes that follow (0 from a replica)
 
-A STATE payload is ``!IIII`` (status, alive, last, min_replicas) followed by the generation's member
-ids as uint32 (``alive`` of the generation's ``last`` members are live; see :class:`Status`). A datagram is at
-most ``MAX_MESSAGE`` bytes (a generation holds at most ``MAX_MEMBERS`` replicas).
+A STATE payload is ``!IIIII`` (status, alive, last, min_replicas, store_port) followed by the
+generation's member ids as uint32 (``alive`` of the generation's ``last`` members are live; see
+:class:`Status`; ``store_port``: the TCP port of the rendezvous store the coordinator hosts on its own
+address, 0 for none). A COMMIT payload is ``!Q`` (the round a member of ``generation`` finished); a
+DECISION payload is ``!QI`` (that round, its :class:`Verdict`). A LIVENESS header (no payload) is the
+first and only thing a replica sends on its TCP connection to the coordinator's port: the connection's
+end (a process killed, even by SIGKILL, has its sockets closed by the kernel) drops that replica at
+once, without waiting for ``heartbeat_timeout``; its ``seq`` is the replica process's JOIN's, so a
+restarted process's old connection never drops the new one. A datagram is at most ``MAX_MESSAGE``
+bytes (a generation holds at most ``MAX_MEMBERS`` replicas).
 """
 
 from __future__ import annotations
@@ -42,24 +50,31 @@ __all__ = [
     "MAX_MESSAGE",
     "Kind",
     "Status",
+    "Verdict",
     "Message",
     "ProtocolError",
     "job_id",
     "pack",
+    "pack_commit",
+    "pack_decision",
     "pack_state",
     "parse",
+    "parse_commit",
+    "parse_decision",
     "parse_state",
 ]
 
 MAGIC = b"CELC"
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 HEADER = struct.Struct("!4sBBHQIIQI")
 HEADER_SIZE = HEADER.size  # 36
 MAX_REPLICAS = 1 << 16  # replica ids are 0..65535: bounds the coordinator's per-id replay memory
 MAX_MEMBERS = 4096  # replicas in one generation
-_STATE = struct.Struct("!IIII")
+_STATE = struct.Struct("!IIIII")
+_COMMIT = struct.Struct("!Q")
+_DECISION = struct.Struct("!QI")
 MAX_PAYLOAD = _STATE.size + 4 * MAX_MEMBERS
-MAX_MESSAGE = HEADER_SIZE + MAX_PAYLOAD  # 16,436 B, well inside one UDP datagram
+MAX_MESSAGE = HEADER_SIZE + MAX_PAYLOAD  # 16,440 B, well inside one UDP datagram
 _MAX_GENERATION = 2**32 - 1
 
 
@@ -70,9 +85,13 @@ class Kind:
     HEARTBEAT = 2
     LEAVE = 3
     STATE = 4
+    COMMIT = 5
+    DECISION = 6
+    LIVENESS = 7
 
-    TO_COORDINATOR = frozenset({JOIN, HEARTBEAT, LEAVE})
-    TO_REPLICA = frozenset({STATE})
+    TO_COORDINATOR = frozenset({JOIN, HEARTBEAT, LEAVE, COMMIT})  # datagrams
+    TO_REPLICA = frozenset({STATE, DECISION})
+    OVER_TCP = frozenset({LIVENESS})
 
 
 class Status:
@@ -90,6 +109,21 @@ class Status:
     NO_QUORUM = 2
     UNKNOWN = 3
     NAMES = {MEMBER: "member", WAITING: "waiting", NO_QUORUM: "no_quorum", UNKNOWN: "unknown"}
+
+
+_FIXED = {Kind.COMMIT: _COMMIT, Kind.DECISION: _DECISION}
+
+
+class Verdict:
+    """A DECISION's verdict on (generation, round): PENDING (not every member of the generation has
+    reported it yet), COMMIT (every member has: apply it), ABORT (a member of the generation was lost
+    before every member reported: redo the round in the next generation, with its state rolled back).
+    A verdict once COMMIT or ABORT never changes."""
+
+    PENDING = 0
+    COMMIT = 1
+    ABORT = 2
+    NAMES = {PENDING: "pending", COMMIT: "commit", ABORT: "abort"}
 
 
 class Message(NamedTuple):
@@ -118,10 +152,11 @@ def pack(kind: int, *, job: int, replica: int, generation: int, seq: int, payloa
 
 
 def pack_state(*, job: int, replica: int, generation: int, seq: int, status: int, alive: int, last: int,
-               min_replicas: int, members: tuple[int, ...]) -> bytes:
+               min_replicas: int, members: tuple[int, ...], store_port: int = 0) -> bytes:
     """A STATE datagram (see the module docstring)."""
     members = members[:MAX_MEMBERS]
-    payload = _STATE.pack(status, alive, last, min_replicas) + struct.pack(f"!{len(members)}I", *members)
+    payload = (_STATE.pack(status, alive, last, min_replicas, store_port)
+               + struct.pack(f"!{len(members)}I", *members))
     return pack(Kind.STATE, job=job, replica=replica, generation=generation, seq=seq, payload=payload)
 
 
@@ -161,6 +196,9 @@ def parse(buf: bytes | bytearray | memoryview, nbytes: int, *, allowed: frozense
     if kind == Kind.STATE:
         if length < _STATE.size or (length - _STATE.size) % 4:
             raise ProtocolError("bad_length", f"STATE payload of {length} bytes")
+    elif kind in _FIXED:
+        if length != _FIXED[kind].size:
+            raise ProtocolError("bad_length", f"kind {kind} carries {_FIXED[kind].size} payload bytes, got {length}")
     elif length:
         raise ProtocolError("bad_length", f"kind {kind} carries no payload, got {length} bytes")
     if job_ != job:
@@ -170,11 +208,36 @@ def parse(buf: bytes | bytearray | memoryview, nbytes: int, *, allowed: frozense
     return Message(kind, job_, replica, generation, seq, length)
 
 
-def parse_state(buf: bytes | bytearray | memoryview, msg: Message) -> tuple[int, int, int, int, tuple[int, ...]]:
-    """A validated STATE's payload: (status, alive, last, min_replicas, members)."""
-    status, alive, last, min_replicas = _STATE.unpack_from(buf, HEADER_SIZE)
-    if status not in Status.NAMES:
-        raise ProtocolError("out_of_range", f"status {status} unknown")
+def parse_state(buf: bytes | bytearray | memoryview, msg: Message
+                ) -> tuple[int, int, int, int, int, tuple[int, ...]]:
+    """A validated STATE's payload: (status, alive, last, min_replicas, store_port, members)."""
+    status, alive, last, min_replicas, store_port = _STATE.unpack_from(buf, HEADER_SIZE)
+    if status not in Status.NAMES or store_port >= 65536:
+        raise ProtocolError("out_of_range", f"status {status} unknown or store port {store_port} out of range")
     n = (msg.length - _STATE.size) // 4
     members = struct.unpack_from(f"!{n}I", buf, HEADER_SIZE + _STATE.size)
-    return status, alive, last, min_replicas, members
+    return status, alive, last, min_replicas, store_port, members
+
+
+def pack_commit(*, job: int, replica: int, generation: int, seq: int, round: int) -> bytes:
+    """A COMMIT datagram: ``replica``, a member of ``generation``, finished ``round`` in it."""
+    return pack(Kind.COMMIT, job=job, replica=replica, generation=generation, seq=seq, payload=_COMMIT.pack(round))
+
+
+def parse_commit(buf: bytes | bytearray | memoryview) -> int:
+    """A validated COMMIT's round."""
+    return _COMMIT.unpack_from(buf, HEADER_SIZE)[0]
+
+
+def pack_decision(*, job: int, replica: int, generation: int, seq: int, round: int, verdict: int) -> bytes:
+    """A DECISION datagram: the :class:`Verdict` on (``generation``, ``round``), echoing ``seq``."""
+    return pack(Kind.DECISION, job=job, replica=replica, generation=generation, seq=seq,
+                payload=_DECISION.pack(round, verdict))
+
+
+def parse_decision(buf: bytes | bytearray | memoryview) -> tuple[int, int]:
+    """A validated DECISION's (round, verdict)."""
+    round_, verdict = _DECISION.unpack_from(buf, HEADER_SIZE)
+    if verdict not in Verdict.NAMES:
+        raise ProtocolError("out_of_range", f"verdict {verdict} unknown")
+    return round_, verdict

@@ -1,0 +1,141 @@
+"""State to a joiner over a process group, as tensors: never pickle.
+
+A restarted replica pulls the job's state (global weights, outer optimizer state, shared compressor
+state, counters) from a peer. The state is a tree of dicts, lists, tuples, numbers, strings, None and
+tensors; :func:`broadcast_state` sends (1) its skeleton as JSON (the tensors replaced by their index,
+dtype and shape; dict keys typed, so an optimizer's integer parameter ids stay ints), (2) every tensor's
+bytes in one flat uint8 buffer, from the group's rank ``src`` to every other rank. A receiver parses
+only JSON and raw bytes: nothing it receives can run code, unlike a pickled ``state_dict``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..engine import wait_work
+
+__all__ = ["broadcast_state"]
+
+_DTYPES = {str(d): d for d in (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+                                torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)}
+
+
+def _encode(obj: Any, tensors: list[torch.Tensor]) -> Any:
+    if isinstance(obj, torch.Tensor):
+        if str(obj.dtype) not in _DTYPES:
+            raise TypeError(f"broadcast_state: a tensor of dtype {obj.dtype} cannot be sent")
+        tensors.append(obj.detach().cpu().contiguous())
+        return {"t": len(tensors) - 1, "dtype": str(obj.dtype), "shape": list(obj.shape)}
+    if isinstance(obj, dict):
+        return {"d": [[_key(k), _encode(v, tensors)] for k, v in obj.items()]}
+    if isinstance(obj, (list, tuple)):
+        return {"l" if isinstance(obj, list) else "u": [_encode(v, tensors) for v in obj]}
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return {"v": obj}
+    raise TypeError(f"broadcast_state: {type(obj).__name__} is not a tensor, number, string, list, tuple or dict")
+
+
+def _key(k: Any) -> list:
+    if isinstance(k, bool) or not isinstance(k, (int, str)):
+        raise TypeError(f"broadcast_state: dict key {k!r} is neither an int nor a str")
+    return ["i" if isinstance(k, int) else "s", k]
+
+
+def _decode(node: Any, tensors: list[torch.Tensor]) -> Any:
+    if not isinstance(node, dict) or len(node) not in (1, 3):
+        raise ValueError(f"broadcast_state: malformed skeleton node {str(node)[:80]}")
+    if "t" in node:
+        return tensors[int(node["t"])]
+    (kind, value), = node.items()
+    if kind == "d":
+        return {(int(k) if t == "i" else str(k)): _decode(v, tensors) for (t, k), v in value}
+    if kind == "l":
+        return [_decode(v, tensors) for v in value]
+    if kind == "u":
+        return tuple(_decode(v, tensors) for v in value)
+    if kind == "v":
+        return value
+    raise ValueError(f"broadcast_state: unknown skeleton kind {kind!r}")
+
+
+def broadcast_state(state: Any, group: dist.ProcessGroup, src: int, timeout: float | None) -> tuple[Any, int]:
+    """Send ``state`` from the group's rank ``src`` to every other rank of ``group`` (collective).
+
+    Args:
+        state: the tree to send, on ``src`` (ignored elsewhere).
+        group: the process group (a cross-replica generation's group).
+        src: the sender's rank in ``group``.
+        timeout: seconds each of the three broadcasts may take (``CommTimeoutError``).
+
+    Returns:
+        (the state, on ``src`` the object given; elsewhere a new tree whose tensors are on the CPU,
+        the bytes the payload held).
+    """
+    me = dist.get_rank(group)
+    tensors: list[torch.Tensor] = []
+    if me == src:
+        skeleton = json.dumps(_encode(state, tensors)).encode()
+        sizes = [t.numel() * t.element_size() for t in tensors]
+        head = torch.tensor([len(skeleton), sum(sizes)], dtype=torch.int64)
+    else:
+        head = torch.zeros(2, dtype=torch.int64)
+    _bcast(head, group, src, timeout)
+    text = torch.frombuffer(bytearray(skeleton), dtype=torch.uint8) if me == src else torch.empty(
+        int(head[0]), dtype=torch.uint8)
+    _bcast(text, group, src, timeout)
+    if me == src:
+        flat = (torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors]) if tensors
+                else torch.empty(0, dtype=torch.uint8))
+    else:
+        flat = torch.empty(int(head[1]), dtype=torch.uint8)
+    if flat.numel():
+        _bcast(flat, group, src, timeout)
+    nbytes = int(head[0]) + int(head[1])
+    if me == src:
+        return state, nbytes
+    tree = json.loads(bytes(text.numpy()).decode())
+    out: list[torch.Tensor] = []
+    pos = 0
+    for spec in _tensor_specs(tree):
+        dtype = _DTYPES.get(spec["dtype"])
+        if dtype is None:
+            raise ValueError(f"broadcast_state: unknown dtype {spec['dtype']!r}")
+        shape = [int(s) for s in spec["shape"]]
+        n = int(torch.Size(shape).numel()) * torch.empty(0, dtype=dtype).element_size()
+        out.append(flat[pos: pos + n].clone().view(dtype).reshape(shape))
+        pos += n
+    if pos != flat.numel():
+        raise ValueError(f"broadcast_state: the payload holds {flat.numel()} bytes, the skeleton {pos}")
+    return _decode(tree, out), nbytes
+
+
+def _tensor_specs(node: Any) -> list[dict]:
+    """The skeleton's tensor entries in index order (the order the sender concatenated them)."""
+    found: list[dict] = []
+
+    def walk(n: Any) -> None:
+        if isinstance(n, dict):
+            if "t" in n:
+                found.append(n)
+                return
+            for kind, value in n.items():
+                if kind == "d":
+                    for _, v in value:
+                        walk(v)
+                elif kind in ("l", "u"):
+                    for v in value:
+                        walk(v)
+
+    walk(node)
+    found.sort(key=lambda s: int(s["t"]))
+    if [int(s["t"]) for s in found] != list(range(len(found))):
+        raise ValueError("broadcast_state: the skeleton's tensor indices are not 0..n-1")
+    return found
+
+
+def _bcast(t: torch.Tensor, group: dist.ProcessGroup, src: int, timeout: float | None) -> None:
+    wait_work(dist.broadcast(t, group=group, group_src=src, async_op=True), timeout, "elastic/transfer")

@@ -1,0 +1,122 @@
+"""One elastic DiLoCo worker for tests/test_elastic_diloco.py, run as a script (its own process and its
+own torch.distributed world of one rank, as one torchrun per node would start it).
+
+    python tests/_elastic_worker.py ADDR RID OUT [--steps N] [--every H] [--codec int8|none]
+        [--fault kill@S | leave@S | commit@S | transfer] [--gate-out S] [--gate-in S] [--restarted]
+
+Faults (on a worker that is not --restarted): ``kill@S`` SIGKILLs itself before inner step S;
+``leave@S`` leaves cleanly there (the replay's "sits out"); ``commit@S`` SIGKILLs itself inside the
+outer sync at step S, after its reduction and before it reports the round; ``transfer`` SIGKILLs itself
+while it sends the state to a joiner. Gates (survivors): before the outer sync at step S, wait until
+worker 2 is out of (``--gate-out``) or in (``--gate-in``) the coordinator's generation, so that a replay
+and a failure see the same generations. Writes its final outer state to OUT with torch.save.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from commopt.comm.compression import QuantizeCompressor
+from commopt.comm.elastic import Membership
+from commopt.schedules import DiLoCo
+
+WATCHED = 2  # the worker the faults and gates are about
+
+
+def _data(rid: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * rid + step)
+    x = torch.randn(16, 8, generator=g)
+    return x, torch.sin(x).sum(dim=1, keepdim=True)
+
+
+def _wait_for(m: Membership, present: bool) -> None:
+    deadline = time.monotonic() + 60
+    while (WATCHED in m.members) != present or not m.is_member:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"worker {WATCHED} never {'joined' if present else 'left'}: {m.members}")
+        m.refresh()
+        time.sleep(0.02)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("addr")
+    p.add_argument("rid", type=int)
+    p.add_argument("out")
+    p.add_argument("--steps", type=int, default=28)
+    p.add_argument("--every", type=int, default=4)
+    p.add_argument("--codec", default="int8")
+    p.add_argument("--fault", default="")
+    p.add_argument("--gate-out", type=int, default=0)
+    p.add_argument("--gate-in", type=int, default=0)
+    p.add_argument("--restarted", action="store_true")
+    a = p.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    torch.manual_seed(a.rid)  # workers start apart: the first generation's broadcast must equalise them
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    m = Membership(a.addr, a.rid, heartbeat_interval=0.05, timeout=20)
+    kind, _, at = a.fault.partition("@")
+    fault = "" if a.restarted or a.rid != WATCHED else kind
+    at = int(at or 0)
+    if fault == "transfer":
+        import commopt.schedules._diloco_elastic as el
+
+        real = el.broadcast_state
+
+        def dying(state, group, src, timeout):
+            if state is not None:  # this worker is the source: die mid-transfer
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real(state, group, src, timeout)
+
+        el.broadcast_state = dying
+    codec = QuantizeCompressor(8) if a.codec == "int8" else None
+    t0 = time.monotonic()
+    dl = DiLoCo(model, opt, sync_every=a.every, compressor=codec, elastic=True, min_workers=2, membership=m,
+                timeout=30)
+    joined = {"steps": dl.steps, "seconds": time.monotonic() - t0,
+              "residual": max((float(r.abs().max()) for kind_ in dl.error_feedback.residuals.values()
+                               for r in kind_.values()), default=0.0),
+              "backups": {n: b.clone() for n, b in dl.backups.items()}}
+    for step in range(dl.steps + 1, a.steps + 1):
+        if fault == "kill" and step == at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if fault == "leave" and step == at:
+            dl.close()
+            m.close()
+            dist.destroy_process_group()
+            return
+        x, y = _data(a.rid, step)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        if a.rid != WATCHED and step == a.gate_out:
+            _wait_for(m, present=False)
+        if a.rid != WATCHED and step == a.gate_in:
+            _wait_for(m, present=True)
+        if fault == "commit" and step == at:
+            def die(*args, **kwargs):
+                os.kill(os.getpid(), signal.SIGKILL)
+            m.commit = die
+        dl.step()
+    torch.save({"backups": dl.backups, "outer": dl.outer_optimizers[0].state_dict(), "joined": joined,
+                "redone": dl.elastic.redone, "recovery_bytes": dl.elastic.recovery_bytes,
+                "generation": dl.elastic.generation, "steps": dl.steps,
+                "residuals": dl.error_feedback.state_dict()}, a.out)
+    print(f"worker {a.rid}: saved", flush=True)
+    dl.close()
+    m.close()
+    dist.destroy_process_group()
+    print(f"worker {a.rid}: closed", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""Elastic DiLoCo (``DiLoCo(elastic=True)``): workers lost and restarted without stopping the others.
+
+Each worker is a process of its own with its own torch.distributed world (tests/_elastic_worker.py), the
+coordinator a thread of this process. The oracle is a replay with no failure: worker 2 leaves cleanly
+before the sync it would miss and its new process joins at the same sync, so the survivors average over
+exactly the same workers in every round; a run where worker 2 is SIGKILLed instead (between syncs, or
+inside the outer sync after its reduction and before it reports it) must end bit-identical, on every
+worker, the joiner included (docs/faults.md rows 42-43).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from commopt.comm.elastic import Coordinator
+
+WORKER = os.path.join(os.path.dirname(__file__), "_elastic_worker.py")
+WORKERS = 3
+RESTARTED = 2
+
+
+def _job(tmp_path, name: str, fault: str, *, gate_out: int = 0, gate_in: int = 20, restart: bool = True,
+         codec: str = "int8", min_replicas: int = 2, timeout: float = 120.0) -> dict:
+    """Run the job: 3 workers, worker 2 with ``fault``, restarted once it exited; the outputs by worker."""
+    outs = {r: str(tmp_path / f"{name}-{r}.pt") for r in range(WORKERS)}
+    with Coordinator(heartbeat_timeout=2.0, min_replicas=min_replicas, initial_replicas=WORKERS) as coord:
+        def start(r: int, *extra: str) -> subprocess.Popen:
+            argv = [sys.executable, WORKER, coord.address, str(r), outs[r], "--codec", codec,
+                    "--gate-out", str(gate_out), "--gate-in", str(gate_in), *extra]
+            return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+        procs = {r: start(r, "--fault", fault) for r in range(WORKERS)}
+        deadline = time.monotonic() + timeout
+        logs: dict[int, str] = {}
+        try:
+            while procs[RESTARTED].poll() is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            first = procs[RESTARTED]
+            logs[-1] = first.communicate(timeout=5)[0] if first.poll() is not None else ""
+            if restart:
+                procs[RESTARTED] = start(RESTARTED, "--restarted")
+            codes = {}
+            for r, p in procs.items():
+                try:
+                    logs[r] = p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0]
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    logs[r] = p.communicate()[0]
+                codes[r] = p.returncode
+        finally:
+            for p in procs.values():
+                if p.poll() is None:
+                    p.kill()
+        for r, code in codes.items():
+            assert code == 0, f"worker {r} exited {code}:\n{logs.get(r, '')[-3000:]}\nfirst 2:\n{logs[-1][-2000:]}"
+        return {r: torch.load(outs[r], weights_only=True) for r in range(WORKERS)}
+
+
+def _same(a: dict, b: dict, what: str) -> None:
+    for n in a["backups"]:
+        assert torch.equal(a["backups"][n], b["backups"][n]), f"{what}: global weights {n} differ"
+    sa, sb = a["outer"]["state"], b["outer"]["state"]
+    for i in sa:
+        assert torch.equal(sa[i]["momentum_buffer"], sb[i]["momentum_buffer"]), f"{what}: outer momentum {i} differs"
+
+
+@pytest.fixture(scope="module")
+def replay(tmp_path_factory):
+    """Worker 2 leaves cleanly after the sync at step 8 and its new process joins at step 20's sync."""
+    return _job(tmp_path_factory.mktemp("replay"), "replay", "leave@10", gate_out=12)
+
+
+def test_replay_every_worker_holds_the_same_state(replay):
+    """After a rejoin the global weights and the outer optimizer are bit-identical on every worker, and
+    the joiner's residual was zero when it joined (docs/faults.md rows 42-43)."""
+    for r in range(WORKERS):
+        _same(replay[0], replay[r], f"worker {r} vs worker 0")
+        assert replay[r]["steps"] == 28
+    joiner = replay[RESTARTED]["joined"]
+    assert joiner["steps"] == 20 and joiner["residual"] == 0.0
+    assert replay[RESTARTED]["recovery_bytes"] > 0
+
+
+@pytest.mark.parametrize("fault", ["kill@10", "commit@12"])
+def test_killed_worker_rejoins_bit_identical_to_replay(tmp_path, replay, fault):
+    """A worker SIGKILLed between syncs (step 10) or inside the outer sync (step 12, after its reduction,
+    before it reports it) and restarted: every worker ends bit-identical to the replay in which it sat
+    out the same rounds; the survivors redid the aborted sync and lost no inner step (docs/faults.md
+    row 42)."""
+    got = _job(tmp_path, fault.replace("@", "-"), fault)
+    for r in range(WORKERS):
+        _same(replay[r], got[r], f"{fault}: worker {r} vs the replay")
+        assert got[r]["steps"] == 28
+    if fault.startswith("commit"):
+        assert got[0]["redone"] >= 1 and got[1]["redone"] >= 1  # the round of step 12 was redone
+    assert got[RESTARTED]["joined"]["residual"] == 0.0
