@@ -2,12 +2,13 @@
 own torch.distributed world of one rank, as one torchrun per node would start it).
 
     python tests/_elastic_worker.py ADDR RID OUT [--steps N] [--every H] [--codec int8|none]
-        [--fault kill@S | leave@S | commit@S | transfer] [--gate-out S] [--gate-in S] [--restarted]
+        [--fault kill@S | leave@S | commit@S] [--source-dies] [--gate-out S] [--gate-in S] [--restarted]
 
 Faults (on a worker that is not --restarted): ``kill@S`` SIGKILLs itself before inner step S;
 ``leave@S`` leaves cleanly there (the replay's "sits out"); ``commit@S`` SIGKILLs itself inside the
-outer sync at step S, after its reduction and before it reports the round; ``transfer`` SIGKILLs itself
-while it sends the state to a joiner. Gates (survivors): before the outer sync at step S, wait until
+outer sync at step S, after its reduction and before it reports the round; ``--source-dies``: worker 0
+SIGKILLs itself when it starts to send the job's state to a joiner.
+Gates (survivors): before the outer sync at step S, wait until
 worker 2 is out of (``--gate-out``) or in (``--gate-in``) the coordinator's generation, so that a replay
 and a failure see the same generations. Writes its final outer state to OUT with torch.save.
 """
@@ -57,6 +58,7 @@ def main() -> None:
     p.add_argument("--gate-out", type=int, default=0)
     p.add_argument("--gate-in", type=int, default=0)
     p.add_argument("--restarted", action="store_true")
+    p.add_argument("--source-dies", action="store_true")
     a = p.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -67,13 +69,13 @@ def main() -> None:
     kind, _, at = a.fault.partition("@")
     fault = "" if a.restarted or a.rid != WATCHED else kind
     at = int(at or 0)
-    if fault == "transfer":
+    if a.source_dies and not a.restarted and a.rid == 0:
         import commopt.schedules._diloco_elastic as el
 
         real = el.broadcast_state
 
         def dying(state, group, src, timeout):
-            if state is not None:  # this worker is the source: die mid-transfer
+            if state is not None and state["steps"] > 0:  # the source of a joiner's transfer: die inside it
                 os.kill(os.getpid(), signal.SIGKILL)
             return real(state, group, src, timeout)
 

@@ -292,3 +292,80 @@ def test_bench_coordinator_process_sigterm():
             proc.kill()
             proc.wait()
         proc.stdout.close()
+
+
+def _commit_all(reps: list[Membership], g: int, round_: int) -> list[bool]:
+    """Every replica reports (g, round_) at once, as members do; their verdicts."""
+    out: dict[int, bool] = {}
+    threads = [threading.Thread(target=lambda r=r: out.__setitem__(r.replica_id, r.commit(g, round_, timeout=TO)))
+               for r in reps]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return [out[r.replica_id] for r in reps]
+
+
+def test_commit_verdicts_every_member_or_abort_on_loss():
+    """docs/faults.md rows 42 and 44 (rule 9): a round commits once every member of its generation reported
+    it, every member gets the same verdict, a lost member aborts it, and a verdict never changes; a
+    generation that only adds a joiner does not abort the rounds of the one before."""
+    with Coordinator(heartbeat_timeout=HB, min_replicas=2, initial_replicas=3) as coord:
+        reps = _join(coord, 0, 1, 2)
+        g = _settle(coord, reps)
+        with pytest.raises(CommTimeoutError, match="no verdict"):
+            reps[0].commit(g, 5, timeout=0.3)  # the others have not reported round 5
+        assert _commit_all(reps[1:], g, 5) == [True, True]  # replica 0's report above counts
+        assert reps[0].commit(g, 5, timeout=TO) is True  # asked again after the verdict: the same
+        joiner = _join(coord, 3)[0]
+        assert _wait(lambda: 3 in coord.members, TO)
+        assert _commit_all(reps, g, 6) == [True] * 3  # g's round 6, after g + 1 formed
+        reps[2].close(leave=False)  # a crash: its liveness connection ends at once
+        assert reps[1].commit(g, 8, timeout=TO) is False  # g lost a member before every member reported 8
+        assert reps[1].commit(g, 5, timeout=TO) is True  # and the verdicts already given stand
+        for r in (reps[0], reps[1], joiner):
+            r.close()
+
+
+def test_sigkilled_process_dropped_at_once_and_restart_is_a_new_incarnation():
+    """docs/faults.md row 42 (rule 7): a replica process killed with SIGKILL is dropped as soon as the kernel
+    closes its liveness connection, long before heartbeat_timeout; its restarted process (same id) is a
+    newcomer, and rounds of the generation the old process was in abort."""
+    hb = 30.0  # far longer than the test: only the liveness connection can explain a prompt drop
+    with Coordinator(heartbeat_timeout=hb, min_replicas=2, initial_replicas=3) as coord:
+        reps = [Membership(coord.address, i, heartbeat_interval=IV, timeout=TO) for i in (0, 1)]
+        code = ("import sys, time; from commopt.comm.elastic import Membership; "
+                f"m = Membership({coord.address!r}, 2, heartbeat_interval={IV}, timeout={TO}); "
+                "print('joined', flush=True); time.sleep(60)")
+        proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        try:
+            assert proc.stdout.readline().strip() == "joined"
+            assert _wait(lambda: coord.members == (0, 1, 2), TO)
+            g = coord.generation
+            t0 = time.monotonic()
+            proc.kill()
+            proc.wait()
+            assert _wait(lambda: 2 not in coord.live, SLACK), coord.live
+            assert time.monotonic() - t0 < hb / 3
+            assert _wait(lambda: coord.members == (0, 1) and coord.generation == g + 1, SLACK)
+            assert reps[0].commit(g, 1, timeout=TO) is False  # a member of g is gone: g's rounds abort
+            again = Membership(coord.address, 2, heartbeat_interval=IV, timeout=TO)
+            assert _wait(lambda: coord.members == (0, 1, 2), SLACK) and coord.generation == g + 2
+            again.close()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            for r in reps:
+                r.close()
+
+
+def test_initial_replicas_waits_for_the_whole_start():
+    """Rule 8: the first generation waits for initial_replicas, not the first min_replicas to heartbeat."""
+    with Coordinator(heartbeat_timeout=HB, min_replicas=2, initial_replicas=3) as coord:
+        reps = _join(coord, 0, 1)
+        time.sleep(3 * IV + 0.2)
+        assert coord.generation == 0 and not any(r.is_member for r in reps)
+        reps += _join(coord, 2)
+        assert _settle(coord, reps) == 1
+        for r in reps:
+            r.close()

@@ -26,13 +26,15 @@ RESTARTED = 2
 
 
 def _job(tmp_path, name: str, fault: str, *, gate_out: int = 0, gate_in: int = 20, restart: bool = True,
-         codec: str = "int8", min_replicas: int = 2, timeout: float = 120.0) -> dict:
+         codec: str = "int8", min_replicas: int = 2, timeout: float = 120.0, extra: tuple = (),
+         dead: tuple = ()) -> dict:
     """Run the job: 3 workers, worker 2 with ``fault``, restarted once it exited; the outputs by worker."""
     outs = {r: str(tmp_path / f"{name}-{r}.pt") for r in range(WORKERS)}
     with Coordinator(heartbeat_timeout=2.0, min_replicas=min_replicas, initial_replicas=WORKERS) as coord:
-        def start(r: int, *extra: str) -> subprocess.Popen:
+        def start(r: int, *more: str) -> subprocess.Popen:
+            extra_args = (*extra, *more)
             argv = [sys.executable, WORKER, coord.address, str(r), outs[r], "--codec", codec,
-                    "--gate-out", str(gate_out), "--gate-in", str(gate_in), *extra]
+                    "--gate-out", str(gate_out), "--gate-in", str(gate_in), *extra_args]
             return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
         procs = {r: start(r, "--fault", fault) for r in range(WORKERS)}
@@ -57,9 +59,13 @@ def _job(tmp_path, name: str, fault: str, *, gate_out: int = 0, gate_in: int = 2
             for p in procs.values():
                 if p.poll() is None:
                     p.kill()
+        for r in dead:
+            assert codes[r] == -9, f"worker {r} should have died (SIGKILL), exited {codes[r]}"
         for r, code in codes.items():
+            if r in dead:
+                continue
             assert code == 0, f"worker {r} exited {code}:\n{logs.get(r, '')[-3000:]}\nfirst 2:\n{logs[-1][-2000:]}"
-        return {r: torch.load(outs[r], weights_only=True) for r in range(WORKERS)}
+        return {r: torch.load(outs[r], weights_only=True) for r in range(WORKERS) if r not in dead}
 
 
 def _same(a: dict, b: dict, what: str) -> None:
@@ -100,3 +106,12 @@ def test_killed_worker_rejoins_bit_identical_to_replay(tmp_path, replay, fault):
     if fault.startswith("commit"):
         assert got[0]["redone"] >= 1 and got[1]["redone"] >= 1  # the round of step 12 was redone
     assert got[RESTARTED]["joined"]["residual"] == 0.0
+
+
+def test_recovery_source_dies_mid_transfer_joiner_retries_another_peer(tmp_path):
+    """docs/faults.md row 43: worker 0, the joiner's source, is SIGKILLed as it starts sending the state;
+    the joiner gets it from worker 1 in the next generation and both finish with the same state."""
+    got = _job(tmp_path, "source", "leave@10", gate_out=12, extra=("--source-dies",), dead=(0,))
+    _same(got[1], got[RESTARTED], "worker 2 (joiner) vs worker 1")
+    assert got[RESTARTED]["joined"]["steps"] == 20 and got[RESTARTED]["steps"] == 28
+    assert got[1]["redone"] >= 1
