@@ -33,6 +33,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "tp": ("tp", "a transformer block under tensor + sequence parallelism: torch's plan vs commopt's styles, "
                  "ring / Ulysses attention"),
     "torchtitan": ("titan", "torchtitan's Trainer, TP 2 x FSDP2 2 on its debug Llama 3: torch's styles vs commopt's"),
+    "elastic": ("elastic", "elastic DiLoCo in the emulated cluster: a node killed, stopped or cut off and restarted; "
+                           "stall, rejoin, recovery bytes, steps lost, ETTR, held-out loss"),
     "coordinator": ("coordinator", "run the elastic membership coordinator (prints its address)"),
     "ina-switch": ("ina_switch", "run the simulated in-network aggregation switch"),
     "ina-overlap": ("ina_overlap", "DDP on the \"ina\" backend: is backward blocked by the switch?"),

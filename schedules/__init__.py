@@ -14,7 +14,8 @@ steps on the comm engine, each step's transfer overlapped with the previous bloc
 zig-zag layout helpers ``zigzag_shard`` / ``zigzag_unshard``): attention over a sequence sharded
 across ranks, K/V rotating around a ring of engine phases, or all-to-alls between sequence and heads.
 ``diloco`` holds ``DiLoCo``, the low-communication outer loop (workers train ``sync_every`` inner steps
-alone, then reduce their pseudo-gradients along the rails), and ``worker_group``, the inner loop's group.
+alone, then reduce their pseudo-gradients along the rails), and ``worker_group``, the inner loop's group;
+``DiLoCo(elastic=True)`` and ``elastic.ElasticReplicas`` (data-parallel replicas) survive a lost node.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from . import checkpoint, context_parallel, plan, priority, profile, simulator, 
 from .autotune import TuneConfig, TuneResult, autotune
 from .context_parallel import ring_attention, ulysses_attention, zigzag_shard, zigzag_unshard
 from .diloco import DiLoCo, worker_group, worker_topology
+from .elastic import ElasticReplicas
 from .overlap import OverlapDataParallel
 from .plan import BucketPlan, IssuePlan, broadcast_plan, build_buckets
 from .priority import credit_for, fifo_plan, partition_for, priority_plan
@@ -43,4 +45,4 @@ __all__ = ["OverlapDataParallel", "StepProfile", "autotune", "TuneConfig", "Tune
            "all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "tensor_parallel", "ColwiseParallel",
            "RowwiseParallel", "SequenceParallel",
            "ring_attention", "ulysses_attention", "zigzag_shard", "zigzag_unshard", "context_parallel",
-           "DiLoCo", "worker_group", "worker_topology", "diloco"]
+           "DiLoCo", "worker_group", "worker_topology", "diloco", "ElasticReplicas"]

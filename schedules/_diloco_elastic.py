@@ -33,13 +33,11 @@ import torch
 import torch.distributed as dist
 
 from commopt.comm import all_reduce
-from commopt.comm.algorithms._transport import all_gather_single
 from commopt.comm.compression import ErrorFeedback, auto, reduce_tensors
 from commopt.comm.elastic import Membership, QuorumError
-from commopt.comm.elastic.groups import Generation, Superseded, connect_store
-from commopt.comm.elastic.transfer import broadcast_state
-from commopt.comm.engine import wait_work
-from commopt.comm.errors import CommError, CommTimeoutError
+from commopt.comm.elastic.groups import Generation
+from commopt.comm.elastic.replicas import ReplicaSet
+from commopt.comm.errors import CommError
 from commopt.comm.topology import Topology
 
 __all__ = ["ElasticSync", "check_elastic"]
@@ -67,43 +65,43 @@ def check_elastic(delay: int, topology, workers, min_workers, membership) -> Non
                          f"{dist.get_world_size() if dist.is_initialized() else 'no process group'}")
 
 
-class _Lost(CommError):
-    """A member of the attempt's generation was lost: the attempt is abandoned."""
-
-
 class ElasticSync:
     """The rounds of one elastic DiLoCo (see the module docstring); owned by ``DiLoCo``.
 
     Attributes:
-        membership: this worker's membership.
+        replicas: this worker's membership, generation group and state exchange.
         generation: the generation of the last committed round (0 before).
-        redone: attempts abandoned or aborted and redone.
-        recovery_bytes: bytes of state this worker sent or received for joiners.
         joined: (generation, seconds from the start of the join to its first committed round) for a
             worker that joined a running job, else None.
     """
 
     def __init__(self, dl, membership: Membership, *, min_workers: int, timeout: float, join_timeout: float,
                  join_inner_state: bool, own: bool):
-        self.dl, self.membership, self._own = dl, membership, own
-        self.min_workers, self.timeout, self.join_timeout = min_workers, timeout, join_timeout
-        self.join_inner_state = join_inner_state
-        self.gen: Generation | None = None
+        self.dl, self.membership = dl, membership
+        self.timeout, self.join_timeout, self.join_inner_state = timeout, join_timeout, join_inner_state
+        self.replicas = ReplicaSet(membership, name=_NAME, min_replicas=min_workers, timeout=timeout, own=own,
+                                   get_state=self._state, load_state=self._load,
+                                   progress=lambda: (dl.steps, dl._reductions))
         self.generation = 0
-        self.has_state = self.contributes = False
-        self.redone = 0
-        self.recovery_bytes = 0
         self.joined: tuple[int, float] | None = None
-        self._store = None
         self._joining_since: float | None = None
+
+    @property
+    def redone(self) -> int:
+        """Outer syncs abandoned or aborted and redone."""
+        return self.replicas.redone
+
+    @property
+    def recovery_bytes(self) -> int:
+        """Bytes of state this worker sent or received for joiners."""
+        return self.replicas.recovery_bytes
 
     # ------------------------------------------------------------------------------- public
     def join(self) -> None:
         """At construction: wait for a generation, get the job's state; take part in the round the
         running workers are in, if any (a joiner is admitted at an outer sync)."""
         self._joining_since = time.monotonic()
-        follows = self._current(self.join_timeout)
-        if follows:
+        if self.replicas.current(self.join_timeout):
             self.sync_due(self.dl.steps)
         self._joining_since = None
 
@@ -116,26 +114,27 @@ class ElasticSync:
     def round(self, f: int, final: bool = False) -> None:
         """One committed outer sync of fragment ``f`` (``final``: skipped where no worker's weights
         differ from the global ones, as ``DiLoCo.finalize`` does)."""
-        dl = self.dl
+        dl, rs = self.dl, self.replicas
         while True:
-            gen = self._current_gen()
+            rs.current(self.timeout)
+            gen = rs.gen
             try:
                 result = self._attempt(gen, f, final)
                 ok = self.membership.commit(gen.generation, dl._reductions, self.timeout)
             except QuorumError:
                 raise
             except (CommError, RuntimeError) as exc:
-                self._failed(gen, exc)
+                rs.failed(gen, exc)
                 continue
             if not ok:
-                self._failed(gen, "the coordinator aborted the round: a member was lost before it finished")
+                rs.failed(gen, "the coordinator aborted the round: a member was lost before it finished")
                 continue
             break
         averaged, trained, differs, feedback, state = result
         self.generation = gen.generation
         dl._reductions += 1
         dl.error_feedback, dl.compressor_state = feedback, state
-        self.contributes = True
+        rs.contributes = True
         if self._joining_since is not None and self.joined is None:
             self.joined = (gen.generation, time.monotonic() - self._joining_since)
         if trained == 0 or (final and differs == 0):
@@ -143,106 +142,9 @@ class ElasticSync:
         dl._apply_averaged(f, averaged, 0.0 if final else None)  # NonFiniteError on every worker alike
 
     def close(self) -> None:
-        if self.gen is not None:
-            self.gen.release()
-            self.gen = None
-        if self._own:
-            self.membership.close()
+        self.replicas.close()
 
-    # ------------------------------------------------------------------------------- generations
-    def _current_gen(self) -> Generation:
-        self._current(self.timeout)
-        assert self.gen is not None
-        return self.gen
-
-    def _current(self, wait: float) -> bool:
-        """The current generation's group, this worker a member of it, with the job's state; returns
-        whether this worker just received the state of a running job (a round follows)."""
-        m = self.membership
-        deadline = time.monotonic() + wait
-        while True:
-            g = m.refresh(self.timeout)
-            if not m.is_member:
-                g = m.wait_for_generation(after=0, timeout=max(0.1, deadline - time.monotonic()))
-            members = m.members
-            if len(members) < self.min_workers:
-                raise QuorumError(f"{_NAME}: generation {g} has {len(members)} workers {list(members)}, fewer than "
-                                  f"min_workers={self.min_workers}; restart the lost workers (or lower "
-                                  f"min_workers)", op="elastic/quorum")
-            if self.gen is not None and self.gen.generation == g:
-                return False
-            if self.gen is not None:
-                self.gen.release()
-                self.gen = None
-            try:
-                self.gen = self._build(g, members, deadline)
-                return self._hello()
-            except Superseded:
-                continue
-            except QuorumError:
-                raise
-            except (CommError, RuntimeError) as exc:
-                if self.gen is None and time.monotonic() > deadline:
-                    raise
-                self._failed(self.gen, exc)
-
-    def _build(self, g: int, members: tuple[int, ...], deadline: float) -> Generation:
-        m = self.membership
-        if self._store is None:
-            host, port = m.store_address
-            self._store = connect_store(host, port, self.timeout)
-        wait = max(self.timeout, deadline - time.monotonic())
-        return Generation(self._store, f"{m.job:x}", g, members, m.replica_id, "rail0", wait,
-                          superseded=lambda: m.generation > g)
-
-    def _failed(self, gen: Generation | None, why: object) -> None:
-        """An attempt failed: drop its group and wait for the generation after it (the failure was a
-        member lost, or it is a real timeout, which then surfaces)."""
-        self.redone += 1
-        after = gen.generation if gen is not None else self.membership.generation
-        if gen is not None:
-            gen.release()
-            if self.gen is gen:
-                self.gen = None
-        try:
-            self.membership.wait_for_generation(after=after, timeout=self.timeout)
-        except CommTimeoutError as exc:
-            raise CommTimeoutError(f"{_NAME}: an outer sync in generation {after} failed ({why}) and no new "
-                                   f"generation formed within {self.timeout:g} s (no member was lost: a stall or "
-                                   f"a network fault?)", op="elastic/round") from exc
-
-    def _hello(self) -> bool:
-        """The new group's first exchange: who holds the state; the state to those without it."""
-        dl, gen = self.dl, self.gen
-        assert gen is not None
-        mine = torch.tensor([int(self.has_state), int(self.contributes), dl.steps, dl._reductions],
-                            dtype=torch.int64)
-        rows = mine.new_empty(gen.size * 4)
-        wait_work(all_gather_single(rows, mine, group=gen.group, async_op=True), self.timeout,
-                  f"{_NAME}/hello")
-        rows = rows.view(gen.size, 4)
-        holders = [i for i in range(gen.size) if rows[i, 0]]
-        fresh = not holders
-        src = holders[0] if holders else 0  # a job's start: the first member's weights, as worker 0's
-        counters = {(int(rows[i, 2]), int(rows[i, 3])) for i in holders}
-        if len(counters) > 1:
-            raise ValueError(f"{_NAME}: the workers of generation {gen.generation} are out of step (steps, "
-                             f"reductions) = {sorted(counters)}: they must all call step() after every inner step")
-        needs = [i for i in range(gen.size) if i != src and not rows[i, 0]]
-        if not needs:
-            self.has_state = self.contributes = True
-            return False
-        state = self._state() if gen.index == src else None
-        received, nbytes = broadcast_state(state, gen.group, src, self.timeout)
-        if gen.index == src or gen.index in needs:
-            self.recovery_bytes += nbytes
-        if gen.index in needs:
-            self._load(received)
-        if gen.index == src:
-            self.has_state = True
-        self.contributes = fresh or self.contributes
-        return gen.index in needs and not fresh
-
+    # ------------------------------------------------------------------------------- the state
     def _state(self) -> dict:
         sd = self.dl.state_dict()
         out = {k: sd[k] for k in _SENT}
@@ -261,7 +163,6 @@ class ElasticSync:
             dl.inner_optimizer.load_state_dict(inner)
         for f in range(len(dl.fragments)):
             dl._write(f, None, 0.0)  # the joiner's local weights become the global ones
-        self.has_state, self.contributes = True, False
 
     # ------------------------------------------------------------------------------- one attempt
     @torch.no_grad()
@@ -269,11 +170,12 @@ class ElasticSync:
         dl = self.dl
         names = dl.fragments[f]
         deltas = [dl.backups[n].to(dl.device) - dl._read_piece(dl._pieces[n], dl.backups[n].dtype) for n in names]
-        if not self.contributes:
+        contributes = self.replicas.contributes
+        if not contributes:
             deltas = [torch.zeros_like(d) for d in deltas]
         differs = float(any(bool(d.any()) for d in deltas))
-        counts = torch.tensor([float(self.contributes), differs], device=dl.device)
-        self._wait(all_reduce(counts, torch.distributed.ReduceOp.SUM, group=gen.group, algorithm="flat",
+        counts = torch.tensor([float(contributes), differs], device=dl.device)
+        self.replicas.wait(all_reduce(counts, torch.distributed.ReduceOp.SUM, group=gen.group, algorithm="flat",
                               async_op=True, timeout=self.timeout, agreement=False), gen)
         trained, differs = int(counts[0]), int(counts[1])
         feedback = ErrorFeedback()
@@ -288,13 +190,13 @@ class ElasticSync:
                                        [tuple(d.shape) for d in deltas], deltas[0].element_size(), topo,
                                        step=dl._reductions).sent(gen.index)
         if dl.compressor is not None:
-            self._wait(reduce_tensors(dl.compressor, deltas, list(names), group=gen.group, algorithm="flat",
+            self.replicas.wait(reduce_tensors(dl.compressor, deltas, list(names), group=gen.group, algorithm="flat",
                                       average=False, step=dl._reductions, seed=0,
                                       feedback=feedback if dl._use_ef else None, state=state,
                                       timeout=self.timeout), gen)
         else:
             flat = torch.cat([d.reshape(-1) for d in deltas])
-            self._wait(all_reduce(flat, torch.distributed.ReduceOp.SUM, group=gen.group, algorithm="flat",
+            self.replicas.wait(all_reduce(flat, torch.distributed.ReduceOp.SUM, group=gen.group, algorithm="flat",
                                   async_op=True, timeout=self.timeout, agreement=False), gen)
             deltas, pos = [], 0
             for n in names:
@@ -304,17 +206,3 @@ class ElasticSync:
                 pos += k
         averaged = [d / max(trained, 1) for d in deltas]
         return averaged, trained, differs, feedback, state
-
-    def _wait(self, fut, gen: Generation) -> None:
-        """Wait for ``fut``, giving up as soon as the membership shows a member of ``gen`` lost."""
-        m = self.membership
-        deadline = time.monotonic() + self.timeout
-        while not fut.done():
-            m.check()
-            if m.generation > gen.generation and not set(gen.members) <= set(m.members):
-                raise _Lost(f"{_NAME}: a member of generation {gen.generation} was lost", op="elastic/round")
-            if time.monotonic() > deadline:
-                raise CommTimeoutError(f"{_NAME}: an outer sync in generation {gen.generation} did not finish "
-                                       f"within {self.timeout:g} s", op="elastic/round")
-            time.sleep(0.002)
-        fut.value()

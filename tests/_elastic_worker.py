@@ -70,7 +70,7 @@ def main() -> None:
     fault = "" if a.restarted or a.rid != WATCHED else kind
     at = int(at or 0)
     if a.source_dies and not a.restarted and a.rid == 0:
-        import commopt.schedules._diloco_elastic as el
+        import commopt.comm.elastic.replicas as el
 
         real = el.broadcast_state
 
@@ -83,7 +83,7 @@ def main() -> None:
     codec = QuantizeCompressor(8) if a.codec == "int8" else None
     t0 = time.monotonic()
     dl = DiLoCo(model, opt, sync_every=a.every, compressor=codec, elastic=True, min_workers=2, membership=m,
-                timeout=30)
+                timeout=6)
     joined = {"steps": dl.steps, "seconds": time.monotonic() - t0,
               "residual": max((float(r.abs().max()) for kind_ in dl.error_feedback.residuals.values()
                                for r in kind_.values()), default=0.0),

@@ -127,9 +127,9 @@ def _posting_order() -> tuple[list[tuple[str, int]], list[float]]:
     real = dist.isend, dist.irecv
 
     def recorded(kind, fn):
-        def post(tensor, peer, *args, **kwargs):
-            posted.append((kind, peer))
-            return fn(tensor, peer, *args, **kwargs)
+        def post(tensor, *args, **kwargs):  # the peer by group rank (group_src / group_dst), or positional
+            posted.append((kind, kwargs.get("group_src", kwargs.get("group_dst", args[0] if args else None))))
+            return fn(tensor, *args, **kwargs)
         return post
 
     dist.isend, dist.irecv = recorded("send", real[0]), recorded("recv", real[1])

@@ -91,7 +91,8 @@ class Generation:
         members: its member replica ids, sorted.
         replica: this replica's id (one of ``members``).
         name: which group of the generation (e.g. ``"rail0"``: one per local index).
-        timeout: seconds the group's creation and its operations may wait.
+        timeout: seconds each of the group's operations may wait (gloo's own timeout).
+        wait: seconds to wait for the other members to arrive (None: ``timeout``).
         superseded: called while waiting for the other members: True when a newer generation makes
             this one moot (then :class:`Superseded` is raised).
 
@@ -101,7 +102,7 @@ class Generation:
     """
 
     def __init__(self, store: dist.Store, job: str, generation: int, members: tuple[int, ...], replica: int,
-                 name: str, timeout: float, superseded: Callable[[], bool]):
+                 name: str, timeout: float, superseded: Callable[[], bool], wait: float | None = None):
         self.generation, self.members, self.replica = generation, tuple(members), replica
         self.index = self.members.index(replica)
         self.prefix = f"{job}/g{generation}/{name}"
@@ -110,14 +111,15 @@ class Generation:
         self._derived: list[ProcessGroup] = []
         store.set(f"{self.prefix}/arrived/{replica}", "1")
         keys = [f"{self.prefix}/arrived/{m}" for m in self.members]
-        deadline = time.monotonic() + timeout
+        wait = timeout if wait is None else wait
+        deadline = time.monotonic() + wait
         while not store.check(keys):
             if superseded():
                 raise Superseded(self.prefix)
             if time.monotonic() > deadline:
                 missing = [m for m, k in zip(self.members, keys) if not store.check([k])]
                 raise CommTimeoutError(f"generation {generation}: replicas {missing} did not arrive at group "
-                                       f"{self.prefix!r} within {timeout:g} s", op="elastic/group")
+                                       f"{self.prefix!r} within {wait:g} s", op="elastic/group")
             time.sleep(0.01)
         self.group = build_group(store, self.prefix, self.index, len(self.members), timeout)
         context().register_elastic(self.group, self._derive)

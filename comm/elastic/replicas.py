@@ -1,0 +1,200 @@
+"""One replica's place in the current generation: its group, the hello, and state for joiners.
+
+What elastic DiLoCo (``schedules/_diloco_elastic.py``) and elastic data-parallel replicas
+(``schedules/elastic.py``) share (docs/architecture.md, "elastic"):
+
+(1) :meth:`ReplicaSet.current`: the generation this replica is a member of (with ``fresh``, one round trip
+    to the coordinator, so that every member that asks after the same decision sees the same one), and its
+    group, built when the generation is new (``groups.Generation``);
+(2) on a new group, the *hello*: every member says whether it holds the job's state, whether it
+    contributes to the next reduction, and its progress (two counters, e.g. steps and reductions); the
+    members without state or behind the furthest are sent the state by the lowest member at the furthest
+    progress, as tensors (``transfer.broadcast_state``), and load it;
+(3) :meth:`ReplicaSet.wait` for a reduction issued on the group, giving up as soon as the membership shows
+    that it cannot complete (a member of its generation lost, or, with ``any_change``, any newer
+    generation); :meth:`ReplicaSet.failed` then waits for the generation after it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..algorithms._transport import all_gather_single
+from ..engine import wait_work
+from ..errors import CommError, CommTimeoutError
+from .client import Membership, QuorumError
+from .groups import Generation, Superseded, connect_store
+from .transfer import broadcast_state
+
+__all__ = ["ReplicaSet", "Lost"]
+
+
+class Lost(CommError):
+    """A reduction was abandoned: its generation lost a member (or was replaced)."""
+
+
+class ReplicaSet:
+    """This replica's membership, generation group and state exchange (see the module docstring).
+
+    Args:
+        membership: this replica's membership.
+        name: who is asking (error messages).
+        min_replicas: the fewest members a generation may have (``QuorumError`` below).
+        timeout: seconds each wait may take.
+        own: close ``membership`` in :meth:`close`.
+        get_state: the state a joiner needs (a tree of tensors, numbers, strings, lists and dicts).
+        load_state: loads what ``get_state`` returned on another replica.
+        progress: this replica's two progress counters (members holding the state must agree on the
+            furthest; those behind receive it).
+
+    Attributes:
+        gen: the current generation's group (None before the first and after a failure).
+        has_state: this replica holds the job's state.
+        contributes: this replica trained since it got the state (a joiner contributes from the reduction
+            after the one it joined at).
+        redone: reductions abandoned or aborted and redone.
+        recovery_bytes: bytes of state this replica sent or received.
+    """
+
+    def __init__(self, membership: Membership, *, name: str, min_replicas: int, timeout: float, own: bool,
+                 get_state: Callable[[], Any], load_state: Callable[[Any], None],
+                 progress: Callable[[], tuple[int, int]]):
+        self.membership, self.name, self.min_replicas, self.timeout = membership, name, min_replicas, timeout
+        self._own, self._get_state, self._load_state, self._progress = own, get_state, load_state, progress
+        self.gen: Generation | None = None
+        self.has_state = self.contributes = False
+        self.redone = 0
+        self.recovery_bytes = 0
+        self._store = None
+        self._settle_until = 0.0  # when every collective left behind by a failure has ended (close waits)
+
+    def current(self, wait: float, fresh: bool = True) -> bool:
+        """The current generation's group, this replica a member of it, holding the state (waiting up to
+        ``wait`` seconds); returns whether it just received the state from a running job."""
+        m = self.membership
+        deadline = time.monotonic() + wait
+        while True:
+            g = m.refresh(self.timeout) if fresh or self.gen is None else m.generation
+            m.check()
+            if not m.is_member:
+                g = m.wait_for_generation(after=0, timeout=max(0.1, deadline - time.monotonic()))
+            members = m.members
+            if len(members) < self.min_replicas:
+                raise QuorumError(f"{self.name}: generation {g} has {len(members)} replicas {list(members)}, fewer "
+                                  f"than the minimum {self.min_replicas}; restart the lost replicas (or lower the "
+                                  f"minimum)", op="elastic/quorum")
+            if self.gen is not None and self.gen.generation == g:
+                return False
+            if self.gen is not None:
+                self.gen.release()
+                self.gen = None
+            try:
+                self.gen = self._build(g, members, deadline)
+                return self._hello()
+            except Superseded:
+                continue
+            except QuorumError:
+                raise
+            except (CommError, RuntimeError) as exc:
+                if self.gen is None and time.monotonic() > deadline:
+                    raise
+                self.failed(self.gen, exc)
+
+    def _build(self, g: int, members: tuple[int, ...], deadline: float) -> Generation:
+        m = self.membership
+        if self._store is None:
+            host, port = m.store_address
+            self._store = connect_store(host, port, self.timeout)
+        return Generation(self._store, f"{m.job:x}", g, members, m.replica_id, "rail0", self.timeout,
+                          superseded=lambda: m.generation > g, wait=max(self.timeout, deadline - time.monotonic()))
+
+    def failed(self, gen: Generation | None, why: object) -> None:
+        """A reduction or exchange on ``gen`` failed: drop its group and wait for the generation after it
+        (the failure was a member lost or admitted; otherwise it is a real timeout, which surfaces)."""
+        self.redone += 1
+        # gloo's work cannot be cancelled: what this failure left in flight ends at its own timeout, after
+        # at most one more queued behind it on the group's worker threads.
+        self._settle_until = time.monotonic() + 2 * self.timeout + 1.0
+        after = gen.generation if gen is not None else self.membership.generation
+        if gen is not None:
+            gen.release()
+            if self.gen is gen:
+                self.gen = None
+        try:
+            self.membership.wait_for_generation(after=after, timeout=self.timeout)
+        except CommTimeoutError as exc:
+            raise CommTimeoutError(f"{self.name}: a reduction in generation {after} failed ({why}) and no new "
+                                   f"generation formed within {self.timeout:g} s (no replica was lost: a stall or a "
+                                   f"network fault?)", op="elastic/round") from exc
+
+    def _hello(self) -> bool:
+        gen = self.gen
+        assert gen is not None
+        p0, p1 = self._progress()
+        mine = torch.tensor([int(self.has_state), int(self.contributes), p0, p1], dtype=torch.int64)
+        rows = mine.new_empty(gen.size * 4)
+        wait_work(all_gather_single(rows, mine, group=gen.group, async_op=True), self.timeout,
+                  f"{self.name}/hello")
+        rows = rows.view(gen.size, 4)
+        holders = [i for i in range(gen.size) if rows[i, 0]]
+        fresh = not holders
+        if holders:
+            furthest = max((int(rows[i, 2]), int(rows[i, 3])) for i in holders)
+            src = next(i for i in holders if (int(rows[i, 2]), int(rows[i, 3])) == furthest)
+            needs = [i for i in range(gen.size) if i != src and (int(rows[i, 0]) == 0 or
+                                                                  (int(rows[i, 2]), int(rows[i, 3])) != furthest)]
+        else:  # a job's start: the first member's state, as rank 0's weights at a DDP start
+            src, needs = 0, list(range(1, gen.size))
+        if not needs:
+            self.has_state = True
+            self.contributes = self.contributes or fresh  # a joiner that got the state earlier still has not trained
+            return False
+        state = self._get_state() if gen.index == src else None
+        received, nbytes = broadcast_state(state, gen.group, src, self.timeout)
+        if gen.index == src or gen.index in needs:
+            self.recovery_bytes += nbytes
+        if gen.index in needs:
+            self._load_state(received)
+            self.has_state, self.contributes = True, fresh
+        if gen.index == src:
+            self.has_state = True
+            self.contributes = self.contributes or fresh
+        return gen.index in needs and not fresh
+
+    def wait(self, fut, gen: Generation, any_change: bool = False) -> None:
+        """Wait for ``fut`` (issued on ``gen``), giving up (:class:`Lost`) once the membership shows a member
+        of ``gen`` lost, or with ``any_change`` any newer generation."""
+        m = self.membership
+        deadline = time.monotonic() + self.timeout
+        while not fut.done():
+            m.check()
+            newer = m.generation > gen.generation
+            if newer and (any_change or not set(gen.members) <= set(m.members)):
+                raise Lost(f"{self.name}: generation {gen.generation} was replaced by {m.generation} "
+                           f"(members {list(m.members)})", op="elastic/round")
+            if time.monotonic() > deadline:
+                raise CommTimeoutError(f"{self.name}: a reduction in generation {gen.generation} did not finish "
+                                       f"within {self.timeout:g} s", op="elastic/round")
+            time.sleep(0.002)
+        fut.value()
+
+    def close(self) -> None:
+        """Drop the generation's group; leave the membership if this set made it.
+
+        After a failure, waits until the collectives it left in flight have ended (at most ``2 * timeout +
+        1`` s after it): none may end while the interpreter exits, when gloo's thread would take the GIL
+        to release its tensors or run its future's callbacks during finalization and abort the process.
+        gloo's work cannot be cancelled: neither ``abort()`` nor ``shutdown()`` ends it.
+        """
+        pause = self._settle_until - time.monotonic()
+        if pause > 0:
+            time.sleep(pause)
+        if self.gen is not None:
+            self.gen.release()
+            self.gen = None
+        if self._own:
+            self.membership.close()
