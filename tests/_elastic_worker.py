@@ -74,10 +74,10 @@ def main() -> None:
 
         real = el.broadcast_state
 
-        def dying(state, group, src, timeout):
+        def dying(state, group, src, timeout, dsts=None):
             if state is not None and state["steps"] > 0:  # the source of a joiner's transfer: die inside it
                 os.kill(os.getpid(), signal.SIGKILL)
-            return real(state, group, src, timeout)
+            return real(state, group, src, timeout, dsts)
 
         el.broadcast_state = dying
     codec = QuantizeCompressor(8) if a.codec == "int8" else None

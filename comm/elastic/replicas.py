@@ -154,7 +154,7 @@ class ReplicaSet:
             self.contributes = self.contributes or fresh  # a joiner that got the state earlier still has not trained
             return False
         state = self._get_state() if gen.index == src else None
-        received, nbytes = broadcast_state(state, gen.group, src, self.timeout)
+        received, nbytes = broadcast_state(state, gen.group, src, self.timeout, needs)
         if gen.index == src or gen.index in needs:
             self.recovery_bytes += nbytes
         if gen.index in needs:

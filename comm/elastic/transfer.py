@@ -4,8 +4,10 @@ A restarted replica pulls the job's state (global weights, outer optimizer state
 state, counters) from a peer. The state is a tree of dicts, lists, tuples, numbers, strings, None and
 tensors; :func:`broadcast_state` sends (1) its skeleton as JSON (the tensors replaced by their index,
 dtype and shape; dict keys typed, so an optimizer's integer parameter ids stay ints), (2) every tensor's
-bytes in one flat uint8 buffer, from the group's rank ``src`` to every other rank. A receiver parses
-only JSON and raw bytes: nothing it receives can run code, unlike a pickled ``state_dict``.
+bytes in one flat uint8 buffer, from the group's rank ``src`` to the ranks ``dsts`` only, point to point
+(a broadcast would send it over the source's link to every member, most of which hold it already). A
+receiver parses only JSON and raw bytes: nothing it receives can run code, unlike a pickled
+``state_dict``.
 """
 
 from __future__ import annotations
@@ -62,20 +64,27 @@ def _decode(node: Any, tensors: list[torch.Tensor]) -> Any:
     raise ValueError(f"broadcast_state: unknown skeleton kind {kind!r}")
 
 
-def broadcast_state(state: Any, group: dist.ProcessGroup, src: int, timeout: float | None) -> tuple[Any, int]:
-    """Send ``state`` from the group's rank ``src`` to every other rank of ``group`` (collective).
+def broadcast_state(state: Any, group: dist.ProcessGroup, src: int, timeout: float | None,
+                    dsts: list[int] | None = None) -> tuple[Any, int]:
+    """Send ``state`` from the group's rank ``src`` to the ranks ``dsts`` of ``group`` (called by ``src``
+    and every rank of ``dsts``; the others return at once).
 
     Args:
         state: the tree to send, on ``src`` (ignored elsewhere).
         group: the process group (a cross-replica generation's group).
         src: the sender's rank in ``group``.
-        timeout: seconds each of the three broadcasts may take (``CommTimeoutError``).
+        timeout: seconds each of the three messages may take (``CommTimeoutError``).
+        dsts: the receivers' ranks (None: every rank but ``src``).
 
     Returns:
-        (the state, on ``src`` the object given; elsewhere a new tree whose tensors are on the CPU,
-        the bytes the payload held).
+        (the state: on ``src`` the object given; on a receiver a new tree whose tensors are on the CPU;
+        elsewhere None, the bytes the payload held (0 elsewhere)).
     """
     me = dist.get_rank(group)
+    dsts = [r for r in range(group.size()) if r != src] if dsts is None else [r for r in dsts if r != src]
+    if me != src and me not in dsts:
+        return None, 0
+    link = _Link(group, src, dsts, timeout)
     tensors: list[torch.Tensor] = []
     if me == src:
         skeleton = json.dumps(_encode(state, tensors)).encode()
@@ -83,17 +92,17 @@ def broadcast_state(state: Any, group: dist.ProcessGroup, src: int, timeout: flo
         head = torch.tensor([len(skeleton), sum(sizes)], dtype=torch.int64)
     else:
         head = torch.zeros(2, dtype=torch.int64)
-    _bcast(head, group, src, timeout)
+    link.move(head)
     text = torch.frombuffer(bytearray(skeleton), dtype=torch.uint8) if me == src else torch.empty(
         int(head[0]), dtype=torch.uint8)
-    _bcast(text, group, src, timeout)
+    link.move(text)
     if me == src:
         flat = (torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors]) if tensors
                 else torch.empty(0, dtype=torch.uint8))
     else:
         flat = torch.empty(int(head[1]), dtype=torch.uint8)
     if flat.numel():
-        _bcast(flat, group, src, timeout)
+        link.move(flat)
     nbytes = int(head[0]) + int(head[1])
     if me == src:
         return state, nbytes
@@ -137,5 +146,17 @@ def _tensor_specs(node: Any) -> list[dict]:
     return found
 
 
-def _bcast(t: torch.Tensor, group: dist.ProcessGroup, src: int, timeout: float | None) -> None:
-    wait_work(dist.broadcast(t, group=group, group_src=src, async_op=True), timeout, "elastic/transfer")
+class _Link:
+    """The source's sends to every receiver (posted together), or a receiver's receive from the source."""
+
+    def __init__(self, group: dist.ProcessGroup, src: int, dsts: list[int], timeout: float | None):
+        self.group, self.src, self.dsts, self.timeout = group, src, dsts, timeout
+        self.me = dist.get_rank(group)
+
+    def move(self, t: torch.Tensor) -> None:
+        if self.me == self.src:
+            works = [dist.isend(t, group=self.group, group_dst=d) for d in self.dsts]
+        else:
+            works = [dist.irecv(t, group=self.group, group_src=self.src)]
+        for w in works:
+            wait_work(w, self.timeout, "elastic/transfer")
