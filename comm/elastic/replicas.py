@@ -17,6 +17,7 @@ What elastic DiLoCo (``schedules/_diloco_elastic.py``) and elastic data-parallel
 
 from __future__ import annotations
 
+import atexit
 import time
 from collections.abc import Callable
 from typing import Any
@@ -70,7 +71,8 @@ class ReplicaSet:
         self.redone = 0
         self.recovery_bytes = 0
         self._store = None
-        self._settle_until = 0.0  # when every collective left behind by a failure has ended (close waits)
+        self._settle_until = 0.0  # when every collective left behind by a failure has ended
+        self._at_exit = False
 
     def current(self, wait: float, fresh: bool = True) -> bool:
         """The current generation's group, this replica a member of it, holding the state (waiting up to
@@ -116,9 +118,11 @@ class ReplicaSet:
         """A reduction or exchange on ``gen`` failed: drop its group and wait for the generation after it
         (the failure was a member lost or admitted; otherwise it is a real timeout, which surfaces)."""
         self.redone += 1
-        # gloo's work cannot be cancelled: what this failure left in flight ends at its own timeout, after
-        # at most one more queued behind it on the group's worker threads.
-        self._settle_until = time.monotonic() + 2 * self.timeout + 1.0
+        # gloo's work cannot be cancelled: what this failure left in flight ends at its own timeout.
+        self._settle_until = time.monotonic() + self.timeout + 1.0
+        if not self._at_exit:
+            atexit.register(self._settle)
+            self._at_exit = True
         after = gen.generation if gen is not None else self.membership.generation
         if gen is not None:
             gen.release()
@@ -182,17 +186,18 @@ class ReplicaSet:
             time.sleep(0.002)
         fut.value()
 
-    def close(self) -> None:
-        """Drop the generation's group; leave the membership if this set made it.
-
-        After a failure, waits until the collectives it left in flight have ended (at most ``2 * timeout +
-        1`` s after it): none may end while the interpreter exits, when gloo's thread would take the GIL
-        to release its tensors or run its future's callbacks during finalization and abort the process.
-        gloo's work cannot be cancelled: neither ``abort()`` nor ``shutdown()`` ends it.
-        """
+    def _settle(self) -> None:
+        """At interpreter exit (an ``atexit`` handler, registered at the first failure): wait until the
+        collectives a failure left in flight have ended, at most ``timeout + 1`` s after it, so usually not
+        at all. None may end during finalization, when gloo's thread would take the GIL to release its
+        tensors or run its future's callbacks and abort the process; gloo's work cannot be cancelled
+        (neither ``abort()`` nor ``shutdown()`` ends it)."""
         pause = self._settle_until - time.monotonic()
         if pause > 0:
             time.sleep(pause)
+
+    def close(self) -> None:
+        """Drop the generation's group; leave the membership if this set made it."""
         if self.gen is not None:
             self.gen.release()
             self.gen = None
