@@ -27,7 +27,8 @@ the run's log directory: the wall clock at the end of the step, whether an outer
   outer sync, which waits for the coordinator to drop the lost node);
 - ``seconds_to_rejoin``: from the restart event to the joiner's first committed outer sync;
   ``join_seconds``: the joiner's own count (``dl.elastic.joined``), from the start of its join;
-- ``recovery_bytes``: the state the joiner received (``dl.elastic.recovery_bytes``);
+- ``recovery_bytes``: the state the joiner received (``dl.elastic.recovery_bytes``); ``transfer_seconds``:
+  the time it spent receiving it (``dl.elastic.transfer_seconds``; against ``recovery_bytes`` / link rate);
 - ``steps_lost``: the inner steps the survivors trained that ``dl.steps`` does not count (0: no round
   was thrown away);
 - ``ettr``: the effective training time ratio, the sum over the nodes of median step time x the steps
@@ -69,7 +70,7 @@ HEARTBEAT_TIMEOUT_S = 3.0
 
 #: The columns of the printed table and the keys every ``--json`` record has.
 FIELDS = ("run", "fault", "steps_lost", "seconds_to_first_commit", "max_stall_s", "seconds_to_rejoin",
-          "join_seconds", "recovery_bytes", "ettr", "held_out_loss", "no_fault_held_out_loss",
+          "join_seconds", "recovery_bytes", "transfer_seconds", "ettr", "held_out_loss", "no_fault_held_out_loss",
           "survivor_restarts")
 
 
@@ -168,6 +169,7 @@ def run_record(name: str, fault: str | None, events: list[dict], logs: dict[tupl
             rec["seconds_to_rejoin"] = first["time"] - restarts[0]["time"]
         if finals[joiner] is not None:
             rec["recovery_bytes"] = finals[joiner]["recovery_bytes"]
+            rec["transfer_seconds"] = finals[joiner].get("transfer_seconds")
             joined = finals[joiner].get("joined")
             rec["join_seconds"] = joined[1] if joined else None
     begins = [r["time"] for key, lines in logs.items() if key[1] == 0 for r in lines if r.get("event") == "begin"]
@@ -297,7 +299,7 @@ def _header(args) -> None:
           "max stall: their longest step after it, beyond the median; rejoin: restart -> the joiner's first "
           "committed sync; held-out: worker 0's global model after finalize()")
     print(f"{'run':<12}{'lost':>5}{'stall s':>9}{'max st s':>9}{'rejoin s':>9}{'join s':>8}{'recov MB':>9}"
-          f"{'ettr':>6}{'held-out':>9}{'no-fault':>9}{'vs':>8}{'surv rst':>9}", flush=True)
+          f"{'xfer s':>7}{'ettr':>6}{'held-out':>9}{'no-fault':>9}{'vs':>8}{'surv rst':>9}", flush=True)
 
 
 def _row(r: dict) -> None:
@@ -309,7 +311,8 @@ def _row(r: dict) -> None:
           if r["held_out_loss"] and r["no_fault_held_out_loss"] else "-")
     print(f"{r['run']:<12}{f(r['steps_lost'], 'd'):>5}{f(r['seconds_to_first_commit'], '.2f'):>9}"
           f"{f(r['max_stall_s'], '.2f'):>9}{f(r['seconds_to_rejoin'], '.2f'):>9}{f(r['join_seconds'], '.2f'):>8}"
-          f"{f(r['recovery_bytes'], '.2f', 1 / 2**20):>9}{f(r['ettr'], '.2f'):>6}{f(r['held_out_loss'], '.4f'):>9}"
+          f"{f(r['recovery_bytes'], '.2f', 1 / 2**20):>9}{f(r.get('transfer_seconds'), '.2f'):>7}"
+          f"{f(r['ettr'], '.2f'):>6}{f(r['held_out_loss'], '.4f'):>9}"
           f"{f(r['no_fault_held_out_loss'], '.4f'):>9}{vs:>8}{f(r['survivor_restarts'], 'd'):>9}"
           f"{'' if r['exit_ok'] else '  (a survivor did not finish)'}{exit_note}", flush=True)
 
@@ -359,6 +362,7 @@ def _worker(args) -> int:
     held_out = _held_out({"diloco": dl, "model": model}, args)
     write(event="final", time=time.time(), steps=steps, trained=trained, redone=dl.elastic.redone,
           recovery_bytes=dl.elastic.recovery_bytes, joined=list(dl.elastic.joined) if dl.elastic.joined else None,
+          transfer_seconds=dl.elastic.transfer_seconds,
           held_out_loss=held_out if node == 0 else None)
     log.close()
     dl.close()

@@ -92,6 +92,11 @@ class ElasticSync:
         return self.replicas.redone
 
     @property
+    def transfer_seconds(self) -> float | None:
+        """Seconds this worker spent receiving the job's state when it joined (None: it did not)."""
+        return self.replicas.transfer_seconds
+
+    @property
     def recovery_bytes(self) -> int:
         """Bytes of state this worker sent or received for joiners."""
         return self.replicas.recovery_bytes

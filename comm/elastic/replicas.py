@@ -59,6 +59,7 @@ class ReplicaSet:
             after the one it joined at).
         redone: reductions abandoned or aborted and redone.
         recovery_bytes: bytes of state this replica sent or received.
+        transfer_seconds: seconds this replica spent receiving the state (its last transfer), or None.
     """
 
     def __init__(self, membership: Membership, *, name: str, min_replicas: int, timeout: float, own: bool,
@@ -70,6 +71,7 @@ class ReplicaSet:
         self.has_state = self.contributes = False
         self.redone = 0
         self.recovery_bytes = 0
+        self.transfer_seconds: float | None = None
         self._store = None
         self._settle_until = 0.0  # when every collective left behind by a failure has ended
         self._at_exit = False
@@ -158,7 +160,10 @@ class ReplicaSet:
             self.contributes = self.contributes or fresh  # a joiner that got the state earlier still has not trained
             return False
         state = self._get_state() if gen.index == src else None
+        t0 = time.monotonic()
         received, nbytes = broadcast_state(state, gen.group, src, self.timeout, needs)
+        if gen.index in needs:
+            self.transfer_seconds = time.monotonic() - t0
         if gen.index == src or gen.index in needs:
             self.recovery_bytes += nbytes
         if gen.index in needs:
