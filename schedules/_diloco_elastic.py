@@ -30,13 +30,12 @@ from __future__ import annotations
 import time
 
 import torch
-import torch.distributed as dist
 
 from commopt.comm import all_reduce
 from commopt.comm.compression import ErrorFeedback, auto, reduce_tensors
 from commopt.comm.elastic import Membership, QuorumError
 from commopt.comm.elastic.groups import Generation
-from commopt.comm.elastic.replicas import ReplicaSet
+from commopt.comm.elastic.replicas import ReplicaSet, check_replica_args
 from commopt.comm.errors import CommError
 from commopt.comm.topology import Topology
 
@@ -53,16 +52,7 @@ def check_elastic(delay: int, topology, workers, min_workers, membership) -> Non
                          f"change is not supported); got delay={delay}")
     if topology is not None or workers != "node":
         raise ValueError(f"{_NAME}: elastic=True takes its workers from the membership, not topology= or workers=")
-    if isinstance(min_workers, bool) or not isinstance(min_workers, int) or min_workers < 1:
-        raise ValueError(f"{_NAME}: min_workers must be an int >= 1, got {min_workers!r}")
-    if membership is not None and not isinstance(membership, Membership):
-        raise TypeError(f"{_NAME}: membership must be a commopt.comm.elastic.Membership or None (from the "
-                        f"environment), got {type(membership).__name__}")
-    if not dist.is_initialized() or dist.get_world_size() != 1:
-        raise ValueError(f"{_NAME}: elastic=True runs one rank per worker, each its own torch.distributed world: "
-                         f"call init_process_group with world_size=1 in every worker (one torchrun per node, "
-                         f"--nproc-per-node 1); got "
-                         f"{dist.get_world_size() if dist.is_initialized() else 'no process group'}")
+    check_replica_args(_NAME, "min_workers", min_workers, membership)
 
 
 class ElasticSync:

@@ -27,14 +27,13 @@ from __future__ import annotations
 import numbers
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed import ReduceOp
 
 from commopt.comm import all_reduce
 from commopt.comm.compression import Codec, ErrorFeedback, reduce_tensors
 from commopt.comm.elastic import Membership, QuorumError
-from commopt.comm.elastic.replicas import ReplicaSet
+from commopt.comm.elastic.replicas import ReplicaSet, check_replica_args
 from commopt.comm.errors import CommError
 
 __all__ = ["ElasticReplicas"]
@@ -74,21 +73,13 @@ class ElasticReplicas:
             raise TypeError(f"{_NAME}: model must be a torch.nn.Module, got {type(model).__name__}")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"{_NAME}: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        if isinstance(min_replicas, bool) or not isinstance(min_replicas, int) or min_replicas < 1:
-            raise ValueError(f"{_NAME}: min_replicas must be an int >= 1, got {min_replicas!r}")
         if compressor is not None and not isinstance(compressor, Codec):
             raise TypeError(f"{_NAME}: compressor must be a commopt.comm.compression codec or None, got "
                             f"{type(compressor).__name__}")
-        if membership is not None and not isinstance(membership, Membership):
-            raise TypeError(f"{_NAME}: membership must be a commopt.comm.elastic.Membership or None, got "
-                            f"{type(membership).__name__}")
         for name, value in (("timeout", timeout), ("join_timeout", join_timeout)):
             if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0:
                 raise ValueError(f"{_NAME}: {name} must be a positive number of seconds, got {value!r}")
-        if not dist.is_initialized() or dist.get_world_size() != 1:
-            raise ValueError(f"{_NAME}: each replica is its own torch.distributed world of one rank: call "
-                             f"init_process_group with world_size=1 in every replica (one torchrun per node, "
-                             f"--nproc-per-node 1)")
+        check_replica_args(_NAME, "min_replicas", min_replicas, membership)
         self.params = [p for p in model.parameters() if p.requires_grad]
         ids = {id(p) for p in self.params}
         if any(id(p) not in ids for g in optimizer.param_groups for p in g["params"] if p.requires_grad):

@@ -70,3 +70,28 @@ def test_replica_killed_mid_step_survivors_average_and_joiner_catches_up(tmp_pat
             assert torch.equal(st["momentum_buffer"], got[2]["optimizer"]["state"][i]["momentum_buffer"])
     assert got[0]["redone"] >= 1 and got[1]["redone"] >= 1
 
+
+
+def test_bad_arguments_are_refused_before_anything_is_sent():
+    """Bad input (docs/faults.md row 42): what elastic training cannot run is refused at construction,
+    saying what to do, before any membership or group exists."""
+    import pytest
+    from torch import nn
+
+    from commopt.schedules import DiLoCo, ElasticReplicas
+
+    model = nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="delay=0"):
+        DiLoCo(model, opt, sync_every=4, delay=2, elastic=True)
+    with pytest.raises(ValueError, match="not topology= or workers="):
+        DiLoCo(model, opt, sync_every=4, workers=[[0]], elastic=True)
+    with pytest.raises(ValueError, match="min_workers must be an int >= 1"):
+        DiLoCo(model, opt, sync_every=4, elastic=True, min_workers=0)
+    with pytest.raises(TypeError, match="membership must be"):
+        ElasticReplicas(model, opt, membership="127.0.0.1:1")
+    if not torch.distributed.is_initialized():  # this process's own world, when a test left one, is size 1
+        with pytest.raises(ValueError, match="world of one rank"):
+            ElasticReplicas(model, opt, min_replicas=2)
+    with pytest.raises(ValueError, match="min_replicas must be an int >= 1"):
+        ElasticReplicas(model, opt, min_replicas=True)

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ..algorithms._transport import all_gather_single
 from ..engine import wait_work
@@ -31,7 +32,22 @@ from .client import Membership, QuorumError
 from .groups import Generation, Superseded, connect_store
 from .transfer import broadcast_state
 
-__all__ = ["ReplicaSet", "Lost"]
+__all__ = ["ReplicaSet", "Lost", "check_replica_args"]
+
+
+def check_replica_args(name: str, what: str, minimum: object, membership: object) -> None:
+    """The arguments every elastic consumer takes (local checks, before anything is sent): the fewest
+    replicas (``what``: the argument's name), the membership, and this process's world of one rank."""
+    if isinstance(minimum, bool) or not isinstance(minimum, int) or minimum < 1:
+        raise ValueError(f"{name}: {what} must be an int >= 1, got {minimum!r}")
+    if membership is not None and not isinstance(membership, Membership):
+        raise TypeError(f"{name}: membership must be a commopt.comm.elastic.Membership or None (from the "
+                        f"environment), got {type(membership).__name__}")
+    if not dist.is_initialized() or dist.get_world_size() != 1:
+        raise ValueError(f"{name}: each replica is its own torch.distributed world of one rank: call "
+                         f"init_process_group with world_size=1 in every replica (one torchrun per node, "
+                         f"--nproc-per-node 1); got "
+                         f"{dist.get_world_size() if dist.is_initialized() else 'no process group'}")
 
 
 class Lost(CommError):
