@@ -2,15 +2,17 @@
 own torch.distributed world of one rank, as one torchrun per node would start it).
 
     python tests/_elastic_worker.py ADDR RID OUT [--steps N] [--every H] [--codec int8|none]
-        [--fault kill@S | leave@S | commit@S] [--source-dies] [--gate-out S] [--gate-in S] [--restarted]
+        [--fault kill@S | leave@S | commit@S] [--fault3 leave@S | hello] [--source-dies] [--gate-out S]
+        [--gate-in S] [--restarted]
 
 Faults (on a worker that is not --restarted): ``kill@S`` SIGKILLs itself before inner step S;
 ``leave@S`` leaves cleanly there (the replay's "sits out"); ``commit@S`` SIGKILLs itself inside the
 outer sync at step S, after its reduction and before it reports the round; ``--source-dies``: worker 0
 SIGKILLs itself when it starts to send the job's state to a joiner.
-Gates (survivors): before the outer sync at step S, wait until
-worker 2 is out of (``--gate-out``) or in (``--gate-in``) the coordinator's generation, so that a replay
-and a failure see the same generations. Writes its final outer state to OUT with torch.save.
+``--fault3 hello``: worker 3 SIGKILLs itself in the first collective of a generation formed after the
+start (a cascade). Gates (survivors): before the outer sync at step S, wait until worker 2 (and 3, for
+out) is out of (``--gate-out``) or in (``--gate-in``) the coordinator's generation, so that a replay and
+a failure see the same generations. Writes its final outer state to OUT with torch.save.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from commopt.comm.elastic import Membership
 from commopt.schedules import DiLoCo
 
 WATCHED = 2  # the worker the faults and gates are about
+SECOND = 3  # with four workers, the one --fault3 is about
 
 
 def _data(rid: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -39,7 +42,8 @@ def _data(rid: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _wait_for(m: Membership, present: bool) -> None:
     deadline = time.monotonic() + 60
-    while (WATCHED in m.members) != present or not m.is_member:
+    while ((WATCHED in m.members) != present or (not present and SECOND in m.members and m.replica_id != SECOND)
+           or not m.is_member):
         if time.monotonic() > deadline:
             raise TimeoutError(f"worker {WATCHED} never {'joined' if present else 'left'}: {m.members}")
         m.refresh()
@@ -59,6 +63,8 @@ def main() -> None:
     p.add_argument("--gate-in", type=int, default=0)
     p.add_argument("--restarted", action="store_true")
     p.add_argument("--source-dies", action="store_true")
+    p.add_argument("--fault3", default="", help="worker 3's fault: leave@S, kill@S, or hello (it dies in the "
+                                                 "first collective of the first new generation after the start)")
     a = p.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -66,8 +72,8 @@ def main() -> None:
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     m = Membership(a.addr, a.rid, heartbeat_interval=0.05, timeout=20)
-    kind, _, at = a.fault.partition("@")
-    fault = "" if a.restarted or a.rid != WATCHED else kind
+    kind, _, at = (a.fault if a.rid == WATCHED else a.fault3 if a.rid == SECOND else "").partition("@")
+    fault = "" if a.restarted else kind
     at = int(at or 0)
     if a.source_dies and not a.restarted and a.rid == 0:
         import commopt.comm.elastic.replicas as el
@@ -80,6 +86,17 @@ def main() -> None:
             return real(state, group, src, timeout, dsts)
 
         el.broadcast_state = dying
+    if fault == "hello":
+        import commopt.comm.elastic.replicas as rep
+
+        gather = rep.all_gather_single
+
+        def dying_hello(out, mine, **kwargs):
+            if int(mine[2]) > 0:  # a hello after the start: the first collective of a new generation
+                os.kill(os.getpid(), signal.SIGKILL)
+            return gather(out, mine, **kwargs)
+
+        rep.all_gather_single = dying_hello
     codec = QuantizeCompressor(8) if a.codec == "int8" else None
     t0 = time.monotonic()
     dl = DiLoCo(model, opt, sync_every=a.every, compressor=codec, elastic=True, min_workers=2, membership=m,

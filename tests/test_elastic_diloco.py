@@ -27,17 +27,18 @@ RESTARTED = 2
 
 def _job(tmp_path, name: str, fault: str, *, gate_out: int = 0, gate_in: int = 20, restart: bool = True,
          codec: str = "int8", min_replicas: int = 2, timeout: float = 120.0, extra: tuple = (),
-         dead: tuple = ()) -> dict:
-    """Run the job: 3 workers, worker 2 with ``fault``, restarted once it exited; the outputs by worker."""
-    outs = {r: str(tmp_path / f"{name}-{r}.pt") for r in range(WORKERS)}
-    with Coordinator(heartbeat_timeout=2.0, min_replicas=min_replicas, initial_replicas=WORKERS) as coord:
+         dead: tuple = (), workers: int = WORKERS) -> dict:
+    """Run the job: ``workers`` workers, worker 2 with ``fault``, restarted once it exited (``restart``); the
+    outputs by worker."""
+    outs = {r: str(tmp_path / f"{name}-{r}.pt") for r in range(workers)}
+    with Coordinator(heartbeat_timeout=2.0, min_replicas=min_replicas, initial_replicas=workers) as coord:
         def start(r: int, *more: str) -> subprocess.Popen:
             extra_args = (*extra, *more)
             argv = [sys.executable, WORKER, coord.address, str(r), outs[r], "--codec", codec,
                     "--gate-out", str(gate_out), "--gate-in", str(gate_in), *extra_args]
             return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
-        procs = {r: start(r, "--fault", fault) for r in range(WORKERS)}
+        procs = {r: start(r, "--fault", fault) for r in range(workers)}
         deadline = time.monotonic() + timeout
         logs: dict[int, str] = {}
         try:
@@ -65,7 +66,8 @@ def _job(tmp_path, name: str, fault: str, *, gate_out: int = 0, gate_in: int = 2
             if r in dead:
                 continue
             assert code == 0, f"worker {r} exited {code}:\n{logs.get(r, '')[-3000:]}\nfirst 2:\n{logs[-1][-2000:]}"
-        return {r: torch.load(outs[r], weights_only=True) for r in range(WORKERS) if r not in dead}
+        return {r: torch.load(outs[r], weights_only=True) for r in range(workers)
+                if r not in dead and os.path.exists(outs[r])}
 
 
 def _same(a: dict, b: dict, what: str) -> None:
@@ -115,3 +117,16 @@ def test_recovery_source_dies_mid_transfer_joiner_retries_another_peer(tmp_path)
     _same(got[1], got[RESTARTED], "worker 2 (joiner) vs worker 1")
     assert got[RESTARTED]["joined"]["steps"] == 20 and got[RESTARTED]["steps"] == 28
     assert got[1]["redone"] >= 1
+
+
+def test_cascade_a_kill_inside_the_new_generations_first_collective(tmp_path):
+    """docs/faults.md row 42, the cascade: of four workers, worker 2 is SIGKILLed between syncs and worker 3
+    dies inside the first collective of the generation that follows (its hello); workers 0 and 1 form the
+    next one and end bit-identical to a replay in which 2 and 3 left cleanly before the same sync."""
+    got = _job(tmp_path, "cascade", "kill@10", restart=False, workers=4, extra=("--fault3", "hello"),
+               dead=(2, 3), gate_in=0)
+    clean = _job(tmp_path, "cascade-replay", "leave@10", gate_out=12, restart=False, workers=4,
+                 extra=("--fault3", "leave@10"), gate_in=0)
+    for r in (0, 1):
+        _same(clean[r], got[r], f"cascade: worker {r} vs the replay")
+        assert got[r]["steps"] == 28 and got[r]["redone"] >= 1
