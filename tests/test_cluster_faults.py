@@ -339,7 +339,7 @@ def test_linkdown_cuts_the_node_off_then_restores_it(tmp_path, sweep):
     assert len(while_down) >= 3 and not any(while_down)  # 0.2 s: the link came up while `ip` ran
     assert all(t["self_ok"] for t in tries)
     after = [t["ok"] for t in tries if t["start"] > up["time"]]
-    assert after[-2:] == [True, True]
+    assert after and after[-1]  # restored: the last connect, one or more after the link came up (the load decides)
     assert _one(events, event="exit", rank=0)["code"] == 0
 
 

@@ -23,7 +23,6 @@ import importlib.util
 import io
 import os
 import re
-import socket
 import subprocess
 import sys
 import textwrap
@@ -32,6 +31,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _ports import free_ports
 from _spawn import run_spawned
 
 _HAVE_LIGHTNING = importlib.util.find_spec("pytorch_lightning") is not None
@@ -43,9 +43,7 @@ _STEPS = 12
 
 # ------------------------------------------------------------------------------------ launcher
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]  # below the ephemeral range: see tests/_ports.py
 
 
 def _rank_entry(body, rank: int, world: int, port: int, workdir: str, results) -> None:

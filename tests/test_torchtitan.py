@@ -35,7 +35,6 @@ import importlib.util
 import io
 import os
 import re
-import socket
 import sys
 import textwrap
 import traceback
@@ -43,6 +42,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _ports import free_ports
 from _spawn import run_spawned
 
 from commopt.bench import titan
@@ -66,14 +66,7 @@ def _readme_blocks(lang: str) -> list[str]:
 
 # ------------------------------------------------------------------------------------ launcher
 def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:  # all bound at once: n different ports
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+    return free_ports(n)  # below the ephemeral range: see tests/_ports.py
 
 
 def _rank_entry(body, rank: int, world: int, nodes: str | None, ports: list[int], workdir: str, results) -> None:
