@@ -35,7 +35,7 @@ from commopt.comm import all_reduce
 from commopt.comm.compression import ErrorFeedback, auto, reduce_tensors
 from commopt.comm.elastic import Membership, QuorumError
 from commopt.comm.elastic.groups import Generation
-from commopt.comm.elastic.replicas import ReplicaSet, check_replica_args
+from commopt.comm.elastic.replicas import ReplicaSet, attempt_copies, check_replica_args
 from commopt.comm.errors import CommError
 from commopt.comm.topology import Topology
 
@@ -173,12 +173,7 @@ class ElasticSync:
         self.replicas.wait(all_reduce(counts, torch.distributed.ReduceOp.SUM, group=gen.group, algorithm="flat",
                               async_op=True, timeout=self.timeout, agreement=False), gen)
         trained, differs = int(counts[0]), int(counts[1])
-        feedback = ErrorFeedback()
-        feedback.load_state_dict(dl.error_feedback.state_dict())
-        state = None
-        if dl.compressor_state is not None:
-            state = dl.compressor.new_state()
-            state.load_state_dict(dl.compressor_state.state_dict())
+        feedback, state = attempt_copies(dl.error_feedback, dl.compressor, dl.compressor_state)
         p = gen.size
         topo = Topology(nodes=tuple((i,) for i in range(p)), rank=gen.index, world_size=p)
         dl.outer_bytes += auto.traffic("flat", dl.compressor, [d.numel() for d in deltas],

@@ -33,7 +33,7 @@ from torch.distributed import ReduceOp
 from commopt.comm import all_reduce
 from commopt.comm.compression import Codec, ErrorFeedback, reduce_tensors
 from commopt.comm.elastic import Membership, QuorumError
-from commopt.comm.elastic.replicas import ReplicaSet, check_replica_args
+from commopt.comm.elastic.replicas import ReplicaSet, attempt_copies, check_replica_args
 from commopt.comm.errors import CommError
 
 __all__ = ["ElasticReplicas"]
@@ -150,12 +150,7 @@ class ElasticReplicas:
         count = torch.ones(1)
         rs.wait(all_reduce(count, ReduceOp.SUM, group=gen.group, algorithm="flat", async_op=True,
                            timeout=self.timeout, agreement=False), gen, any_change=True)
-        feedback = ErrorFeedback()
-        feedback.load_state_dict(self.error_feedback.state_dict())
-        state = None
-        if self._state is not None:
-            state = self.compressor.new_state()
-            state.load_state_dict(self._state.state_dict())
+        feedback, state = attempt_copies(self.error_feedback, self.compressor, self._state)
         work = [g.detach().float().contiguous().clone() for g in grads]
         rs.wait(reduce_tensors(self.compressor, work, list(self._names), group=gen.group, algorithm="flat",
                                average=False, step=self.steps, seed=0, feedback=feedback if self._use_ef else None,

@@ -22,6 +22,7 @@ import threading
 import time
 
 import pytest
+from _netns import needs_netns
 
 from commopt.bench import cluster as cl
 from commopt.bench.cluster import cli, launch, probe
@@ -29,15 +30,6 @@ from commopt.comm.topology import format_nodes
 
 __all__: list[str] = []
 
-
-def _have_netns() -> bool:
-    with open("/proc/self/status", encoding="ascii") as f:
-        caps = cl.parse_cap_eff(f.read())
-    return not cl.missing_requirements(caps, shutil.which("ip"), shutil.which("tc"))
-
-
-needs_netns = pytest.mark.skipif(not _have_netns(),
-                                 reason="needs root (CAP_NET_ADMIN, CAP_SYS_ADMIN) and iproute2")
 
 _TIMEOUT = 60.0
 _ENV_KEYS = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",

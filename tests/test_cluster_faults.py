@@ -18,21 +18,13 @@ import sys
 import uuid
 
 import pytest
+from _netns import needs_netns
 
 from commopt.bench import cluster as cl
 from commopt.bench.cluster import faults, progress
 
 __all__: list[str] = []
 
-
-def _have_netns() -> bool:
-    with open("/proc/self/status", encoding="ascii") as f:
-        caps = cl.parse_cap_eff(f.read())
-    return not cl.missing_requirements(caps, shutil.which("ip"), shutil.which("tc"))
-
-
-needs_netns = pytest.mark.skipif(not _have_netns(),
-                                 reason="needs root (CAP_NET_ADMIN, CAP_SYS_ADMIN) and iproute2")
 
 _TIMEOUT = 90.0
 _BASE = ["--nodes", "2", "--link-rate", "200mbit", "--probe-seconds", "0", "--elastic", "--timeout", "60"]

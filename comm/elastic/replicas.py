@@ -26,13 +26,14 @@ import torch
 import torch.distributed as dist
 
 from ..algorithms._transport import all_gather_single
+from ..compression import Codec, ErrorFeedback
 from ..engine import wait_work
 from ..errors import CommError, CommTimeoutError
 from .client import Membership, QuorumError
 from .groups import Generation, Superseded, connect_store
 from .transfer import broadcast_state
 
-__all__ = ["ReplicaSet", "Lost", "check_replica_args"]
+__all__ = ["ReplicaSet", "Lost", "check_replica_args", "attempt_copies"]
 
 
 def check_replica_args(name: str, what: str, minimum: object, membership: object) -> None:
@@ -48,6 +49,19 @@ def check_replica_args(name: str, what: str, minimum: object, membership: object
                          f"init_process_group with world_size=1 in every replica (one torchrun per node, "
                          f"--nproc-per-node 1); got "
                          f"{dist.get_world_size() if dist.is_initialized() else 'no process group'}")
+
+
+def attempt_copies(feedback: ErrorFeedback, compressor: Codec | None, state: Any) -> tuple[ErrorFeedback, Any]:
+    """Copies of the residuals and the compressor state for one attempt at a reduction: adopted if it
+    commits, dropped if it is abandoned (an abandoned attempt's engine thread finishing late writes only
+    into its own copies)."""
+    fb = ErrorFeedback()
+    fb.load_state_dict(feedback.state_dict())
+    copy = None
+    if state is not None and compressor is not None:
+        copy = compressor.new_state()
+        copy.load_state_dict(state.state_dict())
+    return fb, copy
 
 
 class Lost(CommError):
