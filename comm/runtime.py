@@ -60,8 +60,6 @@ class Context:
         self.topologies: Cache[int | None, Topology] = Cache(self.lock)
         self.ina_sessions: Cache[tuple, Any] = Cache(self.lock)
         self._elastic: dict[int, tuple[Any, Callable[[str], Any]]] = {}  # id(group) -> (group, factory)
-        # Forgotten elastic groups are kept alive to the end of the process (see forget_group).
-        self._retired: list[Any] = []
 
     @property
     def alltoall_fits(self) -> Cache[tuple, dict[str, LinkModel]]:
@@ -104,22 +102,23 @@ class Context:
             self._elastic[id(group)] = (group, factory)
 
     def forget_group(self, group) -> None:
-        """Drop what this context holds for ``group`` (an elastic generation replaced by the next): its
-        derived groups, its engine worker (abandoned if stuck on a dead peer: a daemon), its caches."""
+        """Drop what this context holds for ``group`` (an elastic generation replaced by the next) and for the
+        groups derived over it: their cache entries and engine workers (abandoned if stuck on a dead peer: a
+        daemon). The group objects themselves are never destroyed, not even at exit: gloo's destructor of a
+        group whose peer died, run on the thread of a callback that held the last reference or at interpreter
+        exit, can end in std::terminate; a generation's groups are a few objects per membership change."""
         with self.lock:
             self._elastic.pop(id(group), None)
-            self._retired.append(group)
+            gone = [group]
             for key in [k for k in self._groups if k[1] == id(group)]:
                 derived = self._groups.pop(key)
-                self._retired.extend(g for g in (derived.intra, derived.rail) if g is not None)
+                gone.extend(g for g in (derived.intra, derived.rail) if g is not None)
             self._sequences.pop(id(group), None)
             engine = self._engine
-        if engine is not None:
-            engine.release(group, timeout=0.0)
-        # Never destroyed, not even at exit: gloo's destructor of a group whose peer died, run on the thread of
-        # a callback that held the last reference, or at interpreter exit, can end in std::terminate. A
-        # generation's groups are a few objects per membership change.
-        ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
+        for g in gone:
+            if engine is not None:
+                engine.release(g, timeout=0.0)
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(g))  # kept alive to the end of the process
 
     def groups(self, topology: Topology, role: str, timeout: float | None = None) -> Groups:
         """This rank's intra-node and rail groups for ``role``, created once per layout and role.

@@ -1,4 +1,5 @@
-"""``needs_netns``: the skip marker of the emulated cluster's tests (root and iproute2 required)."""
+"""What the emulated cluster's tests share: ``needs_netns`` (their skip marker: root and iproute2) and
+``rank_lines`` (the launcher's output, by rank)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 
 from commopt.bench import cluster as cl
 
-__all__ = ["needs_netns"]
+__all__ = ["needs_netns", "rank_lines"]
 
 
 def _have_netns() -> bool:
@@ -19,3 +20,13 @@ def _have_netns() -> bool:
 
 needs_netns = pytest.mark.skipif(not _have_netns(),
                                  reason="needs root (CAP_NET_ADMIN, CAP_SYS_ADMIN) and iproute2")
+
+
+def rank_lines(out: str) -> dict[int, list[str]]:
+    """The launcher's ``[rank k] ...`` lines, by rank, the prefix removed."""
+    lines: dict[int, list[str]] = {}
+    for line in out.splitlines():
+        if line.startswith("[rank "):
+            head, _, rest = line.partition("] ")
+            lines.setdefault(int(head[len("[rank "):]), []).append(rest)
+    return lines

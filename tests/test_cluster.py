@@ -22,7 +22,7 @@ import threading
 import time
 
 import pytest
-from _netns import needs_netns
+from _netns import needs_netns, rank_lines
 
 from commopt.bench import cluster as cl
 from commopt.bench.cluster import cli, launch, probe
@@ -77,15 +77,6 @@ def _run_cli(*args: str, command: list[str] | None = None,
 
 def _leftovers(pid: int) -> list[str]:
     return [n for n in cl.list_namespaces() if n.startswith(f"co-{pid:x}-")]
-
-
-def _rank_lines(out: str) -> dict[int, list[str]]:
-    lines: dict[int, list[str]] = {}
-    for line in out.splitlines():
-        if line.startswith("[rank "):
-            head, _, rest = line.partition("] ")
-            lines.setdefault(int(head[len("[rank "):]), []).append(rest)
-    return lines
 
 
 def _record(out: str) -> dict:
@@ -374,7 +365,7 @@ def test_rank_environment_and_teardown(placement, layout, sweep):
     assert _leftovers(pid) == []
     nodes = [[int(r) for r in node.split(",")] for node in layout.split(";")]
     node_of = {r: n for n, ranks in enumerate(nodes) for r in ranks}
-    reports = {r: json.loads(lines[-1]) for r, lines in _rank_lines(out).items()}
+    reports = {r: json.loads(lines[-1]) for r, lines in rank_lines(out).items()}
     assert sorted(reports) == [0, 1, 2, 3]
     master = {rep["env"]["MASTER_ADDR"] for rep in reports.values()}
     assert len(master) == 1 and len({rep["env"]["MASTER_PORT"] for rep in reports.values()}) == 1
@@ -478,7 +469,7 @@ def test_rank_failure_returns_its_code_and_kills_the_others(sweep):
     assert code == 7, err
     assert "rank 1 exited with code 7" in err
     assert _leftovers(pid) == []
-    pids = [int(lines[0].split()[1]) for lines in _rank_lines(out).values()]
+    pids = [int(lines[0].split()[1]) for lines in rank_lines(out).values()]
     assert pids and all(_dead(p) for p in pids)
 
 
@@ -605,7 +596,7 @@ def test_switch_node_runs_ina_switch(sweep):
                                    command=[sys.executable, "-c", _ENV_SNIPPET], timeout=90)
     assert code == 0, err
     assert "listening on" in err
-    envs = [json.loads(lines[-1])["env"] for lines in _rank_lines(out).values()]
+    envs = [json.loads(lines[-1])["env"] for lines in rank_lines(out).values()]
     assert len(envs) == 2 and all(e["COMMOPT_INA_SWITCH"] == envs[0]["COMMOPT_INA_SWITCH"] for e in envs)
     host, _, port = envs[0]["COMMOPT_INA_SWITCH"].rpartition(":")
     assert host.startswith("10.") and int(port) > 0
@@ -641,7 +632,7 @@ def test_gloo_all_reduce_inside_cluster(placement, sweep):
                                    "--placement", placement, "--probe-seconds", "0", "--timeout", "80",
                                    command=[sys.executable, "-c", _GLOO_SNIPPET], timeout=100)
     assert code == 0, err
-    reports = {r: json.loads(lines[-1]) for r, lines in _rank_lines(out).items()}
+    reports = {r: json.loads(lines[-1]) for r, lines in rank_lines(out).items()}
     assert sorted(reports) == [0, 1, 2, 3]
     for rank, rep in reports.items():
         assert rep["ok"] and rep["num_nodes"] == 2
@@ -671,7 +662,7 @@ def test_collectives_table_inside_cluster_has_link_columns(tmp_path, sweep):
         command=[sys.executable, "-m", "commopt.bench", "collectives", "--sizes", "64K", "--iters", "3",
                  "--warmup", "1", "--no-calibrate", "--algo", "flat,torch", "--json", str(path)], timeout=120)
     assert code == 0, out + err
-    lines = _rank_lines(out)[0]
+    lines = rank_lines(out)[0]
     header = next(line for line in lines if line.split()[:2] == ["#", "size"])
     assert header.split()[-5:] == ["bound(us)", "link(MB)", "linkbw(GB/s)", "eff(cfg)", "eff(meas)"]
     assert "nan" not in "\n".join(lines)

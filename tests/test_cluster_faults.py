@@ -18,7 +18,7 @@ import sys
 import uuid
 
 import pytest
-from _netns import needs_netns
+from _netns import needs_netns, rank_lines
 
 from commopt.bench import cluster as cl
 from commopt.bench.cluster import faults, progress
@@ -71,15 +71,6 @@ def _alive_with(marker: str) -> list[int]:
             except OSError:  # gone meanwhile
                 pass
     return pids
-
-
-def _rank_lines(out: str) -> dict[int, list[str]]:
-    lines: dict[int, list[str]] = {}
-    for line in out.splitlines():
-        if line.startswith("[rank "):
-            head, _, rest = line.partition("] ")
-            lines.setdefault(int(head[len("[rank "):]), []).append(rest)
-    return lines
 
 
 def _one(events: list[dict], **match: object) -> dict:
@@ -222,7 +213,7 @@ def test_kill_at_step_restart_and_events(tmp_path, sweep):
     code, out, err, events, _ = _run(tmp_path, snippet, "--fault", "kill:node=1:at=step=10",
                                      "--restart", "node=1:after=0.5")
     assert code == 0, err
-    lines = _rank_lines(out)
+    lines = rank_lines(out)
     starts = [i for i, line in enumerate(lines[1]) if line.startswith("env ")]
     assert len(starts) == 2, lines[1]  # the first process and the restarted one
     first, restarted = lines[1][:starts[1]], lines[1][starts[1]:]
@@ -262,11 +253,11 @@ def test_stop_for_pauses_then_continues(tmp_path, sweep):
     fault, cont = _one(events, event="fault"), _one(events, event="cont")
     assert (fault["kind"], fault["node"]) == ("stop", 1) and cont["node"] == 1
     assert cont["time"] - fault["time"] >= 1.0
-    stopped = _steps(_rank_lines(out)[1])
+    stopped = _steps(rank_lines(out)[1])
     assert [k for k, _ in stopped] == list(range(30))  # it went on to the end after SIGCONT
     inside = [k for k, t in stopped if fault["time"] < t < cont["time"]]
     assert len(inside) <= 1, inside  # at most the step whose clock was read as the signal went
-    survivor = [k for k, t in _steps(_rank_lines(out)[0]) if fault["time"] < t < cont["time"]]
+    survivor = [k for k, t in _steps(rank_lines(out)[0]) if fault["time"] < t < cont["time"]]
     assert len(survivor) >= 3  # node 0 was not stopped
     assert _one(events, event="exit", rank=0)["code"] == 3 and _one(events, event="exit", rank=1)["code"] == 0
     assert _one(events, event="exit", rank=0)["time"] < _one(events, event="exit", rank=1)["time"]
@@ -323,7 +314,7 @@ def test_linkdown_cuts_the_node_off_then_restores_it(tmp_path, sweep):
     assert code == 0, err
     down, up = _one(events, event="fault"), _one(events, event="link_up")
     assert (down["kind"], down["node"], up["node"]) == ("linkdown", 1, 1)
-    tries = [json.loads(line) for line in _rank_lines(out)[1]]
+    tries = [json.loads(line) for line in rank_lines(out)[1]]
     tries = tries[[t["ok"] for t in tries].index(True):]  # from the first connect that found the server up
     before = [t["ok"] for t in tries if t["end"] < down["time"]]
     assert len(before) >= 5 and all(before)
@@ -366,7 +357,7 @@ def test_coordinator_reachable_one_world_per_node(tmp_path, sweep):
     coordinator's output is prefixed and it is gone after the run."""
     code, out, err, _, _ = _run(tmp_path, _COORD, "--ranks-per-node", "2", "--heartbeat-timeout", "5")
     assert code == 0, err
-    reports = {r: json.loads(lines[-1]) for r, lines in _rank_lines(out).items()}
+    reports = {r: json.loads(lines[-1]) for r, lines in rank_lines(out).items()}
     assert sorted(reports) == [0, 1, 2, 3]
     for rank, rep in reports.items():
         node, local = divmod(rank, 2)

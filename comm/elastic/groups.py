@@ -136,7 +136,7 @@ class Generation:
 
     def release(self) -> None:
         """Forget this generation's groups (their work, if stuck on a dead peer, is abandoned)."""
+        context().forget_group(self.group)  # and the groups derived over it; kept alive, never destroyed
         for group in [self.group, *self._derived]:
-            context().forget_group(group)  # kept alive, never destroyed
             _unregister(group)
         self._derived.clear()
