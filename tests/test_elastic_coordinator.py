@@ -223,9 +223,10 @@ def test_refusals_counted_by_reason_job_unaffected():
         assert coord.pending == 0 and coord.live == (0, 1)
         time.sleep(HB)  # the job is unaffected: the same generation, both still members, no error
         assert coord.generation == g and coord.members == (0, 1)
-        for r in reps:
+        for r in reps:  # all checked before any closes: a LEAVE would rightly cost the other its quorum
             r.check()
             assert r.generation == g and r.is_member
+        for r in reps:
             r.close()
 
 
@@ -250,8 +251,9 @@ def test_join_flood_bounded_and_expires():
         assert coord.refused.get("pending_limit", 0) > 0
         assert _wait(lambda: coord.pending == 0, 2 * HB + SLACK)
         assert coord.live == (0, 1) and coord.generation == g and coord.members == (0, 1)
-        for r in reps:
+        for r in reps:  # all checked before any closes (a LEAVE costs the other its quorum)
             r.check()
+        for r in reps:
             r.close()
 
 
