@@ -161,6 +161,12 @@ class Membership:
         with self._cond:
             return self._members
 
+    def view(self) -> tuple[int, tuple[int, ...], bool]:
+        """(generation, its members, whether this replica is one of them), read at once (the heartbeat
+        thread may replace the generation between separate reads of the properties)."""
+        with self._cond:
+            return self._generation, self._members, self._status == Status.MEMBER
+
     @property
     def is_member(self) -> bool:
         """Whether this replica is a member of :attr:`generation`."""

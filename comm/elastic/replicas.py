@@ -36,14 +36,25 @@ from .transfer import broadcast_state
 __all__ = ["ReplicaSet", "Lost", "check_replica_args", "attempt_copies"]
 
 
-def check_replica_args(name: str, what: str, minimum: object, membership: object) -> None:
+def check_replica_args(name: str, what: str, minimum: object, membership: object, *, node: bool = False) -> None:
     """The arguments every elastic consumer takes (local checks, before anything is sent): the fewest
-    replicas (``what``: the argument's name), the membership, and this process's world of one rank."""
+    replicas (``what``: the argument's name), the membership, and this process's world: one rank, or with
+    ``node`` the node's ranks (a replica of several ranks, rank r's membership id ``node * L + r``)."""
     if isinstance(minimum, bool) or not isinstance(minimum, int) or minimum < 1:
         raise ValueError(f"{name}: {what} must be an int >= 1, got {minimum!r}")
     if membership is not None and not isinstance(membership, Membership):
         raise TypeError(f"{name}: membership must be a commopt.comm.elastic.Membership or None (from the "
                         f"environment), got {type(membership).__name__}")
+    if node:
+        if not dist.is_initialized():
+            raise ValueError(f"{name}: each replica is its own torch.distributed world (the node's ranks): call "
+                             f"init_process_group in every rank first (one torchrun per node)")
+        size, rank = dist.get_world_size(), dist.get_rank()
+        if membership is not None and membership.replica_id % size != rank:  # type: ignore[attr-defined]
+            raise ValueError(f"{name}: with {size} ranks per replica, rank {rank}'s membership id must be "
+                             f"node * {size} + {rank}, got {membership.replica_id}; or pass membership=None "  # type: ignore[attr-defined]
+                             f"(COMMOPT_REPLICA_ID names the node)")
+        return
     if not dist.is_initialized() or dist.get_world_size() != 1:
         raise ValueError(f"{name}: each replica is its own torch.distributed world of one rank: call "
                          f"init_process_group with world_size=1 in every replica (one torchrun per node, "
@@ -81,6 +92,10 @@ class ReplicaSet:
         load_state: loads what ``get_state`` returned on another replica.
         progress: this replica's two progress counters (members holding the state must agree on the
             furthest; those behind receive it).
+        local, local_size: a replica of ``local_size`` ranks (a node), this process its rank ``local``:
+            membership ids are ``node * local_size + local``, a node is in a generation when all its
+            ranks are, and this set's group is the generation's rail ``local`` (the same rank of every
+            node; ranks of one node take the same decisions, as they see the same nodes).
 
     Attributes:
         gen: the current generation's group (None before the first and after a failure).
@@ -94,8 +109,10 @@ class ReplicaSet:
 
     def __init__(self, membership: Membership, *, name: str, min_replicas: int, timeout: float, own: bool,
                  get_state: Callable[[], Any], load_state: Callable[[Any], None],
-                 progress: Callable[[], tuple[int, int]]):
+                 progress: Callable[[], tuple[int, int]], local: int = 0, local_size: int = 1):
         self.membership, self.name, self.min_replicas, self.timeout = membership, name, min_replicas, timeout
+        self.local, self.local_size = local, local_size
+        self.node = membership.replica_id // local_size
         self._own, self._get_state, self._load_state, self._progress = own, get_state, load_state, progress
         self.gen: Generation | None = None
         self.has_state = self.contributes = False
@@ -103,20 +120,38 @@ class ReplicaSet:
         self.recovery_bytes = 0
         self.transfer_seconds: float | None = None
         self._store = None
+        self.received = False  # the last current() loaded a state sent by a peer
         self._settle_until = 0.0  # when every collective left behind by a failure has ended
         self._at_exit = False
 
     def current(self, wait: float, fresh: bool = True) -> bool:
         """The current generation's group, this replica a member of it, holding the state (waiting up to
-        ``wait`` seconds); returns whether it just received the state from a running job."""
+        ``wait`` seconds); returns whether it just received the state from a running job.
+
+        A node of several ranks first agrees on the generation (each rank's view, one MAX inside the
+        node, until all hold the same one) and after building its rails on whether every rail's group and
+        hello succeeded, so that its ranks never act on different generations."""
         m = self.membership
         deadline = time.monotonic() + wait
+        self.received = False
         while True:
-            g = m.refresh(self.timeout) if fresh or self.gen is None else m.generation
+            if fresh or self.gen is None:
+                m.refresh(self.timeout)
             m.check()
-            if not m.is_member:
-                g = m.wait_for_generation(after=0, timeout=max(0.1, deadline - time.monotonic()))
-            members = m.members
+            g, ids, member = m.view()
+            if not member:
+                m.wait_for_generation(after=0, timeout=max(0.1, deadline - time.monotonic()))
+                g, ids, member = m.view()
+            if self.local_size > 1:
+                lo, hi = self._node_views(g if member else 0)
+                if lo != hi:  # a rank of this node has not seen the newest generation yet
+                    if g < hi:
+                        m.wait_for_generation(after=hi - 1, timeout=max(0.1, deadline - time.monotonic()))
+                    continue
+            members = self.nodes(ids)
+            if self.node not in members:  # another rank of this node is not in this generation yet
+                m.wait_for_generation(after=g, timeout=max(0.1, deadline - time.monotonic()))
+                continue
             if len(members) < self.min_replicas:
                 raise QuorumError(f"{self.name}: generation {g} has {len(members)} replicas {list(members)}, fewer "
                                   f"than the minimum {self.min_replicas}; restart the lost replicas (or lower the "
@@ -126,27 +161,54 @@ class ReplicaSet:
             if self.gen is not None:
                 self.gen.release()
                 self.gen = None
+            error: BaseException | None = None
+            received = False
             try:
                 self.gen = self._build(g, members, deadline)
-                return self._hello()
-            except Superseded:
-                continue
+                received = self._hello()
+            except Superseded as exc:
+                error = exc
             except QuorumError:
                 raise
             except (CommError, RuntimeError) as exc:
-                if self.gen is None and time.monotonic() > deadline:
+                if self.gen is None and time.monotonic() > deadline and self.local_size == 1:
                     raise
-                self.failed(self.gen, exc)
+                error = exc
+            if self.local_size > 1 and not self.node_all(error is None):
+                error = error or CommError(f"{self.name}: another rank of this node failed in generation {g}",
+                                           op="elastic/round")
+            if error is None:
+                return received
+            if isinstance(error, Superseded) and self.local_size == 1:
+                continue  # no group was built: the newer generation is already in view
+            self.failed(self.gen, error, after=g)
+
+    def _node_views(self, g: int) -> tuple[int, int]:
+        """(lowest, highest) generation the node's ranks hold (one all-reduce inside the node)."""
+        t = torch.tensor([-g, g], dtype=torch.int64)
+        wait_work(dist.all_reduce(t, dist.ReduceOp.MAX, async_op=True), self.timeout, f"{self.name}/node view")
+        return -int(t[0]), int(t[1])
+
+    def node_all(self, ok: bool) -> bool:
+        """Whether every rank of the node succeeded (one MIN inside the node)."""
+        t = torch.tensor([int(ok)], dtype=torch.int64)
+        wait_work(dist.all_reduce(t, dist.ReduceOp.MIN, async_op=True), self.timeout, f"{self.name}/node agree")
+        return bool(t.item())
+
+    def nodes(self, members: tuple[int, ...]) -> tuple[int, ...]:
+        """The replicas (nodes) of a generation's member ids: those all of whose ranks are members."""
+        ids, size = set(members), self.local_size
+        return tuple(sorted({i // size for i in ids if all((i // size) * size + j in ids for j in range(size))}))
 
     def _build(self, g: int, members: tuple[int, ...], deadline: float) -> Generation:
         m = self.membership
         if self._store is None:
             host, port = m.store_address
             self._store = connect_store(host, port, self.timeout)
-        return Generation(self._store, f"{m.job:x}", g, members, m.replica_id, "rail0", self.timeout,
+        return Generation(self._store, f"{m.job:x}", g, members, self.node, f"rail{self.local}", self.timeout,
                           superseded=lambda: m.generation > g, wait=max(self.timeout, deadline - time.monotonic()))
 
-    def failed(self, gen: Generation | None, why: object) -> None:
+    def failed(self, gen: Generation | None, why: object, after: int | None = None) -> None:
         """A reduction or exchange on ``gen`` failed: drop its group and wait for the generation after it
         (the failure was a member lost or admitted; otherwise it is a real timeout, which surfaces)."""
         self.redone += 1
@@ -155,7 +217,8 @@ class ReplicaSet:
         if not self._at_exit:
             atexit.register(self._settle)
             self._at_exit = True
-        after = gen.generation if gen is not None else self.membership.generation
+        if after is None:
+            after = gen.generation if gen is not None else self.membership.generation
         if gen is not None:
             gen.release()
             if self.gen is gen:
@@ -197,6 +260,7 @@ class ReplicaSet:
         if gen.index == src or gen.index in needs:
             self.recovery_bytes += nbytes
         if gen.index in needs:
+            self.received = True
             self._load_state(received)
             self.has_state, self.contributes = True, fresh
         if gen.index == src:
@@ -212,7 +276,7 @@ class ReplicaSet:
         while not fut.done():
             m.check()
             newer = m.generation > gen.generation
-            if newer and (any_change or not set(gen.members) <= set(m.members)):
+            if newer and (any_change or not set(gen.members) <= set(self.nodes(m.members))):
                 raise Lost(f"{self.name}: generation {gen.generation} was replaced by {m.generation} "
                            f"(members {list(m.members)})", op="elastic/round")
             if time.monotonic() > deadline:
