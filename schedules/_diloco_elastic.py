@@ -36,6 +36,7 @@ from commopt.comm.compression import ErrorFeedback, auto, reduce_tensors
 from commopt.comm.elastic import Membership, QuorumError
 from commopt.comm.elastic.groups import Generation
 from commopt.comm.elastic.replicas import ReplicaSet, attempt_copies, check_replica_args
+from commopt.comm.elastic.transfer import local_tree, optimizer_state_like
 from commopt.comm.errors import CommError
 from commopt.comm.topology import Topology
 
@@ -52,7 +53,7 @@ def check_elastic(delay: int, topology, workers, min_workers, membership) -> Non
                          f"change is not supported); got delay={delay}")
     if topology is not None or workers != "node":
         raise ValueError(f"{_NAME}: elastic=True takes its workers from the membership, not topology= or workers=")
-    check_replica_args(_NAME, "min_workers", min_workers, membership)
+    check_replica_args(_NAME, "min_workers", min_workers, membership, node=True)
 
 
 class ElasticSync:
@@ -71,7 +72,8 @@ class ElasticSync:
         self.timeout, self.join_timeout, self.join_inner_state = timeout, join_timeout, join_inner_state
         self.replicas = ReplicaSet(membership, name=_NAME, min_replicas=min_workers, timeout=timeout, own=own,
                                    get_state=self._state, load_state=self._load,
-                                   progress=lambda: (dl.steps, dl._reductions))
+                                   progress=lambda: (dl.steps, dl._reductions), local=dl.local_rank,
+                                   local_size=dl.local_size)
         self.generation = 0
         self.joined: tuple[int, float] | None = None
         self._joining_since: float | None = None
@@ -143,8 +145,8 @@ class ElasticSync:
     def _state(self) -> dict:
         sd = self.dl.state_dict()
         out = {k: sd[k] for k in _SENT}
-        if self.join_inner_state:
-            out["inner_optimizer"] = self.dl.inner_optimizer.state_dict()
+        if self.join_inner_state:  # each rank's own (FSDP2 inside the worker: its shards)
+            out["inner_optimizer"] = local_tree(self.dl.inner_optimizer.state_dict())
         return out
 
     def _load(self, received: dict) -> None:
@@ -155,7 +157,7 @@ class ElasticSync:
         dl.error_feedback = ErrorFeedback()
         inner = received.get("inner_optimizer")
         if inner is not None and self.join_inner_state:
-            dl.inner_optimizer.load_state_dict(inner)
+            dl.inner_optimizer.load_state_dict(optimizer_state_like(dl.inner_optimizer, inner))
         for f in range(len(dl.fragments)):
             dl._write(f, None, 0.0)  # the joiner's local weights become the global ones
 
@@ -168,7 +170,10 @@ class ElasticSync:
         contributes = self.replicas.contributes
         if not contributes:
             deltas = [torch.zeros_like(d) for d in deltas]
-        differs = float(any(bool(d.any()) for d in deltas))
+        differs = any(bool(d.any()) for d in deltas)
+        if dl.local_size > 1:  # a worker of several ranks: whether any of its pieces differs (one decision)
+            differs = not self.replicas.node_all(not differs)
+        differs = float(differs)
         counts = torch.tensor([float(contributes), differs], device=dl.device)
         self.replicas.wait(all_reduce(counts, torch.distributed.ReduceOp.SUM, group=gen.group, algorithm="flat",
                               async_op=True, timeout=self.timeout, agreement=False), gen)

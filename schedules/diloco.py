@@ -55,6 +55,7 @@ from commopt.comm.checks import check_timeout
 from commopt.comm.compression import Codec, ErrorFeedback, auto, reduce_tensors
 from commopt.comm.compression.codec import all_finite
 from commopt.comm.elastic import Membership
+from commopt.comm.elastic.replicas import node_member_id
 from commopt.comm.engine import wait, wait_work
 from commopt.comm.errors import NonFiniteError
 from commopt.comm.runtime import context
@@ -254,7 +255,10 @@ class DiLoCo:
             check_elastic(self.delay, topology, workers, min_workers, membership)
             self.timeout = 60.0 if self.timeout is None else self.timeout
         # Collective from here on, in the same order on every rank.
-        self.topology = Topology(nodes=((0,),)) if elastic else worker_topology(topology, workers, self.timeout)
+        # elastic: this world is one worker (a node of L ranks); the workers are the membership's generation
+        self.topology = (Topology(nodes=(tuple(range(dist.get_world_size())),), rank=dist.get_rank(),
+                                  world_size=dist.get_world_size()) if elastic
+                         else worker_topology(topology, workers, self.timeout))
         topo = self.topology
         self.num_workers, self.local_size, self.local_rank = topo.num_nodes, topo.local_size, topo.local_rank
         groups = context().groups(topo, DILOCO, self.timeout) if topo.world_size > 1 else None
@@ -293,7 +297,9 @@ class DiLoCo:
         self._pending: list[_Pending] = []
         self.elastic: ElasticSync | None = None
         if elastic:
-            self.elastic = ElasticSync(self, membership or Membership.from_env(heartbeat_interval=0.25),
+            self.elastic = ElasticSync(self, membership or Membership.from_env(
+                                           node_member_id(dist.get_world_size(), dist.get_rank()),
+                                           heartbeat_interval=0.25),
                                        min_workers=min_workers, timeout=self.timeout, join_timeout=join_timeout,
                                        join_inner_state=bool(join_inner_state), own=membership is None)
             self.elastic.join()

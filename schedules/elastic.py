@@ -34,7 +34,6 @@ inside the node. The reduction runs after backward (no overlap with it).
 from __future__ import annotations
 
 import numbers
-import os
 
 import torch
 import torch.distributed as dist
@@ -45,9 +44,8 @@ from torch.distributed.tensor import DTensor
 from commopt.comm import all_gather, all_reduce, reduce_scatter
 from commopt.comm.compression import Codec, ErrorFeedback, reduce_tensors
 from commopt.comm.elastic import Membership, QuorumError
-from commopt.comm.elastic.client import ENV_REPLICA_ID
-from commopt.comm.elastic.replicas import ReplicaSet, attempt_copies, check_replica_args
-from commopt.comm.elastic.transfer import broadcast_state
+from commopt.comm.elastic.replicas import ReplicaSet, attempt_copies, check_replica_args, node_member_id
+from commopt.comm.elastic.transfer import broadcast_state, local_tree, optimizer_state_like
 from commopt.comm.errors import CommError
 
 __all__ = ["ElasticReplicas"]
@@ -58,16 +56,6 @@ _NAME = "ElasticReplicas"
 def _local(t: torch.Tensor) -> torch.Tensor:
     """The tensor this rank holds: a DTensor's local shard, else the tensor."""
     return t._local_tensor if isinstance(t, DTensor) else t
-
-
-def _to_local(tree):
-    if isinstance(tree, torch.Tensor):
-        return _local(tree)
-    if isinstance(tree, dict):
-        return {k: _to_local(v) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_to_local(v) for v in tree)
-    return tree
 
 
 class ElasticReplicas:
@@ -139,7 +127,7 @@ class ElasticReplicas:
         self._state = compressor.new_state() if compressor is not None else None
         self._names = [n for n, p in model.named_parameters() if p.requires_grad]
         if membership is None:
-            membership = Membership.from_env(self._membership_id(), heartbeat_interval=0.25)
+            membership = Membership.from_env(node_member_id(self.size, self.rank), heartbeat_interval=0.25)
             own = True
         else:
             own = False
@@ -147,13 +135,6 @@ class ElasticReplicas:
                                    get_state=self._get_state, load_state=self._load_state,
                                    progress=lambda: (self.steps, 0), local=self.rank, local_size=self.size)
         self._current(float(join_timeout), fresh=True)
-
-    def _membership_id(self) -> int:
-        text = os.environ.get(ENV_REPLICA_ID, "")
-        if not text.isdigit():
-            raise ValueError(f"{_NAME}: {ENV_REPLICA_ID} must name this node (an int, the same on its ranks), got "
-                             f"{text!r}; or pass membership=")
-        return int(text) * self.size + self.rank
 
     # ------------------------------------------------------------------------------- the step
     def step(self) -> None:
@@ -272,8 +253,8 @@ class ElasticReplicas:
         nothing (the node's rank 0 hands it on, ``whole``); sharded, every rail its rank's shards."""
         if not self.sharded and self.rank != 0 and not whole:
             return {}
-        return {"steps": self.steps, "model": _to_local(self.model.state_dict()),
-                "optimizer": _to_local(self.optimizer.state_dict())}
+        return {"steps": self.steps, "model": local_tree(self.model.state_dict()),
+                "optimizer": local_tree(self.optimizer.state_dict())}
 
     def _load_state(self, received: dict) -> None:
         if not received and not self.sharded and self.rank != 0:
@@ -293,23 +274,9 @@ class ElasticReplicas:
         with torch.no_grad():
             for k, v in own.items():
                 _local(v).copy_(model[k])
-        self.optimizer.load_state_dict(self._optimizer_state(received["optimizer"]))
+        self.optimizer.load_state_dict(optimizer_state_like(self.optimizer, received["optimizer"]))
         self.steps = int(received["steps"])
         self.error_feedback = ErrorFeedback()  # what this replica's codec dropped before is not the peer's
-
-    def _optimizer_state(self, sd: dict) -> dict:
-        """A received optimizer state with each shard-shaped tensor a DTensor like its parameter again."""
-        if not self.sharded:
-            return sd
-        params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        state = {}
-        for idx, entry in sd.get("state", {}).items():
-            p = params[int(idx)]
-            state[idx] = {k: (DTensor.from_local(v, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(),
-                                                 run_check=False)
-                              if isinstance(v, torch.Tensor) and v.shape == _local(p).shape and v.dim() > 0 else v)
-                          for k, v in entry.items()}
-        return {**sd, "state": state}
 
     def close(self) -> None:
         """Drop the generation's rail; leave the membership if this object made it."""

@@ -1,9 +1,12 @@
-"""One elastic DiLoCo worker for tests/test_elastic_diloco.py, run as a script (its own process and its
-own torch.distributed world of one rank, as one torchrun per node would start it).
+"""One rank of an elastic DiLoCo worker for tests/test_elastic_diloco.py, run as a script (its own process;
+the worker's ranks form their own torch.distributed world, as one torchrun per node would start them).
 
     python tests/_elastic_worker.py ADDR RID OUT [--steps N] [--every H] [--codec int8|none]
         [--fault kill@S | leave@S | commit@S] [--fault3 leave@S | hello] [--source-dies] [--gate-out S]
-        [--gate-in S] [--restarted]
+        [--gate-in S] [--restarted] [--ranks L --local R --port P]
+
+``--ranks L``: the worker has L ranks training with DDP inside it (this one ``--local R``, rendezvous on
+127.0.0.1:P); a fault that kills SIGKILLs the worker's whole process group (all its ranks).
 
 Faults (on a worker that is not --restarted): ``kill@S`` SIGKILLs itself before inner step S;
 ``leave@S`` leaves cleanly there (the replay's "sits out"); ``commit@S`` SIGKILLs itself inside the
@@ -18,6 +21,7 @@ a failure see the same generations. Writes its final outer state to OUT with tor
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
 import signal
 import time
@@ -30,6 +34,7 @@ from commopt.comm.compression import QuantizeCompressor
 from commopt.comm.elastic import Membership
 from commopt.schedules import DiLoCo
 
+_RANKS = 1  # ranks per worker (--ranks)
 WATCHED = 2  # the worker the faults and gates are about
 SECOND = 3  # with four workers, the one --fault3 is about
 
@@ -40,9 +45,21 @@ def _data(rid: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.sin(x).sum(dim=1, keepdim=True)
 
 
+def _die() -> None:
+    """SIGKILL this worker: every rank of it (its process group) where it has several."""
+    if _RANKS > 1:
+        os.killpg(os.getpgid(0), signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _in(m: Membership, worker: int) -> bool:
+    return all(worker * _RANKS + j in m.members for j in range(_RANKS))
+
+
 def _wait_for(m: Membership, present: bool) -> None:
     deadline = time.monotonic() + 60
-    while ((WATCHED in m.members) != present or (not present and SECOND in m.members and m.replica_id != SECOND)
+    rid = m.replica_id // _RANKS
+    while (_in(m, WATCHED) != present or (not present and _in(m, SECOND) and rid != SECOND)
            or not m.is_member):
         if time.monotonic() > deadline:
             raise TimeoutError(f"worker {WATCHED} never {'joined' if present else 'left'}: {m.members}")
@@ -63,15 +80,26 @@ def main() -> None:
     p.add_argument("--gate-in", type=int, default=0)
     p.add_argument("--restarted", action="store_true")
     p.add_argument("--source-dies", action="store_true")
+    p.add_argument("--ranks", type=int, default=1)
+    p.add_argument("--local", type=int, default=0)
+    p.add_argument("--port", type=int, default=0)
     p.add_argument("--fault3", default="", help="worker 3's fault: leave@S, kill@S, or hello (it dies in the "
                                                  "first collective of the first new generation after the start)")
     a = p.parse_args()
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    if a.ranks == 1:
+        store = dist.HashStore()
+    else:
+        store = dist.TCPStore("127.0.0.1", a.port, a.ranks, is_master=a.local == 0,
+                              timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=a.local, world_size=a.ranks)
     torch.manual_seed(a.rid)  # workers start apart: the first generation's broadcast must equalise them
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    net = nn.parallel.DistributedDataParallel(model) if a.ranks > 1 else model
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    m = Membership(a.addr, a.rid, heartbeat_interval=0.05, timeout=20)
+    m = Membership(a.addr, a.rid * a.ranks + a.local, heartbeat_interval=0.05, timeout=20)
+    global _RANKS
+    _RANKS = a.ranks
     kind, _, at = (a.fault if a.rid == WATCHED else a.fault3 if a.rid == SECOND else "").partition("@")
     fault = "" if a.restarted else kind
     at = int(at or 0)
@@ -82,7 +110,7 @@ def main() -> None:
 
         def dying(state, group, src, timeout, dsts=None):
             if state is not None and state["steps"] > 0:  # the source of a joiner's transfer: die inside it
-                os.kill(os.getpid(), signal.SIGKILL)
+                _die()
             return real(state, group, src, timeout, dsts)
 
         el.broadcast_state = dying
@@ -93,7 +121,7 @@ def main() -> None:
 
         def dying_hello(out, mine, **kwargs):
             if int(mine[2]) > 0:  # a hello after the start: the first collective of a new generation
-                os.kill(os.getpid(), signal.SIGKILL)
+                _die()
             return gather(out, mine, **kwargs)
 
         rep.all_gather_single = dying_hello
@@ -107,15 +135,15 @@ def main() -> None:
               "backups": {n: b.clone() for n, b in dl.backups.items()}}
     for step in range(dl.steps + 1, a.steps + 1):
         if fault == "kill" and step == at:
-            os.kill(os.getpid(), signal.SIGKILL)
+            _die()
         if fault == "leave" and step == at:
             dl.close()
             m.close()
             dist.destroy_process_group()
             return
-        x, y = _data(a.rid, step)
+        x, y = _data(a.rid * a.ranks + a.local, step)
         opt.zero_grad()
-        nn.functional.mse_loss(model(x), y).backward()
+        nn.functional.mse_loss(net(x), y).backward()
         opt.step()
         if a.rid != WATCHED and step == a.gate_out:
             _wait_for(m, present=False)
@@ -123,7 +151,7 @@ def main() -> None:
             _wait_for(m, present=True)
         if fault == "commit" and step == at:
             def die(*args, **kwargs):
-                os.kill(os.getpid(), signal.SIGKILL)
+                _die()
             m.commit = die
         dl.step()
     torch.save({"backups": dl.backups, "outer": dl.outer_optimizers[0].state_dict(), "joined": joined,

@@ -137,3 +137,188 @@ def test_read_jsonl_skips_a_line_cut_by_a_kill(tmp_path):
     path.write_text('{"step": 1, "time": 1.0}\n{"step": 2, "ti', encoding="utf-8")
     assert elastic.read_jsonl(str(path)) == [{"step": 1, "time": 1.0}]
     assert elastic.read_jsonl(str(tmp_path / "absent.jsonl")) == []
+
+
+# ------------------------------------------------------------------------------------------------
+# the static baseline, torchft's runs and the no-fault overhead
+
+
+def _with_link(logs: dict, per_step: dict[int, int]) -> dict:
+    """``logs`` with each survivor's final line given ``link_bytes`` = ``per_step[node]`` x its steps trained."""
+    for (node, _attempt), lines in logs.items():
+        if lines and lines[-1].get("event") == "final" and node in per_step:
+            lines[-1]["link_bytes"] = per_step[node] * lines[-1]["trained"]
+    return logs
+
+
+def test_record_step_time_and_link_bytes():
+    """``step_s``: the median over the survivors of their median step; ``mean_step_s``: the median over them
+    of (last step - begin) / steps (node 1's 3 s sync counts there, not in the median step);
+    ``link_bytes_per_step``: the mean over the survivors of their link bytes over their steps trained."""
+    events, logs = _job()
+    _with_link(logs, {0: 1000, 1: 2000, 3: 6000, 2: 10**9})  # node 2 (faulted) does not count
+    rec = elastic.run_record("kill80", "kill", events, logs, 40)
+    assert rec["step_s"] == pytest.approx(STEP)
+    means = sorted((logs[k][-2]["time"] - T0) / 40 for k in ((0, 0), (1, 0), (3, 0)))
+    assert rec["mean_step_s"] == pytest.approx(means[1])
+    assert means[1] == pytest.approx(STEP + 0.5 / 40)  # node 3: 40 steps of 0.1 s and one 0.5 s longer
+    assert rec["link_bytes_per_step"] == pytest.approx(3000.0)
+
+
+def _line(step: int, t: float, synced: bool = False, discarded: bool = False) -> dict:
+    return {"step": step, "time": t, "synced": synced, "redone": 0, "discarded": discarded}
+
+
+def _counter(steps: list[int], start: float, syncs: dict[int, tuple[bool, float]]) -> list[dict]:
+    """A torchft worker's step lines: the step counter after each inner step, STEP apart; ``syncs[i]`` =
+    (committed, extra seconds) for the i-th line that ends a round."""
+    out, t = [], start
+    for i, s in enumerate(steps):
+        committed, extra = syncs.get(i, (False, 0.0))
+        t += STEP + extra
+        out.append(_line(s, t, synced=committed, discarded=i in syncs and not committed))
+    return out
+
+
+def _torchft_job() -> tuple[list[dict], dict]:
+    """torchft's DiLoCo, H 8, 40 steps: node 2 killed inside the outer sync of step 24. Nodes 1 and 3 throw
+    that round away (their counter falls back to 16) and train it again; node 0 throws it away too, is left
+    out of the redone round's quorum and heals from a peer at its next sync (its redone round replaced);
+    node 2, restarted, trains a first round of its own, then heals at the last sync."""
+    events = [{"time": T0, "event": "start", "node": n} for n in range(4)]
+    fault = T0 + 24 * STEP + 0.01
+    events += [{"time": fault, "event": "fault", "node": 2, "kind": "kill"},
+               {"time": fault + 10.0, "event": "restart", "node": 2}]
+    survivor = [*range(1, 24), 16, *range(17, 41)]  # 24 lines, the discarded sync, then 17..40
+    syncs = {7: (True, 0.0), 15: (True, 0.0), 23: (False, 0.2), 31: (True, 0.0), 39: (True, 0.0), 47: (True, 0.0)}
+    node0 = [*range(1, 24), 16, *range(17, 24), 32, *range(33, 41)]  # its redo of 17..24 replaced by the heal
+    syncs0 = {**syncs, 23: (False, 4.0), 31: (True, 0.0)}
+    logs = {
+        (0, 0): [{"event": "begin", "time": T0}, *_counter(node0, T0, syncs0),
+                 {**_final(40, 48, held_out_loss=2.5), "committed": 32, "healed": 1}],
+        (1, 0): [{"event": "begin", "time": T0}, *_counter(survivor, T0, syncs), {**_final(40, 48), "committed": 40}],
+        (3, 0): [{"event": "begin", "time": T0}, *_counter(survivor, T0, syncs), {**_final(40, 48), "committed": 40}],
+        (2, 0): [{"event": "begin", "time": T0}, *_counter(list(range(1, 24)), T0, {7: (True, 0.0), 15: (True, 0.0)})],
+    }
+    begin = fault + 13.0
+    joiner = _counter([*range(1, 8), 40], begin, {7: (True, 0.0)})
+    logs[2, 1] = [{"event": "begin", "time": begin}, *joiner,
+                  {**_final(40, 8, recovery_bytes=4096, joined=[None, 0.8]), "committed": 0, "healed": 1}]
+    return events, logs
+
+
+def test_record_of_torchft_rounds_thrown_away():
+    """torchft's record (its step counter falls back by H when a round is thrown away, jumps when a replica
+    heals): steps lost are the inner steps a survivor trained that no committed outer step kept (trained -
+    committed: 8 + 16 + 8), the ETTR counts only those kept, the rejoin ends at the joiner's first commit."""
+    events, logs = _torchft_job()
+    rec = elastic.run_record("torchft-kill96", "kill", events, logs, 40)
+    assert rec["exit_ok"] is True and rec["errors"] == {}
+    assert rec["steps_lost"] == (48 - 32) + (48 - 40) + (48 - 40)
+    fault = events[4]["time"]
+    # node 0's first step after the fault is its failed sync, 4 s longer than a step (its round thrown away):
+    # the largest stall and the longest step after the fault
+    stall = logs[0, 0][24]["time"] - fault - STEP
+    assert stall == pytest.approx(3.89)
+    assert rec["seconds_to_first_commit"] == pytest.approx(stall) and rec["max_stall_s"] == pytest.approx(stall)
+    assert rec["seconds_to_rejoin"] == pytest.approx(logs[2, 1][8]["time"] - (fault + 10.0))
+    assert rec["join_seconds"] == pytest.approx(0.8) and rec["recovery_bytes"] == 4096
+    end = max(lines[-2]["time"] for lines in logs.values())
+    # kept: 32 (node 0) + 40 + 40 + node 2's 16 before its death (its last committed sync) + 0 (joiner)
+    assert rec["ettr"] == pytest.approx(STEP * (32 + 40 + 40 + 16) / (4 * (end - T0)))
+
+
+def test_record_reports_a_worker_error():
+    """A worker that reports an error (a joiner whose quorum never formed: the others had finished) has it
+    in the record's ``errors``; a survivor's error fails the run."""
+    events, logs = _torchft_job()
+    logs[2, 1][-1]["error"] = "TimeoutError: status: Cancelled, message: \"Timeout expired\""
+    logs[1, 0][-1].update(steps=32, error="RuntimeError: quorum")
+    rec = elastic.run_record("torchft-kill80", "kill", events, logs, 40)
+    assert rec["errors"] == {"node2.attempt1": logs[2, 1][-1]["error"], "node1.attempt0": "RuntimeError: quorum"}
+    assert rec["exit_ok"] is False
+
+
+def test_run_names_and_baselines():
+    """``static`` (the static DiLoCo, no fault), ``torchft-<scenario>`` and the scenarios; each compared
+    with its own implementation's no-fault run; --compare's runs all parse; torchft's scenarios get the
+    same cluster options as commopt's, read back by the cluster's parser."""
+    assert elastic.parse_run("static") == ("static", "no-fault")
+    assert elastic.parse_run("kill96") == ("commopt", "kill96")
+    assert elastic.parse_run("torchft-kill96") == ("torchft", "kill96")
+    assert elastic.baseline("torchft-kill80") == "torchft-no-fault" and elastic.baseline("torchft-no-fault") is None
+    assert elastic.baseline("static") == "no-fault" and elastic.baseline("no-fault") is None
+    assert elastic.baseline("linkdown80") == "no-fault"
+    assert [elastic.parse_run(n)[0] for n in elastic.COMPARE.split(",")].count("torchft") == 3
+    assert elastic.scenario_flags("static", 32) == [] == elastic.scenario_flags("torchft-no-fault", 32)
+    assert parse_fault(elastic.scenario_flags("torchft-kill96", 32)[1]).at_step == 96
+    for bad in ("torchft-reboot", "torchft-static", "static-kill80"):
+        with pytest.raises(ValueError, match="unknown scenario"):
+            elastic.parse_run(bad)
+
+
+def test_overhead_against_static():
+    """The no-fault overhead: each no-fault run's mean and median step over ``static``'s, and its extra link
+    bytes per step; nothing without a static run; a missing figure stays None."""
+    def rec(name, mean, median, link):
+        return {"run": name, "mean_step_s": mean, "step_s": median, "link_bytes_per_step": link}
+
+    records = [rec("static", 0.200, 0.180, 1_000_000), rec("no-fault", 0.204, 0.18, 1_000_250),
+               rec("kill80", 0.3, 0.2, 2e6), rec("torchft-no-fault", 0.21, 0.189, None)]
+    over = elastic.overhead(records)
+    assert [o["run"] for o in over] == ["no-fault", "torchft-no-fault"]
+    assert over[0]["mean_step_ratio"] == pytest.approx(1.02) and over[0]["median_step_ratio"] == pytest.approx(1.0)
+    assert over[0]["extra_link_bytes_per_step"] == pytest.approx(250)
+    assert over[1]["median_step_ratio"] == pytest.approx(1.05) and over[1]["extra_link_bytes_per_step"] is None
+    assert elastic.overhead(records[1:]) == []
+
+
+def test_torchft_problems_are_reasons_not_rows():
+    """Where torchft's runs cannot run, the reason: its quantized outer gradients are CUDA-only, and a run
+    ends on a committed outer step; with torchft installed, exact and a whole number of rounds: None."""
+    from commopt.bench import _elastic_torchft as tft
+
+    assert "Triton on CUDA" in tft.problem("int8", 192, 32)
+    assert "multiple of --sync-every" in tft.problem("none", 200, 32)
+    pytest.importorskip("torchft")
+    assert tft.problem("none", 192, 32) is None
+
+
+def test_cluster_coordinator_command_needs_a_coordinator(capsys):
+    """``commopt-bench cluster --coordinator-command`` (torchft's Lighthouse in the coordinator's place) is
+    a coordinator option: without --coordinator or --elastic, or empty, exit 2 naming the problem, before
+    anything is built."""
+    from commopt.bench import cluster as cl
+
+    assert cl.main(["--nodes", "2", "--coordinator-command", "python -m x", "--", "true"]) == 2
+    assert "--coordinator-command configure the coordinator: add --coordinator" in capsys.readouterr().err
+    assert cl.main(["--nodes", "2", "--elastic", "--coordinator-command", " ", "--", "true"]) == 2
+    assert "--coordinator-command must name a command" in capsys.readouterr().err
+
+
+def test_torchft_transport_advertises_the_node_and_counts_what_it_receives():
+    """The checkpoint transport of torchft's runs: its address names the given host (not the hostname every
+    node of the emulated cluster shares), and a checkpoint sent by one is received by another equal, with
+    its tensors' bytes counted (the joiner's recovery_bytes)."""
+    pytest.importorskip("torchft")
+    from datetime import timedelta
+
+    import torch
+
+    from commopt.bench import _elastic_torchft as tft
+
+    cls = tft._transport_class()
+    src, dst = cls("127.0.0.1", timedelta(seconds=10)), cls("127.0.0.1", timedelta(seconds=10))
+    try:
+        assert src.metadata().startswith("http://127.0.0.1:") and src.metadata().endswith("/checkpoint/")
+        state = {"model": {"w": torch.arange(12.0).reshape(3, 4), "b": torch.ones(5, dtype=torch.float64)},
+                 "torchft": {"step": 3}}
+        src.send_checkpoint([1], 3, state, timedelta(seconds=10))
+        got = dst.recv_checkpoint(0, src.metadata(), 3, timedelta(seconds=10))
+        for name in ("w", "b"):
+            assert torch.equal(got["model"][name], state["model"][name])
+        assert got["torchft"] == {"step": 3}
+        assert dst.received_bytes == 12 * 4 + 5 * 8 and src.received_bytes == 0
+    finally:
+        src.shutdown()
+        dst.shutdown()

@@ -17,6 +17,7 @@ import time
 
 import pytest
 import torch
+from _ports import free_ports
 
 from commopt.comm.elastic import Coordinator
 
@@ -27,16 +28,23 @@ RESTARTED = 2
 
 def _job(tmp_path, name: str, fault: str, *, gate_out: int = 0, gate_in: int = 20, restart: bool = True,
          codec: str = "int8", min_replicas: int = 2, timeout: float = 120.0, extra: tuple = (),
-         dead: tuple = (), workers: int = WORKERS) -> dict:
-    """Run the job: ``workers`` workers, worker 2 with ``fault``, restarted once it exited (``restart``); the
-    outputs by worker."""
-    outs = {r: str(tmp_path / f"{name}-{r}.pt") for r in range(workers)}
-    with Coordinator(heartbeat_timeout=2.0, min_replicas=min_replicas, initial_replicas=workers) as coord:
-        def start(r: int, *more: str) -> subprocess.Popen:
+         dead: tuple = (), workers: int = WORKERS, ranks: int = 1) -> dict:
+    """Run the job: ``workers`` workers (of ``ranks`` ranks each), worker 2 with ``fault``, restarted once it
+    exited (``restart``); the outputs by worker (by (worker, local rank) where ``ranks`` > 1)."""
+    outs = {(r, j): str(tmp_path / f"{name}-{r}.{j}.pt") for r in range(workers) for j in range(ranks)}
+    with Coordinator(heartbeat_timeout=2.0, min_replicas=min_replicas * ranks,
+                     initial_replicas=workers * ranks) as coord:
+        def start(r: int, *more: str) -> _Worker:
             extra_args = (*extra, *more)
-            argv = [sys.executable, WORKER, coord.address, str(r), outs[r], "--codec", codec,
-                    "--gate-out", str(gate_out), "--gate-in", str(gate_in), *extra_args]
-            return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            port = free_ports(1)[0]
+            procs: list[subprocess.Popen] = []
+            for j in range(ranks):
+                argv = [sys.executable, WORKER, coord.address, str(r), outs[(r, j)], "--codec", codec,
+                        "--gate-out", str(gate_out), "--gate-in", str(gate_in), "--ranks", str(ranks),
+                        "--local", str(j), "--port", str(port), *extra_args]
+                procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                              process_group=procs[0].pid if procs else 0))
+            return _Worker(procs)
 
         procs = {r: start(r, "--fault", fault) for r in range(workers)}
         deadline = time.monotonic() + timeout
@@ -66,8 +74,37 @@ def _job(tmp_path, name: str, fault: str, *, gate_out: int = 0, gate_in: int = 2
             if r in dead:
                 continue
             assert code == 0, f"worker {r} exited {code}:\n{logs.get(r, '')[-3000:]}\nfirst 2:\n{logs[-1][-2000:]}"
-        return {r: torch.load(outs[r], weights_only=True) for r in range(workers)
-                if r not in dead and os.path.exists(outs[r])}
+        got = {k: torch.load(path, weights_only=True) for k, path in outs.items()
+               if k[0] not in dead and os.path.exists(path)}
+        return {r: v for (r, _), v in got.items()} if ranks == 1 else got
+
+
+class _Worker:
+    """A worker's processes (its ranks) as one: it has exited when all have; its code is the first's."""
+
+    def __init__(self, procs: list[subprocess.Popen]):
+        self.procs = procs
+
+    def poll(self):
+        codes = [p.poll() for p in self.procs]
+        return None if any(c is None for c in codes) else self.procs[0].returncode
+
+    @property
+    def returncode(self):
+        return self.poll()
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, None]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        out = []
+        for p in self.procs:
+            left = None if deadline is None else max(0.1, deadline - time.monotonic())
+            out.append(p.communicate(timeout=left)[0] or "")
+        return "\n".join(out), None
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
 
 
 def _same(a: dict, b: dict, what: str) -> None:
@@ -130,3 +167,18 @@ def test_cascade_a_kill_inside_the_new_generations_first_collective(tmp_path):
     for r in (0, 1):
         _same(clean[r], got[r], f"cascade: worker {r} vs the replay")
         assert got[r]["steps"] == 28 and got[r]["redone"] >= 1
+
+
+def test_worker_of_two_ranks_killed_rejoins_bit_identical_to_replay(tmp_path):
+    """Workers of two ranks (DDP inside each, every rank a member and its rail's end): worker 2's ranks
+    SIGKILLed together between syncs (step 10) and restarted; every rank of every worker ends bit-identical
+    to the replay in which worker 2 sat out the same rounds, and the joiner's ranks hold the peers' pieces
+    (docs/faults.md row 42)."""
+    clean = _job(tmp_path, "replay2", "leave@10", gate_out=12, ranks=2)
+    got = _job(tmp_path, "kill2", "kill@10", ranks=2)
+    for key in sorted(clean):
+        _same(clean[key], got[key], f"worker {key[0]} rank {key[1]} vs the replay")
+        _same(got[(0, key[1])], got[key], f"worker {key[0]} rank {key[1]} vs worker 0")
+        assert got[key]["steps"] == 28
+    for j in range(2):
+        assert got[(RESTARTED, j)]["joined"]["steps"] == 20 and got[(RESTARTED, j)]["joined"]["residual"] == 0.0

@@ -18,6 +18,7 @@ What elastic DiLoCo (``schedules/_diloco_elastic.py``) and elastic data-parallel
 from __future__ import annotations
 
 import atexit
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -29,11 +30,11 @@ from ..algorithms._transport import all_gather_single
 from ..compression import Codec, ErrorFeedback
 from ..engine import wait_work
 from ..errors import CommError, CommTimeoutError
-from .client import Membership, QuorumError
+from .client import ENV_REPLICA_ID, Membership, QuorumError
 from .groups import Generation, Superseded, connect_store
 from .transfer import broadcast_state
 
-__all__ = ["ReplicaSet", "Lost", "check_replica_args", "attempt_copies"]
+__all__ = ["ReplicaSet", "Lost", "check_replica_args", "attempt_copies", "node_member_id"]
 
 
 def check_replica_args(name: str, what: str, minimum: object, membership: object, *, node: bool = False) -> None:
@@ -60,6 +61,16 @@ def check_replica_args(name: str, what: str, minimum: object, membership: object
                          f"init_process_group with world_size=1 in every replica (one torchrun per node, "
                          f"--nproc-per-node 1); got "
                          f"{dist.get_world_size() if dist.is_initialized() else 'no process group'}")
+
+
+def node_member_id(size: int, rank: int) -> int:
+    """Rank ``rank``'s membership id in a node of ``size`` ranks: ``node * size + rank``, the node from
+    COMMOPT_REPLICA_ID (which ``commopt-bench cluster --elastic`` sets; the same on the node's ranks)."""
+    text = os.environ.get(ENV_REPLICA_ID, "").strip()
+    if not text.isdigit():
+        raise ValueError(f"{ENV_REPLICA_ID} must name this node (an int, the same on all its ranks), got {text!r}; "
+                         f"set it in every node's launch, or pass membership=")
+    return int(text) * size + rank
 
 
 def attempt_copies(feedback: ErrorFeedback, compressor: Codec | None, state: Any) -> tuple[ErrorFeedback, Any]:
@@ -162,10 +173,10 @@ class ReplicaSet:
                 self.gen.release()
                 self.gen = None
             error: BaseException | None = None
-            received = False
+            received, adopt = False, None
             try:
                 self.gen = self._build(g, members, deadline)
-                received = self._hello()
+                received, adopt = self._hello()
             except Superseded as exc:
                 error = exc
             except QuorumError:
@@ -178,6 +189,7 @@ class ReplicaSet:
                 error = error or CommError(f"{self.name}: another rank of this node failed in generation {g}",
                                            op="elastic/round")
             if error is None:
+                adopt()  # after the node agreed: loading may be collective inside it
                 return received
             if isinstance(error, Superseded) and self.local_size == 1:
                 continue  # no group was built: the newer generation is already in view
@@ -230,7 +242,9 @@ class ReplicaSet:
                                    f"generation formed within {self.timeout:g} s (no replica was lost: a stall or a "
                                    f"network fault?)", op="elastic/round") from exc
 
-    def _hello(self) -> bool:
+    def _hello(self) -> tuple[bool, Callable[[], None]]:
+        """The hello and the transfer; returns (whether this replica receives a running job's state, what
+        to adopt once every rank of the node succeeded: the loaded state and the flags)."""
         gen = self.gen
         assert gen is not None
         p0, p1 = self._progress()
@@ -249,9 +263,10 @@ class ReplicaSet:
         else:  # a job's start: the first member's state, as rank 0's weights at a DDP start
             src, needs = 0, list(range(1, gen.size))
         if not needs:
-            self.has_state = True
-            self.contributes = self.contributes or fresh  # a joiner that got the state earlier still has not trained
-            return False
+            def adopt_none() -> None:
+                self.has_state = True
+                self.contributes = self.contributes or fresh  # a joiner that got the state earlier has not trained
+            return False, adopt_none
         state = self._get_state() if gen.index == src else None
         t0 = time.monotonic()
         received, nbytes = broadcast_state(state, gen.group, src, self.timeout, needs)
@@ -259,14 +274,16 @@ class ReplicaSet:
             self.transfer_seconds = time.monotonic() - t0
         if gen.index == src or gen.index in needs:
             self.recovery_bytes += nbytes
-        if gen.index in needs:
-            self.received = True
-            self._load_state(received)
-            self.has_state, self.contributes = True, fresh
-        if gen.index == src:
-            self.has_state = True
-            self.contributes = self.contributes or fresh
-        return gen.index in needs and not fresh
+
+        def adopt() -> None:
+            if gen.index in needs:
+                self.received = True
+                self._load_state(received)
+                self.has_state, self.contributes = True, fresh
+            if gen.index == src:
+                self.has_state = True
+                self.contributes = self.contributes or fresh
+        return gen.index in needs and not fresh, adopt
 
     def wait(self, fut, gen: Generation, any_change: bool = False) -> None:
         """Wait for ``fut`` (issued on ``gen``), giving up (:class:`Lost`) once the membership shows a member

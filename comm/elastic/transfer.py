@@ -17,10 +17,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from ..engine import wait_work
 
-__all__ = ["broadcast_state"]
+__all__ = ["broadcast_state", "local_tree", "optimizer_state_like"]
 
 _DTYPES = {str(d): d for d in (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
                                 torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)}
@@ -160,3 +161,35 @@ class _Link:
             works = [dist.irecv(t, group=self.group, group_src=self.src)]
         for w in works:
             wait_work(w, self.timeout, "elastic/transfer")
+
+
+def local_tree(tree: Any) -> Any:
+    """``tree`` with every DTensor (an FSDP2 shard) replaced by this rank's local tensor: what a rank
+    sends its peer of the same local index (the same shards)."""
+    if isinstance(tree, torch.Tensor):
+        return tree._local_tensor if isinstance(tree, DTensor) else tree
+    if isinstance(tree, dict):
+        return {k: local_tree(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(local_tree(v) for v in tree)
+    return tree
+
+
+def optimizer_state_like(optimizer: torch.optim.Optimizer, sd: dict) -> dict:
+    """A received optimizer ``state_dict`` (its shards as local tensors, :func:`local_tree`) with every
+    tensor shaped like its DTensor parameter's shard a DTensor like that parameter again, so that
+    ``optimizer.load_state_dict`` keeps the state sharded as the parameters are."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if not any(isinstance(p, DTensor) for p in params):
+        return sd
+    state = {}
+    for idx, entry in sd.get("state", {}).items():
+        p = params[int(idx)]
+        if not isinstance(p, DTensor):
+            state[idx] = entry
+            continue
+        state[idx] = {k: (DTensor.from_local(v, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(),
+                                             run_check=False)
+                          if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape == p._local_tensor.shape else v)
+                      for k, v in entry.items()}
+    return {**sd, "state": state}
