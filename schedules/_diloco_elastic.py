@@ -22,7 +22,10 @@ coordinator's membership (``commopt.comm.elastic``). One outer sync of a fragmen
 (4) on COMMIT, the outer step and the adoption, as in the static DiLoCo.
 
 Fewer than ``min_workers`` members, or no quorum at the coordinator: ``QuorumError`` on every survivor.
-``delay`` must be 0 and a worker one rank (the checks are in ``DiLoCo``).
+``delay`` must be 0 (the checks are in ``DiLoCo``). A worker may be a node of L ranks (DDP or FSDP2 inside):
+rank r of node n is member ``n * L + r`` and works on the generation's rail r (``ReplicaSet``); every rank
+of every member asks the verdict, so a round commits on all of a node's rails or on none, and the ranks
+of a node agree on whether any of their pieces differs (a final sync is skipped on all or none).
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ def check_elastic(delay: int, topology, workers, min_workers, membership) -> Non
                          f"change is not supported); got delay={delay}")
     if topology is not None or workers != "node":
         raise ValueError(f"{_NAME}: elastic=True takes its workers from the membership, not topology= or workers=")
-    check_replica_args(_NAME, "min_workers", min_workers, membership, node=True)
+    check_replica_args(_NAME, "min_workers", min_workers, membership)
 
 
 class ElasticSync:

@@ -154,11 +154,12 @@ class DiLoCo:
             (elastic: 60).
         elastic: the workers of each outer sync are the current generation of the coordinator's
             membership (``schedules/_diloco_elastic.py``): workers may die and rejoin without a restart.
-            Each worker is its own world of one rank (one torchrun per node); ``delay`` 0; not
-            ``topology`` / ``workers``. A joiner's error-feedback residual starts at zero.
+            Each worker is its own world, a node's ranks (one torchrun per node; DDP or FSDP2 inside,
+            over that world); ``delay`` 0; not ``topology`` / ``workers``. A joiner's error-feedback
+            residual starts at zero.
         min_workers: elastic: the fewest workers an outer sync may have (``QuorumError`` below).
         membership: elastic: this worker's ``commopt.comm.elastic.Membership`` (None:
-            ``Membership.from_env()``, heartbeat 0.25 s, closed by :meth:`close`).
+            ``Membership.from_env(node * L + rank)``, heartbeat 0.25 s, closed by :meth:`close`).
         join_timeout: elastic: seconds a joiner waits for the running workers' next outer sync.
         join_inner_state: elastic: a joiner also copies its peer's inner optimizer state (True, the
             default: Adam's moments are a better start than zeros); False: its inner optimizer's own.

@@ -102,7 +102,7 @@ class ElasticReplicas:
         for name, value in (("timeout", timeout), ("join_timeout", join_timeout)):
             if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0:
                 raise ValueError(f"{_NAME}: {name} must be a positive number of seconds, got {value!r}")
-        check_replica_args(_NAME, "min_replicas", min_replicas, membership, node=True)
+        check_replica_args(_NAME, "min_replicas", min_replicas, membership)
         self.params = [p for p in model.parameters() if p.requires_grad]
         ids = {id(p) for p in self.params}
         if any(id(p) not in ids for g in optimizer.param_groups for p in g["params"] if p.requires_grad):

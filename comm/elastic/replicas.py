@@ -37,30 +37,23 @@ from .transfer import broadcast_state
 __all__ = ["ReplicaSet", "Lost", "check_replica_args", "attempt_copies", "node_member_id"]
 
 
-def check_replica_args(name: str, what: str, minimum: object, membership: object, *, node: bool = False) -> None:
+def check_replica_args(name: str, what: str, minimum: object, membership: object) -> None:
     """The arguments every elastic consumer takes (local checks, before anything is sent): the fewest
-    replicas (``what``: the argument's name), the membership, and this process's world: one rank, or with
-    ``node`` the node's ranks (a replica of several ranks, rank r's membership id ``node * L + r``)."""
+    replicas (``what``: the argument's name), the membership, and this process's world: the node's ranks
+    (a replica of L ranks, rank r's membership id ``node * L + r``)."""
     if isinstance(minimum, bool) or not isinstance(minimum, int) or minimum < 1:
         raise ValueError(f"{name}: {what} must be an int >= 1, got {minimum!r}")
     if membership is not None and not isinstance(membership, Membership):
         raise TypeError(f"{name}: membership must be a commopt.comm.elastic.Membership or None (from the "
                         f"environment), got {type(membership).__name__}")
-    if node:
-        if not dist.is_initialized():
-            raise ValueError(f"{name}: each replica is its own torch.distributed world (the node's ranks): call "
-                             f"init_process_group in every rank first (one torchrun per node)")
-        size, rank = dist.get_world_size(), dist.get_rank()
-        if membership is not None and membership.replica_id % size != rank:  # type: ignore[attr-defined]
-            raise ValueError(f"{name}: with {size} ranks per replica, rank {rank}'s membership id must be "
-                             f"node * {size} + {rank}, got {membership.replica_id}; or pass membership=None "  # type: ignore[attr-defined]
-                             f"(COMMOPT_REPLICA_ID names the node)")
-        return
-    if not dist.is_initialized() or dist.get_world_size() != 1:
-        raise ValueError(f"{name}: each replica is its own torch.distributed world of one rank: call "
-                         f"init_process_group with world_size=1 in every replica (one torchrun per node, "
-                         f"--nproc-per-node 1); got "
-                         f"{dist.get_world_size() if dist.is_initialized() else 'no process group'}")
+    if not dist.is_initialized():
+        raise ValueError(f"{name}: each replica is its own torch.distributed world (the node's ranks): call "
+                         f"init_process_group in every rank first (one torchrun per node)")
+    size, rank = dist.get_world_size(), dist.get_rank()
+    if membership is not None and membership.replica_id % size != rank:
+        raise ValueError(f"{name}: with {size} ranks per replica, rank {rank}'s membership id must be node * {size} "
+                         f"+ {rank}, got {membership.replica_id}; or pass membership=None (COMMOPT_REPLICA_ID "
+                         f"names the node)")
 
 
 def node_member_id(size: int, rank: int) -> int:
