@@ -65,6 +65,12 @@ class ElasticSync:
     Attributes:
         replicas: this worker's membership, generation group and state exchange.
         generation: the generation of the last committed round (0 before).
+        members: the workers (node indices) of that round.
+        events: ``(kind, worker, step, seconds)`` per change seen at a committed round, ``kind`` one of
+            "lost" (a worker of the previous round is not in this one), "joined" (a worker that was not
+            is; this worker itself when it joined a running job) and "redone" (this worker redid the
+            round after an abandoned or aborted attempt); ``step`` is this worker's inner step and
+            ``seconds`` counts from its construction.
         joined: (generation, seconds from the start of the join to its first committed round) for a
             worker that joined a running job, else None.
     """
@@ -78,6 +84,9 @@ class ElasticSync:
                                    progress=lambda: (dl.steps, dl._reductions), local=dl.local_rank,
                                    local_size=dl.local_size)
         self.generation = 0
+        self.members: tuple[int, ...] = ()
+        self.events: list[tuple[str, int, int, float]] = []
+        self._t0 = time.monotonic()
         self.joined: tuple[int, float] | None = None
         self._joining_since: float | None = None
 
@@ -115,6 +124,7 @@ class ElasticSync:
         """One committed outer sync of fragment ``f`` (``final``: skipped where no worker's weights
         differ from the global ones, as ``DiLoCo.finalize`` does)."""
         dl, rs = self.dl, self.replicas
+        redone_before = rs.redone
         while True:
             rs.current(self.timeout)
             gen = rs.gen
@@ -131,6 +141,7 @@ class ElasticSync:
                 continue
             break
         averaged, trained, differs, feedback, state = result
+        self._record(gen, redone_before)
         self.generation = gen.generation
         dl._reductions += 1
         dl.error_feedback, dl.compressor_state = feedback, state
@@ -140,6 +151,20 @@ class ElasticSync:
         if trained == 0 or (final and differs == 0):
             return  # nothing trained since the last sync: an outer step would only apply momentum
         dl._apply_averaged(f, averaged, 0.0 if final else None)  # NonFiniteError on every worker alike
+
+    def _record(self, gen: Generation, redone_before: int) -> None:
+        """The events of a committed round: workers that left or joined since the last one, this worker's
+        redone attempts (``DiLoCo.events``)."""
+        now, step = time.monotonic() - self._t0, self.dl.steps
+        me = self.replicas.node
+        if self.replicas.redone > redone_before:
+            self.events.append(("redone", me, step, now))
+        if self.members:
+            self.events += [("lost", w, step, now) for w in self.members if w not in gen.members]
+            self.events += [("joined", w, step, now) for w in gen.members if w not in self.members]
+        elif self._joining_since is not None:
+            self.events.append(("joined", me, step, now))
+        self.members = gen.members
 
     def close(self) -> None:
         self.replicas.close()

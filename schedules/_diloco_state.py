@@ -32,16 +32,17 @@ restores every outer optimizer (torch raises while loading).
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
 
 from commopt.comm.compression import Codec
 
-__all__ = ["Expected", "check_state", "cloned", "fragments_of", "positive_int"]
+__all__ = ["Expected", "check_state", "cloned", "fragments_of", "outer_optimizers", "positive_int"]
 
 _NAME = "DiLoCo"
 _REQUIRED = ("meta", "steps", "reductions", "backups", "outer_optimizers", "error_feedback", "pending")
@@ -318,3 +319,38 @@ def fragments_of(fragments: int | Iterable, named: list) -> list[list[str]]:
                          f"{missing[:5]}, unknown {unknown[:5]} (frozen or not in the model), duplicated {dup[:5]}; "
                          f"names are those of model.named_parameters()")
     return groups
+
+
+def _default_outer(params: list) -> torch.optim.Optimizer:
+    """DiLoCo's outer optimizer: Nesterov SGD, lr 0.7, momentum 0.9 (arXiv 2311.08105)."""
+    return torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)
+
+
+def _needs_closure(opt: torch.optim.Optimizer) -> bool:
+    """Whether ``opt.step()`` cannot run without a closure (LBFGS)."""
+    try:
+        closure = inspect.signature(opt.step).parameters.get("closure")
+    except (TypeError, ValueError):
+        return False
+    return closure is not None and closure.default is inspect.Parameter.empty
+
+
+def outer_optimizers(factory: Callable[[list], torch.optim.Optimizer] | None,
+                     fragments: list[list[torch.Tensor]]) -> list[torch.optim.Optimizer]:
+    """One outer optimizer per fragment, over that fragment's backups (``factory`` None: Nesterov SGD,
+    lr 0.7, momentum 0.9), each checked: an optimizer, elementwise (no closure), over exactly those."""
+    out = []
+    for f, params in enumerate(fragments):
+        opt = (factory or _default_outer)(params)
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise TypeError(f"DiLoCo: outer_optimizer returned {type(opt).__name__}, not a torch.optim.Optimizer")
+        if _needs_closure(opt):
+            raise TypeError(f"DiLoCo: outer_optimizer returned {type(opt).__name__}, whose step() needs a "
+                            f"closure (it re-evaluates a loss); the outer step has only the averaged "
+                            f"pseudo-gradient: use an elementwise optimizer such as SGD or Adam")
+        got = {id(p) for g in opt.param_groups for p in g["params"]}
+        if got != {id(p) for p in params}:
+            raise ValueError(f"DiLoCo: outer_optimizer must optimise exactly the params it is given (fragment "
+                             f"{f}'s backups); it returned an optimizer over other tensors")
+        out.append(opt)
+    return out

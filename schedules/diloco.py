@@ -36,7 +36,6 @@ a callback.
 from __future__ import annotations
 
 import hashlib
-import inspect
 import math
 import numbers
 from collections.abc import Callable
@@ -62,18 +61,13 @@ from commopt.comm.runtime import context
 from commopt.comm.topology import Topology
 
 from ._diloco_elastic import ElasticSync, check_elastic
-from ._diloco_state import Expected, check_state, cloned, fragments_of, positive_int
+from ._diloco_state import Expected, check_state, cloned, fragments_of, outer_optimizers, positive_int
 from ._diloco_workers import worker_group, worker_topology
 
 __all__ = ["DiLoCo", "worker_group", "worker_topology"]
 
 OptimizerFactory = Callable[[list], torch.optim.Optimizer]
 _NAME = "DiLoCo"
-
-
-def _default_outer(params: list) -> torch.optim.Optimizer:
-    """DiLoCo's outer optimizer: Nesterov SGD, lr 0.7, momentum 0.9 (arXiv 2311.08105)."""
-    return torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)
 
 
 # --------------------------------------------------------------------------------- the pieces
@@ -273,22 +267,8 @@ class DiLoCo:
         self._broadcast_start()
         self.backups: dict[str, torch.Tensor] = {n: self._read_piece(pc).to(self.backup_device, copy=True)
                                                 for n, pc in self._pieces.items()}
-        factory = outer_optimizer if outer_optimizer is not None else _default_outer
-        self.outer_optimizers = []
-        for f, frag in enumerate(self.fragments):
-            params = [self.backups[n] for n in frag]
-            opt = factory(params)
-            if not isinstance(opt, torch.optim.Optimizer):
-                raise TypeError(f"{_NAME}: outer_optimizer returned {type(opt).__name__}, not a torch.optim.Optimizer")
-            if _needs_closure(opt):
-                raise TypeError(f"{_NAME}: outer_optimizer returned {type(opt).__name__}, whose step() needs a "
-                                f"closure (it re-evaluates a loss); the outer step has only the averaged "
-                                f"pseudo-gradient: use an elementwise optimizer such as SGD or Adam")
-            got = {id(p) for g in opt.param_groups for p in g["params"]}
-            if got != {id(p) for p in params}:
-                raise ValueError(f"{_NAME}: outer_optimizer must optimise exactly the params it is given (fragment "
-                                 f"{f}'s backups); it returned an optimizer over other tensors")
-            self.outer_optimizers.append(opt)
+        self.outer_optimizers = outer_optimizers(outer_optimizer, [[self.backups[n] for n in frag]
+                                                                   for frag in self.fragments])
         self.error_feedback = ErrorFeedback()
         self.compressor_state = compressor.new_state() if compressor is not None else None
         self._use_ef = error_feedback and compressor is not None
@@ -574,6 +554,22 @@ class DiLoCo:
             pending.deltas, pending.kind = out, "done"
         return pending.deltas
 
+    @property
+    def generation(self) -> int:
+        """Elastic: the membership generation of the last committed outer sync (0 before); static: 0."""
+        return self.elastic.generation if self.elastic is not None else 0
+
+    @property
+    def members(self) -> tuple[int, ...]:
+        """The workers of the last outer sync (elastic: its generation's nodes; static: every worker)."""
+        return self.elastic.members if self.elastic is not None else tuple(range(self.num_workers))
+
+    @property
+    def events(self) -> list[tuple[str, int, int, float]]:
+        """Elastic: ``(kind, worker, step, seconds)``, workers "lost" and "joined" and syncs "redone" as seen
+        at the committed syncs (``ElasticSync.events``); static: []."""
+        return list(self.elastic.events) if self.elastic is not None else []
+
     def close(self) -> None:
         """Elastic: leave the membership (if DiLoCo made it) and drop the generation's group; the model
         and the state stay usable. No-op otherwise."""
@@ -774,15 +770,6 @@ class DiLoCo:
 
 
 # --------------------------------------------------------------------------------- helpers
-def _needs_closure(opt: torch.optim.Optimizer) -> bool:
-    """Whether ``opt.step()`` cannot run without a closure (LBFGS)."""
-    try:
-        closure = inspect.signature(opt.step).parameters.get("closure")
-    except (TypeError, ValueError):
-        return False
-    return closure is not None and closure.default is inspect.Parameter.empty
-
-
 def _backup_dtype(dtype: torch.dtype) -> torch.dtype:
     """The global weights in at least fp32: the outer step's small updates would vanish in bf16/fp16."""
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype

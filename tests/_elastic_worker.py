@@ -156,7 +156,8 @@ def main() -> None:
         dl.step()
     torch.save({"backups": dl.backups, "outer": dl.outer_optimizers[0].state_dict(), "joined": joined,
                 "redone": dl.elastic.redone, "recovery_bytes": dl.elastic.recovery_bytes,
-                "generation": dl.elastic.generation, "steps": dl.steps,
+                "generation": dl.generation, "members": list(dl.members), "steps": dl.steps,
+                "events": [list(e) for e in dl.events],
                 "residuals": dl.error_feedback.state_dict()}, a.out)
     print(f"worker {a.rid}: saved", flush=True)
     dl.close()

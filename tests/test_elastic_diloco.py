@@ -145,6 +145,14 @@ def test_killed_worker_rejoins_bit_identical_to_replay(tmp_path, replay, fault):
     if fault.startswith("commit"):
         assert got[0]["redone"] >= 1 and got[1]["redone"] >= 1  # the round of step 12 was redone
     assert got[RESTARTED]["joined"]["residual"] == 0.0
+    for r in range(WORKERS):  # DiLoCo.members / .events: what each worker saw at its committed syncs
+        assert got[r]["members"] == [0, 1, 2] and got[r]["generation"] == got[0]["generation"]
+    for r in (0, 1):
+        seen = [(kind, w, step) for kind, w, step, _ in got[r]["events"] if kind != "redone"]
+        assert seen == [("lost", RESTARTED, 12), ("joined", RESTARTED, 20)], got[r]["events"]
+        if fault.startswith("commit"):  # (a kill between syncs may be found inside the next one, too)
+            assert any(kind == "redone" and step == 12 for kind, _, step, _ in got[r]["events"]), got[r]["events"]
+    assert [(k, w, s) for k, w, s, _ in got[RESTARTED]["events"]] == [("joined", RESTARTED, 20)]
 
 
 def test_recovery_source_dies_mid_transfer_joiner_retries_another_peer(tmp_path):
