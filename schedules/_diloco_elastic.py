@@ -56,7 +56,7 @@ def check_elastic(delay: int, topology, workers, min_workers, membership) -> Non
                          f"change is not supported); got delay={delay}")
     if topology is not None or workers != "node":
         raise ValueError(f"{_NAME}: elastic=True takes its workers from the membership, not topology= or workers=")
-    check_replica_args(_NAME, "min_workers", min_workers, membership)
+    check_replica_args(_NAME, "min_workers", 1 if min_workers is None else min_workers, membership)
 
 
 class ElasticSync:

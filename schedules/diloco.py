@@ -151,7 +151,8 @@ class DiLoCo:
             Each worker is its own world, a node's ranks (one torchrun per node; DDP or FSDP2 inside,
             over that world); ``delay`` 0; not ``topology`` / ``workers``. A joiner's error-feedback
             residual starts at zero.
-        min_workers: elastic: the fewest workers an outer sync may have (``QuorumError`` below).
+        min_workers: elastic: the fewest workers an outer sync may have (``QuorumError`` below; None: 1,
+            any generation the coordinator's quorum rule allows).
         membership: elastic: this worker's ``commopt.comm.elastic.Membership`` (None:
             ``Membership.from_env(node * L + rank)``, heartbeat 0.25 s, closed by :meth:`close`).
         join_timeout: elastic: seconds a joiner waits for the running workers' next outer sync.
@@ -176,7 +177,7 @@ class DiLoCo:
                  fragments: int | list[list[str]] = 1, delay: int = 0, alpha: float = 0.0,
                  compressor: Codec | None = None, error_feedback: bool = True, topology: Topology | None = None,
                  workers: str | list = "node", backup_device: str | torch.device = "cpu",
-                 timeout: float | None = None, elastic: bool = False, min_workers: int = 1,
+                 timeout: float | None = None, elastic: bool = False, min_workers: int | None = None,
                  membership: Membership | None = None, join_timeout: float = 600.0,
                  join_inner_state: bool = True) -> None:
         # Local checks first: every rank raises the same error before anything is sent.
@@ -281,7 +282,7 @@ class DiLoCo:
             self.elastic = ElasticSync(self, membership or Membership.from_env(
                                            node_member_id(dist.get_world_size(), dist.get_rank()),
                                            heartbeat_interval=0.25),
-                                       min_workers=min_workers, timeout=self.timeout, join_timeout=join_timeout,
+                                       min_workers=min_workers or 1, timeout=self.timeout, join_timeout=join_timeout,
                                        join_inner_state=bool(join_inner_state), own=membership is None)
             self.elastic.join()
 

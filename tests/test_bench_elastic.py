@@ -4,9 +4,12 @@ logs, and the cluster's own ``--fault`` / ``--restart`` parsers."""
 
 from __future__ import annotations
 
+import json
+import shutil
 import statistics
 
 import pytest
+from _netns import needs_netns
 
 from commopt.bench import elastic
 from commopt.bench.cluster.faults import parse_fault, parse_restart
@@ -278,7 +281,7 @@ def test_torchft_problems_are_reasons_not_rows():
     ends on a committed outer step; with torchft installed, exact and a whole number of rounds: None."""
     from commopt.bench import _elastic_torchft as tft
 
-    assert "Triton on CUDA" in tft.problem("int8", 192, 32)
+    assert "Triton kernels on CUDA" in tft.problem("int8", 192, 32)
     assert "multiple of --sync-every" in tft.problem("none", 200, 32)
     pytest.importorskip("torchft")
     assert tft.problem("none", 192, 32) is None
@@ -322,3 +325,111 @@ def test_torchft_transport_advertises_the_node_and_counts_what_it_receives():
     finally:
         src.shutdown()
         dst.shutdown()
+
+
+def test_torchft_lighthouse_serves_where_the_cluster_starts_it():
+    """The Lighthouse that ``commopt-bench cluster --coordinator-command`` starts with the coordinator's
+    options: it prints the address it serves on (the bound port, not the hostname torchft names itself by),
+    keeps --min-replicas and --heartbeat-timeout (two replicas together get a quorum from it; once they are
+    silent past the timeout, one alone does not: torchft's own client is the oracle), and exits 0 on SIGTERM."""
+    pytest.importorskip("torchft")
+    import json
+    import signal
+    import subprocess
+    import sys
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+    from datetime import timedelta
+
+    from torchft.coordination import LighthouseClient
+
+    proc = subprocess.Popen([sys.executable, "-m", "commopt.bench._elastic_torchft", "--host", "127.0.0.1",
+                             "--port", "0", "--heartbeat-timeout", "1", "--min-replicas", "2",
+                             "--initial-replicas", "2", "--job", "commopt"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        info = json.loads(proc.stdout.readline())
+        assert info["address"].startswith("http://127.0.0.1:") and not info["address"].endswith(":0")
+        assert info["min_replicas"] == 2 and info["heartbeat_timeout_ms"] == 1000
+
+        def quorum(replica: str, seconds: float):
+            client = LighthouseClient(addr=info["address"], connect_timeout=timedelta(seconds=5))
+            return client.quorum(replica_id=replica, timeout=timedelta(seconds=seconds), address=replica,
+                                 store_address=f"{replica}:1", step=0, world_size=1, shrink_only=False)
+
+        with ThreadPoolExecutor(2) as pool:
+            got = [f.result() for f in [pool.submit(quorum, r, 20.0) for r in ("a", "b")]]
+        assert [sorted(m.replica_id for m in q.participants) for q in got] == [["a", "b"], ["a", "b"]]
+        time.sleep(1.5)  # a and b silent past the heartbeat timeout: "alone" is the one healthy replica
+        with pytest.raises(Exception, match="[Tt]imeout"):  # with --min-replicas 1 it would get a quorum
+            quorum("alone", 1.0)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+
+
+def _plain_diloco_held_out(steps: int, h: int, d_model: int, layers: int, batch: int, seq_len: int,
+                           lr: float) -> float:
+    """The oracle: DiLoCo by hand in plain torch, 4 workers in turn in one process (each its GPT of seed 0,
+    its AdamW and its tokens, the bench's seeds), every H steps the mean pseudo-gradient as the grad of an
+    outer Nesterov SGD (lr 0.7, momentum 0.9) on the global weights, which every worker then takes; the
+    held-out loss of the final global weights on the bench's held-out batches."""
+    import torch
+    from torch import nn
+
+    from commopt.bench.diloco import _VOCAB
+    from commopt.bench.models import GPT, synthetic_tokens
+
+    def loss(model, data):
+        return nn.functional.cross_entropy(model(data[:, :-1]).reshape(-1, _VOCAB), data[:, 1:].reshape(-1))
+
+    workers = [GPT(_VOCAB, d_model, layers, 4, seq_len, seed=0) for _ in range(4)]
+    inner = [torch.optim.AdamW(w.parameters(), lr=lr) for w in workers]
+    glob = GPT(_VOCAB, d_model, layers, 4, seq_len, seed=0)
+    outer = torch.optim.SGD(glob.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+    for step in range(1, steps + 1):
+        for node, (model, opt) in enumerate(zip(workers, inner)):
+            opt.zero_grad(set_to_none=True)
+            loss(model, synthetic_tokens(batch, seq_len, _VOCAB, seed=10_000 * step + node)).backward()
+            opt.step()
+        if step % h == 0:
+            with torch.no_grad():
+                for g, *ws in zip(glob.parameters(), *(w.parameters() for w in workers)):
+                    g.grad = sum(g - w for w in ws) / len(ws)
+                outer.step()
+                for w in workers:
+                    for g, p in zip(glob.parameters(), w.parameters()):
+                        p.copy_(g)
+    with torch.no_grad():
+        return sum(float(loss(glob, synthetic_tokens(batch, seq_len, _VOCAB, seed=99_000_000 + 100 * i)))
+                   for i in range(4)) / 4
+
+
+@pytest.fixture
+def sweep():
+    """After a netns test, remove what dead launchers left, so one failure does not leak namespaces."""
+    yield
+    from commopt.bench import cluster as cl
+
+    cl.cleanup_leftovers(shutil.which("ip") or "ip")
+
+
+@pytest.mark.netns
+@needs_netns
+def test_torchft_run_in_the_cluster_is_plain_diloco(tmp_path, sweep):
+    """``torchft-no-fault`` end to end, tiny (4x1, a 1-layer GPT, H 8, 32 steps): torchft's Lighthouse in
+    the coordinator's namespace, a Manager per node over the fabric, every node committing every round
+    (no step lost), its node link's bytes counted, and worker 0's held-out loss that of DiLoCo done by
+    hand in plain torch on the same tokens (the oracle: :func:`_plain_diloco_held_out`)."""
+    pytest.importorskip("torchft")
+    opts = dict(steps=32, h=8, d_model=32, layers=1, batch=2, seq_len=16, lr=3e-3)
+    out = tmp_path / "run.json"
+    code = elastic.main(["--scenarios", "torchft-no-fault", "--steps", "32", "--sync-every", "8", "--d-model", "32",
+                         "--layers", "1", "--batch", "2", "--seq-len", "16", "--lr", "0.003", "--run-timeout", "120",
+                         "--json", str(out), "--keep", str(tmp_path / "runs")])
+    log = (tmp_path / "runs" / "torchft-no-fault" / "cluster.log").read_text(errors="replace")
+    assert code == 0, log[-3000:]
+    (rec,) = json.loads(out.read_text())["results"]
+    assert '"service": "torchft-lighthouse"' in log
+    assert rec["exit_ok"] and rec["steps_lost"] == 0 and rec["errors"] == {} and rec["link_bytes_per_step"] > 0
+    assert rec["held_out_loss"] == pytest.approx(_plain_diloco_held_out(**opts), rel=1e-6)

@@ -32,6 +32,7 @@ import importlib.util
 import json
 import math
 import os
+import shlex
 import shutil
 import signal
 import sys
@@ -118,6 +119,12 @@ def _build_parser() -> argparse.ArgumentParser:
         "as `[cluster] t=<seconds since the ranks started>s ...`.")
     elastic.add_argument("--coordinator", action="store_true",
                          help="run the membership coordinator outside every node (see above)")
+    elastic.add_argument("--coordinator-command", default=None, metavar="CMD",
+                         help="run CMD (one shell-quoted string) in the coordinator's namespace instead of "
+                              "`commopt-bench coordinator`, with the same options appended (--host, --port, "
+                              "--heartbeat-timeout, --min-replicas, --initial-replicas, --job); it must print a "
+                              "line holding \"address\" once it serves. Another membership service in the same "
+                              "place, e.g. torchft's Lighthouse (`commopt-bench elastic`'s torchft runs)")
     elastic.add_argument("--heartbeat-timeout", type=float, default=None, metavar="S",
                          help="the coordinator drops a replica silent for S seconds (default 5)")
     elastic.add_argument("--min-replicas", type=int, default=None, metavar="N",
@@ -279,7 +286,8 @@ def _elastic_plan(args: argparse.Namespace) -> tuple[list[Fault], list[Restart]]
     args.coordinator = args.coordinator or args.elastic
     if not args.coordinator:
         given = [o for o, v in (("--heartbeat-timeout", args.heartbeat_timeout), ("--min-replicas", args.min_replicas),
-                                ("--initial-replicas", args.initial_replicas), ("--job", args.job)) if v is not None]
+                                ("--initial-replicas", args.initial_replicas), ("--job", args.job),
+                                ("--coordinator-command", args.coordinator_command)) if v is not None]
         if given:
             raise ValueError(f"{', '.join(given)} configure the coordinator: add --coordinator (or --elastic)")
     args.heartbeat_timeout = 5.0 if args.heartbeat_timeout is None else args.heartbeat_timeout
@@ -293,6 +301,9 @@ def _elastic_plan(args: argparse.Namespace) -> tuple[list[Fault], list[Restart]]
                          f"({args.initial_replicas}) <= --nodes ({args.nodes}): otherwise no generation can form")
     if not args.job:
         raise ValueError("--job must not be empty")
+    if args.coordinator_command is not None and not shlex.split(args.coordinator_command):
+        raise ValueError("--coordinator-command must name a command, e.g. --coordinator-command "
+                         "'python -m my_service'")
     check_plan(faults, restarts, args.nodes)
     return faults, restarts
 
@@ -364,8 +375,9 @@ def _build_and_run(args: argparse.Namespace, cluster: Cluster, layout: list[list
         extra.append((switch.stdout, err, b"[switch] "))
     coordinator = None
     if args.coordinator:
-        coordinator_argv = [sys.executable, "-m", "commopt.bench", "coordinator", "--host",
-                            str(cluster.coordinator_address), "--port", str(_COORDINATOR_PORT),
+        service = (shlex.split(args.coordinator_command) if args.coordinator_command
+                   else [sys.executable, "-m", "commopt.bench", "coordinator"])
+        coordinator_argv = [*service, "--host", str(cluster.coordinator_address), "--port", str(_COORDINATOR_PORT),
                             "--heartbeat-timeout", f"{args.heartbeat_timeout:g}", "--min-replicas",
                             str(args.min_replicas), "--initial-replicas", str(args.initial_replicas),
                             "--job", args.job]
