@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-__all__ = ["LinkModel", "MeasuredLine", "CostModel", "DEFAULT_INTRA", "DEFAULT_INTER", "ALGORITHM_FACTORS",
+__all__ = ["LinkModel", "MeasuredLine", "CostModel", "LinkMap", "DEFAULT_INTRA", "DEFAULT_INTER", "ALGORITHM_FACTORS",
            "PHASE_HANDOFF", "COPY_BETA", "pad_to", "pipeline_time", "fit"]
 
 
@@ -84,6 +84,79 @@ class CostModel:
         chunks = int(d.get("chunks", 8))
         # Caches written before the flag: one chunk was set only when the levels shared a resource.
         return cls(LinkModel(**d["intra"]), LinkModel(**d["inter"]), chunks, bool(d.get("shared", chunks == 1)))
+
+
+@dataclass(frozen=True)
+class LinkMap:
+    """The links between the nodes of a cluster that is not uniform (docs/architecture.md, "synthesized
+    collectives"); absent (None) on a uniform cluster, where nothing changes.
+
+    Two fabrics:
+
+    - ``"star"``: every node has one port to a switch, ``up[i]`` bytes/s out and ``down[i]`` bytes/s in;
+      a transfer i -> j is limited by i's up port and j's down port, and transfers through one port
+      share its rate (commopt-bench cluster's bridge; ``--link-rates``, ``--up-rates``/``--down-rates``).
+    - ``"mesh"``: direct links, ``pairs[(i, j)]`` bytes/s from i to j (a pair absent: no link); every
+      directed link is its own resource (``--fabric mesh --pair-rates``).
+
+    ``alpha``: seconds per message on any link. Node indices are the topology's nodes (a schedule over
+    one rank per node runs on a rail).
+    """
+
+    kind: str
+    nodes: int
+    up: tuple[float, ...] = ()
+    down: tuple[float, ...] = ()
+    pairs: tuple[tuple[int, int, float], ...] = ()
+    alpha: float = 50e-6
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("star", "mesh"):
+            raise ValueError(f"LinkMap: kind must be 'star' or 'mesh', got {self.kind!r}")
+        if self.nodes < 1:
+            raise ValueError(f"LinkMap: nodes must be >= 1, got {self.nodes}")
+        if self.kind == "star" and (len(self.up) != self.nodes or len(self.down) != self.nodes
+                                    or min(self.up + self.down, default=1) <= 0):
+            raise ValueError(f"LinkMap: a star needs {self.nodes} positive up and down rates, got up={self.up}, "
+                             f"down={self.down}")
+        if self.kind == "mesh":
+            for i, j, r in self.pairs:
+                if not (0 <= i < self.nodes and 0 <= j < self.nodes and i != j and r > 0):
+                    raise ValueError(f"LinkMap: mesh link {i}->{j} at {r} bytes/s is not between two of the "
+                                     f"{self.nodes} nodes at a positive rate")
+
+    @classmethod
+    def star(cls, up: list[float], down: list[float] | None = None, alpha: float = 50e-6) -> LinkMap:
+        """A star of per-node port rates in bytes/s (``down`` None: the same as ``up``)."""
+        return cls("star", len(up), tuple(float(x) for x in up), tuple(float(x) for x in (down or up)), (), alpha)
+
+    @classmethod
+    def mesh(cls, nodes: int, pairs: dict[tuple[int, int], float], alpha: float = 50e-6) -> LinkMap:
+        """A direct-connect mesh: ``pairs[(i, j)]`` bytes/s from i to j (give both directions)."""
+        return cls("mesh", nodes, (), (), tuple(sorted((int(i), int(j), float(r)) for (i, j), r in pairs.items())),
+                   alpha)
+
+    def rate(self, i: int, j: int) -> float:
+        """Bytes/s from node i to node j alone on the fabric (0: no link)."""
+        if self.kind == "star":
+            return min(self.up[i], self.down[j])
+        return next((r for a, b, r in self.pairs if (a, b) == (i, j)), 0.0)
+
+    @property
+    def uniform(self) -> bool:
+        """Every node pair has the same rate both ways (a schedule cannot beat the usual algorithms)."""
+        rates = {self.rate(i, j) for i in range(self.nodes) for j in range(self.nodes) if i != j}
+        return len(rates) <= 1
+
+    def to_dict(self) -> dict:
+        return {"kind": self.kind, "nodes": self.nodes, "up": list(self.up), "down": list(self.down),
+                "pairs": [list(p) for p in self.pairs], "alpha": self.alpha}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> LinkMap:
+        return cls(str(d["kind"]), int(d["nodes"]), tuple(float(x) for x in d.get("up", ())),
+                   tuple(float(x) for x in d.get("down", ())),
+                   tuple((int(a), int(b), float(r)) for a, b, r in d.get("pairs", ())), float(d.get("alpha", 50e-6)))
 
 
 # Defaults when nothing was measured: gloo over loopback inside a node (~20 us, ~3 GB/s), and a
