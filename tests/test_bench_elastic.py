@@ -1,6 +1,8 @@
-"""``commopt-bench elastic``'s record computation and options (no cluster: the runs themselves are a
-benchmark, recorded in docs/results.md, not a test). The oracle is arithmetic on hand-made events and
-logs, and the cluster's own ``--fault`` / ``--restart`` parsers."""
+"""``commopt-bench elastic``'s record computation and options, and the pieces of its torchft runs (the runs
+themselves are a benchmark, recorded in docs/results.md, not a test). The oracles are arithmetic on
+hand-made events and logs, the cluster's own ``--fault`` / ``--restart`` parsers, torchft's own Lighthouse
+client, and, in the one ``netns`` test (a tiny torchft run in the cluster, about 10 s), DiLoCo done by hand
+in plain torch."""
 
 from __future__ import annotations
 
