@@ -381,7 +381,7 @@ def _measure(collective: str, topology: Topology, model: CostModel, sizes: tuple
     all-gather's, which FSDP2 issues back to back inside a step without a check, back to back.
     """
     options = [a for a in algorithms.candidates(collective)
-               if algorithms.get(a).supports(topology, collective) is None]
+               if algorithms.get(a).supports(topology, collective) is None and algorithms.get(a).considered(topology)]
     if len(options) < 2 and collective == "allreduce":
         return  # nothing for auto to choose; the sharded simulator asks for the others' lines
     if not options:

@@ -59,9 +59,11 @@ def select_algorithm(kind: str, algorithm: str, nbytes: int, topo: Topology, tim
         impl = algorithms.get(algorithm)
         _require(impl, topo, kind)
         return impl.runs(topo, kind)
-    if topo.num_nodes == 1 or topo.num_nodes == topo.world_size:
-        return "flat"  # one level only: the hierarchy adds phases and saves nothing
-    options = [c for c in algorithms.candidates(kind) if algorithms.get(c).supports(topo, kind) is None]
+    uneven = topo.links is not None and not topo.links.uniform
+    if topo.num_nodes == 1 or (topo.num_nodes == topo.world_size and not uneven):
+        return "flat"  # one level of equal links: the hierarchy adds phases and saves nothing
+    options = [c for c in algorithms.candidates(kind)
+               if algorithms.get(c).supports(topo, kind) is None and algorithms.get(c).considered(topo)]
     # The lines calibration measured for this layout, when it ran, decide; else the level model.
     return cost.choose(options, nbytes, topo, cost.model_for(topo, timeout=timeout), op=kind,
                        measured=cost.measured_lines(kind, topo))

@@ -16,6 +16,7 @@ phases reach a group is the submission order on every rank (docs/architecture.md
 from __future__ import annotations
 
 import hashlib
+import json
 import numbers
 import os
 import socket
@@ -27,6 +28,7 @@ import torch.distributed as dist
 
 from .engine import wait_work
 from .errors import TopologyError
+from .links import LinkMap
 
 __all__ = ["Topology", "Groups", "parse_rate", "format_nodes", "ina_switch_from_env"]
 
@@ -395,6 +397,14 @@ def _env_extra() -> dict:
     rate = os.environ.get("COMMOPT_LINK_RATE_BPS")
     if rate:
         extra["link_rate_bps"] = parse_rate(rate)
+    links = os.environ.get("COMMOPT_LINK_MAP")
+    if links:
+        try:
+            extra["links"] = LinkMap.from_dict(json.loads(links))
+        except (ValueError, KeyError, TypeError) as e:
+            raise TopologyError(f"COMMOPT_LINK_MAP is not a link map ({e!r}): it must be the JSON of "
+                                f"commopt.comm.links.LinkMap.to_dict(), as commopt-bench cluster writes it; unset it "
+                                f"or fix it", op="topology.from_env") from e
     switch = ina_switch_from_env()
     if switch is not None:
         host, port = switch
@@ -432,6 +442,9 @@ class Topology:
         group: the process group the ranks refer to (None means WORLD).
         link_rate_bps: the configured inter-node link rate in bit/s, when known (emulated cluster).
         ina_switch: the address ``"host:port"`` of an in-network aggregation switch, when known.
+        links: the per-node (star) or per-pair (mesh) link rates of a cluster whose links are not
+            all equal (``commopt.comm.links.LinkMap``; from ``COMMOPT_LINK_MAP``, which the emulated
+            cluster sets, or :func:`commopt.comm.cost.calibrate_links`); None on a uniform cluster.
     """
 
     nodes: tuple[tuple[int, ...], ...]
@@ -440,6 +453,7 @@ class Topology:
     group: object | None = field(default=None, compare=False, hash=False)
     link_rate_bps: float | None = None
     ina_switch: str | None = None
+    links: LinkMap | None = None
 
     def __post_init__(self):
         _check_group(self.group, "Topology")
@@ -471,7 +485,7 @@ class Topology:
                 not be contiguous and nodes need not be equal in size; every rank of ``group`` appears
                 exactly once. Node order is kept; ranks within a node are sorted.
             group: the process group the ranks refer to: a ``ProcessGroup``, or None for WORLD.
-            **extra: ``link_rate_bps``, ``ina_switch``.
+            **extra: ``link_rate_bps``, ``ina_switch``, ``links``.
 
         Raises:
             TypeError: ``nodes`` is not a list of lists of int ranks, or ``group`` is neither a
@@ -503,7 +517,7 @@ class Topology:
             spec: a ``str``, ``"NxL"`` or node sizes joined by ``"+"``; the sizes must add up to the
                 size of ``group``.
             group: a ``ProcessGroup``, or None for WORLD.
-            **extra: ``link_rate_bps``, ``ina_switch``.
+            **extra: ``link_rate_bps``, ``ina_switch``, ``links``.
 
         Raises:
             TypeError: ``spec`` is not a str (e.g. None or 3), or ``group`` is neither a

@@ -1,6 +1,6 @@
 """commopt.comm.algorithms: every algorithm, one object each, and the registry (docs/architecture.md section 5.2).
 
-``flat``, ``hierarchical``, ``leader``, ``2d`` (all-to-all), ``ina`` and ``rail``; each says which
+``flat``, ``hierarchical``, ``leader``, ``2d`` (all-to-all), ``ina``, ``rail`` and ``synth``; each says which
 topologies and collectives it ``supports``, the group ``roles`` it needs, the ``traffic`` it puts
 on every link, its ``cost`` under a level model, and ``start``s a prepared call. Its traits
 (``automatic``, ``scope``, ``codec_phase``, ``flat_on_one_level``: :class:`Algorithm`) say where
@@ -45,6 +45,7 @@ from .hierarchical import HIERARCHICAL
 from .ina import INA
 from .leader import LEADER
 from .rail import RAIL
+from .synth import SYNTH
 from .two_d import TWO_D
 
 __all__ = ["Algorithm", "Call", "Traffic", "Encoded", "SWITCH", "COLLECTIVES", "ALGORITHM_FACTORS", "ALGORITHMS",
@@ -103,7 +104,7 @@ def register(algorithm: Algorithm) -> Algorithm:
     return algorithm
 
 
-for _algorithm in (FLAT, HIERARCHICAL, LEADER, TWO_D, INA, RAIL):
+for _algorithm in (FLAT, HIERARCHICAL, LEADER, TWO_D, INA, RAIL, SYNTH):
     register(_algorithm)
 
 

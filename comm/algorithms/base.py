@@ -220,6 +220,11 @@ class Algorithm:
             return "flat"
         return self.name
 
+    def considered(self, topology: Topology) -> bool:
+        """Whether ``auto`` weighs this algorithm on ``topology`` at all (beyond :meth:`supports`): an
+        algorithm that can only tie or lose somewhere stays out of the choice there."""
+        return True
+
     def roles(self, topology: Topology) -> tuple[str, ...]:
         """The group roles (one process group per phase role, docs/architecture.md section 3) the algorithm uses."""
         return ()

