@@ -24,6 +24,11 @@ default scenarios and their torchft runs)::
                         its Lighthouse where the coordinator runs, a Manager per node, ``min_replicas=2``;
                         where torchft cannot run (not installed, ``--codec int8``) the reason is printed
                         instead of its row
+    hsdp-no-fault       elastic data parallelism, HSDP (``bench/_elastic_dp.py``): 3 nodes x 2 ranks, the
+    hsdp-kill           bench GPT at d=128, 2 layers sharded with FSDP2 inside each node and
+                        ``ElasticReplicas`` across the nodes, 96 steps; ``hsdp-kill``: node 2 SIGKILLed at
+                        step 40 and restarted 10 s later (3 nodes, not 2: with 2, one lost is not a majority
+                        of the last generation, and the coordinator's quorum rule ends the job)
 
 Each rank (``--worker``, the command the cluster runs) reports its step to the launcher (``report_step``:
 a step fault fires there), and writes one JSON line per step to the run's log directory: the wall clock at
@@ -90,6 +95,9 @@ DEFAULT_SCENARIOS = "no-fault,kill80,kill96"
 COMPARE = "static,no-fault,kill80,kill96,torchft-no-fault,torchft-kill80,torchft-kill96"
 STATIC = "static"
 TORCHFT = "torchft-"
+#: the HSDP runs: their fault (kind, step) or None; 3 nodes x 2 ranks, a smaller GPT, fewer steps
+HSDP_RUNS: dict[str, tuple[str, int] | None] = {"hsdp-no-fault": None, "hsdp-kill": ("kill", 40)}
+HSDP_NODES, HSDP_RANKS, HSDP_STEPS, HSDP_D_MODEL, HSDP_LAYERS = 3, 2, 96, 128, 2
 FAULT_NODE = 2
 NODES = 4
 RESTART_AFTER_S = 10.0
@@ -115,6 +123,8 @@ def parse_run(name: str) -> tuple[str, str]:
     """
     if name == STATIC:
         return "static", "no-fault"
+    if name in HSDP_RUNS:
+        return "hsdp", "no-fault" if HSDP_RUNS[name] is None else "kill80"
     impl, scenario = ("torchft", name[len(TORCHFT):]) if name.startswith(TORCHFT) else ("commopt", name)
     if scenario not in SCENARIOS:
         raise ValueError(f"commopt-bench elastic: unknown scenario {name!r}; use any of {', '.join(SCENARIOS)}, "
@@ -126,7 +136,7 @@ def baseline(name: str) -> str | None:
     """The run whose held-out loss run ``name``'s is compared with: its implementation's no-fault run
     (``static``'s: commopt's elastic no-fault run, which it should match); None for that run itself."""
     impl, _ = parse_run(name)
-    base = f"{TORCHFT}no-fault" if impl == "torchft" else "no-fault"
+    base = {"torchft": f"{TORCHFT}no-fault", "hsdp": "hsdp-no-fault"}.get(impl, "no-fault")
     return None if base == name else base
 
 
@@ -136,6 +146,10 @@ def scenario_flags(name: str, sync_every: int) -> list[str]:
     Raises:
         ValueError: an unknown run name (the message lists the known ones).
     """
+    if name in HSDP_RUNS:
+        fault = HSDP_RUNS[name]
+        return [] if fault is None else ["--fault", f"{fault[0]}:node={FAULT_NODE}:at=step={fault[1]}",
+                                         "--restart", f"node={FAULT_NODE}:after={RESTART_AFTER_S:g}"]
     kind, where = SCENARIOS[parse_run(name)[1]]
     if kind is None:
         return []
@@ -165,7 +179,7 @@ def _median_step(steps: list[dict]) -> float | None:
 
 
 def run_record(name: str, fault: str | None, events: list[dict], logs: dict[tuple[int, int], list[dict]],
-               total_steps: int, no_fault_loss: float | None = None) -> dict:
+               total_steps: int, no_fault_loss: float | None = None, nodes: int = NODES) -> dict:
     """One run's record from the cluster's events and the workers' logs.
 
     Args:
@@ -182,6 +196,7 @@ def run_record(name: str, fault: str | None, events: list[dict], logs: dict[tupl
             step counter falls back by H when a round is thrown away, and jumps when a replica heals).
         total_steps: the steps the run trains.
         no_fault_loss: the no-fault run's held-out loss, if it ran.
+        nodes: the nodes of the run (the ETTR's denominator).
 
     Returns:
         The record (the keys of :data:`FIELDS`, ``exit_ok`` and ``errors``: the ``error`` of each worker
@@ -248,7 +263,7 @@ def run_record(name: str, fault: str | None, events: list[dict], logs: dict[tupl
             keys = [k for k in logs if k[0] == node]
             med = [m for k in keys if (m := _median_step(steps_of[k])) is not None]
             useful += (statistics.median(med) if med else 0.0) * _committed(node, keys, steps_of, finals)
-        rec["ettr"] = useful / (NODES * (max(ends) - min(begins)))
+        rec["ettr"] = useful / (nodes * (max(ends) - min(begins)))
     return rec
 
 
@@ -318,7 +333,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default=None, help="write one record per run to this file")
     p.add_argument("--keep", default=None, metavar="DIR", help="keep the runs' events and logs in DIR")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--impl", choices=("commopt", "static", "torchft"), default="commopt", help=argparse.SUPPRESS)
+    p.add_argument("--impl", choices=("commopt", "static", "torchft", "hsdp"), default="commopt",
+                   help=argparse.SUPPRESS)
     p.add_argument("--log-dir", default=None, help=argparse.SUPPRESS)
     return p
 
@@ -388,11 +404,16 @@ def _run(name: str, args, directory: str) -> dict:
     os.makedirs(directory, exist_ok=True)
     impl, scenario = parse_run(name)
     events_path = os.path.join(directory, "events.jsonl")
+    hsdp = impl == "hsdp"
+    steps = HSDP_STEPS if hsdp else args.steps
     worker = [sys.executable, "-m", "commopt.bench", "elastic", "--worker", "--impl", impl, "--log-dir", directory,
-              "--steps", str(args.steps), "--sync-every", str(args.sync_every), "--codec", args.codec,
-              "--batch", str(args.batch), "--seq-len", str(args.seq_len), "--d-model", str(args.d_model),
-              "--layers", str(args.layers), "--lr", str(args.lr)]
-    cmd = [sys.executable, "-m", "commopt.bench", "cluster", "--nodes", str(NODES), "--ranks-per-node", "1",
+              "--steps", str(steps), "--sync-every", str(args.sync_every), "--codec", args.codec,
+              "--batch", str(args.batch), "--seq-len", str(args.seq_len),
+              "--d-model", str(HSDP_D_MODEL if hsdp else args.d_model),
+              "--layers", str(HSDP_LAYERS if hsdp else args.layers), "--lr", str(args.lr)]
+    nodes = HSDP_NODES if hsdp else NODES
+    cmd = [sys.executable, "-m", "commopt.bench", "cluster", "--nodes", str(nodes),
+           "--ranks-per-node", str(HSDP_RANKS if hsdp else 1),
            "--link-rate", args.link_rate, "--probe-seconds", "0", "--timeout", f"{args.run_timeout:g}"]
     if impl != "static":  # one world per node, the coordinator (or torchft's Lighthouse) outside the nodes
         cmd += ["--elastic", "--heartbeat-timeout", f"{HEARTBEAT_TIMEOUT_S:g}", "--min-replicas", "2",
@@ -409,7 +430,7 @@ def _run(name: str, args, directory: str) -> dict:
         if entry.startswith("node") and entry.endswith(".jsonl"):
             node, attempt = entry[len("node"):-len(".jsonl")].split(".attempt")
             logs[(int(node), int(attempt))] = read_jsonl(os.path.join(directory, entry))
-    rec = run_record(name, SCENARIOS[scenario][0], read_jsonl(events_path), logs, args.steps)
+    rec = run_record(name, SCENARIOS[scenario][0], read_jsonl(events_path), logs, steps, nodes=nodes)
     rec["cluster_exit"] = code  # non-zero also when a survivor that wrote its final record died after it
     if code != 0:
         with open(os.path.join(directory, "cluster.log"), "rb") as f:
@@ -499,6 +520,10 @@ def _held_out_one(model, args) -> float:
 def _worker(args) -> int:
     """One node's rank: elastic DiLoCo in its own world of one rank (``--impl commopt``), the static DiLoCo in
     one world across the nodes (``static``) or torchft's DiLoCo (``torchft``); a JSON line per step."""
+    if args.impl == "hsdp":
+        from ._elastic_dp import worker as hsdp_worker
+
+        return hsdp_worker(args)
     static = args.impl == "static"
     node = int(os.environ["RANK"]) if static else int(os.environ["COMMOPT_REPLICA_ID"])  # static: 1 rank per node
     attempt = int(os.environ.get("COMMOPT_RESTART", "0") or 0)

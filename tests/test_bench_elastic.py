@@ -257,9 +257,15 @@ def test_run_names_and_baselines():
     assert [elastic.parse_run(n)[0] for n in elastic.COMPARE.split(",")].count("torchft") == 3
     assert elastic.scenario_flags("static", 32) == [] == elastic.scenario_flags("torchft-no-fault", 32)
     assert parse_fault(elastic.scenario_flags("torchft-kill96", 32)[1]).at_step == 96
-    for bad in ("torchft-reboot", "torchft-static", "static-kill80"):
+    for bad in ("torchft-reboot", "torchft-static", "static-kill80", "hsdp-kill80"):
         with pytest.raises(ValueError, match="unknown scenario"):
             elastic.parse_run(bad)
+    # the HSDP runs: their own baseline, node 2 killed at step 40 and restarted
+    assert elastic.parse_run("hsdp-kill") == ("hsdp", "kill80") and elastic.parse_run("hsdp-no-fault")[0] == "hsdp"
+    assert elastic.baseline("hsdp-kill") == "hsdp-no-fault" and elastic.baseline("hsdp-no-fault") is None
+    flags = elastic.scenario_flags("hsdp-kill", 32)
+    assert parse_fault(flags[1]).at_step == 40 and parse_restart(flags[3]).after == elastic.RESTART_AFTER_S
+    assert elastic.scenario_flags("hsdp-no-fault", 32) == []
 
 
 def test_overhead_against_static():
