@@ -444,7 +444,7 @@ class Topology:
         ina_switch: the address ``"host:port"`` of an in-network aggregation switch, when known.
         links: the per-node (star) or per-pair (mesh) link rates of a cluster whose links are not
             all equal (``commopt.comm.links.LinkMap``; from ``COMMOPT_LINK_MAP``, which the emulated
-            cluster sets, or :func:`commopt.comm.cost.calibrate_links`); None on a uniform cluster.
+            cluster sets, or :func:`commopt.comm.calibrate_links`); None on a uniform cluster.
     """
 
     nodes: tuple[tuple[int, ...], ...]
