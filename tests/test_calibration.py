@@ -31,8 +31,9 @@ _COLLECTIVES = ("allreduce", "reduce_scatter", "all_gather")
 def _calibrate(cache_dir: str) -> tuple:
     topo = Topology.from_spec("2x2")
     # The candidates of this process's registry (a kept pool may hold a test's toy algorithm too).
-    names = {c: [a for a in algorithms.candidates(c) if algorithms.get(a).supports(topo, c) is None]
-             for c in _COLLECTIVES}
+    # (synth only where the links differ: Algorithm.considered)
+    names = {c: [a for a in algorithms.candidates(c) if algorithms.get(a).supports(topo, c) is None
+                 and algorithms.get(a).considered(topo)] for c in _COLLECTIVES}
     try:
         try:
             cost.calibrate(topo, collectives=("allreduce", "broadcast"))
@@ -91,7 +92,8 @@ def _injected() -> tuple:
     """Lines put in by hand: auto follows them against the level model, and forgets them with them."""
     topo = Topology.from_spec("2x2")
     key = cost.lines_key("allreduce", topo)
-    names = [a for a in algorithms.candidates("allreduce") if algorithms.get(a).supports(topo, "allreduce") is None]
+    names = [a for a in algorithms.candidates("allreduce") if algorithms.get(a).supports(topo, "allreduce") is None
+             and algorithms.get(a).considered(topo)]
     before = tuple(select_algorithm("allreduce", "auto", s, topo) for s in SIZES)
     out = []
     for winner in names:
