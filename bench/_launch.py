@@ -36,7 +36,7 @@ _ABORT_GRACE_S = 1.0
 
 def topology_of(args) -> Any:
     """The benchmarks' topology: ``--topology`` (a spec such as ``2x2``; inside the emulated cluster
-    it keeps the cluster's link rate and switch address from ``COMMOPT_NODES``' environment), else
+    it keeps the cluster's link rate, link map and switch address from ``COMMOPT_NODES``' environment), else
     detected once per group (``COMMOPT_NODES``, the launcher's placement, else host names)."""
     from commopt.comm import Topology, context
 
@@ -44,7 +44,7 @@ def topology_of(args) -> Any:
         extra = {}
         env = Topology.from_env() if os.environ.get("COMMOPT_NODES") else None
         if env is not None:
-            extra = {"link_rate_bps": env.link_rate_bps, "ina_switch": env.ina_switch}
+            extra = {"link_rate_bps": env.link_rate_bps, "ina_switch": env.ina_switch, "links": env.links}
         return Topology.from_spec(args.topology, **extra)
     return context().topology(None, None)
 

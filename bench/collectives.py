@@ -313,6 +313,10 @@ def _row(op, algo, val, size, count, dtype, redop, seconds, wrong, world, topo, 
         except (ValueError, AttributeError, ImportError):
             return row  # no model for this combination: its columns stay empty, never nan
         row["bound_us"] = bound * 1e6
+        if topo.links is not None and op != "alltoall":  # what no schedule beats on these links
+            from commopt.comm.synthesis.bound import bound as cut_bound
+
+            row["cut_us"] = cut_bound(kind, topo.links, total) * 1e6
         row["link_bytes"] = link
         row["link_busbw"] = link / seconds / 1e9
         if topo.link_rate_bps:
@@ -340,6 +344,8 @@ def _columns(rows: list[dict], link: bool, measured_bps: float | None) -> list[t
 
     if every("bound_us"):
         cols.append(("bound(us)", 10, lambda r: f"{r['bound_us']:.1f}"))
+    if every("cut_us"):  # the cut bound of the cluster's link map (comm/synthesis/bound.py)
+        cols.append(("cut(us)", 10, lambda r: f"{r['cut_us']:.1f}"))
     if link and every("link_bytes"):
         cols += [("link(MB)", 9, lambda r: f"{r['link_bytes'] / 1e6:.2f}"),
                  ("linkbw(GB/s)", 12, lambda r: f"{r['link_busbw']:.4f}")]
@@ -454,6 +460,11 @@ def _rank_body(args) -> int:
     if topo.link_rate_bps:
         log(f"# link rate: configured {topo.link_rate_bps / 1e6:.1f} Mbit/s"
             + (f", measured {measured / 1e6:.1f} Mbit/s" if measured else ""))
+    if topo.links is not None:
+        m = topo.links
+        rates = (", ".join(f"{i}: up {u * 8e-6:.0f} down {d * 8e-6:.0f}" for i, (u, d) in enumerate(zip(m.up, m.down)))
+                 if m.kind == "star" else ", ".join(f"{a}-{b}: {r * 8e-6:.0f}" for a, b, r in m.pairs))
+        log(f"# link map ({m.kind}, Mbit/s): {rates}; cut(us): the cut bound no schedule beats on it")
     if args.calibrate and world > 1 and topo.num_nodes > 1:
         from commopt.comm import cost
 
