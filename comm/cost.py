@@ -420,6 +420,10 @@ def _measure(collective: str, topology: Topology, model: CostModel, sizes: tuple
 
 
 def _inter_default(topo: Topology) -> LinkModel:
+    if topo.links is not None:  # links that differ: a ring is paced by the slowest
+        n = topo.links.nodes
+        slowest = min(r for i in range(n) for j in range(n) if i != j and (r := topo.links.rate(i, j)) > 0)
+        return LinkModel(alpha=DEFAULT_INTER.alpha, beta=1.0 / slowest)
     if topo.link_rate_bps:
         return LinkModel(alpha=DEFAULT_INTER.alpha, beta=8.0 / topo.link_rate_bps)
     return DEFAULT_INTER

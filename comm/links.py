@@ -142,6 +142,13 @@ class LinkMap:
             return min(self.up[i], self.down[j])
         return next((r for a, b, r in self.pairs if (a, b) == (i, j)), 0.0)
 
+    def shared(self, ways: int) -> LinkMap:
+        """The map one of ``ways`` concurrent users sees (every rate divided by ``ways``: a node's L rails)."""
+        if ways == 1:
+            return self
+        return LinkMap(self.kind, self.nodes, tuple(u / ways for u in self.up), tuple(d / ways for d in self.down),
+                       tuple((a, b, r / ways) for a, b, r in self.pairs), self.alpha)
+
     @property
     def uniform(self) -> bool:
         """Every node pair has the same rate both ways (a schedule cannot beat the usual algorithms)."""

@@ -11,7 +11,7 @@ from commopt.comm.errors import TopologyError
 from commopt.comm.runtime import context
 from commopt.comm.topology import Topology
 
-__all__ = ["worker_group", "worker_topology"]
+__all__ = ["worker_group", "worker_topology", "rail_topology"]
 
 _NAME = "DiLoCo"
 
@@ -78,3 +78,16 @@ def worker_group(topology: Topology | None = None, workers: str | list = "node",
     if topo.world_size == 1:
         return None
     return context().groups(topo, DILOCO, timeout).intra
+
+
+def rail_topology(topology: Topology, rail) -> Topology | None:
+    """The topology of this rank's rail (one member per worker, in worker order) where the cluster's
+    links differ (``topology.links``), so that the outer all-reduce can weigh a schedule made for them
+    (``algorithm="auto"``: ``synth`` where it wins; every rank predicts the same); None elsewhere (the
+    rail's own all-reduce, as always). The L rails of a worker share its links: each sees 1/L of them."""
+    links = topology.links
+    if links is None or links.uniform or rail is None:
+        return None
+    n = topology.num_nodes
+    return Topology(nodes=tuple((i,) for i in range(n)), rank=dist.get_rank(rail), world_size=n, group=rail,
+                    links=links.shared(topology.local_size))

@@ -62,7 +62,7 @@ from commopt.comm.topology import Topology
 
 from ._diloco_elastic import ElasticSync, check_elastic
 from ._diloco_state import Expected, check_state, cloned, fragments_of, outer_optimizers, positive_int
-from ._diloco_workers import worker_group, worker_topology
+from ._diloco_workers import rail_topology, worker_group, worker_topology
 
 __all__ = ["DiLoCo", "worker_group", "worker_topology"]
 
@@ -262,6 +262,7 @@ class DiLoCo:
         self._rail = groups.rail if groups is not None else None
         self._rail_src = groups.rail_ranks[0] if groups is not None and groups.rail is not None else None
         self._intra_src = groups.intra_ranks[0] if groups is not None and groups.intra is not None else None
+        self._rail_topology = rail_topology(topo, self._rail)  # links that differ: auto may run synth
         by_name = dict(named)
         self._pieces = {n: self._piece(n, by_name[n]) for frag in self.fragments for n in frag}
         self._agree_settings(named)
@@ -532,7 +533,8 @@ class DiLoCo:
             flat = torch.cat([d.reshape(-1) for d in deltas])
             # agreement=False: the pieces match along the rail by construction (_agree_settings); a check
             # here would queue behind a reduction still in flight on the rail group and block this thread.
-            fut = all_reduce(flat, ReduceOp.AVG, group=self._rail, algorithm="flat", async_op=True,
+            fut = all_reduce(flat, ReduceOp.AVG, group=self._rail, topology=self._rail_topology,
+                             algorithm="flat" if self._rail_topology is None else "auto", async_op=True,
                              timeout=self.timeout, agreement=False)
             deltas = [flat]
             kind = "exact"

@@ -69,20 +69,30 @@ def rail_links(topology: Topology) -> LinkMap:
         raise ValueError(f"synth: the link map has {links.nodes} nodes, the topology {n} ({topology.layout})")
     order = sorted(range(n), key=lambda i: min(topology.nodes[i]))  # rail position -> node index
     if links.kind == "star":
-        return LinkMap.star([links.up[i] / local for i in order], [links.down[i] / local for i in order],
-                            alpha=links.alpha)
-    pos = {node: k for k, node in enumerate(order)}
-    return LinkMap.mesh(n, {(pos[a], pos[b]): r / local for a, b, r in links.pairs}, alpha=links.alpha)
+        links = LinkMap.star([links.up[i] for i in order], [links.down[i] for i in order], alpha=links.alpha)
+    else:
+        pos = {node: k for k, node in enumerate(order)}
+        links = LinkMap.mesh(n, {(pos[a], pos[b]): r for a, b, r in links.pairs}, alpha=links.alpha)
+    return links.shared(local)
+
+
+def schedule_for(collective: str, links: LinkMap, nbytes: float = 16 << 20):
+    """The synthesized schedule of ``collective`` ("allreduce", "reduce_scatter", "all_gather") for
+    ``links`` at about ``nbytes`` (the schedule's buffer), checked (``ScheduleError`` if a synthesizer
+    wrote a wrong one), cached per process and size class (a power of 4 bytes from 64 KiB to 256 MiB:
+    the best chunking depends on the size; every rank asks with the same bytes, so gets the same one)."""
+    size = 64 << 10
+    while size < min(float(nbytes), 256 << 20) / 2:
+        size *= 4
+    return _schedule(collective, links, size)
 
 
 @functools.lru_cache(maxsize=64)
-def schedule_for(collective: str, links: LinkMap):
-    """The synthesized schedule of ``collective`` ("allreduce", "reduce_scatter", "all_gather") for
-    ``links``, checked (``ScheduleError`` if a synthesizer wrote a wrong one), cached per process."""
+def _schedule(collective: str, links: LinkMap, nbytes: int):
     from ..synthesis.check import check
     from ..synthesis.synthesize import synthesize
 
-    sched = synthesize(_IR[collective], links)
+    sched = synthesize(_IR[collective], links, nbytes=nbytes)
     check(sched)
     return sched
 
@@ -190,8 +200,9 @@ class Synth(Algorithm):
         return (HIER_REDUCE_SCATTER, HIER_ALL_REDUCE, HIER_ALL_GATHER, HIER_RS_RAIL, HIER_AG_RAIL, HIER_AG_INTRA)
 
     # ----------------------------------------------------------------------------- model
-    def _schedule(self, collective: str, topology: Topology):
-        return schedule_for(collective, rail_links(topology))
+    def _schedule(self, collective: str, topology: Topology, nbytes: float):
+        """The rail's schedule for a call of ``nbytes`` (as :meth:`traffic` counts them)."""
+        return schedule_for(collective, rail_links(topology), self._rail_bytes(collective, nbytes, topology))
 
     def _rail_bytes(self, collective: str, nbytes: float, topology: Topology) -> float:
         """The bytes of the buffer one rail's schedule runs on: the all-reduce's 1/L shard, or the
@@ -209,7 +220,7 @@ class Synth(Algorithm):
             per_pair = 2 * nbytes / local if collective == "allreduce" else topology.num_nodes * nbytes / p
             for node in topology.nodes:
                 t.all_pairs(node, per_pair)
-        sched = self._schedule(collective, topology)
+        sched = self._schedule(collective, topology, nbytes)
         rail_n = self._rail_bytes(collective, nbytes, topology)
         for j in range(local):
             rail = sorted(node[j] for node in topology.nodes)
@@ -228,12 +239,12 @@ class Synth(Algorithm):
         links = rail_links(topology)
         if topology.links is None:  # no map: the model's inter-node level, shared by the rails
             links = LinkMap.star([1 / model.inter.beta / local] * topology.num_nodes, alpha=model.inter.alpha)
-        sched = schedule_for(collective, links)
-        return rounds * intra + simulate(sched, links, int(self._rail_bytes(collective, nbytes, topology)))
+        rail_n = self._rail_bytes(collective, nbytes, topology)
+        return rounds * intra + simulate(schedule_for(collective, links, rail_n), links, int(rail_n))
 
     # ----------------------------------------------------------------------------- phases
     def _rail_phase(self, collective: str, call: Call, buf: torch.Tensor, group, deadline) -> Phase:
-        sched = self._schedule(collective, call.topology)
+        sched = schedule_for(collective, rail_links(call.topology), buf.numel() * buf.element_size())
         op = f"{collective}/synth"
 
         def run() -> int:
