@@ -134,3 +134,38 @@ def test_dead_peer_is_a_timeout(ranks):
     """docs/faults.md row 46: a rank that never takes part leaves the others with CommTimeoutError
     within the deadline (never a hang)."""
     assert ranks(3, _dead_peer, timeout=60) == ["raised", "raised", "absent"]
+
+
+def _diloco(links: bool) -> list:
+    from torch import nn
+
+    from commopt.comm import context
+    from commopt.schedules import DiLoCo
+
+    rank = dist.get_rank()
+    base = Topology.from_spec("3x1")
+    topo = Topology(nodes=base.nodes, rank=base.rank, world_size=3, links=_links(3, 1, False) if links else None)
+    torch.manual_seed(0)
+    model = nn.Linear(300, 300)  # 360 KB of pseudo-gradient: where the schedule beats the ring (auto weighs it)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = context().engine().bytes_sent().get("all_reduce/synth", 0)
+    dl = DiLoCo(model, opt, sync_every=2, topology=topo)
+    for step in range(4):
+        x = torch.randn(8, 300, generator=torch.Generator().manual_seed(10 * rank + step))
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+        dl.step()
+    ran = context().engine().bytes_sent().get("all_reduce/synth", 0) > before
+    return [ran] + [b.clone() for b in dl.backups.values()]
+
+
+def test_diloco_outer_sync_runs_on_synth_where_links_differ(ranks):
+    """DiLoCo's exact outer all-reduce weighs synth where the links differ (a 3x1 star with a slow node):
+    it runs there, every worker holds the same global weights, close to the outer sync on gloo's ring."""
+    on = ranks(3, _diloco, True, timeout=120)
+    off = ranks(3, _diloco, False, timeout=120)
+    assert all(r[0] for r in on) and not any(r[0] for r in off)
+    for r in on:
+        assert all(torch.equal(a, b) for a, b in zip(r[1:], on[0][1:]))
+    assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(on[0][1:], off[0][1:]))
