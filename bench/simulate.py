@@ -57,6 +57,13 @@ def _parser() -> argparse.ArgumentParser:
                         "commopt-bench overlap measures it)")
     p.add_argument("--tp", type=int, default=0, help="also model the blocks under tensor + sequence parallelism "
                    "of this size inside a node: torch's unfused plan against commopt's decomposed styles")
+    p.add_argument("--link-rates", default=None, metavar="R0,R1,..",
+                   help="links that differ: a star of per-node rates (tc units); prints the collectives' ring, "
+                        "synthesized schedule and cut bound instead of the model's iteration (synthesized collectives)")
+    p.add_argument("--up-rates", default=None, metavar="R0,R1,..", help="with --link-rates: the nodes' up rates")
+    p.add_argument("--pair-rates", default=None, metavar="0-1:R,..",
+                   help="links that differ: a direct-connect mesh of pair rates (e.g. 0-1:200mbit,1-2:200mbit,"
+                        "0-2:50mbit)")
     p.add_argument("--png", default="simulate-timeline.png", help="timeline PNG ('' to skip)")
     p.add_argument("--json", default=None)
     return p
@@ -218,5 +225,14 @@ def _plot(results: dict, path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    run(_parser().parse_args(argv))
+    args = _parser().parse_args(argv)
+    if args.link_rates or args.pair_rates:
+        from ._simulate_synth import links_from, run_synth
+
+        rows = run_synth(links_from(args.link_rates, args.pair_rates, args.up_rates))
+        if args.json:
+            with open(args.json, "w", encoding="utf-8") as f:
+                json.dump({"kind": "simulate-synth", "results": rows}, f, indent=1)
+        return 0
+    run(args)
     return 0

@@ -224,7 +224,7 @@ class Synth(Algorithm):
         rail_n = self._rail_bytes(collective, nbytes, topology)
         for j in range(local):
             rail = sorted(node[j] for node in topology.nodes)
-            for (a, b), v in link_bytes(sched, int(rail_n // itemsize) * itemsize).items():
+            for (a, b), v in link_bytes(sched, int(rail_n // itemsize) * itemsize, itemsize=itemsize).items():
                 t.add(rail[a], rail[b], v)
         return t
 
