@@ -17,7 +17,7 @@ The L rails of a node share its links, so a rail's schedule is synthesized for t
 rate divided by L. The schedule is synthesized once per (collective, map) and cached in the process
 (every rank computes the same one: synthesis is deterministic for its seed).
 
-**The executor** (:func:`run_schedule`): every receive of the rank's steps is posted at once into a
+**The executor** (``comm/synthesis/run.py``): every receive of the rank's steps is posted at once into a
 buffer of its own (gloo moves a payload only once its receiver is ready: posted late, a receive waits
 behind the sender's other traffic), each with a tag numbering the messages of its (sender, receiver)
 pair in list order, so that the k-th send pairs with the k-th receive whatever order they are issued
@@ -32,18 +32,15 @@ the call's deadline (``CommTimeoutError``), and the bytes sent are counted.
 from __future__ import annotations
 
 import functools
-import threading
-import time
-from concurrent.futures import ThreadPoolExecutor
-from datetime import timedelta
 
 import torch
-import torch.distributed as dist
-from torch.distributed import ReduceOp
 
 from ..engine import Phase
-from ..errors import CommTimeoutError
 from ..links import CostModel, LinkMap
+from ..synthesis.check import check
+from ..synthesis.run import run_schedule
+from ..synthesis.sim import link_bytes, simulate
+from ..synthesis.synthesize import synthesize
 from ..topology import Topology
 from ._transport import deadline_of, exchange_all_gather, exchange_reduce_scatter, remaining, then_finish
 from .base import Algorithm, Call, Traffic
@@ -53,7 +50,6 @@ from .roles import HIER_AG_INTRA, HIER_AG_RAIL, HIER_ALL_GATHER, HIER_ALL_REDUCE
 __all__ = ["Synth", "SYNTH", "run_schedule", "rail_links", "schedule_for"]
 
 _IR = {"allreduce": "allreduce", "reduce_scatter": "reducescatter", "all_gather": "allgather"}
-_COMBINE = {ReduceOp.SUM: torch.add, ReduceOp.MAX: torch.maximum, ReduceOp.MIN: torch.minimum}
 
 
 def rail_links(topology: Topology) -> LinkMap:
@@ -89,101 +85,9 @@ def schedule_for(collective: str, links: LinkMap, nbytes: float = 16 << 20):
 
 @functools.lru_cache(maxsize=64)
 def _schedule(collective: str, links: LinkMap, nbytes: int):
-    from ..synthesis.check import check
-    from ..synthesis.synthesize import synthesize
-
     sched = synthesize(_IR[collective], links, nbytes=nbytes)
     check(sched)
     return sched
-
-
-def run_schedule(sched, buf: torch.Tensor, group, red: ReduceOp | None, deadline: float | None, op: str) -> int:
-    """Run this rank's steps of ``sched`` on the flat buffer ``buf`` (the collective's whole buffer, see
-    the IR), in place, over ``group`` (schedule rank i = group rank i). Returns the bytes sent.
-
-    gloo's point-to-point works have no future and report completion only to ``wait()``, so each
-    transfer in flight has a thread waiting for it (bounded by the deadline) that wakes this one; this
-    thread starts every step whose dependencies are done, in list order.
-
-    Raises:
-        CommTimeoutError: a transfer failed or the deadline passed (a peer dead or stalled).
-    """
-    me = dist.get_rank(group)
-    steps = sched.steps[me]
-    bounds = sched.bounds(buf.numel())
-    combine = _COMBINE[red if red is not None else ReduceOp.SUM]
-    tags, counts = [], {}
-    for s in steps:  # the k-th message of a (sender, receiver) pair carries tag k, on both sides
-        key = ("s" if s.op == "send" else "r", s.peer)
-        counts[key] = counts.get(key, -1) + 1
-        tags.append(counts[key])
-    cond = threading.Condition()
-    arrived: dict[int, BaseException | None] = {}
-    pool = ThreadPoolExecutor(max_workers=max(1, len(steps)), thread_name_prefix="commopt-synth")
-
-    def watch(i: int, work) -> None:
-        error = None
-        try:
-            work.wait() if deadline is None else work.wait(timedelta(seconds=max(1e-3, deadline - time.monotonic())))
-        except RuntimeError as exc:
-            error = exc
-        with cond:
-            arrived[i] = error
-            cond.notify()
-
-    payloads: dict[int, torch.Tensor] = {}
-    try:
-        for i, s in enumerate(steps):  # every receive posted first
-            if s.op != "send":
-                payloads[i] = buf.new_empty(sum(bounds[c][1] - bounds[c][0] for c in s.chunks))
-                pool.submit(watch, i, dist.irecv(payloads[i], group=group, group_src=s.peer, tag=tags[i]))
-        done = [False] * len(steps)
-        started = [False] * len(steps)
-        sent, left = 0, len(steps)
-        while left:
-            progress = False
-            for i, s in enumerate(steps):
-                if done[i] or not all(done[d] for d in s.deps):
-                    continue
-                if s.op == "send" and not started[i]:
-                    parts = [buf[bounds[c][0]:bounds[c][1]] for c in s.chunks]
-                    payloads[i] = parts[0] if len(parts) == 1 else torch.cat(parts)
-                    pool.submit(watch, i, dist.isend(payloads[i], group=group, group_dst=s.peer, tag=tags[i]))
-                    started[i] = progress = True
-                    sent += payloads[i].numel() * payloads[i].element_size()
-                with cond:
-                    if i not in arrived:
-                        continue
-                    error = arrived[i]
-                if error is not None:
-                    raise CommTimeoutError(f"{op}: rank {me}'s {s.op} with rank {s.peer} (step {i}) failed: {error}",
-                                           op=op, ranks=[me]) from error
-                if s.op != "send":
-                    pos = 0
-                    for c in s.chunks:
-                        a, b = bounds[c]
-                        piece = payloads[i][pos:pos + b - a]
-                        if s.op == "recv":
-                            buf[a:b].copy_(piece)
-                        else:
-                            combine(buf[a:b], piece, out=buf[a:b])
-                        pos += b - a
-                done[i] = progress = True
-                left -= 1
-            if progress:
-                continue
-            with cond:
-                if not any(i in arrived and not done[i] for i in range(len(steps))):
-                    wait = None if deadline is None else deadline - time.monotonic()
-                    if wait is not None and wait <= 0:
-                        waiting = [i for i in range(len(steps)) if not done[i]]
-                        raise CommTimeoutError(f"{op}: rank {me} waited past the deadline for steps {waiting[:8]} "
-                                               f"of its schedule (first: {steps[waiting[0]]}); a peer is dead or "
-                                               f"stalled", op=op, ranks=[me])
-                    cond.wait(wait)
-        return sent
-    finally:
-        pool.shutdown(wait=False)  # a failed call's waiters end at the deadline
 
 
 class Synth(Algorithm):
@@ -210,8 +114,6 @@ class Synth(Algorithm):
         return nbytes / topology.local_size
 
     def traffic(self, collective: str, nbytes: float, topology: Topology, *, itemsize: int = 1) -> Traffic:
-        from ..synthesis.sim import link_bytes
-
         t = Traffic(topology)
         p, local = topology.world_size, topology.local_size
         if p == 1 or not nbytes:
@@ -229,8 +131,6 @@ class Synth(Algorithm):
         return t
 
     def cost(self, model: CostModel, collective: str, nbytes: float, topology: Topology) -> float:
-        from ..synthesis.sim import simulate
-
         if topology.world_size == 1 or not nbytes:
             return 0.0
         local = topology.local_size

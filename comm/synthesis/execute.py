@@ -11,6 +11,7 @@ from torch.distributed import ReduceOp
 
 from .check import check
 from .ir import Schedule, ScheduleError
+from .run import run_schedule
 
 __all__ = ["execute"]
 
@@ -30,8 +31,6 @@ def execute(schedule: Schedule, buffer: torch.Tensor, *, group=None, op: ReduceO
         TypeError: ``buffer`` is not a contiguous 1-D tensor.
         CommTimeoutError: a peer failed or did not take part within ``timeout`` seconds.
     """
-    from ..algorithms.synth import run_schedule
-
     if not isinstance(buffer, torch.Tensor) or buffer.dim() != 1 or not buffer.is_contiguous():
         raise TypeError(f"execute: buffer must be a contiguous 1-D tensor (the collective's whole buffer), got "
                         f"{type(buffer).__name__} {getattr(buffer, 'shape', '')}")
