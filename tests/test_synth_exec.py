@@ -193,6 +193,11 @@ def _imported(name: str) -> bool:
     broken.steps[0] = broken.steps[0][:-1]  # rank 0 drops its last step: its partner's message has no pair
     with pytest.raises(ScheduleError, match="pairing"):
         execute(broken, ints[rank].clone(), timeout=10)
+    # a schedule for another world size, refused the same way
+    from commopt.comm.synthesis import synthesize
+
+    with pytest.raises(ScheduleError, match=f"is for 2 ranks, the group has {world}"):
+        execute(synthesize("allreduce", LinkMap.star([25e6, 6.25e6])), ints[rank].clone(), timeout=10)
     return True
 
 
