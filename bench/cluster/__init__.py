@@ -1,8 +1,9 @@
 """``commopt-bench cluster``: an emulated multi-node cluster on one Linux box (docs/architecture.md section 5.9).
 
-One network namespace per node, joined to a fabric by a tbf-shaped link, loopback inside a node. By
-concern: ``netns`` (the namespaces, links and processes: :class:`Cluster`), ``host`` (what the cluster
-needs of the host, and what dead runs left on it), ``probe`` (the link-rate probe, a module run with
+One network namespace per node, joined to a fabric by a tbf-shaped link (a star), or to every other
+node by one (a mesh), loopback inside a node. By concern: ``fabric`` (the configured links and their
+options: :class:`Fabric`), ``netns`` (the namespaces, links and processes: :class:`Cluster`), ``host``
+(what the cluster needs of the host, and what dead runs left on it), ``probe`` (the link-rate probe, a module run with
 ``python -m``), ``launch`` (the ranks, their environments and output) and ``cli`` (``main``).
 Importing this package imports no torch: the probe agent runs inside it, in every node.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 from ._proc import ClusterError
 from .cli import main
+from .fabric import Fabric, parse_fabric
 from .host import (
     CAP_NET_ADMIN,
     CAP_SYS_ADMIN,
@@ -31,6 +33,7 @@ __all__ = [
     "CAP_SYS_ADMIN",
     "Cluster",
     "ClusterError",
+    "Fabric",
     "LinkProbe",
     "check_requirements",
     "cleanup_leftovers",
@@ -40,6 +43,7 @@ __all__ = [
     "main",
     "missing_requirements",
     "parse_cap_eff",
+    "parse_fabric",
     "parse_rate",
     "place_ranks",
     "rank_environments",

@@ -9,8 +9,12 @@ namespace (docs/architecture.md section 5.9)::
     commopt-bench cluster --nodes 2 --ranks-per-node 2 --link-rate 200mbit -- \\
         commopt-bench collectives --op allreduce --algo flat,hierarchical,auto --sizes 1M,4M,16M
 
+The links need not be alike (``fabric``): one rate per node (``--link-rates``), up and down apart
+(``--up-rates``, ``--down-rates``), or a direct-connect mesh with a rate per node pair (``--fabric mesh
+--pair-rates 0-1:200mbit,1-2:200mbit,0-2:50mbit``); the ranks then get the map (``COMMOPT_LINK_MAP``).
+
 :func:`main`: (1) checks the usage, then the privileges; (2) builds the cluster (``netns``); (3) probes
-each link's achieved rate (``probe``) and prints it with the configured one; (4) starts the switch and
+every directed link's achieved rate (``probe``) and prints it with the configured one; (4) starts the switch and
 the membership coordinator where asked, each in its own namespace; (5) runs the ranks, their output
 prefixed (``launch``; with ``--elastic``, one world per node, faults injected and nodes restarted while
 the survivors run on: ``faults``); (6) tears everything down, whatever happens, a signal included.
@@ -42,10 +46,12 @@ from collections.abc import Iterator
 from typing import IO
 
 from ._proc import ClusterError
+from .fabric import Fabric, parse_fabric
 from .faults import Fault, Restart, check_plan, parse_fault, parse_restart, run_elastic
 from .host import check_requirements, cleanup_leftovers, parse_cap_eff
 from .launch import _is_terminal, _note, place_ranks, rank_environments, run_ranks
-from .netns import _MAX_NODES, Cluster, parse_rate
+from .netns import _MAX_NODES, Cluster
+from .probe import LinkProbe
 
 __all__ = ["main"]
 
@@ -70,20 +76,47 @@ def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="commopt-bench cluster",
         usage="commopt-bench cluster --nodes N --ranks-per-node L --link-rate RATE [options] "
-              "-- COMMAND...\n       commopt-bench cluster --cleanup",
+              "-- COMMAND...\n       commopt-bench cluster --nodes N --link-rates R0,R1,.. [--up-rates ..] "
+              "[--down-rates ..] [options] -- COMMAND...\n       commopt-bench cluster --nodes N --fabric mesh "
+              "--pair-rates 0-1:R,1-2:R,0-2:R [options] -- COMMAND...\n       commopt-bench cluster --cleanup",
         description="Emulate N nodes on this machine: one network namespace per node joined to a star "
                     "fabric by a tbf-shaped link, loopback inside a node; run COMMAND once per rank "
                     "inside its node, with RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, "
-                    "MASTER_PORT, GLOO_SOCKET_IFNAME, COMMOPT_NODES, COMMOPT_LINK_RATE_BPS and "
-                    "COMMOPT_LINK_MEASURED_BPS set (and COMMOPT_PROGRESS=1 when this stderr is a "
+                    "MASTER_PORT, GLOO_SOCKET_IFNAME, COMMOPT_NODES, COMMOPT_LINK_RATE_BPS (the slowest "
+                    "configured link) and COMMOPT_LINK_MEASURED_BPS (the slowest probed one) set, "
+                    "COMMOPT_LINK_MAP where the links are not all alike (and COMMOPT_PROGRESS=1 when this stderr is a "
                     "terminal: rank 0's progress bar is redrawn there). Needs root (CAP_NET_ADMIN, "
                     "CAP_SYS_ADMIN) and iproute2. Returns the first failing rank's exit code (with --elastic: "
                     "of the ranks no fault hit, and of restarted ranks).")
     parser.add_argument("--nodes", type=int, help="number of nodes N")
     parser.add_argument("--ranks-per-node", type=int, default=1, help="ranks per node L (default 1)")
-    parser.add_argument("--link-rate", default="1gbit",
+    parser.add_argument("--link-rate", default=None,
                         help="rate of each node's link, each direction, in tc units: 200mbit, 1gbit "
                              "(bps/kbps/mbps are BYTES per second, as in tc). Default 1gbit")
+    links = parser.add_argument_group(
+        "links that are not all alike",
+        "A star (the default: one bridge, one shaped link per node) takes one rate per node; a direct-connect "
+        "mesh takes one per node pair. Where the links differ (and for every mesh) each rank gets COMMOPT_LINK_MAP, "
+        "the JSON of commopt.comm.links.LinkMap in BYTES per second (tc's configured rates), which "
+        "Topology.from_env() reads as Topology.links; COMMOPT_LINK_RATE_BPS is the slowest link's rate. Every "
+        "directed link is probed (N-1 rounds of --probe-seconds) and printed beside its configured rate.")
+    links.add_argument("--link-rates", default=None, metavar="R0,R1,..",
+                       help="a star's rate per node, both directions, in node order (instead of --link-rate), "
+                            "e.g. 200mbit,200mbit,50mbit")
+    links.add_argument("--up-rates", default=None, metavar="R0,R1,..",
+                       help="a star: what each node sends (its own end of its link is shaped at it); replaces that "
+                            "direction of --link-rate(s)")
+    links.add_argument("--down-rates", default=None, metavar="R0,R1,..",
+                       help="a star: what each node receives (the bridge's end of its link); replaces that "
+                            "direction of --link-rate(s)")
+    links.add_argument("--fabric", choices=("star", "mesh"), default="star",
+                       help="star (default): one bridge; mesh: no bridge, one shaped veth pair per node pair, each "
+                            "node's address (GLOO_SOCKET_IFNAME) on its own interface with a /32 route to every "
+                            "peer over their pair's link. No switch node or coordinator (they join a star's bridge)")
+    links.add_argument("--pair-rates", default=None, metavar="I-J:R,..",
+                       help="with --fabric mesh: every node pair's rate; I-J:R both directions, I>J:R from I to J "
+                            "only, e.g. 0-1:200mbit,1-2:200mbit,0-2:50mbit. Every pair needs a link: gloo connects "
+                            "every pair of ranks and the nodes do not forward")
     parser.add_argument("--placement", choices=("contiguous", "interleaved"), default="contiguous",
                         help="contiguous: ranks node by node (0,1;2,3); interleaved: rank r on node "
                              "r %% N (0,2;1,3), the pathological placement")
@@ -92,10 +125,11 @@ def _build_parser() -> argparse.ArgumentParser:
                              "rate (a real switch has one NIC-speed port per node); run `commopt-bench "
                              "ina-switch` in it and export COMMOPT_INA_SWITCH=host:port")
     parser.add_argument("--probe-seconds", type=float, default=1.0,
-                        help="duration of the link-rate probe before the run (0 skips it); default 1. "
-                             "It reports TCP goodput, about 4.5%% below the configured rate on a "
-                             "perfect link (tbf counts the headers), and exports it as "
-                             "COMMOPT_LINK_MEASURED_BPS")
+                        help="duration of each round of the link-rate probe before the run (0 skips it); "
+                             "default 1. N-1 rounds (in round k node i sends to node i+k) measure every directed "
+                             "link; a 2-node cluster needs one. It reports TCP goodput, about 4.5%% below the "
+                             "configured rate on a perfect link (tbf counts the headers), and exports the "
+                             "slowest link's as COMMOPT_LINK_MEASURED_BPS")
     parser.add_argument("--strict", action="store_true",
                         help="refuse to run when the probed rate is more than 15%% off the configured one")
     parser.add_argument("--delay", type=float, default=0.0, metavar="MS",
@@ -209,13 +243,19 @@ def main(argv: list[str]) -> int:
             parser.print_usage(sys.stderr)
             return _fail("--nodes and a COMMAND after `--` are required", 2)
         try:
-            rate = parse_rate(args.link_rate)
             layout = place_ranks(args.nodes, args.ranks_per_node, args.placement)
             if not 1 <= args.nodes <= _MAX_NODES:
                 raise ValueError(f"--nodes must be in 1..{_MAX_NODES}, got {args.nodes}")
+            fabric = parse_fabric(args.nodes, fabric=args.fabric, link_rate=args.link_rate, link_rates=args.link_rates,
+                                  up_rates=args.up_rates, down_rates=args.down_rates, pair_rates=args.pair_rates)
             if args.delay < 0 or args.probe_seconds < 0:
                 raise ValueError("--delay and --probe-seconds must not be negative")
             plan = _elastic_plan(args)
+            if fabric.kind == "mesh" and (args.switch_node or args.coordinator):
+                given = "--switch-node" if args.switch_node else "--elastic" if args.elastic else "--coordinator"
+                raise ValueError(f"{given} needs the star fabric: the switch and the coordinator join the star's "
+                                 "bridge, and a direct-connect mesh has none; drop --fabric mesh (--link-rates and "
+                                 "--up-rates/--down-rates make a star's links unequal)")
         except ValueError as e:
             return _fail(str(e), 2)
         if args.switch_node and importlib.util.find_spec("commopt.bench.ina_switch") is None:
@@ -242,11 +282,11 @@ def main(argv: list[str]) -> int:
         return 0
 
     interrupts = _Interrupts()
-    cluster = Cluster(args.nodes, rate, switch_node=args.switch_node, coordinator=args.coordinator,
+    cluster = Cluster(args.nodes, fabric=fabric, switch_node=args.switch_node, coordinator=args.coordinator,
                       delay_ms=args.delay, ip=ip, tc=tc, shield=interrupts.shield)
     old = {s: signal.signal(s, interrupts.handler) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
-        return _run(args, cluster, layout, command, rate, err, plan)
+        return _run(args, cluster, layout, command, fabric, err, plan)
     except _Interrupted as e:
         _note(err, f"interrupted by {signal.Signals(e.signum).name}; tearing down")
         return 128 + e.signum
@@ -314,7 +354,7 @@ def _fail(message: str, code: int) -> int:
 
 
 def _run(args: argparse.Namespace, cluster: Cluster, layout: list[list[int]], command: list[str],
-         rate: int, err: IO[bytes], plan: tuple[list[Fault], list[Restart]]) -> int:
+         fabric: Fabric, err: IO[bytes], plan: tuple[list[Fault], list[Restart]]) -> int:
     """Open the run's files, then build, probe, run (the part of main() that its teardown guards).
 
     The events file is opened first, so that a path that cannot be written fails before anything is
@@ -328,36 +368,35 @@ def _run(args: argparse.Namespace, cluster: Cluster, layout: list[list[int]], co
             except OSError as e:
                 raise ClusterError(f"--events {args.events}: cannot write it ({e}); give a writable path") from None
         step_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="commopt-steps-")) if plan[0] else None
-        return _build_and_run(args, cluster, layout, command, rate, err, plan, events, step_dir)
+        return _build_and_run(args, cluster, layout, command, fabric, err, plan, events, step_dir)
 
 
 def _build_and_run(args: argparse.Namespace, cluster: Cluster, layout: list[list[int]], command: list[str],
-                   rate: int, err: IO[bytes], plan: tuple[list[Fault], list[Restart]], events: IO[str] | None,
+                   fabric: Fabric, err: IO[bytes], plan: tuple[list[Fault], list[Restart]], events: IO[str] | None,
                    step_dir: str | None) -> int:
     from commopt.comm.topology import format_nodes  # already imported by parse_rate()
 
     t0 = time.monotonic()
     cluster.up()
-    _note(err, f"{args.nodes} node(s) x {args.ranks_per_node} rank(s), {args.placement}, link "
-               f"{rate / 1e6:g} Mbit/s, layout {format_nodes(layout)}, prefix {cluster.prefix}, "
-               f"up in {time.monotonic() - t0:.2f} s")
+    _note(err, f"{args.nodes} node(s) x {args.ranks_per_node} rank(s), {args.placement}, {fabric.describe()}, "
+               f"layout {format_nodes(layout)}, prefix {cluster.prefix}, up in {time.monotonic() - t0:.2f} s")
+    rate = fabric.slowest
     record: dict[str, object] = {"nodes": args.nodes, "ranks_per_node": args.ranks_per_node,
                                  "placement": args.placement, "layout": format_nodes(layout),
-                                 "link_rate_bps": rate, "switch_node": args.switch_node}
+                                 "link_rate_bps": rate, "switch_node": args.switch_node, "fabric": fabric.kind}
+    if fabric.kind == "mesh" or not fabric.uniform_links:
+        record["configured_links"] = fabric.configured()
     measured = None
     if args.probe_seconds > 0 and args.nodes >= 2:
         probe = cluster.probe(args.probe_seconds)
         measured = probe.bps
         record.update(probe.to_json())
-        links = ", ".join(f"{name} {bps / 1e6:.1f}" for name, bps in probe.links)
-        print(f"[cluster] link probe: {measured / 1e6:.1f} Mbit/s measured vs {rate / 1e6:g} Mbit/s "
-              f"configured (ratio {measured / rate:.3f}; per link, Mbit/s: {links})", flush=True)
-        if probe.deviation > _WARN_DEVIATION:
+        line, warning = _probe_report(probe, fabric)
+        print(line, flush=True)
+        if warning:
             banner = "!" * 78
-            print(f"{banner}\n[cluster] WARNING: the measured link rate ({measured / 1e6:.1f} Mbit/s) is "
-                  f"{probe.deviation:.0%} off the configured {rate / 1e6:g} Mbit/s (> 15 %).\n"
-                  f"[cluster] Figures measured in this cluster will not reflect the configured link "
-                  f"(busy CPUs? try a lower --link-rate).\n{banner}", file=sys.stderr, flush=True)
+            print(f"{banner}\n[cluster] WARNING: {warning}\n[cluster] Figures measured in this cluster will not "
+                  f"reflect the configured links (busy CPUs? try lower rates).\n{banner}", file=sys.stderr, flush=True)
             if args.strict:
                 _fail("--strict: refusing to run on this link", 3)
                 record["refused"] = True
@@ -392,7 +431,7 @@ def _build_and_run(args: argparse.Namespace, cluster: Cluster, layout: list[list
     envs = rank_environments(layout, base_env, master_addr=cluster.node_address(0),
                              master_port=_MASTER_PORT,
                              ifnames=[cluster.ifname(n) for n in range(args.nodes)],
-                             link_rate_bps=rate, measured_bps=measured, ina_switch=ina,
+                             link_rate_bps=rate, measured_bps=measured, link_map=fabric.link_map(), ina_switch=ina,
                              coordinator=coordinator, elastic=args.elastic, step_dir=step_dir)
     if not args.elastic:
         return run_ranks(cluster, layout, command, envs, timeout=args.timeout, stdout=sys.stdout.buffer,
@@ -401,6 +440,31 @@ def _build_and_run(args: argparse.Namespace, cluster: Cluster, layout: list[list
     return run_elastic(cluster, layout, command, envs, faults=faults, restarts=restarts, step_dir=step_dir,
                        timeout=args.timeout, stdout=sys.stdout.buffer, stderr=err, events=events,
                        extra_streams=extra)
+
+
+def _probe_report(probe: LinkProbe, fabric: Fabric) -> tuple[str, str | None]:
+    """The probe's line, and the warning when a link is more than 15 % off its configured rate (or None).
+
+    On a uniform star the line gives the slowest link against the one configured rate; elsewhere every
+    directed link is printed against its own configured rate.
+    """
+    rate, measured = fabric.slowest, probe.bps
+    if not probe.configured_links:
+        links = ", ".join(f"{name} {bps / 1e6:.1f}" for name, bps in probe.links)
+        line = (f"[cluster] link probe: {measured / 1e6:.1f} Mbit/s measured vs {rate / 1e6:g} Mbit/s configured "
+                f"(ratio {measured / rate:.3f}; per link, Mbit/s: {links})")
+        warning = (f"the measured link rate ({measured / 1e6:.1f} Mbit/s) is {probe.deviation:.0%} off the configured "
+                   f"{rate / 1e6:g} Mbit/s (> 15 %).")
+        return line, warning if probe.deviation > _WARN_DEVIATION else None
+    parts, off = [], []
+    for name, bps in sorted(probe.links):
+        cfg = probe.configured(name)
+        parts.append(f"{name} {bps / 1e6:.1f}/{cfg / 1e6:g}")
+        if abs(bps - cfg) / cfg > _WARN_DEVIATION:
+            off.append(f"{name} {bps / 1e6:.1f} of {cfg / 1e6:g} Mbit/s ({abs(bps - cfg) / cfg:.0%} off)")
+    line = (f"[cluster] link probe ({fabric.kind}), every directed link, Mbit/s measured/configured: "
+            f"{', '.join(parts)}; slowest {measured / 1e6:.1f} measured vs {rate / 1e6:g} configured")
+    return line, (f"link(s) more than 15 % off their configured rate: {', '.join(off)}." if off else None)
 
 
 def _emit_record(record: dict[str, object], path: str | None) -> None:

@@ -35,7 +35,7 @@ CAP_NET_ADMIN = 12  # veth pairs, bridges, addresses, tc qdiscs
 CAP_SYS_ADMIN = 21  # `ip netns add` bind-mounts the namespace under /run/netns
 
 _NETNS_DIR = "/var/run/netns"  # where `ip netns add` mounts named namespaces (iproute2's NETNS_RUN_DIR)
-_PREFIX_RE = re.compile(r"^(co-([0-9a-f]+)-([0-9a-f]+)-[0-9a-f]{4})-(fab|sw|n\d+)$")
+_PREFIX_RE = re.compile(r"^(co-([0-9a-f]+)-([0-9a-f]+)-[0-9a-f]{4})-(fab|sw|co|n\d+)$")
 
 
 # --------------------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ Nothing here reads environment variables (docs/architecture.md section 6.3): the
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import threading
@@ -24,9 +25,9 @@ from .netns import Cluster
 __all__ = ["place_ranks", "rank_environments", "run_ranks"]
 
 # Set by the launcher only in some runs: never inherited from an outer launcher.
-_OPTIONAL_VARS = ("COMMOPT_LINK_MEASURED_BPS", "COMMOPT_INA_SWITCH", "COMMOPT_COORDINATOR", "COMMOPT_STEP_DIR",
-                  "COMMOPT_REPLICA_ID", "COMMOPT_NUM_REPLICAS", "COMMOPT_RESTART", "GROUP_RANK", "LOCAL_RANK",
-                  "LOCAL_WORLD_SIZE")
+_OPTIONAL_VARS = ("COMMOPT_LINK_MEASURED_BPS", "COMMOPT_LINK_MAP", "COMMOPT_INA_SWITCH", "COMMOPT_COORDINATOR",
+                  "COMMOPT_STEP_DIR", "COMMOPT_REPLICA_ID", "COMMOPT_NUM_REPLICAS", "COMMOPT_RESTART", "GROUP_RANK",
+                  "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 
 
 def place_ranks(nodes: int, ranks_per_node: int, placement: str = "contiguous") -> list[list[int]]:
@@ -56,7 +57,7 @@ def place_ranks(nodes: int, ranks_per_node: int, placement: str = "contiguous") 
 
 def rank_environments(layout: Sequence[Sequence[int]], base_env: dict[str, str], *,
                       master_addr: str, master_port: int, ifnames: Sequence[str],
-                      link_rate_bps: int, measured_bps: int | None = None,
+                      link_rate_bps: int, measured_bps: int | None = None, link_map: dict | None = None,
                       ina_switch: str | None = None, coordinator: str | None = None,
                       elastic: bool = False, step_dir: str | None = None) -> list[dict[str, str]]:
     """The environment of every rank (index = the launcher's rank, the ``k`` of ``[rank k]``).
@@ -66,7 +67,9 @@ def rank_environments(layout: Sequence[Sequence[int]], base_env: dict[str, str],
     ``GLOO_SOCKET_IFNAME`` (the node's veth: gloo then binds the node address, so intra-node pairs
     go over local routing and inter-node pairs over the shaped link), ``COMMOPT_NODES`` (so
     interleaved placement is expressible), ``COMMOPT_LINK_RATE_BPS`` and, when probed,
-    ``COMMOPT_LINK_MEASURED_BPS``; ``COMMOPT_INA_SWITCH`` with a switch node;
+    ``COMMOPT_LINK_MEASURED_BPS`` (the slowest link's rates where links differ);
+    ``COMMOPT_LINK_MAP`` where the links are not all alike (``Topology.links``);
+    ``COMMOPT_INA_SWITCH`` with a switch node;
     ``COMMOPT_COORDINATOR`` with a coordinator; ``COMMOPT_STEP_DIR`` where faults wait for a step
     (``progress.report_step`` writes there).
 
@@ -88,8 +91,10 @@ def rank_environments(layout: Sequence[Sequence[int]], base_env: dict[str, str],
         master_addr: node 0's address inside the fabric.
         master_port: the rendezvous port on node 0 (with ``elastic``: on every node's loopback).
         ifnames: the veth name of every node inside its namespace.
-        link_rate_bps: the configured per-node link rate.
+        link_rate_bps: the configured per-node link rate (the slowest link's, where they differ).
         measured_bps: the probed rate, or None when not probed.
+        link_map: ``commopt.comm.links.LinkMap.to_dict()`` of the links (bytes/s), or None on a uniform
+            cluster (whose environment then stays as it always was).
         ina_switch: ``"host:port"`` of the in-network aggregation switch, or None.
         coordinator: ``"host:port"`` of the membership coordinator, or None.
         elastic: one world per node (see above).
@@ -124,6 +129,7 @@ def rank_environments(layout: Sequence[Sequence[int]], base_env: dict[str, str],
                 "COMMOPT_LINK_RATE_BPS": str(int(link_rate_bps)),
             })
             optional = {"COMMOPT_LINK_MEASURED_BPS": None if measured_bps is None else str(int(measured_bps)),
+                        "COMMOPT_LINK_MAP": None if link_map is None else json.dumps(link_map),
                         "COMMOPT_INA_SWITCH": ina_switch, "COMMOPT_COORDINATOR": coordinator,
                         "COMMOPT_STEP_DIR": step_dir,
                         "COMMOPT_REPLICA_ID": str(node) if elastic else None,

@@ -1,19 +1,34 @@
 """The emulated cluster's namespaces, links and processes: :class:`Cluster`.
 
-Layout, for a run whose prefix is ``co-<launcher pid>-<launcher start time>-<tag>``::
+Layout, for a run whose prefix is ``co-<launcher pid>-<launcher start time>-<tag>``. A star (the default)::
 
     <prefix>-fab   the fabric: bridge ``cbr0``; port ``cf<i>`` per node, ``cfsw`` to the switch
     <prefix>-n<i>  node i: ``lo`` (intra-node traffic) and ``cn<i>`` = 10.77.0.<i+1>/24
     <prefix>-sw    with --switch-node: ``cnsw`` = 10.77.0.254/24
     <prefix>-co    with --coordinator: ``cnco`` = 10.77.0.253/24, an unshaped link (the control plane)
 
+A direct-connect mesh (``--fabric mesh``) has no fabric namespace and no bridge::
+
+    <prefix>-n<i>  node i: ``lo``; ``cn<i>`` = 10.77.0.<i+1>/32, its identity address (GLOO_SOCKET_IFNAME),
+                   on one end of a veth pair whose other end ``cn<i>p`` stays unused in the node (a dummy
+                   interface in effect: the kernels we run on lack the dummy driver); ``cp<j>``: its end of
+                   the veth pair to node j, with the route 10.77.0.<j+1>/32 dev cp<j> src 10.77.0.<i+1>
+
+so traffic to a peer leaves on that pair's link only, whatever address a socket is bound to, and
+arrives on the link whose route leads back to its source. Reverse-path filtering is set loose (2)
+in every node rather than left to what the host gives new namespaces (``devconf_inherit_init_net``
+can make it strict): the routes are symmetric, so strict filtering passes this traffic too, but
+nothing should hang on that. Forwarding is set off: traffic between two nodes is never relayed by a
+third one's kernel, only by a schedule.
+
 (1) namespaces, bridge and veth pairs are created inside the new namespaces only (the host's root
 namespace is never touched, and the 10.77.0.0/24 addresses exist nowhere else); (2) tbf shapes both
-ends of every node link, with a burst larger than a 64 KiB GSO super-packet (with a smaller one
-tbf must segment every super-packet, or on older kernels drops it and the rate collapses); on a
-6.18 kernel the probe then gets 95.5 % of the configured rate, i.e. the full rate less the
-Ethernet/IP/TCP headers; (3) everything is torn down whatever happens (what a SIGKILLed launcher
-left is found by its prefix: ``host.cleanup_leftovers``).
+ends of every link (a star: the node's end what it sends, the bridge's end what it receives; a mesh:
+each end what its node sends to that peer), with a burst larger than a 64 KiB GSO super-packet (with
+a smaller one tbf must segment every super-packet, or on older kernels drops it and the rate
+collapses); on a 6.18 kernel the probe then gets 95.5 % of the configured rate, i.e. the full rate
+less the Ethernet/IP/TCP headers; (3) everything is torn down whatever happens (what a SIGKILLed
+launcher left is found by its prefix: ``host.cleanup_leftovers``).
 
 Nothing here depends on netem: the kernels we run on lack it, so ``delay_ms`` detects its absence and
 says so. Nothing here reads environment variables (docs/architecture.md section 6.3).
@@ -34,6 +49,7 @@ from contextlib import AbstractContextManager
 from typing import IO
 
 from ._proc import _CMD_TIMEOUT_S, ClusterError, _close_pipes, _read_line, _terminate
+from .fabric import Fabric, parse_rate
 from .host import _process_start_ticks, _remove_namespaces
 from .probe import LinkProbe, agent_argv, exchange
 
@@ -44,33 +60,6 @@ _SWITCH_HOST = 254
 _COORDINATOR_HOST = 253
 _MAX_NODES = 200
 _MIN_BURST_BYTES = 128 * 1024  # > one 64 KiB GSO super-packet, with room to spare
-
-
-def parse_rate(text: str) -> int:
-    """Parse a link rate such as ``"200mbit"`` or ``"1gbit"`` into bit/s, as an integer.
-
-    The grammar is ``commopt.comm.topology.parse_rate``'s (tc's units: ``bit``/``kbit``/``mbit``/
-    ``gbit``/``tbit`` are bits per second, powers of 1000; ``bps``/``kbps``/``mbps``/``gbps`` are
-    *bytes* per second; a bare number is bit/s), rounded here to the one integer that both tc and the
-    ranks (``COMMOPT_LINK_RATE_BPS``) get, so that they agree.
-
-    Args:
-        text: the rate as given on the command line.
-
-    Returns:
-        The rate in bit/s, a positive integer.
-
-    Raises:
-        ValueError: the text is not a positive rate.
-    """
-    # Imported here: commopt.comm imports torch, which importing this package (the probe agent
-    # runs inside it) must not pay for.
-    from commopt.comm.topology import parse_rate as bits_per_second
-
-    value = int(round(bits_per_second(text)))
-    if value <= 0:  # e.g. "0.4bit": positive, but no rate tc can shape
-        raise ValueError(f"link rate must be positive, got {text!r}")
-    return value
 
 
 # --------------------------------------------------------------------------------------------------
@@ -88,12 +77,17 @@ class Cluster:
 
     Args:
         nodes: number of node namespaces.
-        link_rate_bps: the rate of each node's link, in both directions.
-        switch_node: add the switch namespace, linked at ``nodes`` x the node rate (a real switch has
-            one port per node, each as fast as that node's NIC).
+        link_rate_bps: the rate of each node's link, in both directions (a uniform star); or None
+            with ``fabric``.
+        fabric: the links when they are not all alike: a star of per-node up and down rates or a
+            direct-connect mesh (:class:`~commopt.bench.cluster.fabric.Fabric`, ``fabric.nodes`` =
+            ``nodes``); give it or ``link_rate_bps``, not both.
+        switch_node: add the switch namespace, linked at the sum of the node rates (a real switch has
+            one port per node, each as fast as that node's NIC). A star only.
         coordinator: add the coordinator namespace, joined to the fabric by an *unshaped* link: it is
             the control plane (heartbeats, the membership store), which must not queue behind the
-            data traffic it is there to judge, and whose bytes are not the job's to pay for.
+            data traffic it is there to judge, and whose bytes are not the job's to pay for. A star
+            only: a mesh has no shared segment to join it to.
         delay_ms: one-way delay per shaped link end; needs netem, which is detected, never assumed.
         ip: path of ``ip``.
         tc: path of ``tc``.
@@ -104,15 +98,27 @@ class Cluster:
             looked, a rank nobody kills), so the CLI's signal handlers wait for these to finish.
     """
 
-    def __init__(self, nodes: int, link_rate_bps: int, *, switch_node: bool = False,
-                 coordinator: bool = False, delay_ms: float = 0.0, ip: str = "ip", tc: str = "tc",
-                 tag: str | None = None, shield: Callable[[], AbstractContextManager] = contextlib.nullcontext):
+    def __init__(self, nodes: int, link_rate_bps: int | None = None, *, fabric: Fabric | None = None,
+                 switch_node: bool = False, coordinator: bool = False, delay_ms: float = 0.0, ip: str = "ip",
+                 tc: str = "tc", tag: str | None = None,
+                 shield: Callable[[], AbstractContextManager] = contextlib.nullcontext):
         if not 1 <= nodes <= _MAX_NODES:
             raise ValueError(f"nodes must be in 1..{_MAX_NODES}, got {nodes}")
-        if link_rate_bps <= 0:
-            raise ValueError(f"link rate must be positive, got {link_rate_bps}")
+        if (link_rate_bps is None) == (fabric is None):
+            raise ValueError("give the cluster link_rate_bps (every node alike) or fabric, exactly one")
+        if fabric is None:
+            if link_rate_bps <= 0:
+                raise ValueError(f"link rate must be positive, got {link_rate_bps}")
+            fabric = Fabric.uniform(nodes, int(link_rate_bps))
+        if fabric.nodes != nodes:
+            raise ValueError(f"the fabric has {fabric.nodes} nodes, the cluster {nodes}")
+        if fabric.kind == "mesh" and (switch_node or coordinator):
+            raise ValueError("a switch node and a coordinator join a star's bridge; a mesh has none (use the star)")
         self.nodes = nodes
-        self.link_rate_bps = int(link_rate_bps)
+        #: The configured links (bit/s).
+        self.links = fabric
+        #: The slowest configured rate (bit/s): all of them on a uniform star.
+        self.link_rate_bps = fabric.slowest
         self.switch_node = switch_node
         self.delay_ms = float(delay_ms)
         self._ip, self._tc = ip, tc
@@ -124,7 +130,8 @@ class Cluster:
             raise ValueError(f"tag must be 4 lowercase hex digits, got {tag!r}")
         #: Every namespace of this run starts with it; --cleanup finds leftovers by it.
         self.prefix = f"co-{pid:x}-{start:x}-{tag}"
-        self.fabric = f"{self.prefix}-fab"
+        #: The fabric's namespace (a star's bridge); None for a mesh.
+        self.fabric = f"{self.prefix}-fab" if fabric.kind == "star" else None
         self.node_namespaces = [f"{self.prefix}-n{i}" for i in range(nodes)]
         self.switch_namespace = f"{self.prefix}-sw" if switch_node else None
         self.switch_address = f"{_SUBNET}.{_SWITCH_HOST}" if switch_node else None
@@ -140,8 +147,13 @@ class Cluster:
         return f"{_SUBNET}.{node + 1}"
 
     def ifname(self, node: int) -> str:
-        """Node ``node``'s veth, as seen inside its namespace (``GLOO_SOCKET_IFNAME``)."""
+        """The interface holding node ``node``'s address inside its namespace (``GLOO_SOCKET_IFNAME``):
+        its veth to the bridge in a star, its identity interface in a mesh."""
         return f"cn{node}"
+
+    def pair_ifname(self, node: int, peer: int) -> str:
+        """In a mesh, node ``node``'s end of its link to ``peer`` (inside ``node``'s namespace)."""
+        return f"cp{peer}"
 
     def netns_argv(self, namespace: str, argv: Sequence[str]) -> list[str]:
         """``argv`` run inside ``namespace`` (``ip netns exec`` execs it: the pid stays the same)."""
@@ -161,41 +173,83 @@ class Cluster:
         self.down()
 
     def up(self) -> None:
-        """Create the namespaces, the bridge and the shaped links (the caller must call down()).
+        """Create the namespaces and the shaped links (the caller must call down()).
 
         Commands go in one ``ip -batch`` / ``tc -batch`` per namespace and step: each ``ip`` start
         costs tens of ms on a busy 2-core machine, and a 2-node cluster needs about 25 commands.
         """
+        if self.links.kind == "mesh":
+            self._up_mesh()
+        else:
+            self._up_star()
+
+    def _up_star(self) -> None:
+        """The bridge, one veth per node (and per switch / coordinator), tbf on both ends."""
+        up, down = self.links.up, self.links.down
         namespaces = [self.fabric, *self.node_namespaces]
-        # (namespace, its interface, its fabric-side port, address, rate; None: unshaped)
-        links = [(ns, self.ifname(n), f"cf{n}", self.node_address(n), self.link_rate_bps)
+        # (namespace, its interface, its fabric-side port, address, what it sends, what it receives;
+        # None: unshaped)
+        links = [(ns, self.ifname(n), f"cf{n}", self.node_address(n), up[n], down[n])
                  for n, ns in enumerate(self.node_namespaces)]
         if self.switch_node:
             namespaces.append(self.switch_namespace)
-            links.append((self.switch_namespace, "cnsw", "cfsw", self.switch_address,
-                          self.link_rate_bps * self.nodes))
+            # It sends to every node (their down ports) and receives from every node (their up ports).
+            links.append((self.switch_namespace, "cnsw", "cfsw", self.switch_address, sum(down), sum(up)))
         if self.coordinator_namespace is not None:
             namespaces.append(self.coordinator_namespace)
-            links.append((self.coordinator_namespace, "cnco", "cfco", self.coordinator_address, None))
+            links.append((self.coordinator_namespace, "cnco", "cfco", self.coordinator_address, None, None))
         self._created += namespaces  # first: a signal right after the add must not leak one
         self._batch([self._ip], [f"netns add {ns}" for ns in namespaces])
         # The pairs are created inside the fabric, each peer straight in its namespace: no
         # interface ever appears in the host's root namespace.
         fabric = ["link add cbr0 type bridge", "link set cbr0 up"]
-        for ns, inner, outer, _, _ in links:
+        for ns, inner, outer, *_ in links:
             fabric += [f"link add {outer} type veth peer name {inner} netns {ns}",
                        f"link set {outer} master cbr0", f"link set {outer} up"]
         self._batch([self._ip, "-n", self.fabric], fabric)
-        for ns, inner, _, address, _ in links:
+        for ns, inner, _, address, *_ in links:
             # No IPv6 link-local address: gloo takes the interface's first address; it must be ours.
             self._batch([self._ip, "-n", ns], [f"link set {inner} addrgenmode none",
                                                f"addr add {address}/24 dev {inner}",
                                                f"link set {inner} up", "link set lo up"])
         # Both ends: the node's side shapes what it sends, the fabric's side what it receives.
-        self._shape(self.fabric, [(outer, rate) for _, _, outer, _, rate in links if rate is not None])
-        for ns, inner, _, _, rate in links:
-            if rate is not None:
-                self._shape(ns, [(inner, rate)])
+        self._shape(self.fabric, [(outer, rx) for _, _, outer, _, _, rx in links if rx is not None])
+        for ns, inner, _, _, tx, _ in links:
+            if tx is not None:
+                self._shape(ns, [(inner, tx)])
+
+    def _up_mesh(self) -> None:
+        """One veth pair per node pair, each end shaped at what its node sends to that peer; the
+        identity addresses and their /32 routes (see the module)."""
+        n = self.nodes
+        self._created += self.node_namespaces
+        self._batch([self._ip], [f"netns add {ns}" for ns in self.node_namespaces])
+        # (1) every interface, each created from the lower node's side, its peer straight in the other node
+        for i, ns in enumerate(self.node_namespaces):
+            holder = self.ifname(i)
+            self._batch([self._ip, "-n", ns], [f"link add {holder} type veth peer name {holder}p"] + [
+                f"link add {self.pair_ifname(i, j)} type veth peer name {self.pair_ifname(j, i)} "
+                f"netns {self.node_namespaces[j]}" for j in range(i + 1, n)])
+        # (2) addresses, links up, then the routes (a route needs its device up)
+        for i, ns in enumerate(self.node_namespaces):
+            holder, me = self.ifname(i), self.node_address(i)
+            ends = [self.pair_ifname(i, j) for j in range(n) if j != i]
+            lines = [f"link set {dev} addrgenmode none" for dev in (holder, f"{holder}p", *ends)]
+            lines += [f"addr add {me}/32 dev {holder}", f"link set {holder}p up", f"link set {holder} up",
+                      "link set lo up"] + [f"link set {dev} up" for dev in ends]
+            lines += self._mesh_routes(i)
+            self._batch([self._ip, "-n", ns], lines)
+        # (3) loose reverse-path filtering, no forwarding, in every node (see the module)
+        self._batch([self._ip], [f"netns exec {ns} sh -c 'echo 2 > /proc/sys/net/ipv4/conf/all/rp_filter && "
+                                 f"echo 0 > /proc/sys/net/ipv4/ip_forward'" for ns in self.node_namespaces])
+        for i, ns in enumerate(self.node_namespaces):
+            self._shape(ns, [(self.pair_ifname(i, j), self.links.rate(i, j)) for j in range(n) if j != i])
+
+    def _mesh_routes(self, node: int) -> list[str]:
+        """``ip`` lines: node's route to each peer's identity address over their pair's link."""
+        me = self.node_address(node)
+        return [f"route replace {self.node_address(j)}/32 dev {self.pair_ifname(node, j)} src {me}"
+                for j in range(self.nodes) if j != node]
 
     def _shape(self, ns: str, devices: list[tuple[str, int]]) -> None:
         """tbf at ``rate`` on each ``(device, rate)`` of ``ns``; netem below it with --delay."""
@@ -261,25 +315,29 @@ class Cluster:
         return proc
 
     def probe(self, seconds: float = 1.0) -> LinkProbe:
-        """Measure each link's achieved rate with a socket transfer around the ring of nodes.
+        """Measure every directed link's achieved rate with socket transfers between the nodes.
 
-        One probe agent per node (``commopt.bench.cluster.probe``): node i sends to node (i+1) % N
-        while receiving from node i-1, all at once, so in about ``seconds`` every link is crossed
-        in both directions (each direction has its own shaper). Needs at least 2 nodes.
+        One probe agent per node (``commopt.bench.cluster.probe``), N - 1 rounds of about ``seconds``
+        each: in round k node i sends to node (i + k) % N while receiving from node (i - k) % N, all
+        at once, so every port of a star carries one transfer each way per round (a transfer
+        measures its link, not a share of a port) and after the last round every directed pair has
+        been measured. Each transfer is reported with its configured rate. Needs at least 2 nodes.
         """
         if self.nodes < 2:
             raise ClusterError("the link probe needs at least 2 nodes")
-        addresses = [self.node_address(n) for n in range(self.nodes)]
-        agents = [self.spawn(n, agent_argv(addresses[n], seconds), stdin=subprocess.PIPE,
-                             stderr=subprocess.PIPE) for n in range(self.nodes)]
+        n = self.nodes
+        addresses = [self.node_address(i) for i in range(n)]
+        rounds = [[(i + k) % n for i in range(n)] for k in range(1, n)]
+        agents = [self.spawn(i, agent_argv(addresses[i], seconds), stdin=subprocess.PIPE,
+                             stderr=subprocess.PIPE) for i in range(n)]
         try:
-            links = exchange(agents, addresses, seconds)
+            links = exchange(agents, addresses, seconds, rounds)
         finally:
             _terminate(agents)
             for agent in agents:
                 _close_pipes(agent)
                 self._procs.remove(agent)
-        return LinkProbe(self.link_rate_bps, links, seconds)
+        return LinkProbe(self.link_rate_bps, links, seconds, self.links.configured())
 
     def start_switch(self, argv: Sequence[str], env: dict[str, str] | None = None, *,
                      timeout: float = 60.0, out: IO[bytes] | None = None) -> subprocess.Popen:
@@ -336,11 +394,19 @@ class Cluster:
     def set_link(self, node: int, up: bool) -> None:
         """Take node ``node``'s link down (as if its cable were pulled) or bring it back up.
 
-        Inside the node: ``ip link set cn<i> down``. Its address stays, and the kernel restores the
-        subnet's route when the link comes back, so nothing else has to be redone.
+        A star: inside the node, ``ip link set cn<i> down``. Its address stays, and the kernel restores
+        the subnet's route when the link comes back, so nothing else has to be redone. A mesh: every
+        link of the node (``cp<j>``); the kernel drops the routes over a link taken down, so they are
+        put back when it comes up. Either way the node's address stays, and traffic inside the node
+        (over loopback) goes on.
         """
+        state = "up" if up else "down"
+        if self.links.kind == "star":
+            self._batch([self._ip, "-n", self.node_namespaces[node]], [f"link set {self.ifname(node)} {state}"])
+            return
+        ends = [self.pair_ifname(node, j) for j in range(self.nodes) if j != node]
         self._batch([self._ip, "-n", self.node_namespaces[node]],
-                    [f"link set {self.ifname(node)} {'up' if up else 'down'}"])
+                    [f"link set {dev} {state}" for dev in ends] + (self._mesh_routes(node) if up else []))
 
     def _batch(self, argv: list[str], lines: list[str]) -> None:
         """Run ``lines`` through ``argv -batch -``; it stops at the first failing line."""
