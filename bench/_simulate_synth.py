@@ -16,23 +16,23 @@ _COLLECTIVES = ("allreduce", "reducescatter", "allgather")
 
 
 def links_from(link_rates: str | None, pair_rates: str | None, up_rates: str | None = None):
-    """The ``LinkMap`` of the options (rates in tc units, as ``commopt-bench cluster`` takes them)."""
+    """The ``LinkMap`` of the options, parsed as ``commopt-bench cluster`` parses them (its
+    ``bench/cluster/fabric.py``: tc units, ``I-J:R`` both ways or ``I>J:R`` one, every check).
+
+    Raises:
+        ValueError: naming the option at fault.
+    """
     from commopt.comm.links import LinkMap
-    from commopt.comm.topology import parse_rate
+
+    from .cluster.fabric import parse_fabric
 
     if pair_rates:
-        pairs: dict = {}
-        nodes = 0
-        for item in pair_rates.split(","):
-            key, _, rate = item.partition(":")
-            a, _, b = key.partition("-")
-            i, j, r = int(a), int(b), parse_rate(rate) / 8
-            pairs[(i, j)] = pairs[(j, i)] = r
-            nodes = max(nodes, i + 1, j + 1)
-        return LinkMap.mesh(nodes, pairs)
-    down = [parse_rate(r) / 8 for r in link_rates.split(",")]
-    up = [parse_rate(r) / 8 for r in up_rates.split(",")] if up_rates else down
-    return LinkMap.star(up, down)
+        nodes = 1 + max(int(x) for item in pair_rates.split(",") for x in item.split(":")[0].replace(">", "-")
+                        .split("-") if x.strip().isdigit())
+        fab = parse_fabric(nodes, fabric="mesh", pair_rates=pair_rates)
+    else:
+        fab = parse_fabric(len(link_rates.split(",")), link_rates=link_rates, up_rates=up_rates)
+    return LinkMap.from_dict(fab.link_map()) if fab.link_map() else LinkMap.star([r / 8 for r in fab.up])
 
 
 def run_synth(links, log=print) -> list[dict]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 
 from ._plot import pyplot
 
@@ -229,7 +230,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.link_rates or args.pair_rates:
         from ._simulate_synth import links_from, run_synth
 
-        rows = run_synth(links_from(args.link_rates, args.pair_rates, args.up_rates))
+        try:
+            links = links_from(args.link_rates, args.pair_rates, args.up_rates)
+        except ValueError as e:
+            print(f"commopt-bench simulate: {e}", file=sys.stderr)
+            return 2
+        rows = run_synth(links)
         if args.json:
             with open(args.json, "w", encoding="utf-8") as f:
                 json.dump({"kind": "simulate-synth", "results": rows}, f, indent=1)

@@ -151,7 +151,11 @@ class LinkMap:
 
     @property
     def uniform(self) -> bool:
-        """Every node pair has the same rate both ways (a schedule cannot beat the usual algorithms)."""
+        """All links alike (a schedule cannot beat the usual algorithms): a star's ports all of one rate
+        (a port slower only one way is shared by everything it sends or receives, so it counts), a mesh's
+        pairs all of one rate."""
+        if self.kind == "star":
+            return len(set(self.up + self.down)) <= 1
         rates = {self.rate(i, j) for i in range(self.nodes) for j in range(self.nodes) if i != j}
         return len(rates) <= 1
 
