@@ -162,9 +162,10 @@ def _build_parser() -> argparse.ArgumentParser:
     elastic.add_argument("--heartbeat-timeout", type=float, default=None, metavar="S",
                          help="the coordinator drops a replica silent for S seconds (default 5)")
     elastic.add_argument("--min-replicas", type=int, default=None, metavar="N",
-                         help="the fewest replicas a generation may have (default 1)")
+                         help="the fewest replicas (nodes) a generation may have (default 1; commopt's coordinator "
+                              "counts ranks, and is started with N x --ranks-per-node)")
     elastic.add_argument("--initial-replicas", type=int, default=None, metavar="N",
-                         help="the replicas the first generation waits for (default: --nodes)")
+                         help="the replicas (nodes) the first generation waits for (default: --nodes)")
     elastic.add_argument("--job", default=None, metavar="NAME",
                          help="the job's name at the coordinator (default commopt)")
     elastic.add_argument("--elastic", action="store_true",
@@ -416,9 +417,11 @@ def _build_and_run(args: argparse.Namespace, cluster: Cluster, layout: list[list
     if args.coordinator:
         service = (shlex.split(args.coordinator_command) if args.coordinator_command
                    else [sys.executable, "-m", "commopt.bench", "coordinator"])
+        # commopt's membership counts ranks (rank r of node n is member n * L + r): its counts are nodes x L
+        per = 1 if args.coordinator_command else args.ranks_per_node
         coordinator_argv = [*service, "--host", str(cluster.coordinator_address), "--port", str(_COORDINATOR_PORT),
                             "--heartbeat-timeout", f"{args.heartbeat_timeout:g}", "--min-replicas",
-                            str(args.min_replicas), "--initial-replicas", str(args.initial_replicas),
+                            str(args.min_replicas * per), "--initial-replicas", str(args.initial_replicas * per),
                             "--job", args.job]
         proc = cluster.start_coordinator(coordinator_argv, dict(os.environ), out=err)
         coordinator = f"{cluster.coordinator_address}:{_COORDINATOR_PORT}"
