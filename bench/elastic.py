@@ -407,7 +407,8 @@ def _run(name: str, args, directory: str) -> dict:
     hsdp = impl == "hsdp"
     steps = HSDP_STEPS if hsdp else args.steps
     worker = [sys.executable, "-m", "commopt.bench", "elastic", "--worker", "--impl", impl, "--log-dir", directory,
-              "--steps", str(steps), "--sync-every", str(args.sync_every), "--codec", args.codec,
+              "--steps", str(steps), "--sync-every", str(args.sync_every if not hsdp else steps // 4),
+              "--codec", args.codec,
               "--batch", str(args.batch), "--seq-len", str(args.seq_len),
               "--d-model", str(HSDP_D_MODEL if hsdp else args.d_model),
               "--layers", str(HSDP_LAYERS if hsdp else args.layers), "--lr", str(args.lr)]
