@@ -35,7 +35,7 @@ _OP_TITLE = {"allreduce": "all-reduce", "reduce_scatter": "reduce-scatter", "all
              "alltoall": "all-to-all"}
 # One colour per algorithm, the same in every picture.
 _COLOURS = {"flat": "tab:blue", "hierarchical": "tab:orange", "auto": "tab:green", "torch": "tab:gray",
-            "leader": "tab:purple", "ina": "tab:red", "2d": "tab:orange"}
+            "leader": "tab:purple", "ina": "tab:red", "2d": "tab:orange", "synth": "tab:brown"}
 # auto runs the algorithm it picks, so its line lies on that one's: a smaller marker on top keeps both
 # visible.
 _STYLE = {"flat": dict(marker="o", markersize=7), "hierarchical": dict(marker="s", markersize=9),
@@ -161,6 +161,11 @@ def plot_collectives(data: dict, path: str) -> dict | None:
                 ax.plot([r["size"] for r in bounded],
                         [r["busbw"] * r["time_us"] / r["bound_us"] * scale for r in bounded],
                         linestyle="--", color=colour, alpha=0.8, gid=f"bound:{key}")
+        cut = sorted({r["size"]: r for r in rows if r["op"] == op and r.get("cut_us")}.values(),
+                     key=lambda r: r["size"])
+        if cut:  # the link map's cut bound (comm/synthesis/bound.py): the busbw no schedule exceeds
+            ax.plot([r["size"] for r in cut], [r["busbw"] * r["time_us"] / r["cut_us"] * scale for r in cut],
+                    linestyle="-.", color="black", alpha=0.7, label="cut bound of the link map", gid=f"cut:{op}")
         ax.set_xscale("log", base=2)
         values = [y for line in ax.get_lines() for y in line.get_ydata() if y > 0]
         log_y = bool(values) and max(values) / min(values) > 10  # a sweep from latency to bandwidth bound

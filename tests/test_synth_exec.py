@@ -71,9 +71,9 @@ def test_run_schedule_hand_written(ranks):
     ranks(3, _hand_written, timeout=120)
 
 
-def _matrix(spec: str, mesh: bool) -> int:
+def _matrix(spec, mesh: bool) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
-    base = Topology.from_spec(spec)
+    base = Topology.from_nodes(spec) if isinstance(spec, list) else Topology.from_spec(spec)
     topo = Topology(nodes=base.nodes, rank=base.rank, world_size=base.world_size,
                     links=_links(base.num_nodes, base.local_size, mesh))
     checked = 0
@@ -109,7 +109,8 @@ def _matrix(spec: str, mesh: bool) -> int:
     return checked
 
 
-@pytest.mark.parametrize("spec,world", [("2x1", 2), ("3x1", 3), ("4x1", 4), ("2x2", 4), ("3x2", 6)])
+@pytest.mark.parametrize("spec,world", [("2x1", 2), ("3x1", 3), ("4x1", 4), ("2x2", 4), ("3x2", 6),
+                                        ([[0, 3], [1, 2], [4, 5]], 6)])  # rail 1 in another node order
 @pytest.mark.parametrize("mesh", [False, True], ids=["star", "mesh"])
 def test_synth_equals_gloo(ranks, spec, world, mesh):
     """docs/faults.md row 46: bit-exact against gloo on integers; floats identical on every rank."""

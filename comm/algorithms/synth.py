@@ -52,24 +52,25 @@ __all__ = ["Synth", "SYNTH", "run_schedule", "rail_links", "schedule_for"]
 _IR = {"allreduce": "allreduce", "reduce_scatter": "reducescatter", "all_gather": "allgather"}
 
 
-def rail_links(topology: Topology) -> LinkMap:
-    """The link map one rail sees: the topology's (a uniform star at the model's rate where it has
-    none), its nodes in rail order (sorted group ranks of local index 0), every rate shared by the
-    node's L rails."""
+def rail_links(topology: Topology, local: int | None = None) -> LinkMap:
+    """The link map rail ``local`` (None: this rank's) sees: the topology's (a uniform star at the
+    model's rate where it has none), its nodes in the rail group's order (by the group rank of their
+    member of that local index), every rate shared by the node's L rails."""
     links = topology.links
-    n, local = topology.num_nodes, topology.local_size
+    n, ways = topology.num_nodes, topology.local_size
+    j = topology.local_rank if local is None else local
     if links is None:
         rate = (topology.link_rate_bps or 10e9) / 8
         links = LinkMap.star([rate] * n)
     if links.nodes != n:
         raise ValueError(f"synth: the link map has {links.nodes} nodes, the topology {n} ({topology.layout})")
-    order = sorted(range(n), key=lambda i: min(topology.nodes[i]))  # rail position -> node index
+    order = sorted(range(n), key=lambda i: topology.nodes[i][j])  # rail position -> node index
     if links.kind == "star":
         links = LinkMap.star([links.up[i] for i in order], [links.down[i] for i in order], alpha=links.alpha)
     else:
         pos = {node: k for k, node in enumerate(order)}
         links = LinkMap.mesh(n, {(pos[a], pos[b]): r for a, b, r in links.pairs}, alpha=links.alpha)
-    return links.shared(local)
+    return links.shared(ways)
 
 
 def schedule_for(collective: str, links: LinkMap, nbytes: float = 16 << 20):
@@ -104,10 +105,6 @@ class Synth(Algorithm):
         return (HIER_REDUCE_SCATTER, HIER_ALL_REDUCE, HIER_ALL_GATHER, HIER_RS_RAIL, HIER_AG_RAIL, HIER_AG_INTRA)
 
     # ----------------------------------------------------------------------------- model
-    def _schedule(self, collective: str, topology: Topology, nbytes: float):
-        """The rail's schedule for a call of ``nbytes`` (as :meth:`traffic` counts them)."""
-        return schedule_for(collective, rail_links(topology), self._rail_bytes(collective, nbytes, topology))
-
     def _rail_bytes(self, collective: str, nbytes: float, topology: Topology) -> float:
         """The bytes of the buffer one rail's schedule runs on: the all-reduce's 1/L shard, or the
         rail's N blocks of the world's N * L (reduce-scatter, all-gather)."""
@@ -122,10 +119,10 @@ class Synth(Algorithm):
             per_pair = 2 * nbytes / local if collective == "allreduce" else topology.num_nodes * nbytes / p
             for node in topology.nodes:
                 t.all_pairs(node, per_pair)
-        sched = self._schedule(collective, topology, nbytes)
         rail_n = self._rail_bytes(collective, nbytes, topology)
         for j in range(local):
             rail = sorted(node[j] for node in topology.nodes)
+            sched = schedule_for(collective, rail_links(topology, j), rail_n)
             for (a, b), v in link_bytes(sched, int(rail_n // itemsize) * itemsize, itemsize=itemsize).items():
                 t.add(rail[a], rail[b], v)
         return t
@@ -136,7 +133,7 @@ class Synth(Algorithm):
         local = topology.local_size
         intra = model.intra.time((local - 1) / local * nbytes, local - 1) if local > 1 else 0.0
         rounds = 2 if collective == "allreduce" and local > 1 else 1
-        links = rail_links(topology)
+        links = rail_links(topology, 0)  # rail 0 for every rank: every rank predicts the same
         if topology.links is None:  # no map: the model's inter-node level, shared by the rails
             links = LinkMap.star([1 / model.inter.beta / local] * topology.num_nodes, alpha=model.inter.alpha)
         rail_n = self._rail_bytes(collective, nbytes, topology)
