@@ -22,7 +22,7 @@ import threading
 import time
 
 import pytest
-from _netns import needs_netns, rank_lines
+from _netns import finish, needs_netns, rank_lines
 
 from commopt.bench import cluster as cl
 from commopt.bench.cluster import cli, launch, probe
@@ -60,13 +60,7 @@ def _launch(*args: str, command: list[str] | None = None) -> subprocess.Popen:
 
 
 def _finish(proc: subprocess.Popen, timeout: float = _TIMEOUT) -> tuple[int, str, str]:
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, err = proc.communicate()
-        pytest.fail(f"launcher did not finish within {timeout} s\nstdout:\n{out}\nstderr:\n{err}")
-    return proc.returncode, out, err
+    return finish(proc, timeout)
 
 
 def _run_cli(*args: str, command: list[str] | None = None,

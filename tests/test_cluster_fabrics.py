@@ -17,7 +17,7 @@ import subprocess
 import sys
 
 import pytest
-from _netns import needs_netns, rank_lines
+from _netns import finish, needs_netns, rank_lines
 
 from commopt.bench import cluster as cl
 from commopt.bench.cluster import probe
@@ -33,13 +33,8 @@ _TRIANGLE = "0-1:200mbit,1-2:200mbit,0-2:50mbit"
 def _run_cli(*args: str, command: list[str], timeout: float = _TIMEOUT) -> tuple[int, str, str, int]:
     proc = subprocess.Popen([sys.executable, "-m", "commopt.bench", "cluster", *args, "--", *command],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, err = proc.communicate()
-        pytest.fail(f"launcher did not finish within {timeout} s\nstdout:\n{out}\nstderr:\n{err}")
-    return proc.returncode, out, err, proc.pid
+    code, out, err = finish(proc, timeout)
+    return code, out, err, proc.pid
 
 
 def _leftovers(pid: int) -> list[str]:

@@ -18,7 +18,7 @@ import sys
 import uuid
 
 import pytest
-from _netns import needs_netns, rank_lines
+from _netns import finish, needs_netns, rank_lines
 
 from commopt.bench import cluster as cl
 from commopt.bench.cluster import faults, progress
@@ -47,12 +47,7 @@ def _run(tmp_path, snippet: str, *args: str, timeout: float = _TIMEOUT) -> tuple
     argv = [sys.executable, "-m", "commopt.bench", "cluster", *_BASE, "--events", str(events), *args,
             "--", sys.executable, "-c", snippet, marker]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, err = proc.communicate()
-        pytest.fail(f"launcher did not finish within {timeout} s\nstdout:\n{out}\nstderr:\n{err}")
+    _, out, err = finish(proc, timeout)
     assert [n for n in cl.list_namespaces() if n.startswith(f"co-{proc.pid:x}-")] == []
     assert _alive_with(marker) == [], "rank processes outlived the launcher"
     lines = events.read_text().splitlines() if events.exists() else []

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -23,9 +24,12 @@ def run_schedule(sched, buf: torch.Tensor, group, red: ReduceOp | None, deadline
     """Run this rank's steps of ``sched`` on the flat buffer ``buf`` (the collective's whole buffer, see
     the IR), in place, over ``group`` (schedule rank i = group rank i). Returns the bytes sent.
 
-    gloo's point-to-point works have no future and report completion only to ``wait()``, so each
-    transfer in flight has a thread waiting for it (bounded by the deadline) that wakes this one; this
-    thread starts every step whose dependencies are done, in list order.
+    gloo's point-to-point works have no future and report completion only to ``wait()``, so threads
+    wait for them (bounded by the deadline) and wake this one, which starts every step whose
+    dependencies are done, in list order. Every receive is posted at the start, but waited for only once
+    its step's dependencies are done (then it is the next thing that step needs), so few threads wait
+    at once; a peer's sends complete in the order they were issued (one connection per pair, every
+    receive already posted), so one thread per peer waits for them in that order.
 
     Raises:
         CommTimeoutError: a transfer failed or the deadline passed (a peer dead or stalled).
@@ -41,7 +45,8 @@ def run_schedule(sched, buf: torch.Tensor, group, red: ReduceOp | None, deadline
         tags.append(counts[key])
     cond = threading.Condition()
     arrived: dict[int, BaseException | None] = {}
-    pool = ThreadPoolExecutor(max_workers=max(1, len(steps)), thread_name_prefix="commopt-synth")
+    receivers = ThreadPoolExecutor(max_workers=max(1, len(steps)), thread_name_prefix="commopt-synth-recv")
+    senders: dict[int, queue.SimpleQueue] = {}
 
     def watch(i: int, work) -> None:
         error = None
@@ -53,12 +58,17 @@ def run_schedule(sched, buf: torch.Tensor, group, red: ReduceOp | None, deadline
             arrived[i] = error
             cond.notify()
 
+    def sender(q: queue.SimpleQueue) -> None:
+        while (item := q.get()) is not None:
+            watch(*item)
+
     payloads: dict[int, torch.Tensor] = {}
+    works: dict[int, object] = {}
     try:
         for i, s in enumerate(steps):  # every receive posted first
             if s.op != "send":
                 payloads[i] = buf.new_empty(sum(bounds[c][1] - bounds[c][0] for c in s.chunks))
-                pool.submit(watch, i, dist.irecv(payloads[i], group=group, group_src=s.peer, tag=tags[i]))
+                works[i] = dist.irecv(payloads[i], group=group, group_src=s.peer, tag=tags[i])
         done = [False] * len(steps)
         started = [False] * len(steps)
         sent, left = 0, len(steps)
@@ -67,12 +77,20 @@ def run_schedule(sched, buf: torch.Tensor, group, red: ReduceOp | None, deadline
             for i, s in enumerate(steps):
                 if done[i] or not all(done[d] for d in s.deps):
                     continue
-                if s.op == "send" and not started[i]:
-                    parts = [buf[bounds[c][0]:bounds[c][1]] for c in s.chunks]
-                    payloads[i] = parts[0] if len(parts) == 1 else torch.cat(parts)
-                    pool.submit(watch, i, dist.isend(payloads[i], group=group, group_dst=s.peer, tag=tags[i]))
+                if not started[i]:
                     started[i] = progress = True
-                    sent += payloads[i].numel() * payloads[i].element_size()
+                    if s.op == "send":
+                        parts = [buf[bounds[c][0]:bounds[c][1]] for c in s.chunks]
+                        payloads[i] = parts[0] if len(parts) == 1 else torch.cat(parts)
+                        work = dist.isend(payloads[i], group=group, group_dst=s.peer, tag=tags[i])
+                        sent += payloads[i].numel() * payloads[i].element_size()
+                        if s.peer not in senders:
+                            senders[s.peer] = queue.SimpleQueue()
+                            threading.Thread(target=sender, args=(senders[s.peer],), daemon=True,
+                                             name=f"commopt-synth-send-{s.peer}").start()
+                        senders[s.peer].put((i, work))
+                    else:
+                        receivers.submit(watch, i, works[i])
                 with cond:
                     if i not in arrived:
                         continue
@@ -105,4 +123,6 @@ def run_schedule(sched, buf: torch.Tensor, group, red: ReduceOp | None, deadline
                     cond.wait(wait)
         return sent
     finally:
-        pool.shutdown(wait=False)  # a failed call's waiters end at the deadline
+        receivers.shutdown(wait=False)  # a failed call's waiters end at the deadline
+        for q in senders.values():
+            q.put(None)
