@@ -34,6 +34,7 @@ nodes; fp32 only (its quantized outer gradients need Triton on CUDA) and one ran
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -63,19 +64,22 @@ _VOCAB = 256
 RUNS = ("ddp", "diloco-8", "diloco-32", "diloco-32-stream", "diloco-32-int8", "diloco-32-int4",
         "diloco-32-int4-stream")
 
-_NAME = re.compile(r"(diloco|torchft)-([1-9][0-9]*)(?:-int(4|8))?(-stream)?")
+_NAME = re.compile(r"(diloco|torchft)-([1-9][0-9]*)(?:-int(4|8))?(-stream)?(-ring)?")
 
 
 class Spec(NamedTuple):
     """What a run trains: ``impl`` "commopt" (``schedules.DiLoCo``) or "torchft" (torchft's
     ``local_sgd.DiLoCo``), syncing every ``sync_every`` inner steps, the outer gradients through the
-    ``bits``-bit block codec (None: fp32), in ``fragments`` fragments each applied ``delay`` steps late."""
+    ``bits``-bit block codec (None: fp32), in ``fragments`` fragments each applied ``delay`` steps late;
+    ``ring``: the rail's own all-reduce even where the cluster's links differ (the baseline of the outer
+    sync that weighs a synthesized schedule there)."""
 
     impl: str
     sync_every: int
     bits: int | None
     fragments: int
     delay: int
+    ring: bool = False
 
 
 def spec(name: str) -> Spec | None:
@@ -83,21 +87,24 @@ def spec(name: str) -> Spec | None:
     steps in fp32, "-int8"/"-int4" sends the outer gradients through that block codec with error
     feedback, "-stream" syncs 4 fragments at staggered steps, each reduction overlapping 2 inner steps;
     "torchft-H[-stream]" is the same with torchft's DiLoCo (fp32 only: its quantization needs Triton on
-    CUDA; one rank per worker). Raises ValueError for any other name."""
+    CUDA; one rank per worker); "-ring" keeps the rail's own outer all-reduce where the links differ.
+    Raises ValueError for any other name."""
     if name == "ddp":
         return None
     m = _NAME.fullmatch(name)
     if m is None:
         raise ValueError(f"commopt-bench diloco: unknown run {name!r}; a run is 'ddp', "
-                         f"'diloco-H[-int8|-int4][-stream]' or 'torchft-H[-stream]' with H >= 1, for example "
+                         f"'diloco-H[-int8|-int4][-stream][-ring]' or 'torchft-H[-stream]' with H >= 1, for example "
                          f"diloco-16-int4-stream")
     impl = "commopt" if m.group(1) == "diloco" else "torchft"
     if impl == "torchft" and m.group(3):
         raise ValueError(f"commopt-bench diloco: {name!r}: torchft's quantized outer gradients need Triton on "
                          f"CUDA; its runs are fp32 ('torchft-H[-stream]')")
     stream = bool(m.group(4))
+    if impl == "torchft" and m.group(5):
+        raise ValueError(f"commopt-bench diloco: {name!r}: '-ring' is for commopt's DiLoCo ('diloco-H-ring')")
     return Spec(impl, int(m.group(2)), int(m.group(3)) if m.group(3) else None, 4 if stream else 1,
-                2 if stream else 0)
+                2 if stream else 0, bool(m.group(5)))
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -158,7 +165,8 @@ def _setup(name: str, args, topo) -> dict:
     run["opt"] = torch.optim.AdamW(model.parameters(), lr=args.lr)
     h = run["sync_every"]
     run["diloco"] = DiLoCo(model, run["opt"], sync_every=h, fragments=s.fragments, delay=min(s.delay, h - 1),
-                           compressor=QuantizeCompressor(s.bits) if s.bits else None, topology=topo,
+                           compressor=QuantizeCompressor(s.bits) if s.bits else None,
+                           topology=dataclasses.replace(topo, links=None) if s.ring else topo,
                            timeout=args.timeout)
     return run
 

@@ -711,22 +711,25 @@ def test_bench_diloco_quick(tmp_path):
 
 
 def test_bench_diloco_run_names(capsys):
-    """The bench's runs are "ddp", "diloco-H[-int8|-int4][-stream]" or "torchft-H[-stream]": what each
+    """The bench's runs are "ddp", "diloco-H[-int8|-int4][-stream][-ring]" or "torchft-H[-stream]": what each
     name trains, and a clear refusal (exit code 2, before any rank starts) of any other name."""
     from commopt.bench import diloco as bench
 
     assert bench.spec("ddp") is None
-    assert bench.spec("diloco-8") == ("commopt", 8, None, 1, 0)
-    assert bench.spec("diloco-16-int4-stream") == ("commopt", 16, 4, 4, 2)
-    assert bench.spec("diloco-32-int8") == ("commopt", 32, 8, 1, 0)
-    assert bench.spec("diloco-13-stream") == ("commopt", 13, None, 4, 2)
-    assert bench.spec("torchft-32-stream") == ("torchft", 32, None, 4, 2)
+    assert bench.spec("diloco-8") == ("commopt", 8, None, 1, 0, False)
+    assert bench.spec("diloco-16-int4-stream") == ("commopt", 16, 4, 4, 2, False)
+    assert bench.spec("diloco-32-int8") == ("commopt", 32, 8, 1, 0, False)
+    assert bench.spec("diloco-13-stream") == ("commopt", 13, None, 4, 2, False)
+    assert bench.spec("torchft-32-stream") == ("torchft", 32, None, 4, 2, False)
+    assert bench.spec("diloco-8-ring") == ("commopt", 8, None, 1, 0, True)  # the rail's own outer all-reduce
     assert all(bench.spec(name) is not None for name in bench.RUNS if name != "ddp")
     for bad in ("diloco-0", "diloco-16-int2", "diloco-16-stream-int4", "diloco", "DDP", "diloco-08x", "torchft"):
         with pytest.raises(ValueError, match="a run is 'ddp', 'diloco-H"):
             bench.spec(bad)
     with pytest.raises(ValueError, match="torchft's quantized outer gradients need Triton"):
         bench.spec("torchft-32-int4")
+    with pytest.raises(ValueError, match="'-ring' is for commopt's DiLoCo"):
+        bench.spec("torchft-32-ring")
     assert bench.main(["--runs", "ddp,diloco-16-int2"]) == 2
     assert "unknown run 'diloco-16-int2'" in capsys.readouterr().out
 
