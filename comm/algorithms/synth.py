@@ -91,6 +91,13 @@ def _schedule(collective: str, links: LinkMap, nbytes: int):
     return sched
 
 
+@functools.lru_cache(maxsize=256)
+def _simulated(collective: str, links: LinkMap, nbytes: int) -> float:
+    """The simulated seconds of the schedule for ``nbytes`` (``auto`` asks on every call: simulating a
+    large schedule takes a good part of a second, so each size is simulated once per process)."""
+    return simulate(schedule_for(collective, links, nbytes), links, nbytes)
+
+
 class Synth(Algorithm):
     name = "synth"
     collectives = ("allreduce", "reduce_scatter", "all_gather")
@@ -136,8 +143,7 @@ class Synth(Algorithm):
         links = rail_links(topology, 0)  # rail 0 for every rank: every rank predicts the same
         if topology.links is None:  # no map: the model's inter-node level, shared by the rails
             links = LinkMap.star([1 / model.inter.beta / local] * topology.num_nodes, alpha=model.inter.alpha)
-        rail_n = self._rail_bytes(collective, nbytes, topology)
-        return rounds * intra + simulate(schedule_for(collective, links, rail_n), links, int(rail_n))
+        return rounds * intra + _simulated(collective, links, int(self._rail_bytes(collective, nbytes, topology)))
 
     # ----------------------------------------------------------------------------- phases
     def _rail_phase(self, collective: str, call: Call, buf: torch.Tensor, group, deadline) -> Phase:
