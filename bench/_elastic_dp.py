@@ -17,8 +17,9 @@ import time
 __all__ = ["worker"]
 
 
-def worker(args) -> int:
-    """One rank: build, join the job, train ``args.steps`` steps, write the logs."""
+def worker(args, link_bytes) -> int:
+    """One rank: build, join the job, train ``args.steps`` steps, write the logs (``link_bytes()``: the
+    node link's byte counter, ``bench/elastic.py``'s)."""
     import torch
     import torch.distributed as dist
     from torch import nn
@@ -29,7 +30,6 @@ def worker(args) -> int:
 
     from .cluster.progress import report_step
     from .diloco import _VOCAB, _held_out
-    from .elastic import _link_bytes
     from .models import GPT, synthetic_tokens
 
     node = int(os.environ["COMMOPT_REPLICA_ID"])
@@ -57,7 +57,7 @@ def worker(args) -> int:
         joined = [reps.steps, time.monotonic() - t0]  # the step it joined at, the seconds its join took
         write(event="joined", time=time.time(), joined=joined, steps=reps.steps)
     write(event="begin", time=time.time(), steps=reps.steps)
-    link0 = _link_bytes()
+    link0 = link_bytes()
     trained = 0
     for step in range(reps.steps + 1, args.steps + 1):
         data = synthetic_tokens(args.batch, args.seq_len, _VOCAB, seed=10_000 * step + 100 * node + rank)
@@ -68,7 +68,7 @@ def worker(args) -> int:
         report_step(step)  # after the backward, before the cross-node reduction: a step fault lands in it
         reps.step()
         write(step=reps.steps, time=time.time(), synced=True, redone=reps.replicas.redone)
-    link = _link_bytes() - link0  # the node's link, over its steps (both ranks share it)
+    link = link_bytes() - link0  # the node's link, over its steps (both ranks share it)
     held_out = _held_out({"model": model}, args)
     received = torch.tensor([reps.replicas.recovery_bytes if attempt > 0 else 0], dtype=torch.int64)
     dist.all_reduce(received)  # every rail carried its rank's shards

@@ -524,7 +524,7 @@ def _worker(args) -> int:
     if args.impl == "hsdp":
         from ._elastic_dp import worker as hsdp_worker
 
-        return hsdp_worker(args)
+        return hsdp_worker(args, _link_bytes)
     static = args.impl == "static"
     node = int(os.environ["RANK"]) if static else int(os.environ["COMMOPT_REPLICA_ID"])  # static: 1 rank per node
     attempt = int(os.environ.get("COMMOPT_RESTART", "0") or 0)

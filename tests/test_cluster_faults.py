@@ -325,6 +325,7 @@ _COORD = """
 import json, os
 import torch, torch.distributed as dist
 from commopt.comm.elastic import Membership
+from commopt.comm.elastic.replicas import node_member_id
 dist.init_process_group("gloo")
 t = torch.tensor([float(dist.get_rank() + 1)])
 dist.all_reduce(t)
@@ -332,12 +333,11 @@ report = {"world": dist.get_world_size(), "sum": t.item(),
           "env": {k: os.environ.get(k) for k in ("RANK", "COMMOPT_COORDINATOR", "COMMOPT_REPLICA_ID",
                                                  "COMMOPT_NUM_REPLICAS", "MASTER_ADDR", "COMMOPT_NODES",
                                                  "GLOO_SOCKET_IFNAME")}}
-if dist.get_rank() == 0:
-    m = Membership.from_env(replica_id=int(os.environ["COMMOPT_REPLICA_ID"]), heartbeat_interval=0.2, timeout=5)
-    report["generation"] = m.wait_for_generation(timeout=30)
-    report["members"] = list(m.members)
-    m.close()
+m = Membership.from_env(node_member_id(dist.get_world_size(), dist.get_rank()), heartbeat_interval=0.2, timeout=5)
+report["generation"] = m.wait_for_generation(timeout=30)
+report["members"] = list(m.members)
 dist.barrier()
+m.close()
 print(json.dumps(report), flush=True)
 dist.destroy_process_group()
 """
@@ -346,8 +346,9 @@ dist.destroy_process_group()
 @pytest.mark.netns
 @needs_netns
 def test_coordinator_reachable_one_world_per_node(tmp_path, sweep):
-    """--elastic 2x2: every rank has the coordinator's address; local rank 0 of each node joins it and
-    gets a generation >= 1 holding both nodes (it waits for --initial-replicas = --nodes = 2); each node
+    """--elastic 2x2: every rank has the coordinator's address and joins it as member node * 2 + rank; each
+    gets a generation >= 1 holding all four (the coordinator waits for --initial-replicas = --nodes = 2
+    nodes, times the 2 ranks of each); each node
     is a world of 2 (an all-reduce of rank + 1 gives 1 + 2 = 3, not the 10 of one world of 4); the
     coordinator's output is prefixed and it is gone after the run."""
     code, out, err, _, _ = _run(tmp_path, _COORD, "--ranks-per-node", "2", "--heartbeat-timeout", "5")
@@ -360,8 +361,7 @@ def test_coordinator_reachable_one_world_per_node(tmp_path, sweep):
         assert rep["env"] == {"RANK": str(local), "COMMOPT_COORDINATOR": "10.77.0.253:29700",
                               "COMMOPT_REPLICA_ID": str(node), "COMMOPT_NUM_REPLICAS": "2",
                               "MASTER_ADDR": "127.0.0.1", "COMMOPT_NODES": "0,1", "GLOO_SOCKET_IFNAME": f"cn{node}"}
-        if local == 0:
-            assert rep["generation"] >= 1 and rep["members"] == [0, 1], rep
+        assert rep["generation"] >= 1 and rep["members"] == [0, 1, 2, 3], rep
     started = next(json.loads(line.partition("] ")[2]) for line in err.splitlines()
                    if line.startswith("[coordinator] {") and '"address"' in line)
     assert started["address"] == "10.77.0.253:29700"
