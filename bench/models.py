@@ -14,7 +14,7 @@ from torch import nn
 
 from commopt.comm import Topology
 from commopt.comm.alltoall import all_to_all
-from commopt.schedules.pipeline import exchange_compute, permute_rows
+from commopt.schedules.moe import exchange_compute, permute_rows
 
 __all__ = ["MoE", "GPT", "synthetic_tokens"]
 
@@ -36,7 +36,7 @@ class MoE(nn.Module):
     all-to-all, because real routing is uneven); (4) each local expert, a two-layer GELU MLP, on its
     rows; (5) combine: the reverse all-to-all; (6) each token's output is the gate-weighted sum of its
     experts' rows. With ``overlap_degree`` > 1, (3)-(5) are chunked and overlapped
-    (``commopt.schedules.pipeline.exchange_compute``).
+    (``commopt.schedules.moe.exchange_compute``).
 
     Args:
         d_model: token width.

@@ -1,5 +1,5 @@
 """``commopt-bench moe``: an MoE layer's forward + backward time with and without all-to-all /
-expert overlap (``schedules.pipeline``), for each all-to-all algorithm, measured interleaved.
+expert overlap (``schedules.moe``), for each all-to-all algorithm, measured interleaved.
 
 Runs inside the emulated cluster, where the link time is there to hide::
 

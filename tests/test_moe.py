@@ -1,4 +1,4 @@
-"""The MoE layer (bench/models.py) and the all-to-all / expert overlap (schedules/pipeline.py).
+"""The MoE layer (bench/models.py) and the all-to-all / expert overlap (schedules/moe.py).
 
 The oracle is a single-process computation written independently here: every rank gathers all
 ranks' tokens and all experts' parameters with plain ``torch.distributed``, routes token by token
@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from commopt.bench.models import MoE
 from commopt.comm import Topology
-from commopt.schedules.pipeline import chunk_layout, exchange_compute
+from commopt.schedules.moe import chunk_layout, exchange_compute
 
 D, H, E, T = 6, 10, 8, 13
 

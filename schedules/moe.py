@@ -1,4 +1,4 @@
-"""MoE all-to-all overlapped with expert computation (docs/architecture.md section 5.8, pipeline).
+"""MoE all-to-all overlapped with expert computation (docs/architecture.md section 5.8, moe.py).
 
 An MoE layer's expert-parallel step is ``combine(experts(dispatch(x)))``: an all-to-all that sends
 each token to the rank holding its expert, the experts, and the reverse all-to-all. Unchunked, the
