@@ -61,6 +61,7 @@ class Hierarchical(Algorithm):
     automatic = True
     codec_phase = INTER_PHASE  # with a compressor, only the rail phase is encoded
     flat_on_one_level = ("reduce_scatter", "all_gather")
+    all_reduce_op = "hierarchical"  # the engine's label of the all-reduce (its byte counter's key)
 
     def roles(self, topology: Topology) -> tuple[str, ...]:
         return (HIER_REDUCE_SCATTER, HIER_ALL_REDUCE, HIER_ALL_GATHER, HIER_RS_RAIL, HIER_AG_RAIL, HIER_AG_INTRA)
@@ -68,23 +69,30 @@ class Hierarchical(Algorithm):
     # ----------------------------------------------------------------------------- model
     def traffic(self, collective: str, nbytes: float, topology: Topology, *, itemsize: int = 1) -> Traffic:
         t = Traffic(topology)
-        p, local, n = topology.world_size, topology.local_size, topology.num_nodes
+        p, local = topology.world_size, topology.local_size
         if p == 1 or not nbytes:
             return t
+        self._intra_traffic(t, collective, nbytes, itemsize)
         if collective == "allreduce":
             shard = pad_to(nbytes, itemsize, local) / local
-            for node in topology.nodes:
-                t.all_pairs(node, 2 * shard)  # reduce-scatter, then all-gather
             for rail in topology.rails:
                 t.ring(rail, ALGORITHM_FACTORS["allreduce"](len(rail)) * shard)
             return t
         # reduce-scatter / all-gather of a world-sized buffer: n blocks per rail position.
-        block = nbytes / p
-        for node in topology.nodes:
-            t.all_pairs(node, n * block)
         for rail in topology.rails:
-            t.all_pairs(rail, block)
+            t.all_pairs(rail, nbytes / p)
         return t
+
+    @staticmethod
+    def _intra_traffic(t: Traffic, collective: str, nbytes: float, itemsize: int) -> None:
+        """The phases inside each node: an all-reduce's reduce-scatter and all-gather of L shards, or the
+        N blocks per rail position of a reduce-scatter's or all-gather's world-sized buffer."""
+        topology = t.topology
+        local = topology.local_size
+        per_pair = (2 * pad_to(nbytes, itemsize, local) / local if collective == "allreduce"
+                    else topology.num_nodes * nbytes / topology.world_size)
+        for node in topology.nodes:
+            t.all_pairs(node, per_pair)
 
     def cost(self, model: CostModel, collective: str, nbytes: float, topology: Topology) -> float:
         if topology.world_size == 1 or not nbytes:
@@ -160,34 +168,43 @@ class Hierarchical(Algorithm):
                                  lambda: exchange_reduce_scatter(shard, chunk, red, rs.intra, remaining(deadline)),
                                  rs.intra))
             if ar.rail is not None:
-                n = len(ar.rail_ranks)
-
-                def rail_all_reduce() -> int:
-                    wait_work(dist.all_reduce(shard, op=red, group=ar.rail, async_op=True), remaining(deadline))
-                    return int(ALGORITHM_FACTORS["allreduce"](n) * shard.numel() * shard.element_size())
-
-                out.append(Phase("all_reduce", rail_all_reduce, ar.rail))
+                out.append(Phase("all_reduce", lambda: self._rail_all_reduce(call, shard, ar.rail, deadline),
+                                 ar.rail))
             if ag.intra is not None:
                 out.append(Phase("all_gather", lambda: exchange_all_gather(chunk, shard, ag.intra, remaining(deadline)),
                                  ag.intra))
             return out
 
-        return pipelined(call, local, phases, "hierarchical")
+        return pipelined(call, local, phases, self.all_reduce_op)
+
+    # The inter-node phase of each collective, along this rank's rail (``synth`` replaces them).
+    def _rail_all_reduce(self, call: Call, shard: torch.Tensor, group, deadline) -> int:
+        wait_work(dist.all_reduce(shard, op=call.red, group=group, async_op=True), remaining(deadline))
+        return int(ALGORITHM_FACTORS["allreduce"](dist.get_world_size(group)) * shard.numel() * shard.element_size())
+
+    def _rail_reduce_scatter(self, call: Call, out: torch.Tensor, mid: torch.Tensor, group, deadline) -> int:
+        """``out`` = the rail's reduction of this rank's block of ``mid`` (the node sums, rail by rail)."""
+        return exchange_reduce_scatter(out, mid, call.red, group, remaining(deadline))
+
+    def _rail_all_gather(self, call: Call, mid: torch.Tensor, src: torch.Tensor, group, deadline) -> int:
+        """``mid`` = every rail member's ``src``, in rail order."""
+        return exchange_all_gather(mid, src, group, remaining(deadline))
 
     def reduce_scatter(self, call: Call) -> torch.futures.Future:
         topo, red, timeout, p = call.topology, call.red, call.timeout, call.prepared
         world, nodes, n = topo.world_size, topo.num_nodes, p.flat.numel()
         staged = call.src.view(world, n)[torch.tensor(rail_order(topo))].reshape(-1)
         rs, rail = call.groups(HIER_REDUCE_SCATTER), call.groups(HIER_RS_RAIL)
-        mid = staged.new_empty(nodes * n)
+        mid = staged if rs.intra is None else staged.new_empty(nodes * n)  # one rank per node: the staged copy
         deadline = deadline_of(timeout)  # one for both phases: the call's timeout bounds the call
-        phases = [
-            Phase("reduce_scatter_intra",
-                  lambda: exchange_reduce_scatter(mid, staged, red, rs.intra, remaining(deadline)), rs.intra),
-            Phase("reduce_scatter_inter",
-                  lambda: exchange_reduce_scatter(p.flat, mid, red, rail.rail, remaining(deadline)), rail.rail),
-        ]
-        fut = call.engine.submit(phases, op="reduce_scatter/hierarchical", device=call.src.device,
+        phases = []
+        if rs.intra is not None:
+            phases.append(Phase("reduce_scatter_intra",
+                                lambda: exchange_reduce_scatter(mid, staged, red, rs.intra, remaining(deadline)),
+                                rs.intra))
+        phases.append(Phase("reduce_scatter_inter",
+                            lambda: self._rail_reduce_scatter(call, p.flat, mid, rail.rail, deadline), rail.rail))
+        fut = call.engine.submit(phases, op=f"reduce_scatter/{self.name}", device=call.src.device,
                                  blocking=call.blocking)
         return then_finish(fut, p)
 
@@ -196,7 +213,7 @@ class Hierarchical(Algorithm):
         world, nodes, n = topo.world_size, topo.num_nodes, src.numel()
         rail, ag = call.groups(HIER_AG_RAIL), call.groups(HIER_AG_INTRA)
         mid = src.new_empty(nodes * n)
-        gathered = src.new_empty(world * n)
+        gathered = src.new_empty(world * n) if ag.intra is not None else mid
         order = torch.tensor(rail_order(topo))
 
         def permute() -> None:
@@ -204,14 +221,13 @@ class Hierarchical(Algorithm):
             p.flat.view(world, n)[order] = gathered.view(world, n)
 
         deadline = deadline_of(timeout)  # one for both exchanges: the call's timeout bounds the call
-        phases = [
-            Phase("all_gather_inter", lambda: exchange_all_gather(mid, src, rail.rail, remaining(deadline)),
-                  rail.rail),
-            Phase("all_gather_intra", lambda: exchange_all_gather(gathered, mid, ag.intra, remaining(deadline)),
-                  ag.intra),
-            Phase("permute", permute),
-        ]
-        fut = call.engine.submit(phases, op="all_gather/hierarchical", device=src.device, blocking=call.blocking)
+        phases = [Phase("all_gather_inter", lambda: self._rail_all_gather(call, mid, src, rail.rail, deadline),
+                        rail.rail)]
+        if ag.intra is not None:
+            phases.append(Phase("all_gather_intra",
+                                lambda: exchange_all_gather(gathered, mid, ag.intra, remaining(deadline)), ag.intra))
+        phases.append(Phase("permute", permute))
+        fut = call.engine.submit(phases, op=f"all_gather/{self.name}", device=src.device, blocking=call.blocking)
         return then_finish(fut, p)
 
 

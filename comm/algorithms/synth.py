@@ -34,18 +34,16 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.distributed as dist
 
-from ..engine import Phase
 from ..links import CostModel, LinkMap
 from ..synthesis.check import check
 from ..synthesis.run import run_schedule
 from ..synthesis.sim import link_bytes, simulate
 from ..synthesis.synthesize import synthesize
 from ..topology import Topology
-from ._transport import deadline_of, exchange_all_gather, exchange_reduce_scatter, remaining, then_finish
-from .base import Algorithm, Call, Traffic
-from .hierarchical import rail_order
-from .roles import HIER_AG_INTRA, HIER_AG_RAIL, HIER_ALL_GATHER, HIER_ALL_REDUCE, HIER_REDUCE_SCATTER, HIER_RS_RAIL
+from .base import Call, Traffic
+from .hierarchical import Hierarchical
 
 __all__ = ["Synth", "SYNTH", "run_schedule", "rail_links", "schedule_for"]
 
@@ -98,18 +96,25 @@ def _simulated(collective: str, links: LinkMap, nbytes: int) -> float:
     return simulate(schedule_for(collective, links, nbytes), links, nbytes)
 
 
-class Synth(Algorithm):
+class Synth(Hierarchical):
+    """The hierarchical algorithm's phases with each inter-node phase replaced by the rail's schedule."""
+
     name = "synth"
     collectives = ("allreduce", "reduce_scatter", "all_gather")
-    needs_uniform = True
     automatic = True
+    codec_phase = None
+    flat_on_one_level = ()
+    all_reduce_op = "all_reduce/synth"
 
     def considered(self, topology: Topology) -> bool:
         """``auto`` weighs it only where the links differ (elsewhere a schedule cannot beat the others)."""
         return topology.links is not None and not topology.links.uniform and topology.num_nodes > 1
 
-    def roles(self, topology: Topology) -> tuple[str, ...]:
-        return (HIER_REDUCE_SCATTER, HIER_ALL_REDUCE, HIER_ALL_GATHER, HIER_RS_RAIL, HIER_AG_RAIL, HIER_AG_INTRA)
+    def runs(self, topology: Topology, collective: str) -> str:
+        return "flat" if topology.num_nodes == 1 else self.name  # one node: nothing crosses a link
+
+    def chunks(self, model: CostModel, collective: str, nbytes: float, topology: Topology) -> int:
+        return 1  # a schedule pipelines its own chunks
 
     # ----------------------------------------------------------------------------- model
     def _rail_bytes(self, collective: str, nbytes: float, topology: Topology) -> float:
@@ -119,15 +124,12 @@ class Synth(Algorithm):
 
     def traffic(self, collective: str, nbytes: float, topology: Topology, *, itemsize: int = 1) -> Traffic:
         t = Traffic(topology)
-        p, local = topology.world_size, topology.local_size
-        if p == 1 or not nbytes:
+        if topology.world_size == 1 or not nbytes:
             return t
-        if local > 1:  # inside the node, as the hierarchical algorithm's phases
-            per_pair = 2 * nbytes / local if collective == "allreduce" else topology.num_nodes * nbytes / p
-            for node in topology.nodes:
-                t.all_pairs(node, per_pair)
+        if topology.local_size > 1:
+            self._intra_traffic(t, collective, nbytes, itemsize)
         rail_n = self._rail_bytes(collective, nbytes, topology)
-        for j in range(local):
+        for j in range(topology.local_size):
             rail = sorted(node[j] for node in topology.nodes)
             sched = schedule_for(collective, rail_links(topology, j), rail_n)
             for (a, b), v in link_bytes(sched, int(rail_n // itemsize) * itemsize, itemsize=itemsize).items():
@@ -145,80 +147,22 @@ class Synth(Algorithm):
             links = LinkMap.star([1 / model.inter.beta / local] * topology.num_nodes, alpha=model.inter.alpha)
         return rounds * intra + _simulated(collective, links, int(self._rail_bytes(collective, nbytes, topology)))
 
-    # ----------------------------------------------------------------------------- phases
-    def _rail_phase(self, collective: str, call: Call, buf: torch.Tensor, group, deadline) -> Phase:
+    # ----------------------------------------------------------------------------- the rail phases
+    def _run(self, collective: str, call: Call, buf: torch.Tensor, group, deadline) -> int:
         sched = schedule_for(collective, rail_links(call.topology), buf.numel() * buf.element_size())
-        op = f"{collective}/synth"
+        return run_schedule(sched, buf, group, call.red, deadline, f"{collective}/synth")
 
-        def run() -> int:
-            return run_schedule(sched, buf, group, call.red, deadline, op)
+    def _rail_all_reduce(self, call: Call, shard: torch.Tensor, group, deadline) -> int:
+        return self._run("allreduce", call, shard, group, deadline)
 
-        return Phase(f"{collective}_rail", run, group)
+    def _rail_reduce_scatter(self, call: Call, out: torch.Tensor, mid: torch.Tensor, group, deadline) -> int:
+        sent = self._run("reduce_scatter", call, mid, group, deadline)  # in place: this rank's block is reduced
+        out.copy_(mid.view(dist.get_world_size(group), -1)[dist.get_rank(group)])
+        return sent
 
-    def all_reduce(self, call: Call) -> torch.futures.Future:
-        topo, red, p = call.topology, call.red, call.prepared
-        rs, ar, ag = (call.groups(role) for role in (HIER_REDUCE_SCATTER, HIER_ALL_REDUCE, HIER_ALL_GATHER))
-        local = topo.local_size
-        deadline = deadline_of(call.timeout)
-        flat = p.flat
-        pad = (-flat.numel()) % local
-        work = torch.cat([flat, flat.new_zeros(pad)]) if pad else flat
-        shard = work.view(local, -1)[topo.local_rank] if local > 1 else work
-        phases = []
-        if rs.intra is not None:
-            phases.append(Phase("reduce_scatter", lambda: exchange_reduce_scatter(shard, work, red, rs.intra,
-                                                                                  remaining(deadline)), rs.intra))
-        if ar.rail is not None:
-            phases.append(self._rail_phase("allreduce", call, shard, ar.rail, deadline))
-        if ag.intra is not None:
-            phases.append(Phase("all_gather", lambda: exchange_all_gather(work, shard, ag.intra, remaining(deadline)),
-                                ag.intra))
-        if pad:
-            phases.append(Phase("unpad", lambda: flat.copy_(work[:flat.numel()])))
-        fut = call.engine.submit(phases, op="all_reduce/synth", device=flat.device, blocking=call.blocking)
-        return then_finish(fut, p)
-
-    def reduce_scatter(self, call: Call) -> torch.futures.Future:
-        topo, red, p = call.topology, call.red, call.prepared
-        world, nodes, n = topo.world_size, topo.num_nodes, p.flat.numel()
-        staged = call.src.view(world, n)[torch.tensor(rail_order(topo))].reshape(-1)
-        rs, rail = call.groups(HIER_REDUCE_SCATTER), call.groups(HIER_RS_RAIL)
-        mid = staged if rs.intra is None else staged.new_empty(nodes * n)
-        pos = sorted(node[topo.local_rank] for node in topo.nodes).index(topo.rank)
-        deadline = deadline_of(call.timeout)
-        phases = []
-        if rs.intra is not None:
-            phases.append(Phase("reduce_scatter_intra",
-                                lambda: exchange_reduce_scatter(mid, staged, red, rs.intra, remaining(deadline)),
-                                rs.intra))
-        if rail.rail is not None:
-            phases.append(self._rail_phase("reduce_scatter", call, mid, rail.rail, deadline))
-        phases.append(Phase("copy", lambda: p.flat.copy_(mid.view(nodes, n)[pos])))
-        fut = call.engine.submit(phases, op="reduce_scatter/synth", device=call.src.device, blocking=call.blocking)
-        return then_finish(fut, p)
-
-    def all_gather(self, call: Call) -> torch.futures.Future:
-        topo, p, src = call.topology, call.prepared, call.src
-        world, nodes, n = topo.world_size, topo.num_nodes, src.numel()
-        rail, ag = call.groups(HIER_AG_RAIL), call.groups(HIER_AG_INTRA)
-        pos = sorted(node[topo.local_rank] for node in topo.nodes).index(topo.rank)
-        mid = src.new_empty(nodes * n)
-        gathered = src.new_empty(world * n) if ag.intra is not None else mid
-        order = torch.tensor(rail_order(topo))
-        deadline = deadline_of(call.timeout)
-
-        def permute() -> None:
-            p.flat.view(world, n)[order] = gathered.view(world, n)
-
-        phases = [Phase("place", lambda: mid.view(nodes, n)[pos].copy_(src))]
-        if rail.rail is not None:
-            phases.append(self._rail_phase("all_gather", call, mid, rail.rail, deadline))
-        if ag.intra is not None:
-            phases.append(Phase("all_gather_intra",
-                                lambda: exchange_all_gather(gathered, mid, ag.intra, remaining(deadline)), ag.intra))
-        phases.append(Phase("permute", permute))
-        fut = call.engine.submit(phases, op="all_gather/synth", device=src.device, blocking=call.blocking)
-        return then_finish(fut, p)
+    def _rail_all_gather(self, call: Call, mid: torch.Tensor, src: torch.Tensor, group, deadline) -> int:
+        mid.view(dist.get_world_size(group), -1)[dist.get_rank(group)].copy_(src)
+        return self._run("all_gather", call, mid, group, deadline)
 
 
 SYNTH = Synth()
