@@ -32,13 +32,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import socket
 import sys
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
+
+from .coordinator import stop_on_signals
 
 __all__ = ["main", "problem", "worker", "QUORUM_TIMEOUT_S", "JOIN_TIMEOUT_S"]
 
@@ -92,13 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         0; 2 when the Lighthouse cannot start (the reason printed).
     """
     args = _parser().parse_args(argv)
-    stop = threading.Event()
-
-    def _on_signal(signum: int, frame: Any) -> None:
-        stop.set()
-
-    signal.signal(signal.SIGTERM, _on_signal)
-    signal.signal(signal.SIGINT, _on_signal)
+    stop = stop_on_signals()
     try:
         from torchft.coordination import LighthouseServer
 

@@ -20,7 +20,7 @@ import signal
 import threading
 from typing import Any
 
-__all__ = ["main"]
+__all__ = ["main", "stop_on_signals"]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -41,8 +41,9 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+def stop_on_signals() -> threading.Event:
+    """An event set by SIGTERM or SIGINT: a membership service (this one, or torchft's Lighthouse that
+    ``commopt-bench elastic`` starts in its place) serves until it is set."""
     stop = threading.Event()
 
     def _on_signal(signum: int, frame: Any) -> None:
@@ -50,6 +51,12 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
+    return stop
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    stop = stop_on_signals()
     from commopt.comm.elastic import Coordinator
 
     try:

@@ -45,17 +45,12 @@ from commopt.comm import all_gather, all_reduce, reduce_scatter
 from commopt.comm.compression import Codec, ErrorFeedback, reduce_tensors
 from commopt.comm.elastic import Membership, QuorumError
 from commopt.comm.elastic.replicas import ReplicaSet, attempt_copies, check_replica_args, node_member_id
-from commopt.comm.elastic.transfer import broadcast_state, local_tree, optimizer_state_like
+from commopt.comm.elastic.transfer import broadcast_state, local, local_tree, optimizer_state_like
 from commopt.comm.errors import CommError
 
 __all__ = ["ElasticReplicas"]
 
 _NAME = "ElasticReplicas"
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The tensor this rank holds: a DTensor's local shard, else the tensor."""
-    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 class ElasticReplicas:
@@ -148,7 +143,7 @@ class ElasticReplicas:
                 node's own ranks did not answer (a rank of this node is gone: restart the node).
         """
         rs = self.replicas
-        grads = [_local(p.grad) if p.grad is not None else torch.zeros_like(_local(p)) for p in self.params]
+        grads = [local(p.grad) if p.grad is not None else torch.zeros_like(local(p)) for p in self.params]
         while True:
             if self._current(self.timeout, fresh=False):
                 return  # this step was applied by nodes ahead of this one; their state replaced ours
@@ -169,11 +164,11 @@ class ElasticReplicas:
         with torch.no_grad():
             for p, g in zip(self.params, averaged):
                 if p.grad is None:
-                    g = g.view_as(_local(p)).to(p.dtype)
-                    p.grad = (DTensor.from_local(g, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(),
+                    g = g.view_as(local(p)).to(p.dtype)
+                    p.grad = (DTensor.fromlocal(g, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(),
                                                  run_check=False) if self.sharded else g)
                 else:
-                    _local(p.grad).copy_(g.view_as(_local(p)))
+                    local(p.grad).copy_(g.view_as(local(p)))
         self.error_feedback, self._state = feedback, state
         self.optimizer.step()
         self.steps += 1
@@ -267,13 +262,13 @@ class ElasticReplicas:
                              f"{sorted(set(own) - theirs)[:5]}, extra {sorted(theirs - set(own))[:5]}); build the "
                              f"same model on every replica")
         for k, v in own.items():
-            mine = _local(v)
+            mine = local(v)
             if not isinstance(model[k], torch.Tensor) or model[k].shape != mine.shape or model[k].dtype != mine.dtype:
                 raise ValueError(f"{_NAME}: the peer's {k!r} is not a {mine.dtype} tensor of shape "
                                  f"{list(mine.shape)}; build (and shard) the same model on every replica")
         with torch.no_grad():
             for k, v in own.items():
-                _local(v).copy_(model[k])
+                local(v).copy_(model[k])
         self.optimizer.load_state_dict(optimizer_state_like(self.optimizer, received["optimizer"]))
         self.steps = int(received["steps"])
         self.error_feedback = ErrorFeedback()  # what this replica's codec dropped before is not the peer's

@@ -15,13 +15,13 @@ tensors: FSDP2's shards gathered), and writes them to OUT (torch.save), with its
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import signal
 import time
 
 import torch
 import torch.distributed as dist
+from _elastic_node import add_node_args, init_node_world
 from torch import nn
 
 from commopt.comm.elastic import Membership
@@ -39,9 +39,7 @@ def main() -> None:
     p.add_argument("addr")
     p.add_argument("rid", type=int)
     p.add_argument("out")
-    p.add_argument("--ranks", type=int, default=1)
-    p.add_argument("--local", type=int, default=0)
-    p.add_argument("--port", type=int, default=0)
+    add_node_args(p)
     p.add_argument("--fsdp", action="store_true")
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--kill", type=int, default=0)
@@ -49,12 +47,7 @@ def main() -> None:
     p.add_argument("--restarted", action="store_true")
     a = p.parse_args()
     torch.set_num_threads(1)
-    if a.ranks == 1:
-        store = dist.HashStore()
-    else:
-        store = dist.TCPStore("127.0.0.1", a.port, a.ranks, is_master=a.local == 0,
-                              timeout=datetime.timedelta(seconds=60))
-    dist.init_process_group("gloo", store=store, rank=a.local, world_size=a.ranks)
+    init_node_world(a)
     torch.manual_seed(a.rid)  # nodes start apart: the first generation equalises them (ranks of a node agree)
     model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
     if a.fsdp:

@@ -21,13 +21,13 @@ a failure see the same generations. Writes its final outer state to OUT with tor
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import signal
 import time
 
 import torch
 import torch.distributed as dist
+from _elastic_node import add_node_args, init_node_world
 from torch import nn
 
 from commopt.comm.compression import QuantizeCompressor
@@ -80,19 +80,12 @@ def main() -> None:
     p.add_argument("--gate-in", type=int, default=0)
     p.add_argument("--restarted", action="store_true")
     p.add_argument("--source-dies", action="store_true")
-    p.add_argument("--ranks", type=int, default=1)
-    p.add_argument("--local", type=int, default=0)
-    p.add_argument("--port", type=int, default=0)
+    add_node_args(p)
     p.add_argument("--fault3", default="", help="worker 3's fault: leave@S, kill@S, or hello (it dies in the "
                                                  "first collective of the first new generation after the start)")
     a = p.parse_args()
     torch.set_num_threads(1)
-    if a.ranks == 1:
-        store = dist.HashStore()
-    else:
-        store = dist.TCPStore("127.0.0.1", a.port, a.ranks, is_master=a.local == 0,
-                              timeout=datetime.timedelta(seconds=60))
-    dist.init_process_group("gloo", store=store, rank=a.local, world_size=a.ranks)
+    init_node_world(a)
     torch.manual_seed(a.rid)  # workers start apart: the first generation's broadcast must equalise them
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
     net = nn.parallel.DistributedDataParallel(model) if a.ranks > 1 else model

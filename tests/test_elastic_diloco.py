@@ -17,7 +17,7 @@ import time
 
 import pytest
 import torch
-from _ports import free_ports
+from _elastic_node import start_node
 
 from commopt.comm.elastic import Coordinator
 
@@ -35,16 +35,9 @@ def _job(tmp_path, name: str, fault: str, *, gate_out: int = 0, gate_in: int = 2
     with Coordinator(heartbeat_timeout=2.0, min_replicas=min_replicas * ranks,
                      initial_replicas=workers * ranks) as coord:
         def start(r: int, *more: str) -> _Worker:
-            extra_args = (*extra, *more)
-            port = free_ports(1)[0]
-            procs: list[subprocess.Popen] = []
-            for j in range(ranks):
-                argv = [sys.executable, WORKER, coord.address, str(r), outs[(r, j)], "--codec", codec,
-                        "--gate-out", str(gate_out), "--gate-in", str(gate_in), "--ranks", str(ranks),
-                        "--local", str(j), "--port", str(port), *extra_args]
-                procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                              process_group=procs[0].pid if procs else 0))
-            return _Worker(procs)
+            return _Worker(start_node(lambda j: [sys.executable, WORKER, coord.address, str(r), outs[(r, j)],
+                                                        "--codec", codec, "--gate-out", str(gate_out), "--gate-in",
+                                                        str(gate_in), *extra, *more], ranks))
 
         procs = {r: start(r, "--fault", fault) for r in range(workers)}
         deadline = time.monotonic() + timeout

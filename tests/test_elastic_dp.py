@@ -16,7 +16,7 @@ import sys
 
 import pytest
 import torch
-from _ports import free_ports
+from _elastic_node import start_node
 
 from commopt.comm.elastic import Coordinator
 
@@ -31,15 +31,9 @@ def _run(tmp_path, ranks: int, fsdp: bool) -> dict:
     outs = {k: str(tmp_path / f"{k[0]}.{k[1]}.pt") for k in keys}
     with Coordinator(heartbeat_timeout=2.0, min_replicas=2, initial_replicas=3 * ranks) as coord:
         def start(node: int, *extra: str) -> list[subprocess.Popen]:
-            port = free_ports(1)[0]
-            procs: list[subprocess.Popen] = []
-            for r in range(ranks):
-                cmd = [sys.executable, WORKER, coord.address, str(node), outs[(node, r)], "--steps", str(STEPS),
-                       "--kill", str(KILL), "--gate-in", str(BACK), "--ranks", str(ranks), "--local", str(r),
-                       "--port", str(port), *(["--fsdp"] if fsdp else []), *extra]
-                procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                              process_group=procs[0].pid if procs else 0))
-            return procs
+            return start_node(lambda r: [sys.executable, WORKER, coord.address, str(node), outs[(node, r)],
+                                                "--steps", str(STEPS), "--kill", str(KILL), "--gate-in", str(BACK),
+                                                *(["--fsdp"] if fsdp else []), *extra], ranks)
 
         procs = {n: start(n) for n in range(3)}
         try:

@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from ..engine import wait_work
 
-__all__ = ["broadcast_state", "local_tree", "optimizer_state_like"]
+__all__ = ["broadcast_state", "local", "local_tree", "optimizer_state_like"]
 
 _DTYPES = {str(d): d for d in (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
                                 torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)}
@@ -163,11 +163,16 @@ class _Link:
             wait_work(w, self.timeout, "elastic/transfer")
 
 
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank holds: a DTensor's (an FSDP2 shard's) local tensor, the storage itself, else ``t``."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
 def local_tree(tree: Any) -> Any:
-    """``tree`` with every DTensor (an FSDP2 shard) replaced by this rank's local tensor: what a rank
-    sends its peer of the same local index (the same shards)."""
+    """``tree`` with every DTensor replaced by this rank's local tensor (:func:`local`): what a rank sends
+    its peer of the same local index (the same shards)."""
     if isinstance(tree, torch.Tensor):
-        return tree._local_tensor if isinstance(tree, DTensor) else tree
+        return local(tree)
     if isinstance(tree, dict):
         return {k: local_tree(v) for k, v in tree.items()}
     if isinstance(tree, (list, tuple)):
@@ -190,6 +195,6 @@ def optimizer_state_like(optimizer: torch.optim.Optimizer, sd: dict) -> dict:
             continue
         state[idx] = {k: (DTensor.from_local(v, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(),
                                              run_check=False)
-                          if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape == p._local_tensor.shape else v)
+                          if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape == local(p).shape else v)
                       for k, v in entry.items()}
     return {**sd, "state": state}
