@@ -8,7 +8,7 @@ from setuptools import setup
 
 _FOLDERS = {"comm": "comm", "kernels": "kernels", "schedules": "schedules", "bench": "bench"}
 _SUBPACKAGES = ["comm.algorithms", "comm.compression", "comm.elastic", "comm.fsdp", "comm.ina", "comm.integrations",
-                "bench.cluster", "bench.cluster.probe"]
+                "comm.pipeline", "comm.synthesis", "bench.cluster", "bench.cluster.probe"]
 
 _MPI = ["mpi4py>=3.1", "mpich"]
 _PLOT = ["matplotlib>=3.5"]
