@@ -12,6 +12,17 @@ installed)::
 
 Compute comes from FLOPs: ``--tflops`` peak per rank times ``--mfu``; the link model is
 ``commopt.comm.cost`` (``--algorithm``; the inter-node level is the node's NIC shared by its ranks).
+
+With ``--pp-stages`` it answers "how many pipeline stages across how slow a link" instead: one step
+of a pipeline, one stage per rank, each boundary across a link of each ``--link-rates`` (or
+``--link-rate``), torch's ``Schedule1F1B`` / ``ScheduleGPipe`` posting against commopt's executor,
+per boundary codec, step against the compute-alone floor (``commopt.schedules.simulator.
+simulate_pipeline``); ``--pp-dp`` adds the 2x2 of two 2-stage pipelines data-parallel over one link,
+first come first served against boundary traffic first. The model's forward and backward come from
+``--pp-forward-ms`` / ``--pp-backward-ms`` (the whole model, one micro-batch, split evenly over the
+stages), or are measured on this machine from the bench GPT (one thread)::
+
+    commopt-bench simulate --pp-stages 2,4,8 --pp-micro 8 --link-rates 200mbit,50mbit --codec none,int8
 """
 
 from __future__ import annotations
@@ -65,6 +76,25 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--pair-rates", default=None, metavar="0-1:R,..",
                    help="links that differ: a direct-connect mesh of pair rates (e.g. 0-1:200mbit,1-2:200mbit,"
                         "0-2:50mbit)")
+    pp = p.add_argument_group("pipeline parallelism (--pp-stages; then --link-rates lists the boundary links)")
+    pp.add_argument("--pp-stages", default=None, metavar="S0,S1,..", help="model pipelines of these stage counts")
+    pp.add_argument("--pp-micro", type=int, default=8, help="micro-batches per step")
+    pp.add_argument("--pp-schedule", default="1f1b", choices=["1f1b", "gpipe"])
+    pp.add_argument("--codec", default="none,int8", help="boundary codecs, both directions (none, bf16, int8, int4)")
+    pp.add_argument("--pp-forward-ms", type=float, default=None, help="the whole model's forward per micro-batch "
+                    "(default: measured from the bench GPT)")
+    pp.add_argument("--pp-backward-ms", type=float, default=None, help="the whole model's backward per micro-batch")
+    pp.add_argument("--pp-layers", type=int, default=4, help="bench GPT blocks (measured model)")
+    pp.add_argument("--pp-d-model", type=int, default=256)
+    pp.add_argument("--pp-seq", type=int, default=128)
+    pp.add_argument("--pp-micro-batch", type=int, default=8, help="sequences per micro-batch")
+    pp.add_argument("--pp-codec-gbps", type=float, default=None, help="encode and decode throughput each, GB of "
+                    "fp32 per second (default: measured with the model, else free)")
+    pp.add_argument("--pp-depth", type=int, default=2, help="commopt: receive buffers posted ahead")
+    pp.add_argument("--pp-extra", type=int, default=1, help="commopt 1F1B: forwards in flight beyond torch's")
+    pp.add_argument("--pp-dp", action="store_true", help="also the 2x2 (two 2-stage pipelines, data parallel "
+                    "stage by stage over one link): FIFO against boundary traffic first")
+    pp.add_argument("--pp-dp-chunk-mb", type=float, default=1.0, help="2x2: all-reduce chunk (bucket) in MiB")
     p.add_argument("--png", default="simulate-timeline.png", help="timeline PNG ('' to skip)")
     p.add_argument("--json", default=None)
     return p
@@ -225,8 +255,139 @@ def _plot(results: dict, path: str) -> None:
     print(f"# timeline written to {path}")
 
 
+def _pp_compute(args) -> tuple[float, float, float, list[float]]:
+    """The whole model's forward and backward seconds per micro-batch, the codec's seconds per fp32
+    byte (encode and decode each) and the gradient bytes of each half of the model: given, or
+    measured from the bench GPT on this machine with one thread (a stage's rank has one core)."""
+    import time
+
+    import torch
+
+    from commopt.schedules.simulator import layers_from_model
+
+    from .models import GPT
+
+    torch.manual_seed(0)
+    model = GPT(vocab=256, d_model=args.pp_d_model, n_layers=args.pp_layers, n_heads=4, seq_len=args.pp_seq)
+    params = [p.numel() * 4 for p in model.parameters()]
+    blocks = [sum(p.numel() * 4 for p in b.parameters()) for b in model.blocks]
+    half = len(blocks) // 2
+    rest = sum(params) - sum(blocks)  # embeddings (stage 0), final norm and head (last stage)
+    head = sum(p.numel() * 4 for p in (*model.ln.parameters(), *model.head.parameters()))
+    grads = [sum(blocks[:half]) + rest - head, sum(blocks[half:]) + head]
+    gbps = args.pp_codec_gbps
+    if args.pp_forward_ms is not None and args.pp_backward_ms is not None:
+        per_byte = 1 / (gbps * 1e9) if gbps else 0.0
+        return args.pp_forward_ms / 1e3, args.pp_backward_ms / 1e3, per_byte, grads
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        tokens = torch.randint(256, (args.pp_micro_batch, args.pp_seq))
+        layers = layers_from_model(model, tokens)
+        act = torch.randn(args.pp_micro_batch * args.pp_seq, args.pp_d_model)
+        if gbps:
+            per_byte = 1 / (gbps * 1e9)
+        else:  # int8 with a scale per row, both ways: the boundary channel's codec
+            from commopt.comm.compression import QuantizeCompressor
+
+            codec = QuantizeCompressor(8, block=args.pp_d_model)
+            times = []
+            for _ in range(6):
+                t0 = time.perf_counter()
+                codec.roundtrip(act)
+                times.append(time.perf_counter() - t0)
+            per_byte = sorted(times)[len(times) // 2] / 2 / (act.numel() * 4)
+    finally:
+        torch.set_num_threads(threads)
+    fwd, bwd = sum(x.forward for x in layers), sum(x.backward for x in layers)
+    print(f"# bench GPT d_model {args.pp_d_model}, {args.pp_layers} blocks, micro-batch {args.pp_micro_batch} x "
+          f"{args.pp_seq}, measured here with one thread: forward {fwd * 1e3:.1f} ms, backward {bwd * 1e3:.1f} ms; "
+          f"codec {per_byte * 4e9:.2f} ms per M fp32 values each way")
+    return fwd, bwd, per_byte, grads
+
+
+def run_pp(args) -> list[dict]:
+    """Simulate the pipeline rows (``--pp-stages``); return them (also printed)."""
+    from commopt.comm import cost
+    from commopt.comm.topology import parse_rate
+    from commopt.schedules.simulator import pipeline_codec, simulate_pipeline
+
+    stages = [int(x) for x in args.pp_stages.split(",")]
+    rates = (args.link_rates or args.link_rate).split(",")
+    codecs = args.codec.split(",")
+    fwd, bwd, per_byte, grads = _pp_compute(args)
+    act = args.pp_micro_batch * args.pp_seq * args.pp_d_model * 4
+    M = args.pp_micro
+    print(f"# {M} micro-batches of {act / 2**20:.2f} MiB of fp32 activations per boundary; {args.pp_schedule}; "
+          f"compute split evenly over the stages; link latency {args.link_latency_us:g} us; overlap slowdown "
+          f"{args.overlap_slowdown:g}")
+    print(f"{'stages':>6} {'link':>9} {'codec':>6} {'policy':<16}{'step ms':>10}{'floor ms':>10}{'step/floor':>11}"
+          f"{'MiB/dir':>9}")
+    rows = []
+    for S in stages:
+        policies = [("torch", "torch", False), ("commopt", "commopt", False)]
+        if S > 2:
+            policies.append(("commopt/boundary", "commopt", True))
+        for rate in rates:
+            link = cost.LinkModel(args.link_latency_us * 1e-6, 8 / parse_rate(rate))
+            for name in codecs:
+                codec = pipeline_codec(name, row=args.pp_d_model, encode=per_byte if name != "none" else 0.0,
+                                       decode=per_byte if name != "none" else 0.0)
+                for label, policy, per_boundary in policies:
+                    r = simulate_pipeline(S, M, fwd / S, bwd / S, link=link, activation_bytes=act,
+                                          schedule=args.pp_schedule, policy=policy, codec_act=codec,
+                                          codec_grad=codec, slowdown=args.overlap_slowdown, depth=args.pp_depth,
+                                          extra=args.pp_extra, extra_per_boundary=per_boundary)
+                    mib = r.boundary_bytes[0][0] / 2**20 if r.boundary_bytes else 0.0
+                    print(f"{S:>6} {rate:>9} {name:>6} {label:<16}{r.step * 1e3:>10.1f}{r.floor * 1e3:>10.1f}"
+                          f"{r.ratio:>11.3f}{mib:>9.2f}")
+                    rows.append({"kind": "pp", "stages": S, "link": rate, "codec": name, "policy": label,
+                                 "micro_batches": M, "schedule": args.pp_schedule, "step_s": r.step,
+                                 "floor_s": r.floor, "idle_s": r.idle, "boundary_bytes": r.boundary_bytes})
+    if args.pp_dp:
+        rows += _pp_dp_rows(args, rates, fwd / 2, bwd / 2, act, grads)
+    return rows
+
+
+def _pp_dp_rows(args, rates: list[str], fwd: float, bwd: float, act: float, grads: list[float]) -> list[dict]:
+    """The 2x2 (issue 41 item 5): FIFO against boundary traffic first on the one node link."""
+    from commopt.comm import cost
+    from commopt.comm.topology import parse_rate
+    from commopt.schedules.simulator import simulate_pipeline_dp
+
+    print(f"# 2x2: two 2-stage pipelines, each stage all-reducing {grads[0] / 2**20:.1f} / {grads[1] / 2**20:.1f} "
+          f"MiB with its twin in {args.pp_dp_chunk_mb:g} MiB chunks over the same link; commopt, fp32")
+    print(f"{'link':>9} {'dp issue':<10}{'fifo ms':>10}{'priority ms':>13}{'floor ms':>10}{'gain':>8}")
+    rows = []
+    for rate in rates:
+        link = cost.LinkModel(args.link_latency_us * 1e-6, 8 / parse_rate(rate))
+        for issue in ("bucketed", "after"):
+            r = {sharing: simulate_pipeline_dp(args.pp_micro, fwd, bwd, link=link, activation_bytes=act,
+                                               dp_bytes=grads, sharing=sharing, dp_issue=issue,
+                                               dp_chunk_bytes=args.pp_dp_chunk_mb * 2**20,
+                                               schedule=args.pp_schedule, slowdown=args.overlap_slowdown,
+                                               depth=args.pp_depth, extra=args.pp_extra)
+                 for sharing in ("fifo", "priority")}
+            gain = r["fifo"].step / r["priority"].step - 1
+            print(f"{rate:>9} {issue:<10}{r['fifo'].step * 1e3:>10.1f}{r['priority'].step * 1e3:>13.1f}"
+                  f"{r['fifo'].floor * 1e3:>10.1f}{gain:>8.1%}")
+            rows.append({"kind": "pp-dp", "link": rate, "dp_issue": issue, "fifo_s": r["fifo"].step,
+                         "priority_s": r["priority"].step, "floor_s": r["fifo"].floor, "gain": gain})
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.pp_stages:
+        try:
+            rows = run_pp(args)
+        except ValueError as e:
+            print(f"commopt-bench simulate: {e}", file=sys.stderr)
+            return 2
+        if args.json:
+            with open(args.json, "w", encoding="utf-8") as f:
+                json.dump({"kind": "simulate-pp", "rows": rows}, f, indent=1)
+        return 0
     if args.link_rates or args.pair_rates:
         from ._simulate_synth import links_from, run_synth
 

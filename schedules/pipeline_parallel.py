@@ -9,11 +9,13 @@ micro-batches, as torch's ``scale_grads=True``) and the optimizer step is the ca
 Why not torch's schedule: its single-stage 1F1B posts the receive of the next forward only after the
 backward and then waits for it, and gloo's point-to-point moves nothing before the receive is posted,
 so one boundary transfer sits on the critical path per micro-batch. Here every receive is posted
-``depth`` micro-batches ahead, sends never block, and a non-last stage runs ``extra`` more warm-up
-forwards than torch's ``num_stages - stage``: with one micro-batch more in flight, the activation of
-micro-batch k + 1 and the gradient of k travel while the stages compute (posting early alone does not
-hide them: the exposure sits on 1F1B's dependency cycle between neighbouring stages). The cost is
-``extra`` more stored activations per non-last stage.
+``depth`` micro-batches ahead, sends never block, and a stage runs ``extra`` more warm-up forwards per
+boundary downstream than torch's ``num_stages - stage``: with one micro-batch more in flight across
+each boundary, the activation of micro-batch k + 1 and the gradient of k travel while the stages
+compute, up to a transfer of ``extra * (forward + backward) / 2`` (posting early alone does not hide
+them: the exposure sits on 1F1B's dependency cycle between neighbouring stages; one extra on every
+stage alike would hide only the last boundary's, as the simulator shows: ``schedules/_sim_pipeline.py``).
+The cost is ``extra`` more stored activations per boundary downstream of a stage.
 
 Without a codec the arithmetic is torch's: the same micro-batches (torch's own splitting), the same
 forward and backward calls, gradients accumulated in ascending micro-batch order, so the parameters'
@@ -42,12 +44,12 @@ def actions(schedule: str, stage: int, stages: int, n: int, extra: int = 1) -> l
     """The order in which ``stage`` runs its forwards ("F", k) and backwards ("B", k).
 
     GPipe: every forward, then every backward in ascending order. 1F1B: ``min(n, stages - stage +
-    extra)`` warm-up forwards on a non-last stage (one on the last), then one backward and one forward
-    in turn, then the remaining backwards.
+    extra * (stages - 1 - stage))`` warm-up forwards (torch's, plus ``extra`` per boundary downstream;
+    one on the last stage), then one backward and one forward in turn, then the remaining backwards.
     """
     if schedule == "gpipe":
         return [("F", k) for k in range(n)] + [("B", k) for k in range(n)]
-    warm = min(n, 1 if stage == stages - 1 else stages - stage + extra)
+    warm = min(n, stages - stage + extra * (stages - 1 - stage))
     out = [("F", k) for k in range(warm)]
     f = warm
     for b in range(n):
@@ -77,7 +79,7 @@ class PipelineSchedule:
             seen many times): the number of distinct sample ids; ``step(..., sample_ids=)`` then gives
             each sample's id on every stage. Each side of each boundary caches one activation per sample.
         error_feedback: keep a residual per micro-batch index for the gradients sent backward.
-        extra: warm-up forwards beyond torch's on a non-last stage (1F1B).
+        extra: warm-up forwards beyond torch's per boundary downstream of this stage (1F1B).
         depth: receives posted ahead per direction.
         timeout: seconds any one wait may take before ``CommTimeoutError``.
         scale_grads: divide the accumulated gradients by ``n_microbatches`` (torch's default), for a

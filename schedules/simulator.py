@@ -38,6 +38,7 @@ from torch import nn
 from commopt.comm import algorithms, cost
 from commopt.comm.topology import Topology
 
+from ._sim_pipeline import PipelineCodec, PipelineResult, pipeline_codec, simulate_pipeline, simulate_pipeline_dp
 from ._tp_choice import chunk_count, ring_seconds
 from .plan import BucketPlan, build_buckets, partition
 from .priority import fifo_plan, priority_plan, shape_priority, simulate_issue
@@ -45,7 +46,8 @@ from .priority import fifo_plan, priority_plan, shape_priority, simulate_issue
 __all__ = ["Layer", "Schedule", "SimResult", "simulate", "transformer_layers", "layers_from_model",
            "TRANSFORMERS", "traffic_matrix", "iteration_traffic", "SCHEDULES", "link_service", "ShardedPlan",
            "SHARDED_KINDS", "simulate_sharded", "quantized_ratio", "TPResult", "simulate_tensor_parallel",
-           "DiLoCoResult", "simulate_diloco"]
+           "DiLoCoResult", "simulate_diloco", "PipelineCodec", "PipelineResult", "pipeline_codec", "simulate_pipeline",
+           "simulate_pipeline_dp"]
 
 _MB = 1024 * 1024
 SCHEDULES = ("none", "ddp", "fifo", "priority")

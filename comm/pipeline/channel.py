@@ -158,6 +158,14 @@ class StageLinks:
             return
         self.broken = f"step {self.step}: {type(exc).__name__}: {str(exc)[:300]}"
         self._relay()
+        # gloo drops a pending send whose work is freed: deliver what is queued (the neighbours wait for
+        # exactly these messages) before the caller drops this object, for a short while at most.
+        for d in (self.grad_out, self.act_out):
+            if d is not None:
+                try:
+                    self._retire(d, keep=0, limit=min(self.timeout, 2.0))
+                except CommError:
+                    pass
 
     def _relay(self) -> None:
         n = self.agreement.n_micro
@@ -324,13 +332,13 @@ class StageLinks:
         d.bytes += buf.numel()
         context().engine().count(f"pp/{d.kind}", buf.numel())
 
-    def _retire(self, d: _Direction, keep: int | None) -> None:
+    def _retire(self, d: _Direction, keep: int | None, limit: float | None = None) -> None:
         """Drop completed sends; with ``keep`` (0 at the end of a step), wait until at most that many
-        are left in flight (bounded)."""
+        are left in flight (within ``limit`` seconds, the timeout by default)."""
         d.sends = [(w, b) for w, b in d.sends if not w.is_completed()]
         if keep is None:
             return
-        deadline = time.monotonic() + self.timeout
+        deadline = time.monotonic() + (self.timeout if limit is None else limit)
         while len(d.sends) > keep:
             work, _ = d.sends[0]
             try:
@@ -346,8 +354,7 @@ class StageLinks:
         if tuple(x.shape) == shape and x.dtype == dtype:
             return
         d = self.act_out if what == "activation" else self.grad_out
-        self._send_status(d, meta, _SHAPE, mb)
-        self.broken = f"step {self.step}: shape mismatch"
+        self._send_status(d, meta, _SHAPE, mb)  # the receiver raises too, before using anything
         peer = d.peer
         raise CollectiveMismatchError(f"pipeline stage {self.stage}: micro-batch {mb}'s {what} for stage {peer} is "
                                       f"{tuple(x.shape)} {x.dtype}, but {shape} {dtype} was agreed at the first "
@@ -367,8 +374,9 @@ class StageLinks:
 
     def _send_meta(self, status: int, x: torch.Tensor | None = None) -> None:
         try:
-            w = dist.isend(self._meta(x, status), group=self.group, group_dst=self.act_out.peer, tag=_TAG["meta"])
-            self.act_out.sends.append((w, None))
+            meta = self._meta(x, status)
+            w = dist.isend(meta, group=self.group, group_dst=self.act_out.peer, tag=_TAG["meta"])
+            self.act_out.sends.append((w, meta))
         except RuntimeError:
             pass
 
@@ -400,9 +408,8 @@ class StageLinks:
         ok = bool(torch.equal(m[2:7], mine[2:7]))
         answer = self._meta(None, _OK if ok else _SHAPE)
         w = dist.isend(answer, group=self.group, group_dst=self.act_in.peer, tag=_TAG["ack"])
-        self.grad_out.sends.append((w, None))
+        self.grad_out.sends.append((w, answer))
         if not ok:
-            self.broken = "configuration mismatch"
             raise CollectiveMismatchError(f"pipeline stage {self.stage}: stage {self.act_in.peer}'s configuration "
                                           f"differs: {self._diff(m)}; every stage must use the same "
                                           f"n_microbatches, schedule and codecs", op="pp/meta",
