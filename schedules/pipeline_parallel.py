@@ -1,5 +1,5 @@
 """Pipeline parallelism across slow links: GPipe and 1F1B, one stage per rank, on commopt's boundary
-channel (docs/architecture.md section 5.10; the channel: ``commopt.comm.pipeline``).
+channel (docs/architecture.md section 5.5d; the channel: ``commopt.comm.pipeline``).
 
 ``PipelineSchedule(stage_module, n_microbatches=, loss_fn=)`` is called like torch's
 ``Schedule1F1B``: the first stage passes the batch, the last the targets, every stage calls

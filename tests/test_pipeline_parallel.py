@@ -1,4 +1,4 @@
-"""Pipeline parallelism on commopt's boundary channel (docs/architecture.md section 5.10; FAULTS.md row 47).
+"""Pipeline parallelism on commopt's boundary channel (docs/architecture.md section 5.5d; FAULTS.md row 47).
 
 The oracles: single-process micro-batched training of the whole model (with the codec's round trip
 applied at each boundary for the compressed and delta modes: the fake-quantized reference, built here
@@ -15,7 +15,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from commopt.comm.errors import CollectiveMismatchError, CommTimeoutError
 from commopt.comm.pipeline import get_codec
 from commopt.schedules.pipeline_parallel import PipelineSchedule, actions
 
@@ -219,11 +218,6 @@ def test_actions_orders():
     assert actions("gpipe", 0, 2, 2) == [("F", 0), ("F", 1), ("B", 0), ("B", 1)]
 
 
-def _time_case():
-    t0 = time.monotonic()
-    return time.monotonic() - t0
-
-
 # --------------------------------------------------------------------------------- faults (row 47)
 def _scenario(group, victim: int, fault: str, timeout: float) -> tuple[str, str, float]:
     """Two steps of 4-stage 1F1B on ``group``; in the second, ``victim`` misbehaves (``fault``). Returns
@@ -292,10 +286,9 @@ def test_faults_raise_on_every_stage_within_the_timeout():
     assert res[2] is None  # the killed stage
     by = {fault: {} for fault in ("codec-one-side", "shape", "stall", "kill")}
     for stage, results in enumerate(res):
-        for fault, victim, (kind, msg, took) in results or []:
+        for fault, _victim, (kind, msg, took) in results or []:
             by[fault][stage] = (kind, msg, took)
     codec = by["codec-one-side"]
-    print({s: (k, m[:300], t) for s, (k, m, t) in codec.items()})
     for s in (0, 1):
         assert codec[s][0] == "CollectiveMismatchError" and "forward codec" in codec[s][1], codec[s]
     shape = by["shape"]

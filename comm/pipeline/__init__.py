@@ -1,4 +1,4 @@
-"""commopt.comm.pipeline: pipeline parallelism's stage-to-stage traffic (docs/architecture.md section 5.10).
+"""commopt.comm.pipeline: pipeline parallelism's stage-to-stage traffic (docs/architecture.md section 5.5d).
 
 ``codec.py``: what crosses a boundary (exact, bf16/fp16, int8/int4 with per-row scales, AQ-SGD's delta
 cache); ``channel.py``: a stage's boundary traffic with its neighbours (receives posted ahead, sends that

@@ -1,5 +1,5 @@
 """The boundary channel: a pipeline stage's point-to-point traffic with its two neighbours
-(docs/architecture.md section 5.10).
+(docs/architecture.md section 5.5d).
 
 One stage per rank of ``group``; stage ``s`` receives activations from ``s - 1`` and sends their
 gradients back, and sends activations to ``s + 1`` and receives theirs. Four rules make the traffic

@@ -1,4 +1,4 @@
-"""What crosses a pipeline boundary: one codec per direction (docs/architecture.md section 5.10).
+"""What crosses a pipeline boundary: one codec per direction (docs/architecture.md section 5.5d).
 
 A stage boundary carries one activation tensor forward and its gradient backward per micro-batch.
 Across a slow link those bytes are the step's critical path, so each direction can be encoded:
