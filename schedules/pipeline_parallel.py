@@ -68,8 +68,8 @@ class PipelineSchedule:
             positional arguments) and returns one tensor.
         n_microbatches: micro-batches per step (the batch is split along dimension 0 as torch does;
             every micro-batch of a stage must have the same shape, as torch's schedules require).
-        loss_fn: ``loss_fn(output, target)`` on the last stage (None: the last stage returns outputs
-            and runs no backward; then no stage may call backward).
+        loss_fn: ``loss_fn(output, target)``, given on every stage (only the last calls it). None on
+            every stage: forwards only (inference; the last stage returns the outputs).
         group: the pipeline's process group, one stage per rank in rank order (None: the world). Give
             the pipeline a group of its own: nothing else may use its point-to-point tags.
         schedule: "1f1b" or "gpipe".
@@ -111,11 +111,13 @@ class PipelineSchedule:
         self.schedule = schedule
         self.scale_grads = scale_grads
         self.delta = delta_samples is not None
-        self.order = actions(schedule, self.stage, self.stages, n_microbatches, extra)
-        self.links = StageLinks(self.group, Agreement(n_microbatches, SCHEDULES.index(schedule), fwd.name, bwd.name,
-                                                      self.delta),
+        self.backward = loss_fn is not None
+        order = actions(schedule, self.stage, self.stages, n_microbatches, extra)
+        self.order = order if self.backward else [a for a in order if a[0] == "F"]
+        code = SCHEDULES.index(schedule) + (0 if self.backward else len(SCHEDULES))
+        self.links = StageLinks(self.group, Agreement(n_microbatches, code, fwd.name, bwd.name, self.delta),
                                 timeout=timeout, delta_capacity=delta_samples, error_feedback=error_feedback,
-                                depth=depth)
+                                depth=depth, backward=self.backward)
         self._steps = 0
 
     @property
@@ -143,55 +145,56 @@ class PipelineSchedule:
         Returns:
             The last stage: the outputs of every micro-batch, concatenated; other stages: None.
         """
-        if self.is_first and not args and not kwargs:
-            raise ValueError("PipelineSchedule.step: the first stage must pass the batch")
-        if self.is_last and self.loss_fn is not None and target is None:
-            raise ValueError("PipelineSchedule.step: the last stage has a loss_fn and must pass target=")
-        arg_mbs, kw_mbs = (split_args_kwargs_into_chunks(args, kwargs, self.n) if self.is_first else
-                           ([()] * self.n, [{}] * self.n))
-        tgt_mbs = list(torch.tensor_split(target, self.n)) if target is not None and self.is_last else None
-        ids = self._ids(sample_ids)
         self._steps += 1
-        self.links.begin(self._steps, ids)
+        self.links.start(self._steps)
+        try:
+            if self.is_first and not args and not kwargs:
+                raise ValueError("PipelineSchedule.step: the first stage must pass the batch")
+            if self.is_last and self.backward and target is None:
+                raise ValueError("PipelineSchedule.step: the last stage has a loss_fn and must pass target=")
+            arg_mbs, kw_mbs = (split_args_kwargs_into_chunks(args, kwargs, self.n) if self.is_first else
+                               ([()] * self.n, [{}] * self.n))
+            tgt_mbs = list(torch.tensor_split(target, self.n)) if self.backward and self.is_last else None
+            self.links.begin(self._ids(sample_ids))
+            return self._run(arg_mbs, kw_mbs, tgt_mbs, losses)
+        except BaseException as exc:
+            self.links.fail(exc)
+            raise
+
+    def _run(self, arg_mbs, kw_mbs, tgt_mbs, losses):
         inputs: dict[int, torch.Tensor] = {}
         outputs: dict[int, torch.Tensor] = {}
         mb_losses: dict[int, torch.Tensor] = {}
         kept = []
-        try:
-            for kind, k in self.order:
-                if kind == "F":
-                    if self.is_first:
-                        out = self.module(*arg_mbs[k], **kw_mbs[k])
-                    else:
-                        x = self.links.recv_activation(k).detach().requires_grad_(True)
-                        inputs[k] = x
-                        out = self.module(x)
-                    if not isinstance(out, torch.Tensor):
-                        raise TypeError(f"PipelineSchedule: stage {self.stage} returned {type(out).__name__}; a "
-                                        f"stage returns one tensor (for tuples use torch's schedules with commopt's "
-                                        f"group)")
-                    if self.is_last:
-                        kept.append(out.detach())
-                        if self.loss_fn is not None:
-                            mb_losses[k] = self.loss_fn(out, tgt_mbs[k])
-                    else:
-                        self.links.send_activation(k, out)
-                    outputs[k] = out
-                elif self.is_last and self.loss_fn is None:
-                    continue  # inference: nothing to differentiate
+        for kind, k in self.order:
+            if kind == "F":
+                if self.is_first:
+                    out = self.module(*arg_mbs[k], **kw_mbs[k])
                 else:
-                    out = outputs.pop(k)
-                    if self.is_last:
-                        mb_losses[k].backward()
-                    else:
-                        out.backward(self.links.recv_gradient(k))
-                    if not self.is_first:
-                        self.links.send_gradient(k, inputs.pop(k).grad)
-            self.links.end()
-        except BaseException as exc:
-            self.links.fail(exc)
-            raise
-        if self.scale_grads and self.n != 1 and not (self.is_last and self.loss_fn is None):
+                    x = self.links.recv_activation(k).detach()
+                    inputs[k] = x.requires_grad_(True) if self.backward else x
+                    out = self.module(x)
+                if not isinstance(out, torch.Tensor):
+                    raise TypeError(f"PipelineSchedule: stage {self.stage} returned {type(out).__name__}; a stage "
+                                    f"returns one tensor (for tuples, give torch's schedules commopt's group)")
+                if self.is_last:
+                    kept.append(out.detach())
+                    if self.backward:
+                        mb_losses[k] = self.loss_fn(out, tgt_mbs[k])
+                else:
+                    self.links.send_activation(k, out)
+                if self.backward:
+                    outputs[k] = out
+            else:
+                out = outputs.pop(k)
+                if self.is_last:
+                    mb_losses[k].backward()
+                else:
+                    out.backward(self.links.recv_gradient(k))
+                if not self.is_first:
+                    self.links.send_gradient(k, inputs.pop(k).grad)
+        self.links.end()
+        if self.scale_grads and self.n != 1 and self.backward:
             for p in self.module.parameters():
                 if p.grad is not None:
                     p.grad.div_(self.n)
@@ -213,4 +216,4 @@ class PipelineSchedule:
                              "distinct id per sample of a step")
         parts = list(torch.tensor_split(ids, self.n))
         cache = self.links.delta_in or self.links.delta_out
-        return [cache.check_ids(p, p.numel()) for p in parts]
+        return parts if cache is None else [cache.check_ids(p, p.numel()) for p in parts]

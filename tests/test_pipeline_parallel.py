@@ -175,6 +175,29 @@ def test_exact_equals_single_process_gpipe_and_1f1b(ranks, world):
             assert sent == want, (schedule, stage, sent)
 
 
+def _inference() -> torch.Tensor | None:
+    torch.set_num_threads(1)
+    stage = dist.get_rank()
+    pipe = PipelineSchedule(_model(dist.get_world_size())[stage], n_microbatches=MICRO, timeout=60)
+    x, _ = _data(0)
+    with torch.no_grad():
+        return pipe.step(x) if pipe.is_first else pipe.step()
+
+
+def test_forward_only_returns_the_model_output(ranks):
+    """No loss_fn on any stage: forwards only; the last stage returns the whole model's output on the batch,
+    bit for bit (micro-batch by micro-batch, concatenated)."""
+    out = ranks(2, _inference, timeout=60)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.no_grad():
+            want = torch.cat([_model(2)(m) for m in torch.tensor_split(_data(0)[0], MICRO)])
+    finally:
+        torch.set_num_threads(threads)
+    assert out[0] is None and torch.equal(out[1], want)
+
+
 def _ids(step: int) -> torch.Tensor:
     """A finite set of 16 samples, cycled: a batch of 8 per step, in a different order each cycle."""
     g = torch.Generator().manual_seed(step // 2)

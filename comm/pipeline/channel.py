@@ -102,10 +102,12 @@ class StageLinks:
             sample ids, whose cache each side of each boundary keeps.
         error_feedback: keep a residual per micro-batch index for the gradients this stage sends.
         depth: receives posted ahead per direction.
+        backward: gradients travel back (False: forwards only, no gradient receive is ever posted: a
+            receive left posted would take a later pipeline's message on the same group).
     """
 
     def __init__(self, group, agreement: Agreement, *, timeout: float, delta_capacity: int | None = None,
-                 error_feedback: bool = False, depth: int = 2) -> None:
+                 error_feedback: bool = False, depth: int = 2, backward: bool = True) -> None:
         self.group = group
         self.stage = dist.get_rank(group)
         self.stages = dist.get_world_size(group)
@@ -115,9 +117,9 @@ class StageLinks:
         fwd, bwd = get_codec(agreement.fwd_codec), get_codec(agreement.bwd_codec)
         s, last = self.stage, self.stage == self.stages - 1
         self.act_in = _Direction(s - 1, "fwd", s - 1, fwd) if s > 0 else None
-        self.grad_out = _Direction(s - 1, "bwd", s - 1, bwd) if s > 0 else None
+        self.grad_out = _Direction(s - 1, "bwd", s - 1, bwd) if s > 0 and backward else None
         self.act_out = _Direction(s + 1, "fwd", s, fwd) if not last else None
-        self.grad_in = _Direction(s + 1, "bwd", s, bwd) if not last else None
+        self.grad_in = _Direction(s + 1, "bwd", s, bwd) if not last and backward else None
         self.in_meta: tuple[tuple[int, ...], torch.dtype] | None = None  # the activation this stage receives
         self.out_meta: tuple[tuple[int, ...], torch.dtype] | None = None  # the activation it sends
         self.delta_in = DeltaCache(delta_capacity) if delta_capacity and s > 0 else None
@@ -129,17 +131,22 @@ class StageLinks:
         self._deadline = 0.0
 
     # ------------------------------------------------------------------------------- step frame
-    def begin(self, step: int, ids: list[torch.Tensor | None]) -> None:
-        """Start step ``step`` (its micro-batches' sample ids, or Nones): post the receives the
-        agreed shapes allow (the first step's activations wait for their description)."""
+    def start(self, step: int) -> None:
+        """Start step ``step`` (before anything of it can fail, so that a failure is relayed as this
+        step's); refused after a failure."""
         if self.broken:
             raise CommError(f"pipeline stage {self.stage}: the pipeline failed earlier ({self.broken}); its "
                             f"boundaries may hold unmatched messages: create a new schedule on a new process group",
                             op="pp")
-        self.step, self.ids = step, ids
+        self.step, self.ids = step, [None] * self.agreement.n_micro
         for d in (self.act_in, self.grad_out, self.act_out, self.grad_in):
             if d is not None:
                 d.posted, d.next_post, d.sent = [], 0, 0
+
+    def begin(self, ids: list[torch.Tensor | None]) -> None:
+        """Post the step's receives the agreed shapes allow (the first step's activations wait for their
+        description), given its micro-batches' sample ids (or Nones)."""
+        self.ids = ids
         if self.in_meta is not None:
             self._top_up(self.act_in)
         if self.out_meta is not None:
@@ -147,7 +154,7 @@ class StageLinks:
 
     def end(self) -> None:
         """Wait for this step's sends (bounded): every receiver consumes them within the step."""
-        for d in (self.grad_out, self.act_out):
+        for d in (self.grad_out, self.act_out, self.act_in):
             if d is not None:
                 self._retire(d, keep=0)
 
@@ -160,7 +167,7 @@ class StageLinks:
         self._relay()
         # gloo drops a pending send whose work is freed: deliver what is queued (the neighbours wait for
         # exactly these messages) before the caller drops this object, for a short while at most.
-        for d in (self.grad_out, self.act_out):
+        for d in (self.grad_out, self.act_out, self.act_in):
             if d is not None:
                 try:
                     self._retire(d, keep=0, limit=min(self.timeout, 2.0))
@@ -188,8 +195,8 @@ class StageLinks:
         ids = self.ids[mb]
         if self.delta_in is not None:
             delta = self.delta_in.cached(ids)
-            x = self.delta_in.update(ids, self._codec(self.act_in, delta).decode(payload, shape, dtype).float()
-                                     .to(dtype), delta=delta).clone()
+            x = self.delta_in.update(ids, self._codec(self.act_in, delta).decode(payload, shape, dtype),
+                                     delta=delta).clone()
         else:
             x = self.act_in.codec.decode(payload, shape, dtype)  # may view the buffer: each is used once
         self._top_up(self.act_in)
@@ -208,8 +215,8 @@ class StageLinks:
             codec = self._codec(self.act_out, delta)
             body = self.delta_out.delta(x, ids) if delta else x
             self._send(self.act_out, codec, body, mb,
-                       after=lambda buf: self.delta_out.update(ids, codec.decode(buf, tuple(x.shape), x.dtype)
-                                                               .float().to(x.dtype), delta=delta))
+                       after=lambda buf: self.delta_out.update(ids, codec.decode(buf, tuple(x.shape), x.dtype),
+                                                               delta=delta))
         else:
             self._send(self.act_out, self.act_out.codec, x, mb)
 
@@ -408,7 +415,7 @@ class StageLinks:
         ok = bool(torch.equal(m[2:7], mine[2:7]))
         answer = self._meta(None, _OK if ok else _SHAPE)
         w = dist.isend(answer, group=self.group, group_dst=self.act_in.peer, tag=_TAG["ack"])
-        self.grad_out.sends.append((w, answer))
+        self.act_in.sends.append((w, answer))
         if not ok:
             raise CollectiveMismatchError(f"pipeline stage {self.stage}: stage {self.act_in.peer}'s configuration "
                                           f"differs: {self._diff(m)}; every stage must use the same "
