@@ -153,20 +153,46 @@ def _per_stage(ref: list[torch.Tensor], stages: int) -> list[list[torch.Tensor]]
     return [ref[i * per:(i + 1) * per] for i in range(stages)]
 
 
+def _torch_train(schedule: str, steps: int) -> list[torch.Tensor]:
+    """The same training under torch's own ``ScheduleGPipe`` / ``Schedule1F1B`` on the same world."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    torch.set_num_threads(1)
+    stages, stage = dist.get_world_size(), dist.get_rank()
+    block = _model(stages)[stage]
+    pstage = PipelineStage(block, stage, stages, torch.device("cpu"))
+    sched = (ScheduleGPipe if schedule == "gpipe" else Schedule1F1B)(pstage, n_microbatches=MICRO, loss_fn=_loss)
+    opt = torch.optim.SGD(block.parameters(), lr=0.1)
+    for step in range(steps):
+        x, y = _data(step)
+        opt.zero_grad()
+        if stage == 0:
+            sched.step(x)
+        elif stage == stages - 1:
+            sched.step(target=y)
+        else:
+            sched.step()
+        opt.step()
+    return [p.detach().clone() for p in block.parameters()]
+
+
 def _exact_case(schedule, fwd, bwd):
-    return _train(schedule, fwd, bwd, STEPS)
+    got, sent = _train(schedule, fwd, bwd, STEPS)
+    return got, sent, _torch_train(schedule, STEPS)
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_exact_equals_single_process_gpipe_and_1f1b(ranks, world):
     """Uncompressed GPipe and 1F1B (2 and 4 stages): the parameters after 10 steps equal single-process
-    micro-batched training bit for bit; bytes per step are micro-batches x (payload + trailer)."""
+    micro-batched training and torch's own ScheduleGPipe / Schedule1F1B on the same world, bit for bit;
+    bytes per step are micro-batches x (payload + trailer)."""
     ref = _per_stage(_reference(world, None, None, STEPS), world)
     payload = BATCH // MICRO * SEQ * D * 4 + 40
     for schedule in ("gpipe", "1f1b"):
         res = ranks(world, _exact_case, schedule, None, None, timeout=120)
-        for stage, (got, sent) in enumerate(res):
+        for stage, (got, sent, theirs) in enumerate(res):
             assert all(torch.equal(a, b) for a, b in zip(got, ref[stage])), (schedule, stage)
+            assert all(torch.equal(a, b) for a, b in zip(got, theirs)), (schedule, stage, "torch")
             want = {}
             if stage < world - 1:
                 want[f"{stage}/fwd"] = STEPS * MICRO * payload
