@@ -11,5 +11,7 @@ from __future__ import annotations
 
 from .channel import Agreement, StageLinks
 from .codec import CODECS, BoundaryCodec, DeltaCache, get_codec
+from .group import BoundaryGroup, boundary_group
 
-__all__ = ["Agreement", "StageLinks", "CODECS", "BoundaryCodec", "DeltaCache", "get_codec"]
+__all__ = ["Agreement", "StageLinks", "CODECS", "BoundaryCodec", "DeltaCache", "get_codec", "BoundaryGroup",
+           "boundary_group"]
