@@ -331,4 +331,4 @@ def test_bench_simulate_pp_rows(tmp_path, capsys):
         ratio = pipeline_codec(row["codec"]).ratio
         assert row["boundary_bytes"][0] == pytest.approx([4 * act * ratio] * 2)
     assert {r["dp_issue"] for r in rows if r["kind"] == "pp-dp"} == {"after", "bucketed"}
-    assert "commopt/boundary" in capsys.readouterr().out
+    assert "commopt/flat" in capsys.readouterr().out
