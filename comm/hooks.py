@@ -38,9 +38,9 @@ class AllReduceState:
         topology: the layout of the process group (None: detected on first use).
         algorithm: "auto" or any all-reduce algorithm of the registry
             (``commopt.comm.algorithms.names("allreduce")``: "flat", "hierarchical", "leader", "ina",
-            and any registered one); with a compressor: "auto" or one that can carry it
+            "synth", and any registered one); with a compressor: "auto" or one that can carry it
             (``names("allreduce", codec=True)``: "flat", "hierarchical", where only the inter-node
-            phase is compressed).
+            phase is compressed, "synth", the same with the rail's rounds on its synthesized schedules).
         compressor: a ``commopt.comm.compression`` compressor, or None for exact reduction.
         process_group: the group to reduce over (None: WORLD, as DDP).
         error_feedback: keep residual memory for biased compressors, keyed by parameter name (a

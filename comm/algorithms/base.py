@@ -262,6 +262,12 @@ class Algorithm:
         """Predicted seconds of one all-reduce carrying ``codec`` under the level ``model``."""
         raise NotImplementedError(f"algorithm {self.name!r} cannot carry a codec (codec_phase is None)")
 
+    def codec_transport(self, topology: Topology) -> object | None:
+        """What a compressed reduction routes this algorithm's codec rounds through (a
+        ``compression.codec.Transport``: ``synth``'s rail schedules), or None: the round groups' own
+        collectives."""
+        return None
+
     def chunks(self, model: CostModel, collective: str, nbytes: float, topology: Topology) -> int:
         """The pipelining depth with the lowest predicted time (1 for unpipelined algorithms)."""
         return 1

@@ -17,6 +17,15 @@ The L rails of a node share its links, so a rail's schedule is synthesized for t
 rate divided by L. The schedule is synthesized once per (collective, map) and cached in the process
 (every rank computes the same one: synthesis is deterministic for its seed).
 
+**With a compressor** (``codec_phase = INTER_PHASE``: the compressed reduction of
+``compression/exchange.py`` keeps the intra-node phases exact, as for ``hierarchical``) the codec's
+rounds run on the rail through :class:`RailTransport` (:meth:`Synth.codec_transport`): a round that
+all-reduces a summable wire buffer (a cast's fp16/bf16 values, PowerSGD's P and Q, random-k's values,
+the exact fallback) runs the rail's synthesized all-reduce on it, a round that all-gathers payloads
+(signs, top-k, the quantizer's second shot) the rail's synthesized all-gather; an all-to-all round
+(the quantizer's and the 1-bit codec's first shot) stays the direct pairwise exchange, whose every
+pair uses its own link. On one rank per node the rail is the whole group and nothing stays exact.
+
 **The executor** (``comm/synthesis/run.py``): every receive of the rank's steps is posted at once into a
 buffer of its own (gloo moves a payload only once its receiver is ready: posted late, a receive waits
 behind the sender's other traffic), each with a tag numbering the messages of its (sender, receiver)
@@ -32,20 +41,25 @@ the call's deadline (``CommTimeoutError``), and the bytes sent are counted.
 from __future__ import annotations
 
 import functools
+import math
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ReduceOp
 
 from ..links import CostModel, LinkMap
 from ..synthesis.check import check
 from ..synthesis.run import run_schedule
 from ..synthesis.sim import link_bytes, simulate
+from ..synthesis.star import direct_schedule
 from ..synthesis.synthesize import synthesize
 from ..topology import Topology
-from .base import Call, Traffic
+from ._transport import deadline_of
+from .base import INTER_PHASE, Call, Encoded, Traffic
 from .hierarchical import Hierarchical
 
-__all__ = ["Synth", "SYNTH", "run_schedule", "rail_links", "schedule_for"]
+__all__ = ["Synth", "SYNTH", "RailTransport", "run_schedule", "rail_links", "schedule_for", "codec_rounds"]
 
 _IR = {"allreduce": "allreduce", "reduce_scatter": "reducescatter", "all_gather": "allgather"}
 
@@ -92,8 +106,59 @@ def _schedule(collective: str, links: LinkMap, nbytes: int):
 @functools.lru_cache(maxsize=256)
 def _simulated(collective: str, links: LinkMap, nbytes: int) -> float:
     """The simulated seconds of the schedule for ``nbytes`` (``auto`` asks on every call: simulating a
-    large schedule takes a good part of a second, so each size is simulated once per process)."""
+    large schedule takes a good part of a second, so each size is simulated once per process).
+    ``"all_to_all"``: the direct pairwise exchange of equal blocks (a codec's all-to-all round), whose
+    link use is the direct all-gather's."""
+    if collective == "all_to_all":
+        return simulate(direct_schedule("allgather", [1] * links.nodes), links, nbytes)
     return simulate(schedule_for(collective, links, nbytes), links, nbytes)
+
+
+# A codec round's collective, from the prefix of its name (``Codec.rounds``), and the bytes one rank of
+# n sends per byte of its buffer with the group's own collective (what the codec's bytes assume).
+_ROUND_SHARE = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
+                "all_to_all": lambda n: (n - 1) / n}
+
+
+def codec_rounds(rounds: tuple[str, ...]) -> list[str] | None:
+    """The collective of each codec round (``"all_reduce"``, ``"all_gather"``, ``"all_to_all"``: how
+    ``synth`` routes it), or None when a round names none of them (``synth`` cannot carry that codec)."""
+    kinds = [next((k for k in _ROUND_SHARE if r.startswith(k)), None) for r in rounds]
+    return None if None in kinds else kinds
+
+
+def _round_bytes(codec: Encoded, kinds: list[str], local: int, j: int, n: int) -> float:
+    """The buffer of each of section ``j``'s rounds: the codec's bytes (:meth:`Encoded.sent`, counted
+    for the group's own collectives) spread evenly over its rounds, per byte of buffer."""
+    return codec.sent(local, j, n) / sum(_ROUND_SHARE[k](n) for k in kinds)
+
+
+@dataclass(frozen=True)
+class RailTransport:
+    """How a codec's rounds move their payloads along a rail under ``synth``: the rail's synthesized
+    all-reduce and all-gather, made for ``links`` (the rail's view, :func:`rail_links`), run on the
+    round's group (schedule rank i = group rank i). The compressed reduction hands it to the codecs
+    (``compression.exchange.round_all_reduce`` / ``round_all_gather``); every call returns the bytes
+    this rank sent and waits no longer than ``timeout`` (``CommTimeoutError``)."""
+
+    links: LinkMap
+
+    def all_reduce(self, buf: torch.Tensor, group, timeout: float | None) -> int:
+        """``buf`` = the SUM over ``group`` of every member's ``buf``, in place; identical on every
+        member (each chunk summed once, by one owner, in a fixed order, then copied)."""
+        if not buf.numel():
+            return 0
+        sched = schedule_for("allreduce", self.links, buf.numel() * buf.element_size())
+        return run_schedule(sched, buf, group, ReduceOp.SUM, deadline_of(timeout), "compress/synth/all_reduce")
+
+    def all_gather(self, out: torch.Tensor, payload: torch.Tensor, group, timeout: float | None) -> int:
+        """``out`` = every member's ``payload`` side by side, in group-rank order (equal sizes)."""
+        n, me = dist.get_world_size(group), dist.get_rank(group)
+        out.view(n, -1)[me].copy_(payload.view(-1))
+        if not out.numel():
+            return 0
+        sched = schedule_for("all_gather", self.links, out.numel() * out.element_size())
+        return run_schedule(sched, out, group, None, deadline_of(timeout), "compress/synth/all_gather")
 
 
 class Synth(Hierarchical):
@@ -102,7 +167,7 @@ class Synth(Hierarchical):
     name = "synth"
     collectives = ("allreduce", "reduce_scatter", "all_gather")
     automatic = True
-    codec_phase = None
+    codec_phase = INTER_PHASE  # with a compressor, the rail rounds are encoded and routed (RailTransport)
     flat_on_one_level = ()
     all_reduce_op = "all_reduce/synth"
 
@@ -142,10 +207,77 @@ class Synth(Hierarchical):
         local = topology.local_size
         intra = model.intra.time((local - 1) / local * nbytes, local - 1) if local > 1 else 0.0
         rounds = 2 if collective == "allreduce" and local > 1 else 1
-        links = rail_links(topology, 0)  # rail 0 for every rank: every rank predicts the same
-        if topology.links is None:  # no map: the model's inter-node level, shared by the rails
-            links = LinkMap.star([1 / model.inter.beta / local] * topology.num_nodes, alpha=model.inter.alpha)
+        links = self._model_links(model, topology)
         return rounds * intra + _simulated(collective, links, int(self._rail_bytes(collective, nbytes, topology)))
+
+    @staticmethod
+    def _model_links(model: CostModel, topology: Topology) -> LinkMap:
+        """Rail 0's links for every rank (every rank predicts the same); with no map, the model's
+        inter-node level as a uniform star, shared by the rails."""
+        if topology.links is None:
+            return LinkMap.star([1 / model.inter.beta / topology.local_size] * topology.num_nodes,
+                                alpha=model.inter.alpha)
+        return rail_links(topology, 0)
+
+    # ----------------------------------------------------------------------------- with a codec
+    def codec_transport(self, topology: Topology) -> RailTransport:
+        """What the compressed reduction routes this rank's codec rounds through (its rail's links)."""
+        return RailTransport(rail_links(topology))
+
+    def _codec_kinds(self, codec: Encoded) -> list[str]:
+        kinds = codec_rounds(tuple(codec.rounds))
+        if kinds is None:
+            raise ValueError(f"algorithm 'synth' routes codec rounds named all_reduce*, all_gather* or all_to_all*; "
+                             f"this codec's rounds are {tuple(codec.rounds)}: use algorithm='hierarchical'")
+        return kinds
+
+    def compressed_traffic(self, codec: Encoded, topology: Topology) -> Traffic:
+        """Inside each node the exact sections, as ``hierarchical``; on rail j, each round's buffer
+        (the codec's encoded bytes of section j) through the schedule of its collective, or direct
+        pairwise blocks for an all-to-all round."""
+        t = Traffic(topology)
+        local, n = topology.local_size, topology.num_nodes
+        if topology.world_size == 1:
+            return t
+        sections = [codec.section_bytes(local, j, n) for j in range(local)]
+        for node in topology.nodes:
+            for ja, a in enumerate(node):
+                for jb, b in enumerate(node):
+                    t.add(a, b, sections[jb] + sections[ja])
+        if n == 1:
+            return t
+        kinds = self._codec_kinds(codec)
+        for j in range(local):
+            rail = sorted(node[j] for node in topology.nodes)
+            size = _round_bytes(codec, kinds, local, j, n)
+            for kind in kinds:
+                if kind == "all_to_all":
+                    t.all_pairs(rail, size / n)
+                    continue
+                sched = schedule_for(kind.replace("all_reduce", "allreduce"), rail_links(topology, j), size)
+                for (a, b), v in link_bytes(sched, int(size)).items():
+                    t.add(rail[a], rail[b], v)
+        return t
+
+    def compressed_cost(self, model: CostModel, codec: Encoded, topology: Topology) -> float:
+        """The exact intra-node reduce-scatter and all-gather of the staged vector, then the codec's
+        rounds on the rail as :meth:`compressed_traffic` routes them, each simulated on the rail's
+        links (the busiest section's rounds: the rails run side by side)."""
+        local, n = topology.local_size, topology.num_nodes
+        if topology.world_size == 1:
+            return 0.0
+        nbytes = sum(codec.section_bytes(local, j, n) for j in range(local))
+        intra = 2 * model.intra.time((local - 1) / local * nbytes, local - 1) if local > 1 else 0.0
+        kinds = codec_rounds(tuple(codec.rounds))
+        if kinds is None:
+            return math.inf  # rounds it cannot route: never chosen (an explicit choice is refused at the call)
+        if n == 1:
+            return intra
+        size = max(_round_bytes(codec, kinds, local, j, n) for j in range(local))
+        if not size:
+            return intra
+        links = self._model_links(model, topology)
+        return intra + sum(_simulated(k.replace("all_reduce", "allreduce"), links, max(1, int(size))) for k in kinds)
 
     # ----------------------------------------------------------------------------- the rail phases
     def _run(self, collective: str, call: Call, buf: torch.Tensor, group, deadline) -> int:

@@ -1,14 +1,18 @@
 """``algorithm="auto"`` with a compressor: the candidate the cost model predicts fastest.
 
 The candidates are the registry's automatic algorithms that can carry a compressor
-(``algorithms.candidates("allreduce", codec=True)``: flat and hierarchical), each predicted by its
-own ``compressed_cost`` for an :class:`Encoding` of the tensors (what the compressor makes of each
-section of the staged vector, ``layout.py``): the flat exchange compresses everything, over a ring
-that crosses the node links; the hierarchical one only its inter-node phase, the intra-node
-reduce-scatter and all-gather moving the exact sections (``commopt.comm.algorithms.hierarchical``).
+(``algorithms.candidates("allreduce", codec=True)``: flat, hierarchical and synth) that the topology
+supports and that weigh themselves there (``Algorithm.considered``: synth only where the links
+differ), each predicted by its own ``compressed_cost`` for an :class:`Encoding` of the tensors (what
+the compressor makes of each section of the staged vector, ``layout.py``): the flat exchange
+compresses everything, over a ring that crosses the node links; the hierarchical one only its
+inter-node phase, the intra-node reduce-scatter and all-gather moving the exact sections
+(``commopt.comm.algorithms.hierarchical``); synth the same phases with the codec's rounds run by the
+rail's synthesized schedules, simulated on the link map (``commopt.comm.algorithms.synth``).
 
 ``flat`` where the model's levels share one resource (``model.shared``: loopback, where the
-hierarchy only adds phases), and where the topology has one level. The model is
+hierarchy only adds phases), and where the topology has one level (one rank per node counts as two
+where the links differ, as for the exact ``auto``). The model is
 ``cost.model_for(topology)`` (an explicit model, the cached calibration, the configured link rate,
 or the documented defaults), which rank 0 broadcasts once per topology; the rest depends only on
 shapes: every rank chooses the same (docs/architecture.md section 3, rule 2).
@@ -19,11 +23,24 @@ from __future__ import annotations
 import torch
 
 from .. import algorithms, cost
+from ..algorithms.synth import codec_rounds
 from ..topology import Topology
 from .codec import Codec, compute_dtype
 from .layout import layout_for
 
-__all__ = ["choose", "predict", "Encoding"]
+__all__ = ["choose", "predict", "Encoding", "uneven", "round_kinds"]
+
+
+def uneven(topology: Topology) -> bool:
+    """Whether the topology's nodes have links that differ (``Topology.links``): there even one rank
+    per node has a second level to weigh (a schedule made for the links, ``synth``)."""
+    return topology.links is not None and not topology.links.uniform and topology.num_nodes > 1
+
+
+def round_kinds(compressor: Codec) -> list[str] | None:
+    """The collective of each of ``compressor``'s rounds, from their names (``"all_reduce"``,
+    ``"all_gather"``, ``"all_to_all"``), or None when a round names none of them."""
+    return codec_rounds(tuple(compressor.rounds))
 
 
 def choose(compressor: Codec, tensors: list[torch.Tensor], topology: Topology, *,
@@ -40,7 +57,7 @@ def choose(compressor: Codec, tensors: list[torch.Tensor], topology: Topology, *
     Returns:
         The algorithm with the lowest predicted time; the earlier in the registry (``"flat"``) on a tie.
     """
-    if not topology.two_levels:
+    if not (topology.two_levels or (topology.is_uniform and uneven(topology))):
         return "flat"
     if model is None:
         model = cost.model_for(topology, timeout=timeout)
@@ -50,7 +67,7 @@ def choose(compressor: Codec, tensors: list[torch.Tensor], topology: Topology, *
     shapes = [tuple(t.shape) for t in tensors]
     itemsize = compute_dtype(tensors[0].dtype).itemsize
     options = [a for a in algorithms.candidates("allreduce", codec=True)
-               if algorithms.get(a).supports(topology, "allreduce") is None]
+               if algorithms.get(a).supports(topology, "allreduce") is None and algorithms.get(a).considered(topology)]
     times = [predict(a, compressor, numels, shapes, itemsize, topology, model) for a in options]
     # Ties go to the earlier candidate in the registry (flat).
     return options[min(range(len(options)), key=lambda i: (times[i], i))]
@@ -87,6 +104,12 @@ class Encoding:
 
     def __init__(self, compressor: Codec, numels: list[int], shapes: list[tuple[int, ...]], itemsize: int) -> None:
         self.compressor, self.numels, self.shapes, self.itemsize = compressor, list(numels), list(shapes), itemsize
+
+    @property
+    def rounds(self) -> tuple[str, ...]:
+        """The codec's rounds (``Codec.rounds``): an algorithm that routes them (synth) prices each by its
+        collective."""
+        return tuple(self.compressor.rounds)
 
     def _section(self, sections: int, section: int, ranks: int):
         return layout_for(self.compressor, self.numels, local_size=sections, local_rank=section, rail_size=ranks)

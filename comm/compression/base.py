@@ -5,7 +5,10 @@ Every compressor (``FP16Compressor``, ``PowerSGDCompressor``, ``QuantizeCompress
 ``codec.py`` for the traits); ``Compressor.all_reduce`` is a thin caller of the one compressed
 reduction (``exchange.compressed_all_reduce``), the same one ``commopt.comm.all_reduce(t,
 compressor=...)``, the DDP hook and ``OverlapDataParallel`` run. The names of ``codec.py`` are
-re-exported here, where they have always been importable from.
+re-exported here, where they have always been importable from, and so are the two calls a codec
+issues its summing all-reduces and its all-gathers through (``round_all_reduce``,
+``round_all_gather``): the group's own collective, or the algorithm's route where it has one
+(``synth``: the rail's synthesized schedules).
 """
 
 from __future__ import annotations
@@ -29,11 +32,12 @@ from .codec import (
     derive_seed,
     tag_of,
 )
-from .exchange import compressed_all_reduce
+from .exchange import compressed_all_reduce, round_all_gather, round_all_reduce, routed
 from .feedback import ErrorFeedback
 
 __all__ = ["Compressor", "Codec", "CompressorState", "Exchange", "Result", "Rounds", "derive_seed", "all_gather_single",
-           "compute_dtype", "as_bytes", "all_finite", "TAG_LEN", "tag_of", "check_tag"]
+           "compute_dtype", "as_bytes", "all_finite", "TAG_LEN", "tag_of", "check_tag", "round_all_reduce",
+           "round_all_gather", "routed"]
 
 
 class Compressor(Codec):

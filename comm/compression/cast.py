@@ -27,11 +27,8 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
-from torch.distributed import ReduceOp
 
-from ..engine import wait_work
-from .base import TAG_LEN, Compressor, Exchange, Result, Rounds, all_finite, check_tag
+from .base import TAG_LEN, Compressor, Exchange, Result, Rounds, all_finite, check_tag, round_all_reduce
 
 __all__ = ["FP16Compressor", "BF16Compressor"]
 
@@ -79,10 +76,10 @@ class _CastCompressor(Compressor):
             buf[numel:].copy_(ex.tag)
         if ex.sent is not None:
             ex.sent.copy_(wire).div_(s)
-        wait_work(dist.all_reduce(buf, op=ReduceOp.SUM, group=ex.groups[0], async_op=True), ex.timeout)
+        sent = round_all_reduce(ex, 0, buf)()  # the group's all-reduce, or the algorithm's route (synth)
         if tail:
             check_tag(ex, buf[numel:], f"compress/{self.name}/all_reduce")
-        yield self.payload_bytes(numel + tail, ex.n)
+        yield sent
         # The reduction decodes (SUM = wire / s) while writing the result, folded with the averaging.
         return Result(wire, 1.0 / s, nonfinite=self.optimistic and not all_finite(wire))
 

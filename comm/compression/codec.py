@@ -56,7 +56,7 @@ import hashlib
 import warnings
 from collections.abc import Generator
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
 import torch
 import torch.distributed as dist
@@ -141,6 +141,18 @@ def as_bytes(*tensors: torch.Tensor) -> torch.Tensor:
     return torch.cat([t.contiguous().view(-1).view(torch.uint8) for t in tensors])
 
 
+class Transport(Protocol):
+    """How an algorithm routes a codec's rounds over a round's group (``Synth.codec_transport``): in
+    place, ``all_reduce``: ``buf`` = the SUM over ``group``; ``all_gather``: ``out`` = every member's
+    ``payload`` (equal sizes) in group-rank order; every member ends with the same values, waits at
+    most ``timeout`` seconds and gets the bytes it sent."""
+
+    def all_reduce(self, buf: torch.Tensor, group: ProcessGroup, timeout: float | None) -> int: ...
+
+    def all_gather(self, out: torch.Tensor, payload: torch.Tensor, group: ProcessGroup,
+                   timeout: float | None) -> int: ...
+
+
 @dataclass(frozen=True)
 class Exchange:
     """What a codec's :meth:`Codec.exchange` reads: one exchange of one flat vector, decided by the
@@ -175,6 +187,9 @@ class Exchange:
             values. None: no tag (the reduction's check phase compared them).
         what: this rank's tensors in words, for that error.
         state: the per-run state of the codec (PowerSGD's Q memory), or None (no memory).
+        transport: what an algorithm routes the rounds through (``synth``'s rail schedules), or None:
+            the groups' own collectives. Codecs never read it: they call ``exchange.round_all_reduce``
+            / ``round_all_gather``.
     """
 
     x: torch.Tensor
@@ -196,6 +211,7 @@ class Exchange:
     tag: torch.Tensor | None = None
     what: str = ""
     state: CompressorState | None = None
+    transport: Transport | None = None
 
 
 @dataclass(frozen=True)

@@ -47,8 +47,16 @@ finite, so a step that some rank would skip changes no rank's residuals. Without
 compare the inputs, the optimistic first round carries the input's tag, and the hierarchical
 reduce-scatter agrees on the signature over the node alongside its transfers.
 
-``algorithm="auto"`` takes flat or hierarchical, whichever the cost model predicts faster for the
-compressor and the shapes (``auto.py``); flat where the levels share one resource or there is one.
+``algorithm="auto"`` takes flat, hierarchical or synth, whichever the cost model predicts faster for
+the compressor and the shapes (``auto.py``); flat where the levels share one resource or there is one
+(synth only where the links differ).
+
+``algorithm="synth"`` is the hierarchical path whose rounds are routed: the algorithm supplies a
+:class:`Transport` (``Synth.codec_transport``: the rail's synthesized all-reduce and all-gather), which
+the reduction hands the codec in its :class:`Exchange` and uses for its own exact fallbacks; the
+codecs issue their summing all-reduces and their all-gathers through :func:`round_all_reduce` and
+:func:`round_all_gather`, which run the group's own collective when nothing is routed. On one rank per
+node synth is the one-level path over the whole group (its rail), routed the same way.
 """
 
 from __future__ import annotations
@@ -66,6 +74,7 @@ from torch.distributed import ProcessGroup, ReduceOp
 from .. import algorithms
 from ..algorithms._transport import done as done_future
 from ..algorithms._transport import exchange_all_gather, exchange_reduce_scatter
+from ..algorithms.base import INTER_PHASE
 from ..algorithms.roles import COMPRESSED_CHECK
 from ..checks import _check_op_dtype, _check_tensor, _op_name, agreed, check_group, check_timeout
 from ..dispatch import exact_all_reduce
@@ -82,7 +91,9 @@ from .codec import (
     Exchange,
     Result,
     Rounds,
+    Transport,
     all_finite,
+    all_gather_single,
     check_tag,
     compute_dtype,
     derive_seed,
@@ -91,7 +102,40 @@ from .codec import (
 from .feedback import ErrorFeedback
 from .layout import layout_for, stage, stage_sum, unstage
 
-__all__ = ["compressed_all_reduce", "reduce_tensors", "CompressedReduction"]
+__all__ = ["compressed_all_reduce", "reduce_tensors", "CompressedReduction", "round_all_reduce", "round_all_gather",
+           "routed"]
+
+
+def routed(ex: Exchange) -> Transport | None:
+    """The transport routing ``ex``'s rounds, or None (the groups' own collectives)."""
+    return ex.transport
+
+
+def round_all_reduce(ex: Exchange, i: int, buf: torch.Tensor) -> Callable[[], int]:
+    """Start the SUM all-reduce of round ``i``'s ``buf`` (in place) over ``ex.groups[i]``: a function
+    that waits for it (at most ``ex.timeout``) and returns the bytes this rank sent. The group's own
+    all-reduce is issued at once (the caller may compute meanwhile); a routed one runs when waited for."""
+    group, n, transport = ex.groups[i], ex.n, routed(ex)
+    if transport is not None:
+        return functools.partial(transport.all_reduce, buf, group, ex.timeout)
+    work = dist.all_reduce(buf, op=ReduceOp.SUM, group=group, async_op=True) if buf.numel() else None
+
+    def finish() -> int:
+        if work is not None:
+            wait_work(work, ex.timeout)
+        return int(2 * (n - 1) / n * buf.numel() * buf.element_size())
+
+    return finish
+
+
+def round_all_gather(ex: Exchange, i: int, out: torch.Tensor, payload: torch.Tensor) -> int:
+    """Round ``i``'s all-gather over ``ex.groups[i]``: ``out`` = every member's ``payload`` (equal
+    sizes) in group-rank order; returns the bytes this rank sent."""
+    transport = routed(ex)
+    if transport is not None:
+        return transport.all_gather(out, payload, ex.groups[i], ex.timeout)
+    wait_work(all_gather_single(out, payload, group=ex.groups[i], async_op=True), ex.timeout)
+    return (ex.n - 1) * payload.numel() * payload.element_size()
 
 
 def compressed_all_reduce(compressor: Codec, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *,
@@ -247,10 +291,10 @@ def reduce_tensors(compressor: Codec, tensors: list[torch.Tensor], keys: list[st
     # first iteration after a restart (DDP's initial buckets) matches the rebuilt buckets it replaces.
     order = sorted(range(len(keys)), key=lambda i: keys[i])
     tensors, keys = [tensors[i] for i in order], [keys[i] for i in order]
-    topo, rails = _resolve(algorithm, compressor, tensors, group, topology, timeout)
+    topo, rails, transport = _resolve(algorithm, compressor, tensors, group, topology, timeout)
     return CompressedReduction(compressor, tensors, keys, group=group, topology=topo, average=average, step=step,
                                seed=seed, feedback=feedback, state=state, check_finite=check_finite,
-                               timeout=timeout, rails=rails).submit()
+                               timeout=timeout, rails=rails, transport=transport).submit()
 
 
 class CompressedReduction:
@@ -287,8 +331,9 @@ class CompressedReduction:
     def __init__(self, compressor: Codec, tensors: list[torch.Tensor], keys: list[str], *,
                  group: ProcessGroup | None, topology: Topology | None, average: bool, step: int, seed: int,
                  feedback: ErrorFeedback | None, state: CompressorState, check_finite: bool,
-                 timeout: float | None, rails: Topology | None = None) -> None:
+                 timeout: float | None, rails: Topology | None = None, transport: Transport | None = None) -> None:
         self.compressor, self.tensors, self.keys = compressor, tensors, keys
+        self.transport = transport  # routes the rounds and the exact fallbacks (synth), or None
         self.name = compressor.name
         self.topo = topology
         self.average, self.step, self.seed = average, step, seed
@@ -501,18 +546,17 @@ class CompressedReduction:
         self.result = Result(shard)
         if group is None:
             return 0
+        ex = Exchange(x=shard, out=shard, sent=None, groups=(group,), n=n, rank=0, timeout=self.timeout,
+                            tag=self.tag, what=self.what, transport=self.transport)
         if self.tag is None:  # the check phase compared the ranks' inputs
-            if shard.numel():
-                wait_work(dist.all_reduce(shard, op=ReduceOp.SUM, group=group, async_op=True), self.timeout)
-            return int(ALGORITHM_FACTORS["allreduce"](n) * shard.numel() * self.esize)
+            return round_all_reduce(ex, 0, shard)()
         # Optimistic (PowerSGD before start_iter): the tag rides with the payload (a copy; such
         # steps send the whole vector anyway).
         buf = torch.cat([shard, self.tag.to(dtype=shard.dtype, device=shard.device)])
-        wait_work(dist.all_reduce(buf, op=ReduceOp.SUM, group=group, async_op=True), self.timeout)
-        check_tag(Exchange(x=shard, out=shard, sent=None, groups=(group,), n=n, rank=0, tag=self.tag, what=self.what),
-                  buf[shard.numel():], f"compress/{self.name}/{self.round_names[0]}")
+        nbytes = round_all_reduce(ex, 0, buf)()
+        check_tag(ex, buf[shard.numel():], f"compress/{self.name}/{self.round_names[0]}")
         shard.copy_(buf[: shard.numel()])
-        return int(ALGORITHM_FACTORS["allreduce"](n) * buf.numel() * self.esize)
+        return nbytes
 
     def _exchange_inputs(self) -> Exchange:
         """The codec's exchange: x = this rank's shard plus its residual, and where the result goes."""
@@ -546,13 +590,14 @@ class CompressedReduction:
         # Flat and lazy: the tensors can take the result themselves (no copy of out into them).
         direct = self.lazy and all(tensors[i].dtype == cdtype and tensors[i].is_contiguous() for i in layout.owned)
         return Exchange(x=x, out=torch.empty_like(x), sent=torch.empty_like(x) if self.use_ef else None,
-                        groups=groups, n=n, rank=rank, step=self.step, seed=self.seed, salt=self.salt,
-                        tensors=owned,
-                        server=(self.server[lo + rank * chunk: lo + (rank + 1) * chunk] if self.uses_server else None),
-                        timeout=self.timeout, scale_hint=self.amax, total_ranks=self.world,
-                        dest=tuple(tensors[i] for i in layout.owned) if direct else None,
-                        dest_scale=1.0 / self.world if self.average else 1.0, tag=self.tag, what=self.what,
-                        state=self.state)
+                              groups=groups, n=n, rank=rank, step=self.step, seed=self.seed, salt=self.salt,
+                              tensors=owned,
+                              server=(self.server[lo + rank * chunk: lo + (rank + 1) * chunk]
+                                      if self.uses_server else None),
+                              timeout=self.timeout, scale_hint=self.amax, total_ranks=self.world,
+                              dest=tuple(tensors[i] for i in layout.owned) if direct else None,
+                              dest_scale=1.0 / self.world if self.average else 1.0, tag=self.tag, what=self.what,
+                              state=self.state, transport=self.transport)
 
     def _settle(self) -> int:
         """After the last round (optimistic codecs): the exact redo of a non-finite result."""
@@ -561,9 +606,7 @@ class CompressedReduction:
             # Every rank of the group saw the same reduced values, so all of them take this branch.
             shard = self._own_shard()
             if self.exact_group is not None and shard.numel():
-                wait_work(dist.all_reduce(shard, op=ReduceOp.SUM, group=self.exact_group, async_op=True),
-                          self.timeout)
-                nbytes = int(ALGORITHM_FACTORS["allreduce"](self.ex.n) * shard.numel() * self.esize)
+                nbytes = round_all_reduce(dataclasses.replace(self.ex, groups=(self.exact_group,)), 0, shard)()
             self.exact = True
             self.result = Result(shard)
         if self.check_finite and not self.hierarchical and self.exact and not all_finite(self.result.out):
@@ -657,15 +700,17 @@ def _same_group(a: ProcessGroup | None, b: ProcessGroup | None) -> bool:
 
 
 def _resolve(algorithm: str, compressor: Codec, tensors: list[torch.Tensor], group: ProcessGroup | None,
-             topology: Topology | None, timeout: float | None = None) -> tuple[Topology | None, Topology | None]:
-    """``(hierarchical, rails)``: the topology of a hierarchical exchange, or the one whose rails
-    carry a rail-scope reduction; both None for a flat exchange (detecting the topology is bounded
-    by ``timeout``).
+             topology: Topology | None,
+             timeout: float | None = None) -> tuple[Topology | None, Topology | None, Transport | None]:
+    """``(hierarchical, rails, transport)``: the topology of a hierarchical exchange, or the one whose
+    rails carry a rail-scope reduction (both None for a flat exchange; detecting the topology is
+    bounded by ``timeout``), and what routes the rounds (``synth``), or None.
 
     The path follows the algorithm's declared traits (``commopt.comm.algorithms``): its ``scope``
     (the whole group, or this rank's rail) and its ``codec_phase`` (every phase encoded: one level;
     the inter-node phase only: two levels). ``auto`` asks the cost model (``auto.choose``): the same
-    answer on every rank, from shapes and the model rank 0 broadcast.
+    answer on every rank, from shapes and the model rank 0 broadcast. An algorithm that routes its
+    rail itself (``synth``) keeps its route on one rank per node, where the rail is the whole group.
     """
     if algorithm == algorithms.AUTO:
         algo = None
@@ -677,23 +722,37 @@ def _resolve(algorithm: str, compressor: Codec, tensors: list[torch.Tensor], gro
                              f"compresses the inter-node phase only; 'rail' reduces over this rank's rail)")
         algo = algorithms.get(algorithm)
         if algo.scope == algorithms.GROUP_SCOPE and algo.codec_phase == algorithms.ALL_PHASES:
-            return None, None  # one level over the whole group: no topology needed
+            return None, None, None  # one level over the whole group: no topology needed
     topo = context().topology(topology, group, timeout)
     if algo is not None and algo.supports(topo, "allreduce") is not None:
         hint = ("a rail is one rank per node" if algo.scope == algorithms.RAIL_SCOPE else
                 "use algorithm='auto' (falls back to flat) or 'flat'")
         raise TopologyError(f"compressed all-reduce: {algo.supports(topo, 'allreduce')}; {hint}", op="compress")
     if algo is None and not topo.is_uniform:
-        return None, None
+        return None, None, None
     if algo is not None and algo.scope == algorithms.RAIL_SCOPE:
-        return None, topo
-    if not topo.two_levels:
-        return None, None  # one level only: nothing to keep exact
+        return None, topo, None
+    if topo.num_nodes == 1 or not (topo.two_levels or auto.uneven(topo) or _transport_of(algo, topo)):
+        return None, None, None  # one level only: nothing to keep exact, nothing to route
     if algo is None:
         algo = algorithms.get(auto.choose(compressor, tensors, topo, timeout=timeout))
     if algo.codec_phase == algorithms.ALL_PHASES:
-        return None, None
-    return topo, None
+        return None, None, None
+    transport = _transport_of(algo, topo)
+    if transport is not None and auto.round_kinds(compressor) is None:  # every rank, before anything moves
+        raise ValueError(f"compressed all-reduce: algorithm {algo.name!r} routes codec rounds named all_reduce*, "
+                         f"all_gather* or all_to_all*; {type(compressor).__name__}'s rounds are "
+                         f"{tuple(compressor.rounds)}: use algorithm='hierarchical' (or 'flat')")
+    if not topo.two_levels:  # one rank per node: a routed rail is the whole group; else flat
+        return (None, topo, transport) if transport is not None else (None, None, None)
+    return topo, None, transport
+
+
+def _transport_of(algo, topo: Topology) -> Transport | None:
+    """What an algorithm routes a codec's rail rounds through (``Synth.codec_transport``), or None."""
+    if algo is None or algo.codec_phase != INTER_PHASE or topo.num_nodes == 1:
+        return None
+    return algo.codec_transport(topo)
 
 
 def _scaled(out: torch.Tensor, factor: float, dtype: torch.dtype, divide: bool, world: int) -> torch.Tensor:

@@ -29,11 +29,19 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
-from torch.distributed import ReduceOp
 
-from ..engine import wait_work
-from .base import TAG_LEN, Compressor, CompressorState, Exchange, Result, Rounds, all_finite, check_tag, derive_seed
+from .base import (
+    TAG_LEN,
+    Compressor,
+    CompressorState,
+    Exchange,
+    Result,
+    Rounds,
+    all_finite,
+    check_tag,
+    derive_seed,
+    round_all_reduce,
+)
 
 __all__ = ["PowerSGDCompressor", "PowerSGDState"]
 
@@ -200,12 +208,11 @@ class PowerSGDCompressor(Compressor):
                 qt = torch.stack([self._initial_q(key, cols, r, ex) for key, _, _ in entries])
             torch.bmm(m, qt.transpose(1, 2), out=p)
             plan.append((entries, m, p))
-        if buf.numel():
-            wait_work(dist.all_reduce(buf, op=ReduceOp.SUM, group=ex.groups[0], async_op=True), ex.timeout)
+        sent = round_all_reduce(ex, 0, buf)()  # the group's all-reduce, or the algorithm's route (synth)
         if tail:
             check_tag(ex, buf[buf.numel() - tail:], f"compress/{self.name}/all_reduce_p")
         exact_sum = buf[:n_exact]
-        yield int(2 * (n - 1) / n * buf.numel() * buf.element_size())
+        yield sent
         # The reduced buffer is identical on every rank: NaN/Inf anywhere in x reaches it (through
         # the exact elements or P's rows), so every rank agrees to fall back (optimistic).
         if not all_finite(buf):
@@ -222,7 +229,7 @@ class PowerSGDCompressor(Compressor):
             qts.append(qt)
             pos += size
         local = buf.clone() if ex.sent is not None else None
-        work = dist.all_reduce(buf, op=ReduceOp.SUM, group=ex.groups[1], async_op=True) if buf.numel() else None
+        finish = round_all_reduce(ex, 1, buf)  # started now where the group's own (a route runs at finish())
         # While Q is being reduced, everything that needs only this rank's values: the exact
         # elements' sums (from round 1), zeros in the padding, and the error feedback, which
         # ``sent`` receives as the residual itself: x - P Q_local^T, one fused product per matrix
@@ -258,9 +265,7 @@ class PowerSGDCompressor(Compressor):
             out[end:].zero_()
             if sent is not None:
                 sent[end:].zero_()
-        if work is not None:
-            wait_work(work, ex.timeout)
-        yield int(2 * (n - 1) / n * buf.numel() * buf.element_size())
+        yield finish()
         if not all_finite(buf):
             return Result(None, nonfinite=True)  # identical on every rank: reduced exactly instead
 

@@ -29,14 +29,14 @@ block=256), half the codes for int4 (~7.5x).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch.distributed import ProcessGroup
 
 from ... import kernels
 from ..algorithms._transport import pairwise
-from .base import Compressor, Exchange, Result, Rounds, all_finite, derive_seed
+from .base import Compressor, Exchange, Result, Rounds, all_finite, derive_seed, round_all_gather, routed
 
 __all__ = ["QuantizeCompressor", "encode_with_feedback", "quantized_reduce_scatter", "quantized_all_gather"]
 
@@ -158,11 +158,13 @@ class QuantizeCompressor(Compressor):
                                        ex.groups[0], residual=None,
                                        seed=derive_seed(ex.seed, self.name, "worker", ex.salt), step=ex.step,
                                        stochastic=True, timeout=ex.timeout)
-        # (2) all-gather: every rank's summed chunk, encoded again, to every rank.
+        # (2) all-gather: every rank's summed chunk, encoded again, to every rank (through the
+        # algorithm's route where it has one: synth's all-gather schedule; the all-to-all stays direct).
         rows = [ex.out[i * chunk: (i + 1) * chunk] for i in range(n)]
+        gather = None if routed(ex) is None else lambda out, payload: round_all_gather(ex, 1, out, payload)
         yield quantized_all_gather(self, total, [[chunk]] * n, rows, ex.rank, ex.groups[1], residual=None,
                                    seed=derive_seed(ex.seed, self.name, "server", ex.rank, ex.salt), step=ex.step,
-                                   stochastic=True, timeout=ex.timeout)
+                                   stochastic=True, timeout=ex.timeout, all_gather=gather)
         return Result(ex.out)
 
     def roundtrip(self, x: torch.Tensor, *, step: int = 0, seed: int = 0, salt: int = 0) -> torch.Tensor:
@@ -219,16 +221,28 @@ def quantized_reduce_scatter(codec: QuantizeCompressor, rows: list[torch.Tensor]
 
 def quantized_all_gather(codec: QuantizeCompressor, x: torch.Tensor, segs: list[list[int]], rows: list[torch.Tensor],
                          me: int, group: ProcessGroup | None, *, residual: torch.Tensor | None, seed: int, step: int,
-                         stochastic: bool, timeout: float | None) -> int:
+                         stochastic: bool, timeout: float | None,
+                         all_gather: Callable[[torch.Tensor, torch.Tensor], int] | None = None) -> int:
     """Shot (2), one quantized all-gather (a phase body): ``x`` (this member's reduced chunk, laid out
     by ``segs[me]``) encoded with ``seed`` (plus ``residual``, which keeps what the rounding lost) goes
     to every member; ``rows[d]`` = member d's chunk decoded, this member's own included, so every
-    member holds identical values. Returns the bytes sent."""
+    member holds identical values. Returns the bytes sent.
+
+    ``all_gather(out, payload)``: an all-gather of equal payloads into ``out`` in member order that
+    returns the bytes it sent (an algorithm's route, ``synth``), used where every payload has the same
+    size; None (or unequal payloads): pairwise transfers."""
     k = len(segs)
-    payloads = [torch.empty(codec.nbytes(segs[d]), dtype=torch.uint8, device=x.device) for d in range(k)]
-    encode_with_feedback(codec, x, segs[me], payloads[me], residual, seed, step, stochastic)
-    sent = pairwise(group, timeout, [None if d == me else payloads[me] for d in range(k)],
-                    [None if d == me else payloads[d] for d in range(k)])
+    sizes = [codec.nbytes(segs[d]) for d in range(k)]
+    if all_gather is not None and len(set(sizes)) == 1:
+        gathered = torch.empty(k * sizes[me], dtype=torch.uint8, device=x.device)
+        payloads = list(gathered.view(k, -1).unbind(0))
+        encode_with_feedback(codec, x, segs[me], payloads[me], residual, seed, step, stochastic)
+        sent = all_gather(gathered, payloads[me].clone())
+    else:
+        payloads = [torch.empty(sizes[d], dtype=torch.uint8, device=x.device) for d in range(k)]
+        encode_with_feedback(codec, x, segs[me], payloads[me], residual, seed, step, stochastic)
+        sent = pairwise(group, timeout, [None if d == me else payloads[me] for d in range(k)],
+                        [None if d == me else payloads[d] for d in range(k)])
     for d in range(k):
         codec.decode(payloads[d], segs[d], rows[d])
     return sent

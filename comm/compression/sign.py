@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from ... import kernels
 from ..engine import wait_work
-from .base import Compressor, Exchange, Result, Rounds, all_gather_single, as_bytes
+from .base import Compressor, Exchange, Result, Rounds, as_bytes, round_all_gather
 
 __all__ = ["SignCompressor", "OneBitCompressor"]
 
@@ -78,12 +78,12 @@ class SignCompressor(_SignBase):
         if ex.sent is not None:
             ex.sent.copy_(_decode(payload, d, self.block, x.dtype))
         gathered = payload.new_empty(ex.n * payload.numel())
-        wait_work(all_gather_single(gathered, payload, group=ex.groups[0], async_op=True), ex.timeout)
+        sent = round_all_gather(ex, 0, gathered, payload)  # the group's all-gather, or the algorithm's route
         rows = gathered.view(ex.n, -1)
         ex.out.zero_()
         for i in range(ex.n):
             ex.out.add_(_decode(rows[i], d, self.block, x.dtype))
-        yield (ex.n - 1) * payload.numel()
+        yield sent
         return Result(ex.out)
 
     def payload_bytes(self, numel: int, n: int) -> int:
@@ -124,11 +124,11 @@ class OneBitCompressor(_SignBase):
         if ex.server is not None:
             ex.server.copy_(total - _decode(payload, chunk, self.block, x.dtype))
         gathered = payload.new_empty(n * payload.numel())
-        wait_work(all_gather_single(gathered, payload, group=ex.groups[1], async_op=True), ex.timeout)
+        sent = round_all_gather(ex, 1, gathered, payload)  # the group's all-gather, or the algorithm's route
         rows = gathered.view(n, -1)
         for i in range(n):
             ex.out[i * chunk: (i + 1) * chunk] = _decode(rows[i], chunk, self.block, x.dtype)
-        yield (n - 1) * payload.numel()
+        yield sent
         return Result(ex.out)
 
     def payload_bytes(self, numel: int, n: int) -> int:

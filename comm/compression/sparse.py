@@ -14,12 +14,9 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
-from torch.distributed import ReduceOp
 
 from ... import kernels
-from ..engine import wait_work
-from .base import Compressor, Exchange, Result, Rounds, all_gather_single, derive_seed
+from .base import Compressor, Exchange, Result, Rounds, derive_seed, round_all_gather, round_all_reduce
 
 __all__ = ["RandomKCompressor", "TopKCompressor"]
 
@@ -63,10 +60,10 @@ class RandomKCompressor(Compressor):
         if ex.sent is not None:
             ex.sent.zero_()
             ex.sent[idx] = values
-        wait_work(dist.all_reduce(values, op=ReduceOp.SUM, group=ex.groups[0], async_op=True), ex.timeout)
+        sent = round_all_reduce(ex, 0, values)()  # the group's all-reduce, or the algorithm's route (synth)
         ex.out.zero_()
         ex.out[idx] = values
-        yield int(2 * (ex.n - 1) / ex.n * values.numel() * values.element_size())
+        yield sent
         return Result(ex.out)
 
     def roundtrip(self, x: torch.Tensor, *, step: int = 0, seed: int = 0, salt: int = 0) -> torch.Tensor:
@@ -109,9 +106,9 @@ class TopKCompressor(Compressor):
         if ex.sent is not None:
             ex.sent.copy_(kernels.scatter_add_unpack([payload], d, dtype=x.dtype))
         gathered = payload.new_empty(ex.n * payload.numel())
-        wait_work(all_gather_single(gathered, payload, group=ex.groups[0], async_op=True), ex.timeout)
+        sent = round_all_gather(ex, 0, gathered, payload)  # the group's all-gather, or the algorithm's route
         ex.out.copy_(kernels.scatter_add_unpack(gathered.view(ex.n, -1), d, dtype=x.dtype))
-        yield (ex.n - 1) * payload.numel()
+        yield sent
         return Result(ex.out)
 
     def roundtrip(self, x: torch.Tensor, *, step: int = 0, seed: int = 0, salt: int = 0) -> torch.Tensor:
