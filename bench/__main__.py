@@ -30,6 +30,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "fsdp": ("fsdp", "the GPT sharded with FSDP2 / HSDP under each commopt comm: step time, link bytes, loss"),
     "diloco": ("diloco", "the GPT trained with DDP against DiLoCo (H 8/32, fp32/int8/int4, streaming): step, "
                          "bytes on the node link, exposed sync, training and held-out loss"),
+    "pp": ("pp", "the GPT in pipeline stages across a slow link: torch's Schedule1F1B vs commopt's executor, fp32 / "
+                 "int8 / AQ-SGD: step against the floor, bytes per boundary, held-out loss"),
     "tp": ("tp", "a transformer block under tensor + sequence parallelism: torch's plan vs commopt's styles, "
                  "ring / Ulysses attention"),
     "torchtitan": ("titan", "torchtitan's Trainer, TP 2 x FSDP2 2 on its debug Llama 3: torch's styles vs commopt's"),
