@@ -24,6 +24,10 @@ from commopt.comm.elastic import Coordinator
 WORKER = os.path.join(os.path.dirname(__file__), "_elastic_worker.py")
 WORKERS = 3
 RESTARTED = 2
+# Every fault here is a SIGKILL or a clean leave, which the coordinator sees at once (its liveness
+# connection closes); the heartbeat timeout only guards against a live worker starved of the CPU for
+# seconds by the suite's load being dropped, which would make a run differ from its replay.
+HEARTBEAT = 6.0
 
 
 def _job(tmp_path, name: str, fault: str, *, gate_out: int = 0, gate_in: int = 20, restart: bool = True,
@@ -32,7 +36,7 @@ def _job(tmp_path, name: str, fault: str, *, gate_out: int = 0, gate_in: int = 2
     """Run the job: ``workers`` workers (of ``ranks`` ranks each), worker 2 with ``fault``, restarted once it
     exited (``restart``); the outputs by worker (by (worker, local rank) where ``ranks`` > 1)."""
     outs = {(r, j): str(tmp_path / f"{name}-{r}.{j}.pt") for r in range(workers) for j in range(ranks)}
-    with Coordinator(heartbeat_timeout=2.0, min_replicas=min_replicas * ranks,
+    with Coordinator(heartbeat_timeout=HEARTBEAT, min_replicas=min_replicas * ranks,
                      initial_replicas=workers * ranks) as coord:
         def start(r: int, *more: str) -> _Worker:
             return _Worker(start_node(lambda j: [sys.executable, WORKER, coord.address, str(r), outs[(r, j)],
