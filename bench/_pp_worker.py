@@ -291,7 +291,11 @@ def _boundary_bytes(run: dict, args, stages: int) -> list[dict[str, float]]:
 def _predict(spec: RunSpec, args, compute: dict, costs: dict, link_bps: float | None) -> tuple[float, float]:
     """The simulator's step and floor for ``spec`` with the measured per-stage compute, the codecs' measured
     costs and this link (``link_bps`` bit/s of TCP goodput: the configured rate less tbf's header share,
-    ``--sim-goodput``, as the cluster's probe measures on a quiet link; None: loopback, a free link)."""
+    ``--sim-goodput``, as the cluster's probe measures on a quiet link; None: loopback, a free link).
+
+    The links are the cluster's star (``links="star"``: every node one shaped link to the fabric, so a
+    middle stage's activations and gradients share its uplink), and gloo's ready notice waits behind the
+    receiver's own queued payloads to the sender (``notice``, the model's default)."""
     from commopt.comm.links import LinkModel
     from commopt.schedules.simulator import PipelineCodec, pipeline_codec, simulate_pipeline
 
@@ -306,7 +310,7 @@ def _predict(spec: RunSpec, args, compute: dict, costs: dict, link_bps: float | 
     r = simulate_pipeline(len(compute["forward_s"]), args.micro, compute["forward_s"], compute["backward_s"], link=link,
                           activation_bytes=act, schedule=spec.schedule, policy=spec.impl,
                           codec_act=codec(spec.fwd, spec.delta), codec_grad=codec(spec.bwd, False),
-                          slowdown=args.sim_slowdown, depth=args.depth, extra=args.extra)
+                          slowdown=args.sim_slowdown, depth=args.depth, extra=args.extra, links="star")
     return r.step, r.floor
 
 

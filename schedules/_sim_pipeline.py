@@ -4,9 +4,16 @@ model"), re-exported by :mod:`commopt.schedules.simulator`.
 One stage per rank, ``S`` stages, ``M`` micro-batches. Each rank runs a *program*: computes (forward,
 backward, a codec's encode and decode), posts of point-to-point sends and receives, and waits. A
 transfer is rendezvous, as gloo's is: it goes on the wire once its sender has posted the send *and*
-its receiver has posted the receive, and a send completes when its bytes have arrived. Every
-direction of every boundary is its own first-come first-served channel (the link is full duplex),
-taking ``alpha + wire_bytes * beta`` per message (a :class:`~commopt.comm.cost.LinkModel`). With
+its receiver's ready notice is in, and a send completes when its bytes have arrived. The notice
+(gloo's NOTIFY_RECV_READY) travels on the receiver's own connection to the sender, behind the
+payloads it already had on the wire or queued to that peer (``notice=True``): torch's 1F1B posts the
+send of gradient k before the receive of activation k + 1, so that activation leaves only once the
+gradient has crossed (2 t on the cycle instead of t). Links (``links``): ``"boundary"``, every
+direction of every boundary its own first-come first-served channel (full duplex); ``"star"``, one
+node per rank with one uplink and one downlink to a switch (the emulated cluster), a transfer s -> t
+crossing s's uplink and t's downlink, one message at a time per connection, the transfers through
+a port sharing its rate equally; ``"star-fifo"``, each port one message at a time. A message alone
+takes ``alpha + wire_bytes * beta`` (a :class:`~commopt.comm.cost.LinkModel`). With
 ``slowdown`` > 1, a rank computes that many times slower while one of its own transfers is on the
 wire (gloo's threads share the core that computes), exactly, by rescheduling the compute's end
 whenever a transfer of that rank starts or ends.
@@ -43,12 +50,13 @@ from typing import NamedTuple, Union
 
 from commopt.comm.links import LinkModel
 
-__all__ = ["PipelineCodec", "PipelineEvent", "PipelineResult", "PP_CODECS", "PP_POLICIES", "PP_SCHEDULES",
+__all__ = ["PipelineCodec", "PipelineEvent", "PipelineResult", "PP_CODECS", "PP_LINKS", "PP_POLICIES", "PP_SCHEDULES",
            "pipeline_codec", "simulate_pipeline", "simulate_pipeline_dp"]
 
 PP_POLICIES = ("torch", "commopt")
 PP_SCHEDULES = ("gpipe", "1f1b")
 PP_CODECS = ("none", "bf16", "int8", "int4")
+PP_LINKS = ("boundary", "star", "star-fifo")
 _FREE = LinkModel(0.0, 0.0)
 
 
@@ -133,18 +141,21 @@ class PipelineResult:
 
 # ------------------------------------------------------------------------------------- engine
 class _Msg:
-    """One message: rendezvous of its two posts, then its channel's turn."""
+    """One message: rendezvous of its two posts, then its channel's turn, then its wire time at the
+    share of its ports it gets."""
 
-    __slots__ = ("key", "src", "dst", "channel", "seconds", "cls", "kind", "mb", "nbytes", "send_at", "recv_at",
-                 "seq")
+    __slots__ = ("key", "src", "dst", "channel", "ports", "seconds", "cls", "kind", "mb", "nbytes", "notice",
+                 "send_at", "recv_at", "seq", "behind", "left", "rate", "last", "version", "start")
 
-    def __init__(self, key: tuple, src: int, dst: int, channel: object, seconds: float, cls: int, kind: str, mb: int,
-                 nbytes: float) -> None:
+    def __init__(self, key: tuple, src: int, dst: int, channel: tuple, seconds: float, cls: int, kind: str, mb: int,
+                 nbytes: float, ports: tuple = (), notice: bool = True) -> None:
         self.key, self.src, self.dst, self.channel, self.seconds, self.cls = key, src, dst, channel, seconds, cls
-        self.kind, self.mb, self.nbytes = kind, mb, nbytes
+        self.kind, self.mb, self.nbytes, self.ports, self.notice = kind, mb, nbytes, ports, notice
         self.send_at: float | None = None
         self.recv_at: float | None = None
         self.seq = 0
+        self.behind: set = set()  # the receiver's queued payloads its ready notice waits behind
+        self.left, self.rate, self.last, self.version, self.start = seconds, 0.0, 0.0, -1, 0.0
 
 
 # An instruction: ("c", kind, mb, seconds) compute; ("s", key) / ("r", key) post a send / receive;
@@ -157,9 +168,17 @@ def _execute(programs: list[list[_Ins]], msgs: dict[_Key, _Msg], slowdown: float
              priority: bool) -> tuple[list[PipelineEvent], list[float], list[float]]:
     """Run the programs in time order. Returns (trace, finish time per rank, computing seconds per rank).
 
-    A channel picks, whenever it is free, among the messages whose two posts are in: the earliest
-    ready (``priority``: the lowest class first, then the earliest ready). Picks happen after every
-    other event of the same instant, so that posts made at that instant compete.
+    A message's ``channel`` is a tuple of resources it holds alone while on the wire (a boundary's
+    direction, a connection, a port served first come first served); its ``ports`` are shared: the
+    messages on the wire through a port split its rate equally, and a message moves at the share of
+    its busiest port (its ``seconds`` are its time alone). Whenever resources free up, the ready
+    messages are started in order of readiness (``priority``: the lowest class first), each one
+    whose resources are all free. Starts happen after every other event of the same instant, so
+    that posts made at that instant compete.
+
+    The ready notice (gloo's NOTIFY_RECV_READY): a receive of a ``notice`` message posted by rank A
+    from B counts as posted only once every payload from A to B that was on the wire or queued for it
+    when A posted has arrived (the notice travels on A's connection to B, behind them).
     """
     n = len(programs)
     heap: list[tuple] = []
@@ -169,8 +188,12 @@ def _execute(programs: list[list[_Ins]], msgs: dict[_Key, _Msg], slowdown: float
     wait_from = [0.0] * n
     comp: list[list | None] = [None] * n  # [kind, mb, start, work left, last update, rate, version]
     active = [0] * n  # this rank's messages on the wire
-    queues: dict[object, list[_Msg]] = {}
-    busy: set[object] = set()
+    queue: list[_Msg] = []  # ready, not yet on the wire
+    wire: list[_Msg] = []
+    busy: set = set()
+    load: dict = {}  # shared port -> messages on the wire through it
+    unsent: dict[tuple[int, int], set] = {}  # (src, dst) -> keys of its ready messages not yet arrived
+    notices: dict[_Key, list[_Msg]] = {}  # a message -> the receives whose notice waits for its arrival
     arrived: set[_Key] = set()
     waiters: dict[_Key, list[int]] = {}
     trace: list[PipelineEvent] = []
@@ -188,6 +211,21 @@ def _execute(programs: list[list[_Ins]], msgs: dict[_Key, _Msg], slowdown: float
         c[3] -= (t - c[4]) * c[5]
         c[4], c[5], c[6] = t, rate, next(seq)
         push(t + max(0.0, c[3]) / rate, 0, "compute", (r, c[6]))
+
+    def reshare(t: float) -> None:
+        for m in wire:
+            rate = 1.0 / max((load[p] for p in m.ports), default=1)
+            if rate != m.rate:
+                m.left -= (t - m.last) * m.rate
+                m.last, m.rate, m.version = t, rate, next(seq)
+                push(t + max(0.0, m.left) / rate, 0, "arrive", (m, m.version))
+
+    def rendezvous(m: _Msg, t: float) -> None:
+        if m.send_at is not None and m.recv_at is not None:
+            m.seq = next(seq)
+            queue.append(m)
+            unsent.setdefault((m.src, m.dst), set()).add(m.key)
+            push(t, 1, "start", None)
 
     def waited(r: int, ins: _Ins, start: float, end: float) -> None:
         for k in ins[1]:
@@ -215,16 +253,34 @@ def _execute(programs: list[list[_Ins]], msgs: dict[_Key, _Msg], slowdown: float
                 waited(r, ins, t, t)
                 continue
             m = msgs[ins[1]]
+            trace.append(PipelineEvent(r, ("send_" if ins[0] == "s" else "recv_") + m.kind, m.mb, t, t))
             if ins[0] == "s":
                 m.send_at = t
+            elif m.notice and unsent.get((r, m.src)):
+                m.behind = set(unsent[(r, m.src)])
+                for k in m.behind:
+                    notices.setdefault(k, []).append(m)
+                continue
             else:
                 m.recv_at = t
-            trace.append(PipelineEvent(r, ("send_" if ins[0] == "s" else "recv_") + m.kind, m.mb, t, t))
-            if m.send_at is not None and m.recv_at is not None:
-                m.seq = next(seq)
-                queues.setdefault(m.channel, []).append(m)
-                push(t, 1, "channel", m.channel)
+            rendezvous(m, t)
         finish[r] = t
+
+    def start(t: float) -> None:
+        order = sorted(queue, key=lambda x: (x.cls, max(x.send_at, x.recv_at), x.seq) if priority
+                       else (max(x.send_at, x.recv_at), x.seq))
+        for m in order:
+            if busy.isdisjoint(m.channel):
+                queue.remove(m)
+                busy.update(m.channel)
+                for p in m.ports:
+                    load[p] = load.get(p, 0) + 1
+                m.start, m.last, m.rate = t, t, 0.0
+                wire.append(m)
+                for r in {m.src, m.dst}:
+                    active[r] += 1
+                    rerate(r, t)
+        reshare(t)
 
     for r in range(n):
         advance(r, 0.0)
@@ -239,28 +295,30 @@ def _execute(programs: list[list[_Ins]], msgs: dict[_Key, _Msg], slowdown: float
             computing[r] += t - c[2]
             comp[r] = None
             advance(r, t)
-        elif what == "channel":
-            q = queues.get(data)
-            if data in busy or not q:
-                continue
-            m = min(q, key=lambda x: (x.cls, max(x.send_at, x.recv_at), x.seq) if priority
-                    else (max(x.send_at, x.recv_at), x.seq))
-            q.remove(m)
-            busy.add(data)
-            for r in {m.src, m.dst}:
-                active[r] += 1
-                rerate(r, t)
-            push(t + m.seconds, 0, "arrive", (m, t))
+        elif what == "start":
+            start(t)
         else:  # a message arrived
-            m, start = data
+            m, version = data
+            if m.version != version:
+                continue  # superseded by a change of its share
             key = m.key
             arrived.add(key)
-            busy.discard(m.channel)
-            trace.append(PipelineEvent(m.src, m.kind, m.mb, start, t))
+            wire.remove(m)
+            busy.difference_update(m.channel)
+            for p in m.ports:
+                load[p] -= 1
+            unsent[(m.src, m.dst)].discard(key)
+            reshare(t)
+            trace.append(PipelineEvent(m.src, m.kind, m.mb, m.start, t))
             for r in {m.src, m.dst}:
                 active[r] -= 1
                 rerate(r, t)
-            push(t, 1, "channel", m.channel)
+            push(t, 1, "start", None)
+            for o in notices.pop(key, []):  # a ready notice that waited behind this payload goes out
+                o.behind.discard(key)
+                if not o.behind:
+                    o.recv_at = t
+                    rendezvous(o, t)
             for r in waiters.pop(key, []):
                 pend = waiting[r]
                 if pend is None:
@@ -448,31 +506,58 @@ def _check(stages: int, micro_batches: int, schedule: str, policy: str, depth: i
         raise ValueError(f"simulate_pipeline: slowdown must be >= 1 (a slowdown), got {slowdown}")
 
 
-def _links(link: LinkModel | Sequence[LinkModel], n: int) -> list[LinkModel]:
+def _links(link: LinkModel | Sequence[LinkModel], n: int, what: str) -> list[LinkModel]:
     links = [link] * n if isinstance(link, LinkModel) else list(link)
     if len(links) != n:
-        raise ValueError(f"simulate_pipeline: one LinkModel or one per boundary ({n}), got {len(links)}")
+        raise ValueError(f"simulate_pipeline: one LinkModel or one per {what} ({n}), got {len(links)}")
     return links
 
 
-def _declare(msgs: dict, key: tuple, src: int, dst: int, channel: object, link: LinkModel, nbytes: float,
-             cls: int, kind: str, mb: int) -> None:
-    msgs[key] = _Msg(key, src, dst, channel, link.time(nbytes) if link is not _FREE else 0.0, cls, kind, mb, nbytes)
+def _pair(a: LinkModel, b: LinkModel) -> LinkModel:
+    """The path through a sender's uplink and a receiver's downlink: the slower of each term."""
+    return a if a is b else LinkModel(max(a.alpha, b.alpha), max(a.beta, b.beta))
+
+
+def _declare(msgs: dict, key: tuple, src: int, dst: int, channel: tuple, link: LinkModel, nbytes: float,
+             cls: int, kind: str, mb: int, ports: tuple = (), notice: bool = True) -> None:
+    msgs[key] = _Msg(key, src, dst, channel, link.time(nbytes) if link is not _FREE else 0.0, cls, kind, mb, nbytes,
+                     ports, notice)
+
+
+def _wires(S: int, links: str, link: LinkModel | Sequence[LinkModel]) -> object:
+    """``(kind, boundary) -> (channel, ports, link alone)`` of a message, for the topology ``links``."""
+    if links == "boundary":
+        per = _links(link, S - 1, "boundary")
+        return lambda kind, bd: (((kind, bd),), (), per[bd])
+    if links not in PP_LINKS:
+        raise ValueError(f"simulate_pipeline: unknown links {links!r}; choose one of {PP_LINKS}")
+    per = _links(link, S, "rank (links='star': each rank's uplink and downlink)")
+
+    def star(kind: str, bd: int) -> tuple:
+        src, dst = (bd, bd + 1) if kind == "act" else (bd + 1, bd)
+        ports = (("up", src), ("down", dst))
+        if links == "star-fifo":
+            return ports, (), _pair(per[src], per[dst])
+        return (("conn", src, dst),), ports, _pair(per[src], per[dst])
+
+    return star
 
 
 def simulate_pipeline(stages: int, micro_batches: int, forward: float | Sequence[float],
                       backward: float | Sequence[float], *, link: LinkModel | Sequence[LinkModel],
                       activation_bytes: float | Sequence[float], schedule: str = "1f1b", policy: str = "commopt",
                       codec_act: PipelineCodec | None = None, codec_grad: PipelineCodec | None = None,
-                      slowdown: float = 1.0, depth: int = 2, extra: int = 1,
-                      extra_per_boundary: bool = True) -> PipelineResult:
+                      slowdown: float = 1.0, depth: int = 2, extra: int = 1, extra_per_boundary: bool = True,
+                      links: str = "boundary", notice: bool = True) -> PipelineResult:
     """One training step of a pipeline with one stage per rank.
 
     Args:
         stages: S, the number of stages (ranks).
         micro_batches: M.
         forward, backward: seconds of one micro-batch's forward / backward, one value or one per stage.
-        link: the link of every boundary, or one per boundary (``S - 1``); full duplex.
+        link: ``links="boundary"``: the link of every boundary, or one per boundary (``S - 1``), full
+            duplex. ``links="star"``: every rank's link to the fabric, or one per rank (``S``): an uplink
+            and a downlink of that rate.
         activation_bytes: fp32 bytes of one micro-batch's activation per boundary (one value or
             ``S - 1``); its gradient has as many.
         schedule: ``"gpipe"`` or ``"1f1b"``.
@@ -486,6 +571,14 @@ def simulate_pipeline(stages: int, micro_batches: int, forward: float | Sequence
             ``extra`` forwards further ahead than the stage after it: with ``S - stage + extra`` every
             stage but the last two keeps torch's distance of one, and the transfers between them stay on
             the cycle; per boundary, 1F1B hides transfers up to ``extra * (f + b) / 2`` at any depth.
+        links: ``"boundary"``: every direction of every boundary is a channel of its own.
+            ``"star"``: one node per rank, each with one link to a switch (the emulated cluster, a rack
+            with one NIC per node): a transfer s -> t crosses s's uplink and t's downlink, one message at
+            a time per connection (s, t), and the transfers through a port share its rate equally
+            (TCP's fair share), so a middle stage's activations and gradients split its uplink.
+            ``"star-fifo"``: the same ports, each carrying one message at a time, first ready first.
+        notice: a receive is ready only once its rank's payloads queued to the sender have arrived
+            (gloo's ready notice travels behind them on the same connection); False: at its post.
 
     Returns:
         A :class:`PipelineResult`; its ``floor`` runs the same programs with a free link and codecs.
@@ -493,17 +586,18 @@ def simulate_pipeline(stages: int, micro_batches: int, forward: float | Sequence
     _check(stages, micro_batches, schedule, policy, depth, extra, slowdown)
     S, M = stages, micro_batches
     fs, bs = _per_stage(forward, S, "forward"), _per_stage(backward, S, "backward")
-    links = _links(link, S - 1)
+    wires = _wires(S, links, link)
     acts = _per_stage(activation_bytes, S - 1, "activation_bytes")
     ca, cg = codec_act or PipelineCodec(), codec_grad or PipelineCodec()
 
     def run(free: bool) -> tuple[list[PipelineEvent], list[float], list[float]]:
         msgs: dict = {}
         for bd in range(S - 1):
-            ln = _FREE if free else links[bd]
-            for k in range(M):
-                _declare(msgs, ("act", bd, k), bd, bd + 1, ("act", bd), ln, acts[bd] * ca.ratio, 0, "act", k)
-                _declare(msgs, ("grad", bd, k), bd + 1, bd, ("grad", bd), ln, acts[bd] * cg.ratio, 0, "grad", k)
+            for kind, src, dst, ratio in (("act", bd, bd + 1, ca.ratio), ("grad", bd + 1, bd, cg.ratio)):
+                channel, ports, ln = wires(kind, bd)
+                for k in range(M):
+                    _declare(msgs, (kind, bd, k), src, dst, channel, _FREE if free else ln, acts[bd] * ratio, 0,
+                             kind, k, ports, notice)
         progs = []
         for s in range(S):
             inb, outb = (acts[s - 1] if s > 0 else 0.0), (acts[s] if s < S - 1 else 0.0)
@@ -575,9 +669,9 @@ def simulate_pipeline_dp(micro_batches: int, forward: float | Sequence[float], b
         msgs: dict = {}
         for p in range(2):
             for k in range(M):
-                _declare(msgs, (p, "act", 0, k), rank(p, 0), rank(p, 1), (node(p, 0), node(p, 1)), ln,
+                _declare(msgs, (p, "act", 0, k), rank(p, 0), rank(p, 1), ((node(p, 0), node(p, 1)),), ln,
                          act * ca.ratio, 0, "act", k)
-                _declare(msgs, (p, "grad", 0, k), rank(p, 1), rank(p, 0), (node(p, 1), node(p, 0)), ln,
+                _declare(msgs, (p, "grad", 0, k), rank(p, 1), rank(p, 0), ((node(p, 1), node(p, 0)),), ln,
                          act * cg.ratio, 0, "grad", k)
         progs: list[list[_Ins]] = [[] for _ in range(4)]
         for p in range(2):
@@ -590,7 +684,8 @@ def simulate_pipeline_dp(micro_batches: int, forward: float | Sequence[float], b
                 sizes = [min(dp_chunk_bytes, grads[s] - i * dp_chunk_bytes) for i in range(chunks)]
                 mine, twin = rank(p, s), rank(1 - p, s)
                 for i, size in enumerate(sizes):
-                    _declare(msgs, ("dp", s, i, p), mine, twin, (node(p, s), node(1 - p, s)), ln, size, 1, "dp", i)
+                    _declare(msgs, ("dp", s, i, p), mine, twin, ((node(p, s), node(1 - p, s)),), ln, size, 1, "dp",
+                             i, notice=False)
                 at = max(i for i, ins in enumerate(prog) if ins[:3] == ("c", "B", M - 1))
                 last = prog[at]
                 posts = [[("s", ("dp", s, i, p)), ("r", ("dp", s, i, 1 - p))] for i in range(chunks)]

@@ -2,10 +2,11 @@
 ``commopt-bench simulate --pp-stages``.
 
 No timed test. Oracles: closed forms derived by hand (a free link: ``(M + S - 1)(f + b)`` for GPipe
-and 1F1B; torch's 1F1B on two stages across a link of ``t`` per message: ``(M + 1)(f + b + t)``, one
-transfer per micro-batch plus fill and drain on the cycle; commopt's with one extra forward: the
-floor plus the fill and drain ``2 t`` as long as ``t <= (f + b) / 2``); the definitions of rendezvous,
-ring and channel checked event by event on the trace; the codec's bytes against
+and 1F1B; torch's 1F1B on two stages across a link of ``t`` per message: ``(M + 1)(f + b) + 2 M t``
+with gloo's ready notice behind the receiver's queued payload, ``(M + 1)(f + b + t)`` without;
+commopt's with one extra forward: the floor plus the fill and drain ``2 t`` as long as
+``t <= (f + b) / 2``; star links on 3 stages, the middle node's ports shared); the definitions of
+rendezvous, ready notice, ring, channel and port share checked event by event on the trace; the codec's bytes against
 ``QuantizeCompressor``; and the order in which torch's own ``Schedule1F1B`` / ``ScheduleGPipe`` run
 forwards, backwards and posts on a gloo world of 2 ranks, recorded with hooks.
 """
@@ -17,7 +18,7 @@ import json
 import pytest
 
 from commopt.comm.links import LinkModel
-from commopt.schedules._sim_pipeline import PP_CODECS, PipelineCodec
+from commopt.schedules._sim_pipeline import PP_CODECS, PP_LINKS, PipelineCodec
 from commopt.schedules.simulator import pipeline_codec, simulate_pipeline, simulate_pipeline_dp
 
 F, B = 1.0, 2.0
@@ -43,15 +44,96 @@ def test_free_link_is_the_fill_drain_closed_form():
                     assert r.idle == pytest.approx([r.step - M * (F + B)] * S)
 
 
-def test_torch_1f1b_two_stages_exposes_one_transfer_per_micro_batch():
-    """Derived by hand from Schedule1F1B's posts: the last stage posts the receive of forward k + 1
-    only after backward k, and waits for it with its gradient send; so its cycle is f + b + t, and
-    fill and drain add two more transfers: (M + 1)(f + b + t)."""
+def test_torch_1f1b_two_stages_closed_form_with_and_without_the_ready_notice():
+    """Derived by hand from Schedule1F1B's posts. The last stage posts the receive of forward k + 1
+    only after backward k, together with (after) the send of gradient k, so one transfer lies on its
+    cycle: without the ready notice the cycle is f + b + t and fill and drain add two more transfers,
+    (M + 1)(f + b + t). With it (gloo: the receive's notice to stage 0 travels behind gradient k on
+    stage 1's connection), activation k + 1 leaves only once gradient k has arrived, and stage 0's
+    notice for gradient k + 1 likewise waits behind activation k + 2 when it posts second: 2 t on the
+    cycle for each of the M - 1 steady micro-batches, so (M + 1)(f + b) + 2 M t."""
     for M in (2, 3, 8):
         for t in (0.1, 0.5, 1.0, 3.0):
             r = simulate_pipeline(2, M, F, B, link=_link(t), activation_bytes=1, policy="torch")
+            assert r.step == pytest.approx((M + 1) * (F + B) + 2 * M * t), (M, t)
+            assert r.floor == pytest.approx((M + 1) * (F + B))
+            r = simulate_pipeline(2, M, F, B, link=_link(t), activation_bytes=1, policy="torch", notice=False)
             assert r.step == pytest.approx((M + 1) * (F + B + t)), (M, t)
             assert r.floor == pytest.approx((M + 1) * (F + B))
+
+
+def test_ready_notice_waits_behind_the_receivers_queued_payload():
+    """The notice rule on torch's trace (2 stages, the last one slower, so stage 0 has posted first):
+    in steady state stage 1 posts the send of gradient k and the receive of activation k + 1 at one
+    instant, and activation k + 1 goes on the wire exactly when gradient k arrives; without the rule
+    both go at once."""
+    M, t = 5, 0.5
+    for notice in (True, False):
+        r = simulate_pipeline(2, M, [F, F + 0.25], B, link=_link(t), activation_bytes=1, policy="torch",
+                              notice=notice)
+        ev = {(e.stage, e.kind, e.mb): e for e in r.trace}
+        for k in range(M - 1):
+            post = ev[1, "recv_act", k + 1].start
+            assert ev[1, "send_grad", k].start == post
+            grad = ev[1, "grad", k]
+            assert grad.start == pytest.approx(post)
+            assert ev[0, "act", k + 1].start == pytest.approx(grad.end if notice else post), (notice, k)
+
+
+def test_star_links_share_the_middle_nodes_ports():
+    """commopt's 1F1B, 3 stages, 3 micro-batches, free compute, t per message alone; by hand (ring
+    depth 2: stage 1 posts the receive of activation 2 when it consumes activation 0, at t):
+    - boundary links: 6 t;
+    - star, fair share: at 2 t activation 2 (0 -> 1) and gradient 0 (2 -> 1) share stage 1's downlink
+      and both arrive at 4 t; at 4 t stage 1 sends activation 2 and gradient 0 on its one uplink,
+      both arrive at 6 t; gradient 1 (4 t, alone) lets stage 1's backward 1 send gradient 1 at 5 t,
+      queued on its connection to stage 0 behind gradient 0 until 6 t; gradient 2 (6 t to 7 t) is
+      sent on at 7 t: 8 t;
+    - star, FIFO per port: activation 2 holds the downlink 2 t to 3 t, gradient 0 follows to 4 t;
+      activation 2 goes up at 3 t, gradient 0 (sent at 4 t) after it, and the gradients leave stage 1
+      at 4 t, 5 t and 6 t: 7 t.
+    On two stages every port carries one direction of the one boundary: the star is the boundary."""
+    for t in (0.5, 1.0, 3.0):
+        steps = {links: simulate_pipeline(3, 3, 0.0, 0.0, link=_link(t), activation_bytes=1, links=links).step
+                 for links in ("boundary", "star", "star-fifo")}
+        assert steps == pytest.approx({"boundary": 6 * t, "star": 8 * t, "star-fifo": 7 * t}), t
+    link = LinkModel(1e-4, 8 / 50e6)
+    for schedule in ("gpipe", "1f1b"):
+        for policy in ("torch", "commopt"):
+            runs = [simulate_pipeline(2, 5, 0.03, [0.06, 0.07], link=link, activation_bytes=1 << 20,
+                                      schedule=schedule, policy=policy, links=links) for links in PP_LINKS]
+            assert [r.step for r in runs[1:]] == pytest.approx([runs[0].step] * 2), (schedule, policy)
+            assert [r.trace for r in runs[1:]] == [runs[0].trace] * 2
+
+
+def test_star_shares_a_port_equally_event_by_event():
+    """The fair share's definition on 4-stage traces: each message on the wire moves at 1 / (the most
+    messages on the wire through its sender's uplink or its receiver's downlink) of its rate alone, so
+    the integral of that share over its time on the wire is its time alone; one message at a time
+    per connection; a middle node's uplink carries both of its directions (commopt's step, which
+    keeps both busy, is longer than with a channel per boundary direction)."""
+    S, M, act = 4, 6, 1 << 20
+    link = LinkModel(1e-4, 8 / 50e6)
+    for policy in ("torch", "commopt"):
+        r = simulate_pipeline(S, M, 0.03, 0.06, link=link, activation_bytes=act, policy=policy, links="star")
+        wires = [(e.stage, e.stage + 1 if e.kind == "act" else e.stage - 1, e.start, e.end)
+                 for e in r.trace if e.kind in ("act", "grad")]
+        assert len(wires) == 2 * (S - 1) * M
+        cuts = sorted({x for w in wires for x in w[2:]})
+        for src, dst, start, end in wires:
+            moved = 0.0
+            for a, b in zip(cuts, cuts[1:]):
+                if start <= a and b <= end:
+                    on = [w for w in wires if w[2] <= a and b <= w[3]]
+                    moved += (b - a) / max(sum(w[0] == src for w in on), sum(w[1] == dst for w in on))
+            assert moved == pytest.approx(link.time(act)), (policy, src, dst, start)
+        for src, dst in {w[:2] for w in wires}:
+            spans = sorted(w[2:] for w in wires if w[:2] == (src, dst))
+            assert all(a[1] <= b[0] + 1e-12 for a, b in zip(spans, spans[1:]))
+        boundary = simulate_pipeline(S, M, 0.03, 0.06, link=link, activation_bytes=act, policy=policy)
+        assert r.floor == pytest.approx(boundary.floor)
+        if policy == "commopt":  # torch's 1F1B never has two transfers through one port (its step is the same)
+            assert r.step > boundary.step + link.time(act)
 
 
 def test_torch_gpipe_two_stages_closed_form():
@@ -133,6 +215,12 @@ def _check_trace(r, S: int, M: int, fb: tuple[float, float], link: LinkModel, ac
                     assert m.start >= ev[src, f"send_{kind}", k].start - 1e-12
                     assert m.start >= ev[dst, f"recv_{kind}", k].start - 1e-12
                     assert m.end - m.start == pytest.approx(link.time(wire))
+                    # The ready notice: behind every payload the receiver had on the wire to the sender.
+                    post, back = ev[dst, f"recv_{kind}", k].start, "grad" if kind == "act" else "act"
+                    for j in range(M):
+                        x = ev[dst, back, j]
+                        if x.start <= post < x.end:
+                            assert m.start >= x.end - 1e-12
                 assert ev[s, "send_act", k].start >= f.end - 1e-12
                 if codec.encode:
                     assert ev[s, "send_act", k].start >= ev[s, "encode_act", k].end - 1e-12
@@ -311,8 +399,9 @@ def test_torch_policy_runs_and_posts_in_torchs_order(ranks):
 
 # ------------------------------------------------------------------------------------ the CLI
 def test_bench_simulate_pp_rows(tmp_path, capsys):
-    """``commopt-bench simulate --pp-stages``: the torch row on 2 stages is the closed form with t
-    the link's time for the bench GPT's 1 MiB activation; the int8 rows carry the codec's bytes."""
+    """``commopt-bench simulate --pp-stages``: the torch row on 2 stages is the closed form (with the
+    ready notice, (M + 1)(f + b) + 2 M t) with t the link's time for the bench GPT's 1 MiB activation;
+    the int8 rows carry the codec's bytes."""
     from commopt.bench.simulate import main
 
     out = tmp_path / "pp.json"
@@ -326,7 +415,7 @@ def test_bench_simulate_pp_rows(tmp_path, capsys):
     for row in pp:
         if row["stages"] == 2 and row["policy"] == "torch" and row["codec"] == "none":
             t = 100e-6 + act * 8 / (200e6 if row["link"] == "200mbit" else 50e6)
-            assert row["step_s"] == pytest.approx(5 * (0.03 + 0.06 + t))
+            assert row["step_s"] == pytest.approx(5 * (0.03 + 0.06) + 2 * 4 * t)
             assert row["floor_s"] == pytest.approx(5 * 0.09)
         ratio = pipeline_codec(row["codec"]).ratio
         assert row["boundary_bytes"][0] == pytest.approx([4 * act * ratio] * 2)
