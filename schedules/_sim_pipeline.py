@@ -50,6 +50,8 @@ from typing import NamedTuple, Union
 
 from commopt.comm.links import LinkModel
 
+from .pipeline_parallel import actions
+
 __all__ = ["PipelineCodec", "PipelineEvent", "PipelineResult", "PP_CODECS", "PP_LINKS", "PP_POLICIES", "PP_SCHEDULES",
            "pipeline_codec", "simulate_pipeline", "simulate_pipeline_dp"]
 
@@ -394,17 +396,7 @@ def _program(st: _Stage, schedule: str, policy: str, depth: int, extra: int, per
     if policy == "commopt":
         ring = min(depth, M)
         prog += [("r", a_in(k)) for k in range(ring) if prev] + [("r", g_in(k)) for k in range(ring) if nxt]
-        if schedule == "gpipe":
-            order = [("F", k) for k in range(M)] + [("B", k) for k in range(M)]
-        else:
-            warm = min(M, S - s + extra * (S - 1 - s if per_boundary else 1)) if nxt else 1
-            order = [("F", k) for k in range(warm)]
-            f_next = warm
-            for k in range(M):
-                order.append(("B", k))
-                if f_next < M:
-                    order.append(("F", f_next))
-                    f_next += 1
+        order = actions(schedule, s, S, M, extra, per_boundary)  # the executor's own order
         sends = []
         for op, k in order:
             if op == "F":

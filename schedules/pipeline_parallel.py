@@ -40,16 +40,20 @@ __all__ = ["PipelineSchedule", "SCHEDULES", "actions"]
 SCHEDULES = ("gpipe", "1f1b")
 
 
-def actions(schedule: str, stage: int, stages: int, n: int, extra: int = 1) -> list[tuple[str, int]]:
+def actions(schedule: str, stage: int, stages: int, n: int, extra: int = 1,
+            per_boundary: bool = True) -> list[tuple[str, int]]:
     """The order in which ``stage`` runs its forwards ("F", k) and backwards ("B", k).
 
     GPipe: every forward, then every backward in ascending order. 1F1B: ``min(n, stages - stage +
     extra * (stages - 1 - stage))`` warm-up forwards (torch's, plus ``extra`` per boundary downstream;
     one on the last stage), then one backward and one forward in turn, then the remaining backwards.
+    ``per_boundary=False``: ``extra`` on every stage but the last alike (the simulator's what-if: it hides
+    only the last boundary's transfers).
     """
     if schedule == "gpipe":
         return [("F", k) for k in range(n)] + [("B", k) for k in range(n)]
-    warm = min(n, stages - stage + extra * (stages - 1 - stage))
+    ahead = (stages - 1 - stage) if per_boundary else min(1, stages - 1 - stage)
+    warm = min(n, stages - stage + extra * ahead)
     out = [("F", k) for k in range(warm)]
     f = warm
     for b in range(n):

@@ -108,6 +108,17 @@ class Hierarchical(Algorithm):
         """The codec on the inter-node phase only: inside each node every rank sends the others their
         exact sections (reduce-scatter) and its own (all-gather); rail j rings local rank j's section,
         encoded, around the nodes."""
+        t = self._intra_compressed_traffic(codec, topology)
+        local, n = topology.local_size, topology.num_nodes
+        if topology.world_size > 1 and n > 1:
+            for j in range(local):
+                t.ring([node[j] for node in topology.nodes], codec.sent(local, j, n))
+        return t
+
+    @staticmethod
+    def _intra_compressed_traffic(codec: Encoded, topology: Topology) -> Traffic:
+        """The exact intra-node phases of a compressed reduction: every rank sends the others of its
+        node their sections (reduce-scatter) and its own (all-gather)."""
         t = Traffic(topology)
         local, n = topology.local_size, topology.num_nodes
         if topology.world_size == 1:
@@ -117,9 +128,6 @@ class Hierarchical(Algorithm):
             for ja, a in enumerate(node):
                 for jb, b in enumerate(node):
                     t.add(a, b, sections[jb] + sections[ja])
-        if n > 1:
-            for j in range(local):
-                t.ring([node[j] for node in topology.nodes], codec.sent(local, j, n))
         return t
 
     def compressed_cost(self, model: CostModel, codec: Encoded, topology: Topology) -> float:

@@ -235,16 +235,9 @@ class Synth(Hierarchical):
         """Inside each node the exact sections, as ``hierarchical``; on rail j, each round's buffer
         (the codec's encoded bytes of section j) through the schedule of its collective, or direct
         pairwise blocks for an all-to-all round."""
-        t = Traffic(topology)
+        t = self._intra_compressed_traffic(codec, topology)
         local, n = topology.local_size, topology.num_nodes
-        if topology.world_size == 1:
-            return t
-        sections = [codec.section_bytes(local, j, n) for j in range(local)]
-        for node in topology.nodes:
-            for ja, a in enumerate(node):
-                for jb, b in enumerate(node):
-                    t.add(a, b, sections[jb] + sections[ja])
-        if n == 1:
+        if topology.world_size == 1 or n == 1:
             return t
         kinds = self._codec_kinds(codec)
         for j in range(local):
