@@ -380,12 +380,16 @@ class StageLinks:
         return m
 
     def _send_meta(self, status: int, x: torch.Tensor | None = None) -> None:
+        """Send the first step's description (or, relaying a failure, its "failed" form: then a peer
+        already gone is nothing to tell, and its error is swallowed)."""
+        meta = self._meta(x, status)
         try:
-            meta = self._meta(x, status)
             w = dist.isend(meta, group=self.group, group_dst=self.act_out.peer, tag=_TAG["meta"])
-            self.act_out.sends.append((w, meta))
         except RuntimeError:
-            pass
+            if status != _ABORT:
+                raise
+            return
+        self.act_out.sends.append((w, meta))
 
     def _agree_out(self, x: torch.Tensor) -> None:
         """Describe the activation to the next stage and wait for its answer (first step only)."""
