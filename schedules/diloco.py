@@ -53,6 +53,7 @@ from commopt.comm.algorithms.roles import DILOCO
 from commopt.comm.checks import check_timeout
 from commopt.comm.compression import Codec, ErrorFeedback, auto, reduce_tensors
 from commopt.comm.compression.codec import all_finite
+from commopt.comm.dispatch import select_algorithm
 from commopt.comm.elastic import Membership
 from commopt.comm.elastic.replicas import node_member_id
 from commopt.comm.engine import wait, wait_work
@@ -167,7 +168,8 @@ class DiLoCo:
         error_feedback: the residuals of the compressed pseudo-gradients, by parameter name.
         steps: inner steps counted so far.
         outer_bytes: the bytes this rank's outer reductions have sent to other workers so far, as the
-            rail algorithm's traffic model counts them (the encoded bytes where a codec ran): a
+            traffic model of the algorithm that ran counts them (the rail's; where the links differ,
+            what ``auto`` took on the rail, e.g. ``synth``; the encoded bytes where a codec ran): a
             streamed reduction's bytes, which cross the link while later inner steps run, are counted
             when it is issued. A worker's link carries the sum over its ranks.
     """
@@ -518,14 +520,23 @@ class DiLoCo:
                       for n in names]
         step = self._reductions
         self._reductions += 1
-        traffic = auto.traffic("rail", self.compressor, [d.numel() for d in deltas], [tuple(d.shape) for d in deltas],
-                               deltas[0].element_size(), self.topology, step=step)
-        self.outer_bytes += traffic.sent(self.topology.rank)
+        # Where the links differ the reduction runs on the rail's own topology, and auto may take synth
+        # there: the bytes are counted with the algorithm that runs (every rank of a rail picks the same).
+        rails = self._rail_topology
+        numels, shapes = [d.numel() for d in deltas], [tuple(d.shape) for d in deltas]
+        algo, where = "rail", self.topology
+        if rails is not None and self.num_workers > 1:
+            where = rails
+            algo = (auto.choose(self.compressor, deltas, rails, timeout=self.timeout) if self.compressor is not None
+                    else select_algorithm("allreduce", "auto", sum(numels) * deltas[0].element_size(), rails,
+                                          self.timeout))
+        traffic = auto.traffic(algo, self.compressor, numels, shapes, deltas[0].element_size(), where, step=step)
+        self.outer_bytes += traffic.sent(where.rank)
         if self.num_workers == 1:
             fut, kind = None, "local"
         elif self.compressor is not None:
-            fut = reduce_tensors(self.compressor, deltas, list(names), topology=self.topology, algorithm="rail",
-                                 average=True, step=step, seed=0,
+            fut = reduce_tensors(self.compressor, deltas, list(names), group=self._rail if rails else None,
+                                 topology=where, algorithm=algo, average=True, step=step, seed=0,
                                  feedback=self.error_feedback if self._use_ef else None,
                                  state=self.compressor_state, timeout=self.timeout)
             kind = "compressed"
@@ -533,8 +544,8 @@ class DiLoCo:
             flat = torch.cat([d.reshape(-1) for d in deltas])
             # agreement=False: the pieces match along the rail by construction (_agree_settings); a check
             # here would queue behind a reduction still in flight on the rail group and block this thread.
-            fut = all_reduce(flat, ReduceOp.AVG, group=self._rail, topology=self._rail_topology,
-                             algorithm="flat" if self._rail_topology is None else "auto", async_op=True,
+            fut = all_reduce(flat, ReduceOp.AVG, group=self._rail, topology=rails,
+                             algorithm="flat" if rails is None else algo, async_op=True,
                              timeout=self.timeout, agreement=False)
             deltas = [flat]
             kind = "exact"

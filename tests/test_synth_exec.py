@@ -179,6 +179,52 @@ def test_diloco_outer_sync_runs_on_synth_where_links_differ(ranks):
     assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(on[0][1:], off[0][1:]))
 
 
+def _diloco_bf16(links: bool) -> list:
+    """DiLoCo with a bf16 outer sync on the 4x1 star, pseudo-gradients of small integers: exact in bf16
+    (pre-divided by 4, then summed), whatever the order of the sums."""
+    from torch import nn
+
+    from commopt.comm import context
+    from commopt.comm.compression import BF16Compressor
+    from commopt.schedules import DiLoCo
+
+    rank = dist.get_rank()
+    base = Topology.from_spec("4x1")
+    topo = Topology(nodes=base.nodes, rank=base.rank, world_size=4, links=_links(4, 1, False) if links else None)
+    model = nn.Linear(300, 300)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randint(-8, 9, p.shape, generator=torch.Generator().manual_seed(1)))
+    engine = context().engine()
+    before = engine.bytes_sent().get("compress/bf16", 0)
+    dl = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), sync_every=2, topology=topo,
+                compressor=BF16Compressor(), error_feedback=False,
+                outer_optimizer=lambda params: torch.optim.SGD(params, lr=1.0))  # weights stay on a grid of 1/4
+    for step in range(4):
+        with torch.no_grad():  # the inner step: new integer weights (the pseudo-gradient stays integer)
+            for i, p in enumerate(model.parameters()):
+                g = torch.Generator().manual_seed(100 * rank + 10 * step + i)
+                p.add_(torch.randint(-4, 5, p.shape, generator=g).to(p.dtype))
+        dl.step()
+    sent = engine.bytes_sent().get("compress/bf16", 0) - before
+    return [sent, dl.outer_bytes] + [b.clone() for b in dl.backups.values()]
+
+
+def test_diloco_compressed_outer_sync_runs_on_synth_where_links_differ(ranks):
+    """DiLoCo's compressed (bf16) outer sync on the 4x1 star with a slow node: auto takes synth on the rail,
+    the slow node sends less than on the ring (the unequal shards: it owns none of the vector), the
+    global weights are bit-identical on every worker and to the ring's (integer pseudo-gradients are
+    exact in bf16), and ``outer_bytes`` is what the engine counted on the wire (but for the input's
+    64-value tag, which the traffic model leaves out: 0.1 % here)."""
+    on = ranks(4, _diloco_bf16, True, timeout=120)
+    off = ranks(4, _diloco_bf16, False, timeout=120)
+    for r in on + off:
+        assert r[0] > 0 and abs(r[1] - r[0]) <= 2e-3 * r[0], (r[0], r[1])
+    assert on[3][0] < 0.8 * off[3][0], (on[3][0], off[3][0])  # the slow node: S against the ring's 1.5 S
+    for r in on + off:
+        assert all(torch.equal(a, b) for a, b in zip(r[2:], on[0][2:]))
+
+
 def _imported(name: str) -> bool:
     import test_synthesis_ir as xml
 
