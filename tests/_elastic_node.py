@@ -1,15 +1,16 @@
 """What the elastic tests' worker scripts and their launchers share: a node of L ranks, its own
 torch.distributed world (``--ranks L --local R --port P``), started as one process group so that a fault
-can SIGKILL the whole node (tests/_elastic_worker.py, tests/_elastic_dp_worker.py)."""
+can SIGKILL the whole node (tests/_elastic_worker.py, tests/_elastic_dp_worker.py). The processes are forked
+from the rank pool's forkserver (tests/_forked.py), which has imported torch already."""
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import subprocess
 from collections.abc import Callable
 
 import torch.distributed as dist
+from _forked import ForkedScript, start_script
 from _ports import free_ports
 
 __all__ = ["add_node_args", "init_node_world", "start_node"]
@@ -31,12 +32,11 @@ def init_node_world(a: argparse.Namespace) -> None:
     dist.init_process_group("gloo", store=store, rank=a.local, world_size=a.ranks)
 
 
-def start_node(argv: Callable[[int], list[str]], ranks: int) -> list[subprocess.Popen]:
+def start_node(argv: Callable[[int], list[str]], ranks: int) -> list[ForkedScript]:
     """The node's ``ranks`` processes, ``argv(local)`` each (plus the node options), in one new process group."""
     port = free_ports(1)[0]
-    procs: list[subprocess.Popen] = []
+    procs: list[ForkedScript] = []
     for r in range(ranks):
-        procs.append(subprocess.Popen([*argv(r), "--ranks", str(ranks), "--local", str(r), "--port", str(port)],
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                      process_group=procs[0].pid if procs else 0))
+        procs.append(start_script([*argv(r), "--ranks", str(ranks), "--local", str(r), "--port", str(port)],
+                                  process_group=procs[0].pid if procs else 0))
     return procs

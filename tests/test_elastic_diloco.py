@@ -18,6 +18,7 @@ import time
 import pytest
 import torch
 from _elastic_node import start_node
+from _forked import ForkedScript
 
 from commopt.comm.elastic import Coordinator
 
@@ -79,7 +80,7 @@ def _job(tmp_path, name: str, fault: str, *, gate_out: int = 0, gate_in: int = 2
 class _Worker:
     """A worker's processes (its ranks) as one: it has exited when all have; its code is the first's."""
 
-    def __init__(self, procs: list[subprocess.Popen]):
+    def __init__(self, procs: list[ForkedScript]):
         self.procs = procs
 
     def poll(self):

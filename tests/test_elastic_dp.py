@@ -11,12 +11,12 @@ optimizer state.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 from _elastic_node import start_node
+from _forked import ForkedScript
 
 from commopt.comm.elastic import Coordinator
 
@@ -34,7 +34,7 @@ def _run(tmp_path, ranks: int, fsdp: bool) -> dict:
     keys = [(n, r) for n in range(3) for r in range(ranks)]
     outs = {k: str(tmp_path / f"{k[0]}.{k[1]}.pt") for k in keys}
     with Coordinator(heartbeat_timeout=HEARTBEAT, min_replicas=2, initial_replicas=3 * ranks) as coord:
-        def start(node: int, *extra: str) -> list[subprocess.Popen]:
+        def start(node: int, *extra: str) -> list[ForkedScript]:
             return start_node(lambda r: [sys.executable, WORKER, coord.address, str(node), outs[(node, r)],
                                                 "--steps", str(STEPS), "--kill", str(KILL), "--gate-in", str(BACK),
                                                 *(["--fsdp"] if fsdp else []), *extra], ranks)
