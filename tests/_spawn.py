@@ -1,5 +1,6 @@
-"""Fresh spawned rank processes for the framework tests (Lightning, transformers, torchtitan), which
-need processes of their own rather than a pool's (docs/architecture.md section 9.1).
+"""Fresh rank processes for the framework tests (Lightning, transformers, torchtitan), which need
+processes of their own rather than a pool's (docs/architecture.md section 9.1): forked from the rank
+pool's forkserver (torch already imported; the framework is imported in the rank).
 
 :func:`run_spawned` starts ``world`` processes of ``entry`` and collects what each puts on the results
 queue: ``(rank, "ok", bytes of torch.save)`` or ``(rank, "err", traceback)``. A hang fails naming the
@@ -10,7 +11,6 @@ traceback; every process is killed on the way out.
 from __future__ import annotations
 
 import io
-import multiprocessing as mp
 import queue
 import time
 from typing import Callable
@@ -22,7 +22,9 @@ __all__ = ["run_spawned"]
 
 def run_spawned(entry: Callable, args_of: Callable[[int], tuple], world: int, timeout: float, what: str) -> list:
     """Run ``entry(*args_of(rank), results)`` in ``world`` spawned processes; per-rank results in rank order."""
-    ctx = mp.get_context("spawn")
+    from _pool import _context
+
+    ctx = _context()
     results = ctx.Queue()
     procs = [ctx.Process(target=entry, args=(*args_of(r), results), daemon=True, name=f"rank{r}")
              for r in range(world)]
