@@ -6,7 +6,9 @@ PowerSGD's settings) the same model is trained from the same seed on the same da
 prints: median step time, bytes each rank sends per step (from the comm engine's counters for our
 hooks; from the payload sizes for torch's, marked ``*``, since torch's hooks bypass our engine),
 the ratio against an fp32 ring all-reduce of every gradient, and the final loss next to the
-uncompressed run's. Every hook trains from the same initial state, side by side: one step of each
+uncompressed run's. Any of commopt's hooks can be named ``HOOK@ALGORITHM`` to run on that algorithm
+(``bf16@hierarchical,bf16@synth``: one codec on two algorithms, side by side; the ratio of each to the
+first listed is printed at the end). Every hook trains from the same initial state, side by side: one step of each
 in turn, rotated every step, so the step-time ratios are measured interleaved. The ratios the
 targets are about (ours against torch's fp16 and PowerSGD hooks, hierarchical against flat
 PowerSGD) are printed at the end.
@@ -76,8 +78,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate")
     p.add_argument("--rank", type=int, default=4, help="PowerSGD rank (ours and torch's)")
     p.add_argument("--start-iter", type=int, default=2, help="PowerSGD start iteration (ours and torch's)")
-    p.add_argument("--algorithm", default="flat", choices=["flat", "hierarchical", "auto"],
-                   help="algorithm of our compressed hooks (powersgd-hier is always hierarchical)")
+    p.add_argument("--algorithm", default="flat", choices=_codec_algorithms(),
+                   help="algorithm of our compressed hooks (powersgd-hier is always hierarchical; a hook "
+                   "named HOOK@ALGORITHM runs on ALGORITHM whatever this says)")
     p.add_argument("--warmup-steps", type=int, default=4, help="untimed DDP steps before the first hook")
     p.add_argument("--bucket-cap-mb", type=float, default=64.0, help="DDP bucket size cap (every hook)")
     p.add_argument("--timeout", type=float, default=300.0, help="collective timeout in seconds")
@@ -88,12 +91,46 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _codec_algorithms() -> list[str]:
+    """The algorithms a compressed hook can run on (those that carry a codec), and ``auto``."""
+    from commopt.comm import algorithms
+
+    return algorithms.names("allreduce", codec=True) + [algorithms.AUTO]
+
+
+def _split(hook: str) -> tuple[str, str | None]:
+    """``"bf16@synth"`` -> ``("bf16", "synth")``; a plain name -> ``(name, None)``."""
+    base, _, algo = hook.partition("@")
+    return base, algo or None
+
+
+def _check_hooks(hooks: list[str]) -> str | None:
+    """Why ``hooks`` cannot run, or None. ``NAME@ALGORITHM`` is for commopt's hooks (not torch's, nor
+    powersgd-hier, which is hierarchical by definition): the exact one on any all-reduce algorithm, a
+    compressed one on an algorithm that carries a codec."""
+    from commopt.comm import algorithms
+
+    for h in hooks:
+        base, algo = _split(h)
+        if base not in HOOKS:
+            return f"unknown hook {h!r}; choose from {','.join(HOOKS)} (any of commopt's as HOOK@ALGORITHM)"
+        if "@" in h:
+            if base == "ddp" or base.startswith("torch-") or base == "powersgd-hier":
+                return f"{h!r}: only commopt's hooks take @ALGORITHM ({base} has its own all-reduce)"
+            known = (algorithms.names("allreduce") + [algorithms.AUTO] if base == "exact" else _codec_algorithms())
+            if algo not in known:
+                return f"{h!r}: {base} runs on one of {','.join(known)}, not {algo!r}"
+    if len(set(hooks)) != len(hooks):
+        return f"a hook is named twice in {','.join(hooks)}"
+    return None
+
+
 # ------------------------------------------------------------------------------------ launching
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    unknown = [h for h in args.hooks.split(",") if h not in HOOKS]
-    if unknown:
-        print(f"commopt-bench ddp: unknown hooks {unknown}; choose from {','.join(HOOKS)}", file=sys.stderr)
+    why = _check_hooks(args.hooks.split(","))
+    if why:
+        print(f"commopt-bench ddp: {why}", file=sys.stderr)
         return 2
     spawn, args.spawn = args.spawn, 0
     return launch(_rank_body, args, spawn=spawn, timeout=args.timeout, single=False)
@@ -108,6 +145,7 @@ def _make_hook(name: str, args, topo, model: nn.Module):
     from commopt.comm import compression as C
     from commopt.comm.hooks import AllReduceState, allreduce_hook
 
+    name, on = _split(name)
     world = dist.get_world_size()
     shapes = [tuple(p.shape) for p in model.parameters()]
     numel = sum(p.numel() for p in model.parameters())
@@ -131,6 +169,7 @@ def _make_hook(name: str, args, topo, model: nn.Module):
     algorithm = "hierarchical" if name == "powersgd-hier" and topo.two_levels else args.algorithm
     if name == "exact":
         algorithm = "auto"
+    algorithm = on or algorithm
     return AllReduceState(topo, algorithm, compressors[name]), allreduce_hook, None
 
 
@@ -218,6 +257,11 @@ def _rank_body(args) -> int:
     return 0
 
 
+def _describe(hook: str) -> str:
+    base, algo = _split(hook)
+    return HOOKS[base] + (f", on {algo}" if algo else "")
+
+
 def _report(results: list[dict], args, topo) -> None:
     base = next((r for r in results if r["hook"] == "ddp"), results[0])
     link = f", link {topo.link_rate_bps / 1e6:.0f} Mbit/s" if topo.link_rate_bps else ""
@@ -227,17 +271,17 @@ def _report(results: list[dict], args, topo) -> None:
           "ratio = fp32 ring all-reduce / bytes")
     print("# inter-node: bytes of the compressed (rail) phases only; commopt's hierarchical runs keep the "
           "intra-node phases exact (fp32), counted apart")
-    print(f"{'hook':<16}{'step(ms)':>10}{'vs ddp':>8}{'bytes/step':>14}{'ratio':>8}{'inter-node':>12}{'ratio':>8}"
+    print(f"{'hook':<20}{'step(ms)':>10}{'vs ddp':>8}{'bytes/step':>14}{'ratio':>8}{'inter-node':>12}{'ratio':>8}"
           f"{'final loss':>12}{'vs ddp':>9}   description")
     for r in results:
         ratio = r["fp32_bytes"] / r["bytes_per_step"] if r["bytes_per_step"] else math.inf
         inter = r["inter_bytes_per_step"]
         inter_ratio = r["fp32_bytes"] / inter if inter else math.inf
         mark = "*" if r["bytes_modelled"] else " "
-        print(f"{r['hook']:<16}{r['step_ms']:>10.1f}{r['step_ms'] / base['step_ms']:>7.2f}x"
+        print(f"{r['hook']:<20}{r['step_ms']:>10.1f}{r['step_ms'] / base['step_ms']:>7.2f}x"
               f"{r['bytes_per_step']:>13.0f}{mark}{ratio:>7.1f}x{inter:>12.0f}{inter_ratio:>7.1f}x"
               f"{r['losses'][-1]:>12.4f}"
-              f"{r['losses'][-1] - base['losses'][-1]:>+9.4f}   {HOOKS[r['hook']]}")
+              f"{r['losses'][-1] - base['losses'][-1]:>+9.4f}   {_describe(r['hook'])}")
     for r in results:
         if r.get("matrix_ratio"):
             print(f"# {r['hook']}: rank-{args.rank} factors of the GPT's matrices alone: {r['matrix_ratio']:.1f}x "
@@ -246,7 +290,7 @@ def _report(results: list[dict], args, topo) -> None:
                     len(base["losses"]) - 1})
     print("# loss curve at steps " + ", ".join(str(m) for m in marks))
     for r in results:
-        print(f"{r['hook']:<16}" + "".join(f"{r['losses'][m]:>9.4f}" for m in marks))
+        print(f"{r['hook']:<20}" + "".join(f"{r['losses'][m]:>9.4f}" for m in marks))
     by = {r["hook"]: r for r in results}
     pairs = (("fp16", "torch-fp16", "target <= 1.05"), ("powersgd", "torch-powersgd", "target <= 1.0"),
              ("powersgd-hier", "powersgd", "target < 1.0"))
@@ -255,6 +299,12 @@ def _report(results: list[dict], args, topo) -> None:
             a, b = by[ours], by[theirs]
             print(f"# step time {ours} / {theirs} = {a['step_ms'] / b['step_ms']:.3f} ({target}, interleaved); "
                   f"final loss {a['losses'][-1]:.4f} vs {b['losses'][-1]:.4f}")
+    first: dict[str, dict] = {}
+    for r in results:  # one hook on several algorithms: each against the first listed, interleaved
+        b = first.setdefault(_split(r["hook"])[0], r)
+        if b is not r:
+            print(f"# step time {r['hook']} / {b['hook']} = {r['step_ms'] / b['step_ms']:.3f} (interleaved); "
+                  f"final loss {r['losses'][-1]:.4f} vs {b['losses'][-1]:.4f}")
     data = {"args": vars(args), "layout": topo.layout, "world_size": dist.get_world_size(),
             "link_rate_bps": topo.link_rate_bps, "results": results}
     if args.json:

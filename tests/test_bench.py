@@ -229,3 +229,24 @@ def test_spawned_sweep_leaves_out_what_does_not_apply(tmp_path):
     assert all(r["bound_us"] > 0 for r in data["rows"])
     assert data["meta"]["inter_node_link"] is False and data["meta"]["num_nodes"] == 2
     assert "NaN" not in json.dumps(data)
+
+
+def test_ddp_hook_at_algorithm_names_what_can_run():
+    """``commopt-bench ddp --hooks HOOK@ALGORITHM``: commopt's hooks on any algorithm that carries them
+    (the exact one on any all-reduce algorithm); a torch hook, an unknown algorithm, a codec on an
+    algorithm that cannot carry it, or a hook named twice is refused before anything starts, naming why
+    (exit code 2)."""
+    from commopt.bench import ddp
+    from commopt.comm import algorithms
+
+    assert ddp._check_hooks(["ddp", "bf16@hierarchical", "bf16@synth", "int8@auto", "exact@synth"]) is None
+    carry = set(algorithms.names("allreduce", codec=True))
+    exact_only = [a for a in algorithms.names("allreduce") if a not in carry]
+    for hooks, why in ((["torch-fp16@synth"], "only commopt's hooks"), (["ddp@flat"], "only commopt's hooks"),
+                       (["powersgd-hier@synth"], "only commopt's hooks"), (["bf16@ring9"], "not 'ring9'"),
+                       (["bf16", "bf16"], "named twice"), (["nope@flat"], "unknown hook")):
+        assert why in ddp._check_hooks(hooks), hooks
+    for a in exact_only:  # exact runs on them; a codec does not
+        assert ddp._check_hooks([f"exact@{a}"]) is None
+        assert "bf16 runs on one of" in ddp._check_hooks([f"bf16@{a}"])
+    assert ddp.main(["--hooks", "fp16@nowhere"]) == 2

@@ -51,9 +51,10 @@ def collectives_run(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ddp_run(tmp_path_factory):
-    """A real training comparison: 2 ranks, three hooks, a tiny GPT, four steps."""
+    """A real training comparison: 2 ranks, four hooks (fp16 twice: on the default algorithm and named
+    on flat), a tiny GPT, four steps."""
     d = tmp_path_factory.mktemp("ddp")
-    _bench("ddp", "--spawn", "2", "--hooks", "ddp,exact,fp16", "--steps", "4", "--warmup-steps", "0",
+    _bench("ddp", "--spawn", "2", "--hooks", "ddp,exact,fp16,fp16@flat", "--steps", "4", "--warmup-steps", "0",
            "--d-model", "16", "--layers", "1", "--seq-len", "8", "--batch", "2",
            "--json", str(d / "ddp.json"), "--plot", str(d / "ddp.png"))
     return d
@@ -119,7 +120,10 @@ def test_ddp_plot_draws_the_json(ddp_run, tmp_path):
     drawn = plot.plot_ddp(data, str(tmp_path / "again.png"))
     _png_size(tmp_path / "again.png")
     results = {r["hook"]: r for r in data["results"]}
-    assert list(drawn["step_ms"]) == ["ddp", "exact", "fp16"]
+    assert list(drawn["step_ms"]) == ["ddp", "exact", "fp16", "fp16@flat"]
+    # HOOK@ALGORITHM: fp16 named on flat, the default algorithm, trains to the same bits with the same bytes
+    assert results["fp16@flat"]["losses"] == results["fp16"]["losses"]
+    assert results["fp16@flat"]["bytes_per_step"] == results["fp16"]["bytes_per_step"]
     for hook, r in results.items():
         assert drawn["step_ms"][hook] == pytest.approx(r["step_ms"])
         assert drawn["final_loss"][hook] == pytest.approx(r["losses"][-1])
