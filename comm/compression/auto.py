@@ -28,7 +28,14 @@ from ..topology import Topology
 from .codec import Codec, compute_dtype
 from .layout import layout_for
 
-__all__ = ["choose", "predict", "Encoding", "uneven", "round_kinds"]
+__all__ = ["choose", "predict", "Encoding", "uneven", "round_kinds", "SYNTH_TIE"]
+
+#: ``synth`` is taken only where its prediction beats every other candidate's by more than this
+#: fraction: a codec whose rounds a schedule cannot speed up (a quantizer's all-to-all and equal-shard
+#: all-gather on a star) is predicted within 0.2 % of ``flat`` by second-order terms, and the schedule's
+#: executor pays a Python step per message that the model leaves out. The exact ``auto``'s measured
+#: lines use the same margin (``cost.MEASURED_TIE``).
+SYNTH_TIE = cost.MEASURED_TIE
 
 
 def uneven(topology: Topology) -> bool:
@@ -45,7 +52,8 @@ def round_kinds(compressor: Codec) -> list[str] | None:
 
 def choose(compressor: Codec, tensors: list[torch.Tensor], topology: Topology, *,
            model: cost.CostModel | None = None, timeout: float | None = None) -> str:
-    """The algorithm (``"flat"`` or ``"hierarchical"``) for reducing ``tensors`` through ``compressor`` on ``topology``.
+    """The algorithm (``"flat"``, ``"hierarchical"`` or ``"synth"``) for reducing ``tensors`` through
+    ``compressor`` on ``topology``.
 
     Args:
         compressor: the compressor.
@@ -55,7 +63,8 @@ def choose(compressor: Codec, tensors: list[torch.Tensor], topology: Topology, *
         timeout: seconds ``cost.model_for``'s broadcast may take.
 
     Returns:
-        The algorithm with the lowest predicted time; the earlier in the registry (``"flat"``) on a tie.
+        The algorithm with the lowest predicted time; the earlier in the registry (``"flat"``) on a tie,
+        and ``synth`` only where it is faster than every other by more than :data:`SYNTH_TIE`.
     """
     if not (topology.two_levels or (topology.is_uniform and uneven(topology))):
         return "flat"
@@ -70,7 +79,12 @@ def choose(compressor: Codec, tensors: list[torch.Tensor], topology: Topology, *
                if algorithms.get(a).supports(topology, "allreduce") is None and algorithms.get(a).considered(topology)]
     times = [predict(a, compressor, numels, shapes, itemsize, topology, model) for a in options]
     # Ties go to the earlier candidate in the registry (flat).
-    return options[min(range(len(options)), key=lambda i: (times[i], i))]
+    best = min(range(len(options)), key=lambda i: (times[i], i))
+    if options[best] == "synth":
+        others = [t for a, t in zip(options, times) if a != "synth"]
+        if others and min(others) <= times[best] * (1 + SYNTH_TIE):  # a tie: the group's own collectives
+            return options[min(range(len(options)), key=lambda i: (options[i] == "synth", times[i], i))]
+    return options[best]
 
 
 def predict(algorithm: str, compressor: Codec, numels: list[int], shapes: list[tuple[int, ...]],
