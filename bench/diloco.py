@@ -1,7 +1,7 @@
 """``commopt-bench diloco``: the bench GPT trained side by side on the same tokens with DDP over every
 rank (the synchronous baseline) and with DiLoCo (``schedules.DiLoCo``: each node a worker training
 with DDP inside it, the pseudo-gradient reduced along the rails every H inner steps), H in {8, 32},
-outer gradients fp32 / int8 / int4, streaming off and on (fp32 and int4; docs/guide.md, "DiLoCo").
+outer gradients fp32 / bf16 / int8 / int4, streaming off and on (fp32 and int4; docs/guide.md, "DiLoCo").
 
 Every run trains from the same initial weights on the same tokens (rank r's batch of step t is the
 same for every run), one step of each in turn, rotated every step. Printed per run: the mean step
@@ -21,7 +21,7 @@ after its last sync. The setting these methods were made for::
 
     commopt-bench cluster --nodes 2 --ranks-per-node 2 --link-rate 200mbit -- commopt-bench diloco
 
-``--runs`` takes any ``diloco-H[-int8|-int4][-stream]`` and, where torchft is installed (``pip install
+``--runs`` takes any ``diloco-H[-bf16|-int8|-int4][-stream][-ring]`` and, where torchft is installed (``pip install
 torchft``), ``torchft-H[-stream]``: torchft's own ``DiLoCo`` on the same model and tokens, one torchft
 ``Manager`` per rank and a Lighthouse per run started by rank 0, its gloo process group between the
 nodes; fp32 only (its quantized outer gradients need Triton on CUDA) and one rank per worker
@@ -60,23 +60,25 @@ __all__ = ["main", "RUNS", "Spec", "spec"]
 
 _VOCAB = 256
 
-#: The runs by default; any "diloco-H[-int8|-int4][-stream]" or "torchft-H[-stream]" is accepted (``spec``).
+#: The runs by default; any "diloco-H[-bf16|-int8|-int4][-stream][-ring]" or "torchft-H[-stream]" is
+#: accepted (``spec``).
 RUNS = ("ddp", "diloco-8", "diloco-32", "diloco-32-stream", "diloco-32-int8", "diloco-32-int4",
         "diloco-32-int4-stream")
 
-_NAME = re.compile(r"(diloco|torchft)-([1-9][0-9]*)(?:-int(4|8))?(-stream)?(-ring)?")
+_NAME = re.compile(r"(diloco|torchft)-([1-9][0-9]*)(?:-(bf16|int8|int4))?(-stream)?(-ring)?")
 
 
 class Spec(NamedTuple):
     """What a run trains: ``impl`` "commopt" (``schedules.DiLoCo``) or "torchft" (torchft's
     ``local_sgd.DiLoCo``), syncing every ``sync_every`` inner steps, the outer gradients through the
-    ``bits``-bit block codec (None: fp32), in ``fragments`` fragments each applied ``delay`` steps late;
+    ``codec`` ("bf16", or "int8" / "int4": the block quantizer; None: fp32), in ``fragments`` fragments
+    each applied ``delay`` steps late;
     ``ring``: the rail's own all-reduce even where the cluster's links differ (the baseline of the outer
     sync that weighs a synthesized schedule there)."""
 
     impl: str
     sync_every: int
-    bits: int | None
+    codec: str | None
     fragments: int
     delay: int
     ring: bool = False
@@ -84,8 +86,9 @@ class Spec(NamedTuple):
 
 def spec(name: str) -> Spec | None:
     """A run's :class:`Spec`; None for "ddp", the synchronous baseline. "diloco-H" syncs every H inner
-    steps in fp32, "-int8"/"-int4" sends the outer gradients through that block codec with error
-    feedback, "-stream" syncs 4 fragments at staggered steps, each reduction overlapping 2 inner steps;
+    steps in fp32, "-int8"/"-int4" sends the outer gradients through that block codec, "-bf16" as bf16
+    (both with error feedback), "-stream" syncs 4 fragments at staggered steps, each reduction overlapping
+    2 inner steps;
     "torchft-H[-stream]" is the same with torchft's DiLoCo (fp32 only: its quantization needs Triton on
     CUDA; one rank per worker); "-ring" keeps the rail's own outer all-reduce where the links differ.
     Raises ValueError for any other name."""
@@ -94,7 +97,8 @@ def spec(name: str) -> Spec | None:
     m = _NAME.fullmatch(name)
     if m is None:
         raise ValueError(f"commopt-bench diloco: unknown run {name!r}; a run is 'ddp', "
-                         f"'diloco-H[-int8|-int4][-stream][-ring]' or 'torchft-H[-stream]' with H >= 1, for example "
+                         f"'diloco-H[-bf16|-int8|-int4][-stream][-ring]' or 'torchft-H[-stream]' with H >= 1, "
+                         f"for example "
                          f"diloco-16-int4-stream")
     impl = "commopt" if m.group(1) == "diloco" else "torchft"
     if impl == "torchft" and m.group(3):
@@ -103,16 +107,25 @@ def spec(name: str) -> Spec | None:
     stream = bool(m.group(4))
     if impl == "torchft" and m.group(5):
         raise ValueError(f"commopt-bench diloco: {name!r}: '-ring' is for commopt's DiLoCo ('diloco-H-ring')")
-    return Spec(impl, int(m.group(2)), int(m.group(3)) if m.group(3) else None, 4 if stream else 1,
-                2 if stream else 0, bool(m.group(5)))
+    return Spec(impl, int(m.group(2)), m.group(3), 4 if stream else 1, 2 if stream else 0, bool(m.group(5)))
+
+
+def _compressor(codec: str | None):
+    """The compressor of a run's ``codec`` (None: fp32)."""
+    from commopt.comm.compression import BF16Compressor, QuantizeCompressor
+
+    if codec is None:
+        return None
+    return BF16Compressor() if codec == "bf16" else QuantizeCompressor(int(codec[3:]))
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="commopt-bench diloco", description=__doc__.split("\n\n")[0])
     p.add_argument("--spawn", type=int, default=0, metavar="N", help="spawn N local ranks")
     p.add_argument("--topology", default=None, help="layout such as 2x2 (default: COMMOPT_NODES or detected)")
-    p.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated runs (default {','.join(RUNS)}; "
-                                                          "any diloco-H[-int8|-int4][-stream], torchft-H[-stream])")
+    p.add_argument("--runs", default=",".join(RUNS),
+                   help=f"comma-separated runs (default {','.join(RUNS)}; any "
+                   "diloco-H[-bf16|-int8|-int4][-stream][-ring], torchft-H[-stream])")
     p.add_argument("--steps", type=int, default=64, help="training steps per run (a multiple of 32 ends on a sync)")
     p.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
     p.add_argument("--seq-len", type=int, default=64)
@@ -147,7 +160,6 @@ def _sync_every(args, name: str) -> int:
 
 def _setup(name: str, args, topo) -> dict:
     from commopt.bench.models import GPT
-    from commopt.comm.compression import QuantizeCompressor
     from commopt.schedules import DiLoCo, worker_group
 
     model = GPT(_VOCAB, args.d_model, args.layers, 4, args.seq_len, seed=0)
@@ -165,7 +177,7 @@ def _setup(name: str, args, topo) -> dict:
     run["opt"] = torch.optim.AdamW(model.parameters(), lr=args.lr)
     h = run["sync_every"]
     run["diloco"] = DiLoCo(model, run["opt"], sync_every=h, fragments=s.fragments, delay=min(s.delay, h - 1),
-                           compressor=QuantizeCompressor(s.bits) if s.bits else None,
+                           compressor=_compressor(s.codec),
                            topology=dataclasses.replace(topo, links=None) if s.ring else topo,
                            timeout=args.timeout)
     return run
@@ -332,14 +344,14 @@ def _warm_codecs(names: list[str], args, topo) -> None:
     """One reduction along the rail through each codec the runs use, before anything is timed: the
     codecs' CPU kernels compile on their first call (about 0.6 s here), which would otherwise land in
     whichever run syncs first."""
-    from commopt.comm.compression import QuantizeCompressor, reduce_tensors
+    from commopt.comm.compression import reduce_tensors
     from commopt.comm.engine import wait
 
     if topo.num_nodes < 2:
         return
-    for bits in sorted({s.bits for s in map(spec, names) if s is not None and s.bits}):
+    for codec in sorted({s.codec for s in map(spec, names) if s is not None and s.codec}):
         t = torch.randn(4096, generator=torch.Generator().manual_seed(0))
-        wait(reduce_tensors(QuantizeCompressor(bits), [t], ["warm-up"], topology=topo, algorithm="rail",
+        wait(reduce_tensors(_compressor(codec), [t], ["warm-up"], topology=topo, algorithm="rail",
                             timeout=args.timeout), args.timeout, op="commopt-bench diloco/warm-up")
 
 

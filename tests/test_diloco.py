@@ -711,23 +711,28 @@ def test_bench_diloco_quick(tmp_path):
 
 
 def test_bench_diloco_run_names(capsys):
-    """The bench's runs are "ddp", "diloco-H[-int8|-int4][-stream][-ring]" or "torchft-H[-stream]": what each
+    """The bench's runs are "ddp", "diloco-H[-bf16|-int8|-int4][-stream][-ring]" or "torchft-H[-stream]": what each
     name trains, and a clear refusal (exit code 2, before any rank starts) of any other name."""
     from commopt.bench import diloco as bench
 
     assert bench.spec("ddp") is None
     assert bench.spec("diloco-8") == ("commopt", 8, None, 1, 0, False)
-    assert bench.spec("diloco-16-int4-stream") == ("commopt", 16, 4, 4, 2, False)
-    assert bench.spec("diloco-32-int8") == ("commopt", 32, 8, 1, 0, False)
+    assert bench.spec("diloco-16-int4-stream") == ("commopt", 16, "int4", 4, 2, False)
+    assert bench.spec("diloco-32-int8") == ("commopt", 32, "int8", 1, 0, False)
+    assert bench.spec("diloco-8-bf16-ring") == ("commopt", 8, "bf16", 1, 0, True)
+    assert type(bench._compressor("bf16")).__name__ == "BF16Compressor"
+    assert [bench._compressor(c).bits for c in ("int8", "int4")] == [8, 4]
     assert bench.spec("diloco-13-stream") == ("commopt", 13, None, 4, 2, False)
     assert bench.spec("torchft-32-stream") == ("torchft", 32, None, 4, 2, False)
     assert bench.spec("diloco-8-ring") == ("commopt", 8, None, 1, 0, True)  # the rail's own outer all-reduce
     assert all(bench.spec(name) is not None for name in bench.RUNS if name != "ddp")
-    for bad in ("diloco-0", "diloco-16-int2", "diloco-16-stream-int4", "diloco", "DDP", "diloco-08x", "torchft"):
+    for bad in ("diloco-0", "diloco-16-int2", "diloco-16-fp16", "diloco-16-stream-int4", "diloco", "DDP", "diloco-08x",
+                "torchft"):
         with pytest.raises(ValueError, match="a run is 'ddp', 'diloco-H"):
             bench.spec(bad)
-    with pytest.raises(ValueError, match="torchft's quantized outer gradients need Triton"):
-        bench.spec("torchft-32-int4")
+    for bad in ("torchft-32-int4", "torchft-32-bf16"):
+        with pytest.raises(ValueError, match="torchft's quantized outer gradients need Triton"):
+            bench.spec(bad)
     with pytest.raises(ValueError, match="'-ring' is for commopt's DiLoCo"):
         bench.spec("torchft-32-ring")
     assert bench.main(["--runs", "ddp,diloco-16-int2"]) == 2
