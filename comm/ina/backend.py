@@ -49,6 +49,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import _create_work_from_future
 from torch.futures import Future
 
+from .._pygroup import PythonProcessGroup
 from ..engine import Engine, Phase, wait
 from ..errors import CommError, CommTimeoutError
 from ..topology import ina_switch_from_env
@@ -178,7 +179,7 @@ def _shutdown(engine: Engine, session: InaSession) -> None:
     session.close()
 
 
-class InaProcessGroup(dist.ProcessGroup):
+class InaProcessGroup(PythonProcessGroup):
     """A process group whose float SUM/AVG all-reduce goes through the in-network aggregation switch.
 
     Args:
@@ -188,6 +189,8 @@ class InaProcessGroup(dist.ProcessGroup):
         timeout: the group's timeout.
         options: see :class:`InaOptions`.
     """
+
+    backend_name = BACKEND_NAME
 
     def __init__(self, store: dist.Store, rank: int, size: int, timeout: timedelta,
                  options: InaOptions | None = None):
@@ -252,26 +255,6 @@ class InaProcessGroup(dist.ProcessGroup):
     @property
     def job_id(self) -> int:
         return self._session.job_id
-
-    def getBackendName(self) -> str:  # noqa: N802 (torch's name)
-        return BACKEND_NAME
-
-    @property
-    def name(self) -> str:  # type: ignore[override]
-        return BACKEND_NAME
-
-    # torch keeps a group's name on its C++ backends, and a Python group has none: without these,
-    # ``group_name`` raises "ProcessGroup name not set" and ``destroy_process_group(group)`` of a
-    # ``new_group(backend="ina")`` fails.
-    def _set_group_name(self, name: str) -> None:
-        self._group_name = name
-
-    @property
-    def group_name(self) -> str:  # type: ignore[override]
-        return getattr(self, "_group_name", "")
-
-    def getGroupName(self) -> str:  # noqa: N802 (torch's name)
-        return self.group_name
 
     # -- the one collective the switch does ------------------------------------------------------
 

@@ -59,6 +59,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .._pygroup import PythonProcessGroup
 from ..engine import wait_work
 from ..errors import CollectiveMismatchError, CommTimeoutError
 from ..runtime import context
@@ -182,7 +183,7 @@ def _through(name: str) -> Any:
     return call
 
 
-class BoundaryGroup(dist.ProcessGroup):
+class BoundaryGroup(PythonProcessGroup):
     """A process group whose point-to-point floating tensors travel through boundary codecs (see the
     module docstring); build it with :func:`boundary_group`.
 
@@ -191,6 +192,8 @@ class BoundaryGroup(dist.ProcessGroup):
         size: the group's size (the wrapped group's).
         options: the wrapped group, the codecs, the placement and the timeout.
     """
+
+    backend_name = BACKEND_NAME
 
     def __init__(self, rank: int, size: int, options: _Options) -> None:
         super().__init__(rank, size)
@@ -224,24 +227,6 @@ class BoundaryGroup(dist.ProcessGroup):
         cannot tell) and ``"meta"`` (non-floating tensors: torch's metadata and votes)."""
         with self._bytes_lock:
             return dict(self._bytes)
-
-    def getBackendName(self) -> str:  # noqa: N802 (torch's name)
-        return BACKEND_NAME
-
-    @property
-    def name(self) -> str:  # type: ignore[override]
-        return BACKEND_NAME
-
-    # torch keeps a group's name on its C++ backends, and a Python group has none (as InaProcessGroup).
-    def _set_group_name(self, name: str) -> None:
-        self._group_name = name
-
-    @property
-    def group_name(self) -> str:  # type: ignore[override]
-        return getattr(self, "_group_name", "")
-
-    def getGroupName(self) -> str:  # noqa: N802 (torch's name)
-        return self.group_name
 
     # -- direction ---------------------------------------------------------------------------------
     def _direction(self, src: int, dst: int) -> str:
