@@ -22,7 +22,7 @@ from .execute import execute
 from .ir import Schedule, ScheduleError, Step
 from .msccl import from_msccl_xml
 from .sim import simulate
-from .synthesize import priced, synthesize
+from .synthesize import synthesize
 
 __all__ = ["Schedule", "Step", "ScheduleError", "check", "execute", "from_msccl_xml", "simulate", "bound",
-           "synthesize", "priced"]
+           "synthesize"]
