@@ -17,7 +17,7 @@ from .sim import simulate
 from .star import direct_schedule, star_allreduce
 from .tacos import DEFAULT_NBYTES, best_tacos
 
-__all__ = ["synthesize", "normalize_collective", "priced"]
+__all__ = ["synthesize", "normalize_collective"]
 
 _NAMES = {"allreduce": "allreduce", "all_reduce": "allreduce", "reducescatter": "reducescatter",
           "reduce_scatter": "reducescatter", "allgather": "allgather", "all_gather": "allgather"}
@@ -35,16 +35,8 @@ def normalize_collective(collective: str) -> str:
         raise ValueError(f"synthesize: unknown collective {collective!r}; use one of {sorted(_NAMES)}") from None
 
 
-def priced(sched: Schedule, links: LinkMap, nbytes: int, step_cost: float = 0.0) -> float:
-    """The seconds ``sched`` is expected to take on ``links`` for ``nbytes``: its simulation plus
-    ``step_cost`` for every step of its busiest rank (an executor that runs a rank's steps one at a
-    time, ``run.py``, spends that much CPU on each; it overlaps the transfers of a large buffer and
-    decides a small one)."""
-    return simulate(sched, links, nbytes) + step_cost * max((len(s) for s in sched.steps), default=0)
-
-
 def synthesize(collective: str, links: LinkMap, *, chunks: int | None = None, seed: int = 0,
-               nbytes: int = DEFAULT_NBYTES, step_cost: float = 0.0) -> Schedule:
+               nbytes: int = DEFAULT_NBYTES) -> Schedule:
     """A schedule of ``collective`` for the nodes of ``links`` (rank i = node i), deterministic for its
     arguments.
 
@@ -58,12 +50,10 @@ def synthesize(collective: str, links: LinkMap, *, chunks: int | None = None, se
         seed: the first TACOS seed tried (4 seeds up to 8 nodes; 2 above, where only the plans with
             the shortest makespan are simulated: 1 for all-reduce, 2 otherwise).
         nbytes: the buffer size the candidates are timed at (alpha against bytes / rate).
-        step_cost: seconds the executor spends per step on a rank (:func:`priced`): the candidates
-            are compared on their simulated time plus that much per step of their busiest rank.
 
     Returns:
-        The schedule (``check`` passes on it); ``meta["simulated_seconds"]`` is its time at ``nbytes``
-        (:func:`priced`: simulated, plus ``step_cost`` per step of its busiest rank).
+        The schedule (``check`` passes on it); ``meta["simulated_seconds"]`` is its simulated time at
+        ``nbytes``.
     """
     coll = normalize_collective(collective)
     n = links.nodes
@@ -79,17 +69,16 @@ def synthesize(collective: str, links: LinkMap, *, chunks: int | None = None, se
         for k in ks or _star_pieces(n):
             for serial in (False, True):
                 s = star_allreduce(links, chunks_per_shard=k, serial=serial)
-                cands.append((s, priced(s, links, nbytes, step_cost)))
+                cands.append((s, simulate(s, links, nbytes)))
     else:
         if links.kind == "star":  # first: a tie keeps the simpler schedule
             for k in ks or (1,):
                 s = direct_schedule(coll, [1] * n, k, name=f"direct {coll} pieces={k}")
-                cands.append((s, priced(s, links, nbytes, step_cost)))
+                cands.append((s, simulate(s, links, nbytes)))
         small = n <= SIMULATE_ALL  # above: the plans' makespans pick those simulated (the 1 s budget at 16 ranks)
         seeds = tuple(seed + i for i in range(4 if small else 2))
-        tacos, _ = best_tacos(coll, links, chunks=ks or (1, 2, 4), seeds=seeds, nbytes=nbytes,
-                              simulated=None if small else 1 if coll == "allreduce" else 2)
-        cands.append((tacos, priced(tacos, links, nbytes, step_cost)))
+        cands.append(best_tacos(coll, links, chunks=ks or (1, 2, 4), seeds=seeds, nbytes=nbytes,
+                                simulated=None if small else 1 if coll == "allreduce" else 2))
     best = min(t for _, t in cands)
     sched, t = next(st for st in cands if st[1] <= best * (1 + 1e-9))  # ties: the first (the simpler)
     sched.meta["simulated_seconds"] = t
