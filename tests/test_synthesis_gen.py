@@ -13,7 +13,6 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from commopt.comm.links import LinkMap
 from commopt.comm.synthesis.bound import bound
@@ -269,37 +268,3 @@ def test_synthesis_of_16_ranks():
     for links in (star, mesh):
         for coll in COLLS:
             _verify(synthesize(coll, links))
-
-
-def test_the_executors_cpu_per_step_is_simulated_and_plans_the_pieces():
-    """``simulate(step_cost=c)``: each rank spends c of CPU per step, one step at a time (a send is issued,
-    a receive completes, only after it); a rank's N dependent steps take at least N c, and a schedule whose
-    CPU is idle behind its transfers pays nothing more. Synthesizing with the executor's cost
-    (``EXECUTOR_STEP``) cuts a small buffer into fewer pieces and keeps a large one's; the compressed
-    ``auto`` then keeps PowerSGD's small factors off synth on a star (they ran 1.4x slower there), and
-    bf16 on it."""
-    from commopt.comm import Topology
-    from commopt.comm import compression as C
-    from commopt.comm.algorithms.synth import EXECUTOR_STEP
-    from commopt.comm.compression import auto
-    from commopt.comm.links import CostModel, LinkModel
-
-    links = LinkMap.star([25e6, 25e6, 25e6, 6.25e6])
-    small = star_allreduce(links, chunks_per_shard=8, serial=True)
-    busiest = max(len(s) for s in small.steps)
-    free = simulate(small, links, 64 << 10)
-    costed = simulate(small, links, 64 << 10, step_cost=1e-3)
-    assert costed >= busiest * 1e-3 and costed > free
-    big = star_allreduce(links, chunks_per_shard=1)
-    assert simulate(big, links, 16 << 20, step_cost=1e-4) == pytest.approx(simulate(big, links, 16 << 20), rel=1e-3)
-    assert simulate(small, links, 64 << 10, step_cost=0.0) == free
-    few = synthesize("allreduce", links, nbytes=64 << 10, step_cost=EXECUTOR_STEP)
-    assert few.meta["pieces"] < synthesize("allreduce", links, nbytes=64 << 10).meta["pieces"]
-    assert synthesize("allreduce", links, nbytes=16 << 20, step_cost=EXECUTOR_STEP).meta["pieces"] >= 16
-    model = CostModel(LinkModel(20e-6, 1 / 3e9), LinkModel(50e-6, 1 / 6.25e6))
-    factors = [torch.empty(256, 128), torch.empty(128, 512), torch.empty(512, 128), torch.empty(1000)]
-    for n in (3, 4):
-        topo = Topology(nodes=[[i] for i in range(n)], rank=0, world_size=n,
-                        links=LinkMap.star([25e6] * (n - 1) + [6.25e6]))
-        assert auto.choose(C.PowerSGDCompressor(4), factors, topo, model=model) == "flat"
-        assert auto.choose(C.BF16Compressor(), factors, topo, model=model) == "synth"

@@ -60,23 +60,23 @@ from .base import INTER_PHASE, Call, Encoded, Traffic
 from .hierarchical import Hierarchical
 
 __all__ = ["Synth", "SYNTH", "RailTransport", "run_schedule", "rail_links", "schedule_for", "codec_rounds",
-           "EXECUTOR_STEP"]
+           "EXECUTOR_ALPHA"]
 
 _IR = {"allreduce": "allreduce", "reduce_scatter": "reducescatter", "all_gather": "allgather"}
 
-#: Seconds of a rank's CPU per step of a schedule: ``run_schedule`` runs a rank's steps one at a time (a Python
-#: step and a waiting thread handing a completion over), 0.15-0.16 ms a step on loopback (3 ranks, 2 cores, 6 to
-#: 192 steps) and 0.36 ms in the emulated 4x1 cluster (64 KiB: 80 steps on the busiest rank in 29 ms;
-#: docs/results.md 31). The simulations that plan and price schedules spend it (``simulate(step_cost=...)``):
-#: small buffers get fewer pieces, and ``auto`` does not take a schedule whose steps cost more than its links
-#: save (PowerSGD's factors on a star lost 1.4x; 64 KiB on the 4x1 star 2.9x).
-EXECUTOR_STEP = 300e-6
+#: Seconds the executor adds to every message (``run_schedule``: a Python step and a thread handing its
+#: completion over), on top of the link's own latency: 0.15-0.16 ms per step measured on loopback (3 ranks,
+#: 2 cores, 6 to 192 steps of 1 KiB to 64 KiB; docs/results.md 31). The schedules are planned and priced with
+#: it, so small buffers get fewer pieces and ``auto`` does not take a schedule whose messages cost more
+#: than they save (PowerSGD's factors on a star lost 1.4x with 50 us).
+EXECUTOR_ALPHA = 150e-6
 
 
 def rail_links(topology: Topology, local: int | None = None) -> LinkMap:
     """The link map rail ``local`` (None: this rank's) sees: the topology's (a uniform star at the
     model's rate where it has none), its nodes in the rail group's order (by the group rank of their
-    member of that local index), every rate shared by the node's L rails."""
+    member of that local index), every rate shared by the node's L rails, each message's latency the
+    link's plus the executor's (:data:`EXECUTOR_ALPHA`)."""
     links = topology.links
     n, ways = topology.num_nodes, topology.local_size
     j = topology.local_rank if local is None else local
@@ -86,11 +86,12 @@ def rail_links(topology: Topology, local: int | None = None) -> LinkMap:
     if links.nodes != n:
         raise ValueError(f"synth: the link map has {links.nodes} nodes, the topology {n} ({topology.layout})")
     order = sorted(range(n), key=lambda i: topology.nodes[i][j])  # rail position -> node index
+    alpha = links.alpha + EXECUTOR_ALPHA
     if links.kind == "star":
-        links = LinkMap.star([links.up[i] for i in order], [links.down[i] for i in order], alpha=links.alpha)
+        links = LinkMap.star([links.up[i] for i in order], [links.down[i] for i in order], alpha=alpha)
     else:
         pos = {node: k for k, node in enumerate(order)}
-        links = LinkMap.mesh(n, {(pos[a], pos[b]): r for a, b, r in links.pairs}, alpha=links.alpha)
+        links = LinkMap.mesh(n, {(pos[a], pos[b]): r for a, b, r in links.pairs}, alpha=alpha)
     return links.shared(ways)
 
 
@@ -107,7 +108,7 @@ def schedule_for(collective: str, links: LinkMap, nbytes: float = 16 << 20):
 
 @functools.lru_cache(maxsize=64)
 def _schedule(collective: str, links: LinkMap, nbytes: int):
-    sched = synthesize(_IR[collective], links, nbytes=nbytes, step_cost=EXECUTOR_STEP)
+    sched = synthesize(_IR[collective], links, nbytes=nbytes)
     check(sched)
     return sched
 
@@ -119,8 +120,8 @@ def _simulated(collective: str, links: LinkMap, nbytes: int) -> float:
     ``"all_to_all"``: the direct pairwise exchange of equal blocks (a codec's all-to-all round), whose
     link use is the direct all-gather's."""
     if collective == "all_to_all":
-        return simulate(direct_schedule("allgather", [1] * links.nodes), links, nbytes, step_cost=EXECUTOR_STEP)
-    return simulate(schedule_for(collective, links, nbytes), links, nbytes, step_cost=EXECUTOR_STEP)
+        return simulate(direct_schedule("allgather", [1] * links.nodes), links, nbytes)
+    return simulate(schedule_for(collective, links, nbytes), links, nbytes)
 
 
 # A codec round's collective, from the prefix of its name (``Codec.rounds``), and the bytes one rank of
@@ -225,7 +226,7 @@ class Synth(Hierarchical):
         inter-node level as a uniform star, shared by the rails."""
         if topology.links is None:
             return LinkMap.star([1 / model.inter.beta / topology.local_size] * topology.num_nodes,
-                                alpha=model.inter.alpha)
+                                alpha=model.inter.alpha + EXECUTOR_ALPHA)
         return rail_links(topology, 0)
 
     # ----------------------------------------------------------------------------- with a codec

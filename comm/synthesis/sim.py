@@ -19,10 +19,6 @@ and the plain ring as the baseline (docs/architecture.md, "the IR and the checke
   would make a node that sends to two peers at once finish one transfer early and the other late, which
   a shaped port does not do.
 
-With ``step_cost`` each rank also has a CPU that runs its steps one at a time: a send is issued, and a
-recv or rrc completes, only once that rank's CPU has spent ``step_cost`` on it (the executor's Python step
-and thread hand-off; ``comm/algorithms/synth.py``, ``EXECUTOR_STEP``).
-
 The simulation is deterministic (no randomness, ties by rank and step index).
 """
 
@@ -102,7 +98,7 @@ def _maxmin(flows: list[tuple[int, int]], up: tuple[float, ...], down: tuple[flo
     return rate
 
 
-def simulate(schedule: Schedule, links: LinkMap, nbytes: int, *, itemsize: int = 1, step_cost: float = 0.0) -> float:
+def simulate(schedule: Schedule, links: LinkMap, nbytes: int, *, itemsize: int = 1) -> float:
     """The time in seconds that ``schedule`` takes on ``links`` for a buffer of ``nbytes`` bytes (the
     model of the module docstring).
 
@@ -112,9 +108,6 @@ def simulate(schedule: Schedule, links: LinkMap, nbytes: int, *, itemsize: int =
         nbytes: the collective's buffer in bytes (all-reduce: the tensor; reduce-scatter: the input;
             all-gather: the output).
         itemsize: the element size in bytes (chunk edges fall on whole elements).
-        step_cost: seconds of a rank's CPU per step, one step at a time on each rank (the executor's
-            Python and thread hand-offs, ``comm/algorithms/synth.py``): a send is issued, and a recv or
-            rrc completes, only once its rank's CPU has spent that long on it. 0: free.
 
     Returns:
         The time at which the last step completes.
@@ -160,31 +153,14 @@ def simulate(schedule: Schedule, links: LinkMap, nbytes: int, *, itemsize: int =
     work: deque[tuple[int, int]] = deque()  # steps done at `now`
     dirty: set[tuple[int, int]] = set()  # pairs that may start their next message at `now`
 
-    cpu_free = [0.0] * n  # step_cost: when each rank's CPU is next free
-
-    def on_cpu(r: int, i: int) -> bool:
-        """With a step cost: schedule step i of rank r on its CPU (kind 2, then ``ready``); True if so."""
-        nonlocal seq
-        if not step_cost:
-            return False
-        cpu_free[r] = max(now, cpu_free[r]) + step_cost
-        seq += 1
-        heapq.heappush(events, (cpu_free[r], seq, 2, (r, r), i))
-        return True
-
-    def ready(r: int, i: int) -> None:
-        """Step i of rank r, its CPU spent: a send joins its connection's queue, a receive completes."""
+    def start(r: int, i: int) -> None:
+        started[r][i] = True
         st = steps[r][i]
         if st.op == "send":
             heapq.heappush(queues.setdefault((r, st.peer), []), (now, i))
             dirty.add((r, st.peer))
-        else:
+        elif arrived[r][i]:
             work.append((r, i))
-
-    def start(r: int, i: int) -> None:
-        started[r][i] = True
-        if (steps[r][i].op == "send" or arrived[r][i]) and not on_cpu(r, i):
-            ready(r, i)
 
     for r, rs in enumerate(steps):
         for i in range(len(rs)):
@@ -234,9 +210,6 @@ def simulate(schedule: Schedule, links: LinkMap, nbytes: int, *, itemsize: int =
             if kind == 1:
                 delivered.append((pair, i))
                 continue
-            if kind == 2:  # a step's CPU spent
-                ready(pair[0], i)
-                continue
             b = float(msg[pair[0]][i])
             if b <= 0:
                 delivered.append((pair, i))
@@ -249,7 +222,7 @@ def simulate(schedule: Schedule, links: LinkMap, nbytes: int, *, itemsize: int =
             work.append((pair[0], i))  # the send is done
             b, j = partner[pair[0]][i]
             arrived[b][j] = True
-            if started[b][j] and not on_cpu(b, j):
+            if started[b][j]:
                 work.append((b, j))
     if left:
         r, i = next((r, i) for r, rs in enumerate(steps) for i in range(len(rs)) if not done[r][i])

@@ -36,7 +36,7 @@ def normalize_collective(collective: str) -> str:
 
 
 def synthesize(collective: str, links: LinkMap, *, chunks: int | None = None, seed: int = 0,
-               nbytes: int = DEFAULT_NBYTES, step_cost: float = 0.0) -> Schedule:
+               nbytes: int = DEFAULT_NBYTES) -> Schedule:
     """A schedule of ``collective`` for the nodes of ``links`` (rank i = node i), deterministic for its
     arguments.
 
@@ -50,9 +50,6 @@ def synthesize(collective: str, links: LinkMap, *, chunks: int | None = None, se
         seed: the first TACOS seed tried (4 seeds up to 8 nodes; 2 above, where only the plans with
             the shortest makespan are simulated: 1 for all-reduce, 2 otherwise).
         nbytes: the buffer size the candidates are timed at (alpha against bytes / rate).
-        step_cost: seconds of a rank's CPU per step in the simulations that compare the candidates
-            (``sim.simulate``): the executor's, so that a small buffer is not cut into more pieces than
-            the ranks can step through.
 
     Returns:
         The schedule (``check`` passes on it); ``meta["simulated_seconds"]`` is its simulated time at
@@ -72,16 +69,16 @@ def synthesize(collective: str, links: LinkMap, *, chunks: int | None = None, se
         for k in ks or _star_pieces(n):
             for serial in (False, True):
                 s = star_allreduce(links, chunks_per_shard=k, serial=serial)
-                cands.append((s, simulate(s, links, nbytes, step_cost=step_cost)))
+                cands.append((s, simulate(s, links, nbytes)))
     else:
         if links.kind == "star":  # first: a tie keeps the simpler schedule
             for k in ks or (1,):
                 s = direct_schedule(coll, [1] * n, k, name=f"direct {coll} pieces={k}")
-                cands.append((s, simulate(s, links, nbytes, step_cost=step_cost)))
+                cands.append((s, simulate(s, links, nbytes)))
         small = n <= SIMULATE_ALL  # above: the plans' makespans pick those simulated (the 1 s budget at 16 ranks)
         seeds = tuple(seed + i for i in range(4 if small else 2))
         cands.append(best_tacos(coll, links, chunks=ks or (1, 2, 4), seeds=seeds, nbytes=nbytes,
-                                simulated=None if small else 1 if coll == "allreduce" else 2, step_cost=step_cost))
+                                simulated=None if small else 1 if coll == "allreduce" else 2))
     best = min(t for _, t in cands)
     sched, t = next(st for st in cands if st[1] <= best * (1 + 1e-9))  # ties: the first (the simpler)
     sched.meta["simulated_seconds"] = t

@@ -299,10 +299,8 @@ _BUILDERS = {"allgather": tacos_allgather, "reducescatter": tacos_reducescatter,
 
 
 def best_tacos(collective: str, links: LinkMap, *, chunks: Iterable[int] = (1, 2, 4), seeds: Iterable[int] = (0, 1, 2),
-               nbytes: int = DEFAULT_NBYTES, simulated: int | None = None,
-               step_cost: float = 0.0) -> tuple[Schedule, float]:
-    """The fastest TACOS schedule of ``collective`` by simulated time at ``nbytes`` (``sim.simulate``, with
-    ``step_cost`` seconds of a rank's CPU per step):
+               nbytes: int = DEFAULT_NBYTES, simulated: int | None = None) -> tuple[Schedule, float]:
+    """The fastest TACOS schedule of ``collective`` by simulated time at ``nbytes`` (``sim.simulate``):
     every (chunk count, seed) is planned, the ``simulated`` plans with the shortest makespan (None: all)
     are simulated chained and unchained, and the fastest is kept (ties: the first). Returns it and its
     simulated seconds."""
@@ -315,7 +313,7 @@ def best_tacos(collective: str, links: LinkMap, *, chunks: Iterable[int] = (1, 2
     for sched in plans[:simulated]:
         k, seed = sched.meta["chunks_per_rank"], sched.meta["seed"]
         for cand in (sched, build(links, chunks_per_rank=k, seed=seed, nbytes=nbytes, chain=False)):
-            t = simulate(cand, links, nbytes, step_cost=step_cost)
+            t = simulate(cand, links, nbytes)
             if best is None or t < best[1]:
                 best = (cand, t)
     assert best is not None
