@@ -123,7 +123,9 @@ def _resolve(args) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
+    args.argv = argv
     problem = _resolve(args)
     if problem is not None:
         print(f"commopt-bench pp: {problem}", file=sys.stderr)
@@ -140,17 +142,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _worker_argv(args, json_path: str) -> list[str]:
-    argv = [sys.executable, "-m", "commopt.bench", "pp", "--worker", "--runs", args.runs, "--steps", str(args.steps),
-            "--warmup", str(args.warmup), "--d-model", str(args.d_model), "--layers", str(args.layers),
-            "--seq-len", str(args.seq_len), "--micro", str(args.micro), "--micro-batch", str(args.micro_batch),
-            "--samples", str(args.samples), "--eval-sequences", str(args.eval_sequences), "--lr", repr(args.lr),
-            "--extra", str(args.extra),
-            "--depth", str(args.depth), "--sim-alpha", repr(args.sim_alpha),
-            "--sim-slowdown", repr(args.sim_slowdown), "--sim-goodput", repr(args.sim_goodput),
-            "--timeout", repr(args.timeout), "--json", json_path]
-    if args.loss_steps:
-        argv += ["--loss-steps", str(args.loss_steps)]
-    return argv
+    """The workers' command: this command's own options (the workers resolve them as this process did),
+    then ``--worker`` and their JSON (the later option wins)."""
+    return [sys.executable, "-m", "commopt.bench", "pp", *args.argv, "--worker", "--json", json_path]
 
 
 def _run_worker(args, root: str, rate: str | None) -> dict | None:
