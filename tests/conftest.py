@@ -60,14 +60,13 @@ def _recycle_heavy_pools():
 
 # The longest files first: pytest-xdist (``--dist loadfile``) hands whole files to its workers in
 # collection order, so the run ends soon after the work does instead of waiting for a long file that
-# started last (longest processing time first). Estimated from ``--durations=60`` of a clean-clone CI run
-# (stop 45: test_elastic_diloco.py, about 200 s, had started last and ran alone for its last minutes).
-_LONG_FIRST = ("test_elastic_diloco.py", "test_torchtitan.py", "test_fsdp_faults.py", "test_faults.py",
-               "test_integrations.py", "test_elastic_dp.py", "test_fsdp.py", "test_compression.py", "test_mpi.py",
-               "test_compression_faults.py", "test_diloco.py", "test_fsdp_recipe.py", "test_cluster.py",
-               "test_hooks_compression.py", "test_bench_elastic.py", "test_kernels.py", "test_plot.py",
-               "test_synth_exec.py", "test_pipeline_parallel.py", "test_bench.py", "test_compile.py",
-               "test_ina_procs.py")
+# started last (longest processing time first). Per-file totals from ``--durations=0`` of a clean-clone CI run
+# (stop 46, 1177 s of tests in 600 s on two workers; test_elastic_diloco.py 81 s since its workers fork).
+_LONG_FIRST = ("test_faults.py", "test_elastic_diloco.py", "test_fsdp_faults.py", "test_fsdp.py", "test_cluster.py",
+               "test_torchtitan.py", "test_collectives.py", "test_diloco.py", "test_compression_faults.py",
+               "test_mpi.py", "test_kernels.py", "test_compression.py", "test_fsdp_recipe.py", "test_elastic_dp.py",
+               "test_cluster_faults.py", "test_elastic_coordinator.py", "test_plot.py", "test_ina_procs.py",
+               "test_integrations.py", "test_synth_exec.py", "test_compile.py", "test_pipeline_parallel.py")
 
 
 def pytest_collection_modifyitems(config, items):
