@@ -341,6 +341,27 @@ def test_pump_copies_lines_unchanged_elsewhere():
     assert log.getvalue() == b"[rank 0] \rsweep 1/2\rsweep 2/2\r    \r# table\n[rank 0] row 1\n[rank 0] last\n"
 
 
+def test_service_ready_line_leaves_what_follows_to_the_pump():
+    """A service's warning and its ready line written at once (the coordinator's store warns just before
+    the address line, and CI once read both in one chunk): the start-up reader takes exactly one line,
+    so the pump that follows prefixes every later line, the ready line's neighbours included."""
+    from commopt.bench.cluster._proc import _read_line
+
+    code = r"""import os; os.write(1, b'[W] warn\n{"address": 1}\nlast')"""
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, bufsize=0)
+    try:
+        proc.wait(10)  # both lines are in the pipe before the first read
+        assert _read_line(proc, time.monotonic() + 10, "service") == b"[W] warn\n"
+        log = io.BytesIO()
+        thread = threading.Thread(target=launch._pump, args=(proc.stdout, log, b"[coordinator] ", launch._Console()))
+        thread.start()
+        thread.join(10)
+        assert log.getvalue() == b'[coordinator] {"address": 1}\n[coordinator] last\n'
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 # ------------------------------------------------------------------------------------------------
 # real namespaces
 

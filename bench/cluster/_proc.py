@@ -25,7 +25,13 @@ class ClusterError(RuntimeError):
 
 
 def _read_line(proc: subprocess.Popen, deadline: float, what: str) -> bytes:
-    """One line from an unbuffered binary stdout pipe, failing at ``deadline`` instead of hanging."""
+    """Exactly one line from an unbuffered binary stdout pipe, failing at ``deadline`` instead of hanging.
+
+    It reads one byte at a time, so that whatever follows the line stays in the pipe for the next
+    reader (the output thread that prefixes every line): reading a chunk would hand back two lines
+    at once (a service's warning and its ready line), and the second would lose its prefix. A
+    service's start-up output is a few lines, so the cost is nothing.
+    """
     fd = proc.stdout.fileno()
     buf = b""
     while not buf.endswith(b"\n"):
@@ -34,7 +40,7 @@ def _read_line(proc: subprocess.Popen, deadline: float, what: str) -> bytes:
             raise ClusterError(f"{what}: no answer in time")
         ready, _, _ = select.select([fd], [], [], left)
         if ready:
-            data = os.read(fd, 4096)
+            data = os.read(fd, 1)
             if not data:
                 raise ClusterError(f"{what}: exited (code {proc.wait()}) before answering; "
                                    f"output: {buf.decode(errors='replace')!r}")
