@@ -46,12 +46,26 @@ def _record(out: str) -> dict:
                 if line.startswith('{"commopt_cluster"'))
 
 
-def _tbf_rate(ns: str, dev: str) -> int:
-    """The rate of the tbf qdisc on ``dev`` in ``ns``, bytes/s, as tc reports it."""
+def _tbf(ns: str, dev: str) -> dict:
+    """The options of the tbf qdisc on ``dev`` in ``ns`` as tc reports them (``rate`` bytes/s, ``lat``: the
+    queue's length in microseconds at that rate)."""
     out = subprocess.run(["tc", "-j", "-n", ns, "qdisc", "show", "dev", dev], capture_output=True, text=True,
                          timeout=10, check=True).stdout
     (tbf,) = [q for q in json.loads(out) if q["kind"] == "tbf"]
-    return int(tbf["options"]["rate"])
+    return tbf["options"]
+
+
+def _tbf_rate(ns: str, dev: str, *, host: bool) -> int:
+    """The rate of the tbf qdisc on ``dev`` in ``ns``, bytes/s; it asserts the queue: a sending host's
+    interface holds 64 MiB (seconds at these rates: it never drops, as a NIC pushes back), a switch
+    port 25 ms of traffic (drops beyond)."""
+    opts = _tbf(ns, dev)
+    rate = int(opts["rate"])
+    if host:
+        assert opts["lat"] * 1e-6 * rate >= (64 << 20) * 0.95, opts
+    else:
+        assert abs(opts["lat"] - 25_000) <= 10, opts  # tc rounds to its clock
+    return rate
 
 
 def _in_ns(ns: str, *argv: str) -> str:
@@ -182,14 +196,15 @@ def test_probe_rounds_measure_every_directed_link_over_loopback():
 @needs_netns
 def test_star_qdiscs_carry_each_nodes_up_and_down_rate(sweep):
     """Each node's own end is shaped at what it sends (up), the bridge's end at what it receives (down);
-    the switch's port at the sums. Nothing is left after the teardown (docs/faults.md row 32)."""
+    the switch's port at the sums; a host's end never drops, a switch port queues 25 ms. Nothing is left
+    after the teardown (docs/faults.md row 32)."""
     fabric = cl.parse_fabric(3, link_rates="200mbit,200mbit,50mbit", up_rates="200mbit,100mbit,50mbit")
     with cl.Cluster(3, fabric=fabric, switch_node=True) as cluster:
         for n, ns in enumerate(cluster.node_namespaces):
-            assert _tbf_rate(ns, cluster.ifname(n)) * 8 == fabric.up[n]
-            assert _tbf_rate(cluster.fabric, f"cf{n}") * 8 == fabric.down[n]
-        assert _tbf_rate(cluster.switch_namespace, "cnsw") * 8 == sum(fabric.down)
-        assert _tbf_rate(cluster.fabric, "cfsw") * 8 == sum(fabric.up)
+            assert _tbf_rate(ns, cluster.ifname(n), host=True) * 8 == fabric.up[n]
+            assert _tbf_rate(cluster.fabric, f"cf{n}", host=False) * 8 == fabric.down[n]
+        assert _tbf_rate(cluster.switch_namespace, "cnsw", host=True) * 8 == sum(fabric.down)
+        assert _tbf_rate(cluster.fabric, "cfsw", host=False) * 8 == sum(fabric.up)
         assert cluster.link_rate_bps == 50 * M
         prefix = cluster.prefix
     assert not [n for n in cl.list_namespaces() if n.startswith(prefix)]
@@ -198,7 +213,8 @@ def test_star_qdiscs_carry_each_nodes_up_and_down_rate(sweep):
 @pytest.mark.netns
 @needs_netns
 def test_mesh_links_routes_and_sysctls(sweep):
-    """A mesh: no bridge; each node's end of each pair shaped at what it sends to that peer; the route to
+    """A mesh: no bridge; each node's end of each pair shaped at what it sends to that peer (a queue that never
+    drops: the sender's interface is the link's only queue); the route to
     each peer's identity address over that pair's link, from the node's own; rp_filter loose and no
     forwarding; a link taken down and up gets its routes back; nothing in the host's namespace
     (docs/faults.md row 29) and nothing left after the teardown (row 32)."""
@@ -216,7 +232,7 @@ def test_mesh_links_routes_and_sysctls(sweep):
             for j in range(3):
                 if j != i:
                     dev = cluster.pair_ifname(i, j)
-                    assert _tbf_rate(ns, dev) * 8 == fabric.rate(i, j)
+                    assert _tbf_rate(ns, dev, host=True) * 8 == fabric.rate(i, j)
                     route = subprocess.run(["ip", "-n", ns, "route", "get", cluster.node_address(j)],
                                            capture_output=True, text=True, timeout=10).stdout
                     assert f"dev {dev} src {me}" in route, route

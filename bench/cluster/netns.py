@@ -27,8 +27,9 @@ ends of every link (a star: the node's end what it sends, the bridge's end what 
 each end what its node sends to that peer), with a burst larger than a 64 KiB GSO super-packet (with
 a smaller one tbf must segment every super-packet, or on older kernels drops it and the rate
 collapses); on a 6.18 kernel the probe then gets 95.5 % of the configured rate, i.e. the full rate
-less the Ethernet/IP/TCP headers; (3) everything is torn down whatever happens (what a SIGKILLed
-launcher left is found by its prefix: ``host.cleanup_leftovers``).
+less the Ethernet/IP/TCP headers; a switch port (the bridge's end) queues 25 ms of traffic and drops
+beyond it, a sending host's interface never drops (a NIC pushes back; ``_HOST_QUEUE``); (3) everything
+is torn down whatever happens (what a SIGKILLed launcher left is found by its prefix: ``host.cleanup_leftovers``).
 
 Nothing here depends on netem: the kernels we run on lack it, so ``delay_ms`` detects its absence and
 says so. Nothing here reads environment variables (docs/architecture.md section 6.3).
@@ -60,6 +61,16 @@ _SWITCH_HOST = 254
 _COORDINATOR_HOST = 253
 _MAX_NODES = 200
 _MIN_BURST_BYTES = 128 * 1024  # > one 64 KiB GSO super-packet, with room to spare
+#: The queue of a switch port (tbf on the fabric's end of a node's link): 25 ms of traffic, drops beyond.
+_PORT_QUEUE = "latency 25ms"
+#: The queue of a sending host's own interface: deep enough never to drop. A NIC does not drop what its
+#: host sends (its driver stops the queue and TCP's small-queue limit, tcp_limit_output_bytes, 1-4 MiB a
+#: connection, holds the rest in the socket); tbf cannot push back, so its queue must hold what the node's
+#: connections may put there at once. With 25 ms there, 20-50 packets a call were dropped on the slow
+#: node's own interface under the synthesized all-reduce on 3x2 (four connections sending at once), and a
+#: connection whose last packet was dropped there waited for a timer: 10-40 % of the calls took twice as
+#: long (docs/results.md 32).
+_HOST_QUEUE = f"limit {64 << 20}"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -213,10 +224,10 @@ class Cluster:
                                                f"addr add {address}/24 dev {inner}",
                                                f"link set {inner} up", "link set lo up"])
         # Both ends: the node's side shapes what it sends, the fabric's side what it receives.
-        self._shape(self.fabric, [(outer, rx) for _, _, outer, _, _, rx in links if rx is not None])
+        self._shape(self.fabric, [(outer, rx) for _, _, outer, _, _, rx in links if rx is not None], _PORT_QUEUE)
         for ns, inner, _, _, tx, _ in links:
             if tx is not None:
-                self._shape(ns, [(inner, tx)])
+                self._shape(ns, [(inner, tx)], _HOST_QUEUE)
 
     def _up_mesh(self) -> None:
         """One veth pair per node pair, each end shaped at what its node sends to that peer; the
@@ -243,7 +254,8 @@ class Cluster:
         self._batch([self._ip], [f"netns exec {ns} sh -c 'echo 2 > /proc/sys/net/ipv4/conf/all/rp_filter && "
                                  f"echo 0 > /proc/sys/net/ipv4/ip_forward'" for ns in self.node_namespaces])
         for i, ns in enumerate(self.node_namespaces):
-            self._shape(ns, [(self.pair_ifname(i, j), self.links.rate(i, j)) for j in range(n) if j != i])
+            self._shape(ns, [(self.pair_ifname(i, j), self.links.rate(i, j)) for j in range(n) if j != i],
+                        _HOST_QUEUE)  # a direct link: the sender's interface is its only queue
 
     def _mesh_routes(self, node: int) -> list[str]:
         """``ip`` lines: node's route to each peer's identity address over their pair's link."""
@@ -251,13 +263,14 @@ class Cluster:
         return [f"route replace {self.node_address(j)}/32 dev {self.pair_ifname(node, j)} src {me}"
                 for j in range(self.nodes) if j != node]
 
-    def _shape(self, ns: str, devices: list[tuple[str, int]]) -> None:
-        """tbf at ``rate`` on each ``(device, rate)`` of ``ns``; netem below it with --delay."""
+    def _shape(self, ns: str, devices: list[tuple[str, int]], queue: str) -> None:
+        """tbf at ``rate`` on each ``(device, rate)`` of ``ns`` with ``queue`` (:data:`_PORT_QUEUE` on a
+        switch port, :data:`_HOST_QUEUE` on a sending host's interface); netem below it with --delay."""
         # burst: more than one GSO super-packet, and ~4 ms of traffic at high rates so the bucket
-        # never starves the sender between timer ticks. latency bounds the queue (drops beyond it
-        # are TCP's business, as on a real switch port).
+        # never starves the sender between timer ticks. A switch port's queue is bounded (drops beyond
+        # it are TCP's business, as on a real switch port); a host's is not (see _HOST_QUEUE).
         lines = [f"qdisc add dev {dev} root handle 1: tbf rate {rate}bit "
-                 f"burst {max(_MIN_BURST_BYTES, rate // 8 // 250)} latency 25ms"
+                 f"burst {max(_MIN_BURST_BYTES, rate // 8 // 250)} {queue}"
                  for dev, rate in devices]
         try:
             self._batch([self._tc, "-n", ns], lines)
