@@ -268,3 +268,47 @@ def test_synthesis_of_16_ranks():
     for links in (star, mesh):
         for coll in COLLS:
             _verify(synthesize(coll, links))
+
+
+# ------------------------------------------------------------------------------------------ pricing
+@pytest.mark.parametrize("rates, nodes", [([200, 200, 200, 50], [[0], [1], [2], [3]]),
+                                          ([200, 200, 50], [[0], [1], [2]]),
+                                          ([200, 200, 50], [[0, 1], [2, 3], [4, 5]])])
+def test_model_only_auto_prices_the_executors_steps(rates, nodes):
+    """A model-only ``auto`` (no calibration: the model the runtime builds from the link map) prices synth
+    at the larger of its simulated time and its busiest rank's steps x ``EXECUTOR_STEP``: at 64 KiB on the
+    4x1 star the 80-step schedule is priced by its steps and ``auto`` runs a ring (it ran 1.7x slower than
+    flat there, docs/results.md 31); from 256 KiB up every star takes synth, from 1 MiB up the bytes alone
+    decide its price, as the measurements did. Oracles: the simulator, the schedule's own step count, the other algorithms' costs."""
+    from commopt.comm import algorithms, cost
+    from commopt.comm.algorithms.synth import EXECUTOR_STEP, rail_links, schedule_for
+    from commopt.comm.links import CostModel
+    from commopt.comm.topology import Topology
+
+    topo = Topology(nodes=nodes, rank=0, world_size=sum(map(len, nodes)),
+                    links=LinkMap.star([r * MBIT for r in rates]))
+    model = CostModel(cost.DEFAULT_INTRA, cost._inter_default(topo))
+    cands = [a for a in algorithms.candidates("allreduce")
+             if algorithms.get(a).supports(topo, "allreduce") is None and algorithms.get(a).considered(topo)]
+    assert "synth" in cands
+    for size in (64 << 10, 256 << 10, 1 << 20, 16 << 20):
+        shard = size // len(nodes[0])
+        links = rail_links(topo, 0)
+        sched = schedule_for("allreduce", links, shard)
+        floor = EXECUTOR_STEP * max(len(s) for s in sched.steps)
+        sim = simulate(sched, links, shard)
+        price = cost.predict("synth", size, topo, model)
+        intra = price - max(sim, floor)  # the intra-node phases (none on one rank per node)
+        assert intra > 0 if len(nodes[0]) > 1 else intra == pytest.approx(0, abs=1e-12)
+        others = min(cost.predict(a, size, topo, model) for a in cands if a != "synth")
+        chose = cost.choose(cands, size, topo, model)
+        assert (chose == "synth") == (price < others), (size, price, others, chose)
+        if size >= 256 << 10:
+            assert chose == "synth", (size, price, others)
+        if size >= 1 << 20:
+            assert floor < sim, (size, floor, sim)  # the bytes decide
+    if len(nodes) == 4:  # 64 KiB on 4x1: the steps decide, and a ring runs
+        small = schedule_for("allreduce", rail_links(topo, 0), 64 << 10)
+        steps = max(len(s) for s in small.steps)
+        assert EXECUTOR_STEP * steps > simulate(small, rail_links(topo, 0), 64 << 10)
+        assert cost.choose(cands, 64 << 10, topo, model) != "synth"

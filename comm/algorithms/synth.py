@@ -60,7 +60,7 @@ from .base import INTER_PHASE, Call, Encoded, Traffic
 from .hierarchical import Hierarchical
 
 __all__ = ["Synth", "SYNTH", "RailTransport", "run_schedule", "rail_links", "schedule_for", "codec_rounds",
-           "EXECUTOR_ALPHA"]
+           "EXECUTOR_ALPHA", "EXECUTOR_STEP"]
 
 _IR = {"allreduce": "allreduce", "reduce_scatter": "reducescatter", "all_gather": "allgather"}
 
@@ -70,6 +70,16 @@ _IR = {"allreduce": "allreduce", "reduce_scatter": "reducescatter", "all_gather"
 #: it, so small buffers get fewer pieces and ``auto`` does not take a schedule whose messages cost more
 #: than they save (PowerSGD's factors on a star lost 1.4x with 50 us).
 EXECUTOR_ALPHA = 150e-6
+
+#: Seconds of the executor's CPU per step of the busiest rank, which runs its steps one at a time: a
+#: schedule is priced no lower than its busiest rank's steps times this (plans are made without it).
+#: Measured in the emulated cluster (ranks sharing 2 cores): an all-reduce of 64 KiB on the 4x1 star with
+#: a slow node, 80 steps, ran in 29 ms (0.36 ms a step) where the links alone predict 14 ms and ``flat``
+#: runs in 17: priced without it, a model-only ``auto`` took synth there and lost 1.7x (docs/results.md 31,
+#: 32). A floor, not a term: it bites only where the steps outweigh the bytes (small buffers), so what
+#: ``auto`` chooses from 1 MiB up is unchanged; planning with it (a term, or per-rank CPU in the simulator)
+#: cost the 1-2 MiB buffers their gain (docs/results.md 31).
+EXECUTOR_STEP = 300e-6
 
 
 def rail_links(topology: Topology, local: int | None = None) -> LinkMap:
@@ -115,13 +125,16 @@ def _schedule(collective: str, links: LinkMap, nbytes: int):
 
 @functools.lru_cache(maxsize=256)
 def _simulated(collective: str, links: LinkMap, nbytes: int) -> float:
-    """The simulated seconds of the schedule for ``nbytes`` (``auto`` asks on every call: simulating a
-    large schedule takes a good part of a second, so each size is simulated once per process).
+    """The seconds the schedule for ``nbytes`` is priced at: simulated on ``links``, and no less than its
+    busiest rank's steps at :data:`EXECUTOR_STEP` each (``auto`` asks on every call: simulating a large
+    schedule takes a good part of a second, so each size is priced once per process).
     ``"all_to_all"``: the direct pairwise exchange of equal blocks (a codec's all-to-all round), whose
     link use is the direct all-gather's."""
     if collective == "all_to_all":
-        return simulate(direct_schedule("allgather", [1] * links.nodes), links, nbytes)
-    return simulate(schedule_for(collective, links, nbytes), links, nbytes)
+        sched = direct_schedule("allgather", [1] * links.nodes)
+    else:
+        sched = schedule_for(collective, links, nbytes)
+    return max(simulate(sched, links, nbytes), EXECUTOR_STEP * max(len(steps) for steps in sched.steps))
 
 
 # A codec round's collective, from the prefix of its name (``Codec.rounds``), and the bytes one rank of
