@@ -238,6 +238,23 @@ def test_probe_runs_as_a_module_over_loopback():
     assert [agent.returncode for agent in agents] == [0, 0]
 
 
+def test_probe_paces_each_sender_at_its_links_rate():
+    """``exchange(..., pace=)``: each sender paces itself at the rate given for its link
+    (``SO_MAX_PACING_RATE``): on loopback, unpaced at Gbit/s, node 0's transfer paced at 2 MB/s and
+    node 1's at 4 MB/s read about that (the steady rate; never more than 10 % above it)."""
+    agents = [subprocess.Popen(probe.agent_argv("127.0.0.1", 0.6), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, bufsize=0) for _ in range(2)]
+    try:
+        links = dict(probe.exchange(agents, ["127.0.0.1", "127.0.0.1"], 0.6, pace=lambda i, j: 2e6 * (i + 1)))
+    finally:
+        for agent in agents:
+            if agent.poll() is None:
+                agent.kill()
+            agent.communicate(timeout=30)
+    for name, paced in (("n0->n1", 16e6), ("n1->n0", 32e6)):  # bit/s
+        assert 0.5 * paced < links[name] < 1.1 * paced, links
+
+
 def test_probe_agent_failure_is_a_cluster_error():
     """An agent that cannot listen (an address that is not this machine's) fails the probe with a
     ClusterError naming the node, not a hang or a traceback."""

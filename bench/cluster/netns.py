@@ -334,7 +334,9 @@ class Cluster:
         each: in round k node i sends to node (i + k) % N while receiving from node (i - k) % N, all
         at once, so every port of a star carries one transfer each way per round (a transfer
         measures its link, not a share of a port) and after the last round every directed pair has
-        been measured. Each transfer is reported with its configured rate. Needs at least 2 nodes.
+        been measured. Each sender paces itself at its link's configured rate, so that a fast node
+        never overfills a slow node's port (which would drop the acknowledgements of that node's own
+        transfer). Each transfer is reported with its configured rate. Needs at least 2 nodes.
         """
         if self.nodes < 2:
             raise ClusterError("the link probe needs at least 2 nodes")
@@ -344,7 +346,7 @@ class Cluster:
         agents = [self.spawn(i, agent_argv(addresses[i], seconds), stdin=subprocess.PIPE,
                              stderr=subprocess.PIPE) for i in range(n)]
         try:
-            links = exchange(agents, addresses, seconds, rounds)
+            links = exchange(agents, addresses, seconds, rounds, pace=lambda i, j: self.links.rate(i, j) / 8)
         finally:
             _terminate(agents)
             for agent in agents:

@@ -4,7 +4,8 @@ Both sides of one protocol live here. The agent (:func:`agent`, run as
 ``python -m commopt.bench.cluster.probe ADDRESS SECONDS``, one inside each node's namespace):
 
 (1) listens on ADDRESS only, the namespace's own address (docs/faults.md row 29), and prints ``port P``;
-(2) reads ``HOST PORT`` of the node to send to from stdin, one line per round;
+(2) reads ``HOST PORT RATE`` of the node to send to from stdin, one line per round (RATE: the link's
+    configured bytes/s, at which the sender paces itself, ``SO_MAX_PACING_RATE``; 0: unpaced);
 (3) for SECONDS receives from the one node that sends to it this round while sending to HOST;
 (4) prints one JSON line: ``tx_bytes``, ``rx_bytes`` and ``rx_bps``, the steady receive rate; then
     waits for the next round's line, and exits at the end of stdin.
@@ -25,13 +26,14 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from .._proc import _CMD_TIMEOUT_S, ClusterError, _read_line
 
 __all__ = ["LinkProbe", "agent", "agent_argv", "exchange"]
 
 _CHUNK = 65536
+_SO_MAX_PACING_RATE = getattr(socket, "SO_MAX_PACING_RATE", 47)  # Linux's number; Python names it from 3.14
 _SLACK_S = 10.0  # how much longer than the transfer the sockets may wait
 
 
@@ -95,7 +97,8 @@ def agent_argv(address: str, seconds: float) -> list[str]:
 
 
 def exchange(agents: Sequence[subprocess.Popen], addresses: Sequence[str], seconds: float,
-             rounds: Sequence[Sequence[int]] | None = None) -> list[tuple[str, float]]:
+             rounds: Sequence[Sequence[int]] | None = None,
+             pace: Callable[[int, int], float] | None = None) -> list[tuple[str, float]]:
     """Run the transfers among started agents, round by round, and return each link's rate.
 
     In a round, agent i sends to agent ``targets[i]`` while receiving from the one agent that sends
@@ -109,6 +112,11 @@ def exchange(agents: Sequence[subprocess.Popen], addresses: Sequence[str], secon
         seconds: the duration the agents were started with.
         rounds: ``targets`` per round, a permutation of the nodes without a fixed point (each agent
             receives exactly once); None: one round around the ring, i to (i + 1) % N.
+        pace: ``pace(i, j)``, the bytes/s at which node i's transfer to node j is paced (its link's
+            configured rate), or None: unpaced. Where ports differ a sender faster than the receiver's
+            port overfills it, and that port's queue then drops the acknowledgements of the receiver's
+            own transfer: on a 3x1 star at 200/200/50 Mbit/s unpaced, the slow node's up link read
+            15-30 of 50 Mbit/s in a third of the probes (docs/results.md 32).
 
     Returns:
         ``(f"n{j}->n{i}", bit/s)`` per round and per receiving node i, in that order.
@@ -126,7 +134,8 @@ def exchange(agents: Sequence[subprocess.Popen], addresses: Sequence[str], secon
     links = []
     for targets in rounds:
         for i, agent in enumerate(agents):
-            agent.stdin.write(f"{addresses[targets[i]]} {ports[targets[i]]}\n".encode())
+            rate = int(pace(i, targets[i])) if pace is not None else 0
+            agent.stdin.write(f"{addresses[targets[i]]} {ports[targets[i]]} {rate}\n".encode())
         deadline = time.monotonic() + seconds + _CMD_TIMEOUT_S
         results = [json.loads(_answer(agent, deadline, f"link probe on node {i}")) for i, agent in enumerate(agents)]
         source = {t: i for i, t in enumerate(targets)}
@@ -188,12 +197,16 @@ def _receive(server: socket.socket, timeout: float, rx: dict[str, float]) -> Non
     rx.update(bytes=total, bps=_steady_bps(samples, total) if len(samples) >= 2 else 0.0)
 
 
-def _round(server: socket.socket, host: str, port: int, seconds: float, timeout: float) -> dict[str, float]:
-    """One round: send to ``host:port`` for ``seconds`` while taking one connection on ``server``."""
+def _round(server: socket.socket, host: str, port: int, seconds: float, timeout: float,
+           pace: int = 0) -> dict[str, float]:
+    """One round: send to ``host:port`` for ``seconds`` (paced at ``pace`` bytes/s where positive)
+    while taking one connection on ``server``."""
     rx: dict[str, float] = {}
     thread = threading.Thread(target=_receive, args=(server, timeout, rx))
     thread.start()
     out = socket.create_connection((host, port), timeout=timeout)
+    if pace > 0:
+        out.setsockopt(socket.SOL_SOCKET, _SO_MAX_PACING_RATE, pace)
     chunk = b"\0" * _CHUNK
     sent, deadline = 0, time.monotonic() + seconds
     while time.monotonic() < deadline:
@@ -210,8 +223,9 @@ def agent(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog=f"python -m {__name__}",
         description="One node's side of the emulated cluster's link probe: print 'port P'; then for each "
-                    "'HOST PORT' line read from stdin, send to HOST for SECONDS while receiving one "
-                    "connection, and print one JSON line (tx_bytes, rx_bytes, rx_bps); exit at the end of stdin.")
+                    "'HOST PORT RATE' line read from stdin, send to HOST for SECONDS (paced at RATE bytes/s, "
+                    "0: unpaced) while receiving one connection, and print one JSON line (tx_bytes, rx_bytes, "
+                    "rx_bps); exit at the end of stdin.")
     parser.add_argument("address", help="the address to listen on (the node's own, nothing wider)")
     parser.add_argument("seconds", type=float, help="how long to send")
     args = parser.parse_args(argv)
@@ -222,7 +236,8 @@ def agent(argv: Sequence[str] | None = None) -> int:
     server.settimeout(timeout)
     print("port", server.getsockname()[1], flush=True)
     for line in sys.stdin:
-        host, port = line.split()
-        print(json.dumps(_round(server, host, int(port), args.seconds, timeout)), flush=True)
+        host, port, *rate = line.split()
+        print(json.dumps(_round(server, host, int(port), args.seconds, timeout, int(rate[0]) if rate else 0)),
+              flush=True)
     server.close()
     return 0
