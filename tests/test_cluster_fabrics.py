@@ -196,12 +196,14 @@ def test_probe_rounds_measure_every_directed_link_over_loopback():
 @needs_netns
 def test_star_qdiscs_carry_each_nodes_up_and_down_rate(sweep):
     """Each node's own end is shaped at what it sends (up), the bridge's end at what it receives (down);
-    the switch's port at the sums; a host's end never drops, a switch port queues 25 ms. Nothing is left
+    the switch's port at the sums; a host's end never drops and each connection queues at most 128 KiB
+    there (TCP's small-queue limit), a switch port queues 25 ms. Nothing is left
     after the teardown (docs/faults.md row 32)."""
     fabric = cl.parse_fabric(3, link_rates="200mbit,200mbit,50mbit", up_rates="200mbit,100mbit,50mbit")
     with cl.Cluster(3, fabric=fabric, switch_node=True) as cluster:
         for n, ns in enumerate(cluster.node_namespaces):
             assert _tbf_rate(ns, cluster.ifname(n), host=True) * 8 == fabric.up[n]
+            assert _in_ns(ns, "cat", "/proc/sys/net/ipv4/tcp_limit_output_bytes").strip() == str(128 << 10)
             assert _tbf_rate(cluster.fabric, f"cf{n}", host=False) * 8 == fabric.down[n]
         assert _tbf_rate(cluster.switch_namespace, "cnsw", host=True) * 8 == sum(fabric.down)
         assert _tbf_rate(cluster.fabric, "cfsw", host=False) * 8 == sum(fabric.up)
@@ -229,6 +231,7 @@ def test_mesh_links_routes_and_sysctls(sweep):
             assert f"inet {me}/32 " in addrs
             assert _in_ns(ns, "cat", "/proc/sys/net/ipv4/conf/all/rp_filter").strip() == "2"
             assert _in_ns(ns, "cat", "/proc/sys/net/ipv4/ip_forward").strip() == "0"
+            assert _in_ns(ns, "cat", "/proc/sys/net/ipv4/tcp_limit_output_bytes").strip() == str(128 << 10)
             for j in range(3):
                 if j != i:
                     dev = cluster.pair_ifname(i, j)

@@ -28,7 +28,8 @@ each end what its node sends to that peer), with a burst larger than a 64 KiB GS
 a smaller one tbf must segment every super-packet, or on older kernels drops it and the rate
 collapses); on a 6.18 kernel the probe then gets 95.5 % of the configured rate, i.e. the full rate
 less the Ethernet/IP/TCP headers; a switch port (the bridge's end) queues 25 ms of traffic and drops
-beyond it, a sending host's interface never drops (a NIC pushes back; ``_HOST_QUEUE``); (3) everything
+beyond it, a sending host's interface never drops (a NIC pushes back; ``_HOST_QUEUE``) and each
+connection may queue 128 KiB there (``_HOST_TSQ``); (3) everything
 is torn down whatever happens (what a SIGKILLed launcher left is found by its prefix: ``host.cleanup_leftovers``).
 
 Nothing here depends on netem: the kernels we run on lack it, so ``delay_ms`` detects its absence and
@@ -71,6 +72,12 @@ _PORT_QUEUE = "latency 25ms"
 #: connection whose last packet was dropped there waited for a timer: 10-40 % of the calls took twice as
 #: long (docs/results.md 32).
 _HOST_QUEUE = f"limit {64 << 20}"
+#: TCP's small-queue limit in every node (``net.ipv4.tcp_limit_output_bytes``, per namespace): the bytes a
+#: connection may have in its host's queue. Hosts set 1-4 MiB for NICs of 10-100 Gbit/s, well under a
+#: millisecond there; at this cluster's Mbit/s the same bytes are seconds, and a node's acknowledgements
+#: of what it receives wait behind them in its host queue: the 4x1 star's synthesized all-reduce of
+#: 16 MiB took 3372 ms under 4 MiB, 2980 under 128 KiB (two 64 KiB GSO packets; docs/results.md 32).
+_HOST_TSQ = 128 << 10
 
 
 # --------------------------------------------------------------------------------------------------
@@ -277,6 +284,9 @@ class Cluster:
         except ClusterError as e:
             raise ClusterError(f"{e}\nThe kernel needs the tbf qdisc (CONFIG_NET_SCH_TBF, "
                                f"module sch_tbf).") from None
+        if queue == _HOST_QUEUE:  # a host: its connections' share of that queue (_HOST_TSQ)
+            self._batch([self._ip], [f"netns exec {ns} sh -c 'echo {_HOST_TSQ} > "
+                                     f"/proc/sys/net/ipv4/tcp_limit_output_bytes'"])
         if self.delay_ms > 0:
             try:
                 self._batch([self._tc, "-n", ns],
