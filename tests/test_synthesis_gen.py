@@ -279,7 +279,8 @@ def test_model_only_auto_prices_the_executors_steps(rates, nodes):
     at the larger of its simulated time and its busiest rank's steps x ``EXECUTOR_STEP``: at 64 KiB on the
     4x1 star the 80-step schedule is priced by its steps and ``auto`` runs a ring (it ran 1.7x slower than
     flat there, docs/results.md 31); from 256 KiB up every star takes synth, from 1 MiB up the bytes alone
-    decide its price, as the measurements did. Oracles: the simulator, the schedule's own step count, the other algorithms' costs."""
+    decide its price, as the measurements did. Oracles: the simulator, the schedule's own step count, the
+    other algorithms' costs."""
     from commopt.comm import algorithms, cost
     from commopt.comm.algorithms.synth import EXECUTOR_STEP, rail_links, schedule_for
     from commopt.comm.links import CostModel

@@ -115,8 +115,8 @@ def exchange(agents: Sequence[subprocess.Popen], addresses: Sequence[str], secon
         pace: ``pace(i, j)``, the bytes/s at which node i's transfer to node j is paced (its link's
             configured rate), or None: unpaced. Where ports differ a sender faster than the receiver's
             port overfills it, and that port's queue then drops the acknowledgements of the receiver's
-            own transfer: on a 3x1 star at 200/200/50 Mbit/s unpaced, the slow node's up link read
-            15-30 of 50 Mbit/s in a third of the probes (docs/results.md 32).
+            own transfer: on a 3x1 star at 200/200/50 Mbit/s unpaced, a slow node's link read 15-33 of
+            50 Mbit/s in about half of the probes, paced 47.3-47.8 in all (docs/results.md 32).
 
     Returns:
         ``(f"n{j}->n{i}", bit/s)`` per round and per receiving node i, in that order.
