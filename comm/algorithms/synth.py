@@ -73,13 +73,14 @@ EXECUTOR_ALPHA = 150e-6
 
 #: Seconds of the executor's CPU per step of the busiest rank, which runs its steps one at a time: a
 #: schedule is priced no lower than its busiest rank's steps times this (plans are made without it).
-#: Measured in the emulated cluster (ranks sharing 2 cores): an all-reduce of 64 KiB on the 4x1 star with
-#: a slow node, 80 steps, ran in 29 ms (0.36 ms a step) where the links alone predict 14 ms and ``flat``
-#: runs in 17: priced without it, a model-only ``auto`` took synth there and lost 1.7x (docs/results.md 31,
-#: 32). A floor, not a term: it bites only where the steps outweigh the bytes (small buffers), so what
-#: ``auto`` chooses from 1 MiB up is unchanged; planning with it (a term, or per-rank CPU in the simulator)
-#: cost the 1-2 MiB buffers their gain (docs/results.md 31).
-EXECUTOR_STEP = 300e-6
+#: Measured in the emulated cluster (ranks sharing 2 cores), all-reduces on the 4x1 star with a slow node:
+#: 64 KiB, 80 steps, 25.8-29 ms (0.32-0.36 ms a step) where the links alone predict 14 ms and ``flat`` runs
+#: in 11-17: priced without it, a model-only ``auto`` took synth there and lost 1.7x; 256 KiB, 160 steps,
+#: 45.9 ms (0.29 ms a step, and synth 1.4x flat). A floor must stay below every measured time, hence 0.25 ms
+#: (docs/results.md 31, 32). A floor, not a term: it bites only where the steps outweigh the bytes (small
+#: buffers), so what ``auto`` chooses from 1 MiB up is unchanged; planning with it (a term, or per-rank CPU
+#: in the simulator) cost the 1-2 MiB buffers their gain (docs/results.md 31).
+EXECUTOR_STEP = 250e-6
 
 
 def rail_links(topology: Topology, local: int | None = None) -> LinkMap:
