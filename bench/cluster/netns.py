@@ -29,8 +29,8 @@ a smaller one tbf must segment every super-packet, or on older kernels drops it 
 collapses); on a 6.18 kernel the probe then gets 95.5 % of the configured rate, i.e. the full rate
 less the Ethernet/IP/TCP headers; a switch port (the bridge's end) queues 25 ms of traffic and drops
 beyond it, a sending host's interface never drops (a NIC pushes back; ``_HOST_QUEUE``) and each
-connection may queue 128 KiB there (``_HOST_TSQ``); (3) everything
-is torn down whatever happens (what a SIGKILLed launcher left is found by its prefix: ``host.cleanup_leftovers``).
+connection may queue 128 KiB there (``_HOST_TSQ``); (3) everything is torn down whatever happens
+(what a SIGKILLed launcher left is found by its prefix: ``host.cleanup_leftovers``).
 
 Nothing here depends on netem: the kernels we run on lack it, so ``delay_ms`` detects its absence and
 says so. Nothing here reads environment variables (docs/architecture.md section 6.3).
@@ -231,10 +231,10 @@ class Cluster:
                                                f"addr add {address}/24 dev {inner}",
                                                f"link set {inner} up", "link set lo up"])
         # Both ends: the node's side shapes what it sends, the fabric's side what it receives.
-        self._shape(self.fabric, [(outer, rx) for _, _, outer, _, _, rx in links if rx is not None], _PORT_QUEUE)
+        self._shape(self.fabric, [(outer, rx) for _, _, outer, _, _, rx in links if rx is not None], host=False)
         for ns, inner, _, _, tx, _ in links:
             if tx is not None:
-                self._shape(ns, [(inner, tx)], _HOST_QUEUE)
+                self._shape(ns, [(inner, tx)], host=True)
 
     def _up_mesh(self) -> None:
         """One veth pair per node pair, each end shaped at what its node sends to that peer; the
@@ -262,7 +262,7 @@ class Cluster:
                                  f"echo 0 > /proc/sys/net/ipv4/ip_forward'" for ns in self.node_namespaces])
         for i, ns in enumerate(self.node_namespaces):
             self._shape(ns, [(self.pair_ifname(i, j), self.links.rate(i, j)) for j in range(n) if j != i],
-                        _HOST_QUEUE)  # a direct link: the sender's interface is its only queue
+                        host=True)  # a direct link: the sender's interface is its only queue
 
     def _mesh_routes(self, node: int) -> list[str]:
         """``ip`` lines: node's route to each peer's identity address over their pair's link."""
@@ -270,21 +270,22 @@ class Cluster:
         return [f"route replace {self.node_address(j)}/32 dev {self.pair_ifname(node, j)} src {me}"
                 for j in range(self.nodes) if j != node]
 
-    def _shape(self, ns: str, devices: list[tuple[str, int]], queue: str) -> None:
-        """tbf at ``rate`` on each ``(device, rate)`` of ``ns`` with ``queue`` (:data:`_PORT_QUEUE` on a
-        switch port, :data:`_HOST_QUEUE` on a sending host's interface); netem below it with --delay."""
+    def _shape(self, ns: str, devices: list[tuple[str, int]], *, host: bool) -> None:
+        """tbf at ``rate`` on each ``(device, rate)`` of ``ns``: a sending host's interfaces (``host``) with
+        :data:`_HOST_QUEUE` and the host's TCP connections limited to :data:`_HOST_TSQ` of it, else a switch
+        port's :data:`_PORT_QUEUE`; netem below it with --delay."""
         # burst: more than one GSO super-packet, and ~4 ms of traffic at high rates so the bucket
         # never starves the sender between timer ticks. A switch port's queue is bounded (drops beyond
         # it are TCP's business, as on a real switch port); a host's is not (see _HOST_QUEUE).
         lines = [f"qdisc add dev {dev} root handle 1: tbf rate {rate}bit "
-                 f"burst {max(_MIN_BURST_BYTES, rate // 8 // 250)} {queue}"
+                 f"burst {max(_MIN_BURST_BYTES, rate // 8 // 250)} {_HOST_QUEUE if host else _PORT_QUEUE}"
                  for dev, rate in devices]
         try:
             self._batch([self._tc, "-n", ns], lines)
         except ClusterError as e:
             raise ClusterError(f"{e}\nThe kernel needs the tbf qdisc (CONFIG_NET_SCH_TBF, "
                                f"module sch_tbf).") from None
-        if queue == _HOST_QUEUE:  # a host: its connections' share of that queue (_HOST_TSQ)
+        if host:
             self._batch([self._ip], [f"netns exec {ns} sh -c 'echo {_HOST_TSQ} > "
                                      f"/proc/sys/net/ipv4/tcp_limit_output_bytes'"])
         if self.delay_ms > 0:

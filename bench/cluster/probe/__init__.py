@@ -198,7 +198,7 @@ def _receive(server: socket.socket, timeout: float, rx: dict[str, float]) -> Non
 
 
 def _round(server: socket.socket, host: str, port: int, seconds: float, timeout: float,
-           pace: int = 0) -> dict[str, float]:
+           pace: int) -> dict[str, float]:
     """One round: send to ``host:port`` for ``seconds`` (paced at ``pace`` bytes/s where positive)
     while taking one connection on ``server``."""
     rx: dict[str, float] = {}
@@ -236,8 +236,7 @@ def agent(argv: Sequence[str] | None = None) -> int:
     server.settimeout(timeout)
     print("port", server.getsockname()[1], flush=True)
     for line in sys.stdin:
-        host, port, *rate = line.split()
-        print(json.dumps(_round(server, host, int(port), args.seconds, timeout, int(rate[0]) if rate else 0)),
-              flush=True)
+        host, port, rate = line.split()
+        print(json.dumps(_round(server, host, int(port), args.seconds, timeout, int(rate))), flush=True)
     server.close()
     return 0
